@@ -1,0 +1,66 @@
+"""The ``sentinel`` command line: the daemon and the on-call engineer's tools.
+
+Each command lives in its own module under ``sentinel.cli`` and is imported only when it runs,
+so ``sentinel --help`` is instant and the torch-free commands never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from sentinel import __version__
+
+# command name -> (module, attribute, one-line help). Order is the order in --help.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("sentinel.cli.demo_cmd", "demo", "Run a live drill: a 2-rank training run, a spike, an automatic rollback."),
+    "run": ("sentinel.cli.run_cmd", "run", "The daemon: watch every step of a run and act on the rules."),
+    "status": ("sentinel.cli.status_cmd", "status", "One row per run: loss, PPL, grad norm, tokens/s, MFU, incidents."),
+    "incidents": ("sentinel.cli.incidents_cmd", "incidents", "Incident timelines with evidence, actions and outcomes."),
+    "approve": ("sentinel.cli.incidents_cmd", "approve", "Approve the pending action of an incident (require_approval mode)."),
+    "rollback": ("sentinel.cli.rollback_cmd", "rollback", "Roll a run back to a checkpoint and skip the data that hurt it."),
+    "skip-list": ("sentinel.cli.skiplist_cmd", "skip_list", "Show or edit a run's skip list of sample-id ranges."),
+    "checkpoints": ("sentinel.cli.checkpoints_cmd", "checkpoints", "List a run's checkpoints: step, age, size, verification."),
+    "replay-batch": ("sentinel.cli.replay_cmd", "replay_batch", "Replay the exact batch of one step offline and name the culprit samples."),
+    "verify-resume": ("sentinel.cli.verify_cmd", "verify_resume", "Prove that resuming from a checkpoint reproduces the run bitwise."),
+    "backtest": ("sentinel.cli.backtest_cmd", "backtest", "Run the rules offline over a recorded step log."),
+    "rules": ("sentinel.cli.rules_cmd", "rules", "Validate a rules file (`sentinel rules check FILE`)."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr, short = COMMANDS[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+
+            @click.command(name=name, help=short + " (not available in this build)")
+            def _missing():
+                raise click.ClickException(f"`sentinel {name}` is not available in this build")
+
+            return _missing
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, COMMANDS[name][2]) for name in COMMANDS]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="sentinel")
+def main():
+    """Keep long PyTorch LLM pretraining runs alive and honest.
+
+    The daemon (`sentinel run`) reads every training step from the Redis control bus, detects
+    spikes and hangs, skips bad batches, rolls back to a checkpoint from before the damage and skips
+    the data that caused it. The other commands are the on-call engineer's hands.
+    """

@@ -1,0 +1,79 @@
+"""Shared CLI plumbing: one-line errors, --json output, --redis-url, and RUN resolution."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+
+class SentinelError(click.ClickException):
+    """A user-facing error: printed as one line (``error: ...``), exit code 2 unless given."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None):
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def friendly_errors(fn):
+    """Turn expected failures (bad files, Redis down, schema errors) into one line, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from sentinel.protocol import SchemaError
+
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except SchemaError as e:
+            raise SentinelError(str(e)) from None
+        except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError) as e:
+            raise SentinelError(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e)) from None
+        except Exception as e:  # redis errors without importing redis at module import time
+            if type(e).__module__.startswith(("redis", "valkey")):
+                raise SentinelError(f"control bus unreachable or failed: {e.__class__.__name__}: {_redact(str(e))}") from None
+            raise
+
+    return wrapper
+
+
+def _redact(text: str) -> str:
+    """Never print secrets: drop anything that looks like a password in a URL."""
+    import re
+
+    return re.sub(r"(rediss?://)([^@/\s]*)@", r"\1***@", text)
+
+
+def json_option(fn):
+    return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")(fn)
+
+
+def redis_url_option(fn):
+    return click.option(
+        "--redis-url",
+        envvar="SENTINEL_REDIS_URL",
+        default=None,
+        metavar="URL",
+        help="Shared Redis (redis:// or rediss:// with AUTH). Default: the run's embedded bus. Env: SENTINEL_REDIS_URL.",
+    )(fn)
+
+
+def emit_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def looks_like_run_dir(run: str) -> bool:
+    p = Path(run)
+    return p.is_dir() or os.sep in run or run.startswith(".")
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,312 @@
+"""The contract between the trainer and the sentinel.
+
+Versioned schemas for everything that crosses the control bus or lands in a run directory,
+plus the Redis key names and directive signing. This module imports nothing of ours, and no
+torch, so both ``trainer/`` and ``sentinel/`` (and any third-party tool) can depend on it.
+
+Compatibility rule: ``SCHEMA_VERSION`` is bumped only for breaking changes. Readers ignore
+unknown fields (so a newer writer may add fields) and refuse records whose ``v`` is newer than
+theirs (``parse_*`` raise ``SchemaError``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+
+
+class SchemaError(ValueError):
+    """A record could not be parsed against this version of the protocol."""
+
+
+class _Record(BaseModel):
+    # ignore unknown fields (forward compatibility); NaN/inf survive JSON as NaN/Infinity
+    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="constants", frozen=False)
+    v: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+    @classmethod
+    def from_json(cls, data: str | bytes | dict[str, Any]):
+        try:
+            obj = data if isinstance(data, dict) else json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SchemaError(f"{cls.__name__}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        if not isinstance(obj, dict):
+            raise SchemaError(f"{cls.__name__}: expected a JSON object")
+        if int(obj.get("v", SCHEMA_VERSION)) > SCHEMA_VERSION:
+            raise SchemaError(
+                f"{cls.__name__}: schema v{obj['v']} is newer than this tool's v{SCHEMA_VERSION}; upgrade sentinel"
+            )
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+            raise SchemaError(f"{cls.__name__}.{loc}: {err['msg']}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Step stream
+# --------------------------------------------------------------------------------------------
+
+PHASES = ("data_wait", "forward_backward", "optimizer", "telemetry")
+
+
+class StepRecord(_Record):
+    """One optimizer step. Identical fields in ``RUN_DIR/steps.jsonl`` and on the bus.
+
+    ``loss`` is the global mean over ranks of the step's (accumulated) loss; ``grad_norm`` is the
+    pre-clip global L2 norm. ``skipped`` means the in-process guard (or a NaN) dropped the update;
+    ``skip_reason`` says why. ``sample_ids`` are the global ids of the samples in the global batch, in
+    the order they were assigned to (rank, micro-batch) slots.
+    """
+
+    kind: Literal["step"] = "step"
+    run: str
+    step: int
+    timeline: int = 0
+    loss: float
+    loss_max_rank: float
+    rank_losses: list[float] | None = None
+    grad_norm: float
+    lr: float
+    tokens: int  # cumulative tokens trained (global)
+    batch_tokens: int = 0
+    batch_fingerprint: str
+    sample_ids: list[int] = Field(default_factory=list)
+    skipped: bool = False
+    skip_reason: str | None = None
+    time: float
+    param_digest: str | None = None
+    # telemetry extras (optional for sentinels and backtests)
+    step_seconds: float | None = None
+    phases: dict[str, float] | None = None
+    rank_step_seconds: list[float] | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    val_loss: float | None = None
+    val_ppl: float | None = None
+    checkpoint_age_seconds: float | None = None
+    effective_token_ratio: float | None = None
+    world_size: int = 1
+
+
+class TimelineRecord(_Record):
+    """Written to steps.jsonl (and the step stream) when a run resumes or rolls back.
+
+    Every step record after it with ``step > from_step`` supersedes earlier records for the same
+    step number: the last record for a step is the authoritative one.
+    """
+
+    kind: Literal["resume", "rollback", "start"]
+    run: str
+    from_step: int  # the checkpoint step restored (0 for a fresh start)
+    checkpoint: str | None = None
+    timeline: int
+    time: float
+    reason: str | None = None
+    directive_id: str | None = None
+    skip_ranges: list[tuple[int, int]] = Field(default_factory=list)
+
+
+def parse_step_line(line: str | bytes) -> StepRecord | TimelineRecord:
+    """Parse one line of steps.jsonl (either a step or a timeline marker)."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SchemaError("steps.jsonl: a line is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise SchemaError("steps.jsonl: a line is not a JSON object")
+    if obj.get("kind", "step") == "step":
+        return StepRecord.from_json(obj)
+    return TimelineRecord.from_json(obj)
+
+
+def authoritative_steps(records) -> dict[int, StepRecord]:
+    """Reduce a steps.jsonl sequence to the authoritative record per step (last one wins)."""
+    out: dict[int, StepRecord] = {}
+    for r in records:
+        if isinstance(r, StepRecord):
+            out[r.step] = r
+        elif isinstance(r, TimelineRecord):
+            # a rollback/resume invalidates every record after the restored step
+            for s in [s for s in out if s > r.from_step]:
+                del out[s]
+    return dict(sorted(out.items()))
+
+
+# --------------------------------------------------------------------------------------------
+# Control: directives and acks
+# --------------------------------------------------------------------------------------------
+
+DirectiveKind = Literal["skip-samples", "rollback", "checkpoint-now", "pause", "resume", "stop"]
+
+
+class Directive(_Record):
+    """A signed command to a trainer. ``sig`` is HMAC-SHA256 over the canonical body."""
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    run: str
+    kind: DirectiveKind
+    # skip-samples / rollback: inclusive-exclusive sample-id ranges [lo, hi)
+    ranges: list[tuple[int, int]] = Field(default_factory=list)
+    # rollback target: a checkpoint step (the trainer picks that checkpoint exactly)
+    to_step: int | None = None
+    reason: str | None = None
+    incident_id: str | None = None
+    issuer: str = "sentinel"
+    issued_at: float = Field(default_factory=time.time)
+    expires_at: float | None = None
+    sig: str | None = None
+
+    def canonical(self) -> bytes:
+        body = self.model_dump(exclude={"sig"}, mode="json")
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    def signed(self, secret: bytes) -> "Directive":
+        return self.model_copy(update={"sig": hmac.new(secret, self.canonical(), hashlib.sha256).hexdigest()})
+
+    def verify(self, secret: bytes, now: float | None = None) -> str | None:
+        """Return None when authentic and current, else a short reason for rejection."""
+        if not self.sig:
+            return "unsigned"
+        want = hmac.new(secret, self.canonical(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want, self.sig):
+            return "bad signature"
+        if self.expires_at is not None and (now if now is not None else time.time()) > self.expires_at:
+            return "expired"
+        return None
+
+
+class Ack(_Record):
+    run: str
+    directive_id: str
+    kind: DirectiveKind | Literal["unknown"]
+    status: Literal["applied", "rejected", "failed", "duplicate"]
+    step: int  # the step boundary at which it was handled (after a rollback: the restored step)
+    timeline: int = 0
+    detail: str | None = None
+    time: float = Field(default_factory=time.time)
+
+
+# --------------------------------------------------------------------------------------------
+# Events, incidents, checkpoints
+# --------------------------------------------------------------------------------------------
+
+Severity = Literal["info", "warning", "critical"]
+
+
+class Event(_Record):
+    """Anything that happened that an operator may want on a timeline (Grafana annotations)."""
+
+    run: str
+    kind: str  # e.g. rule_fired, incident_opened, action, escalated, directive_rejected, resume
+    severity: Severity = "info"
+    step: int | None = None
+    message: str
+    incident_id: str | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+    time: float = Field(default_factory=time.time)
+
+
+IncidentState = Literal["suspect", "incident", "rollback", "verifying", "healthy", "escalated", "awaiting_approval"]
+
+
+class Incident(_Record):
+    id: str
+    run: str
+    state: IncidentState
+    rule: str
+    onset_step: int
+    detect_step: int
+    opened_at: float = Field(default_factory=time.time)
+    closed_at: float | None = None
+    evidence: list[dict[str, Any]] = Field(default_factory=list)
+    actions: list[dict[str, Any]] = Field(default_factory=list)
+    rollback_to: int | None = None
+    skip_ranges: list[tuple[int, int]] = Field(default_factory=list)
+
+
+CheckpointVerification = Literal["unverified", "checksum_ok", "resume_verified", "failed"]
+
+
+class CheckpointInfo(_Record):
+    run: str
+    step: int
+    path: str
+    created: float
+    bytes: int
+    manifest_sha256: str
+    world_size: int
+    timeline: int = 0
+    tokens: int = 0
+    verified: CheckpointVerification = "checksum_ok"
+
+
+# --------------------------------------------------------------------------------------------
+# Key names (Redis). Everything for a run lives under one prefix so ACLs can scope it.
+# --------------------------------------------------------------------------------------------
+
+
+class Keys:
+    """Redis key names for one run. ``Keys(run).steps`` etc.; ``Keys.RUNS`` is the run registry."""
+
+    PREFIX = f"sentinel:v{SCHEMA_VERSION}"
+    RUNS = f"{PREFIX}:runs"  # set of run ids
+
+    def __init__(self, run: str):
+        if not run or any(c in run for c in " :{}\n"):
+            raise ValueError(f"invalid run id {run!r}: use letters, digits, '-', '_' or '.'")
+        self.run = run
+        p = f"{self.PREFIX}:run:{run}"
+        self.steps = f"{p}:steps"  # stream of StepRecord / TimelineRecord
+        self.directives = f"{p}:directives"  # stream of Directive
+        self.acks = f"{p}:acks"  # stream of Ack
+        self.events = f"{p}:events"  # stream of Event
+        self.skiplist = f"{p}:skiplist"  # string: JSON list of [lo, hi) ranges
+        self.checkpoints = f"{p}:checkpoints"  # hash step -> CheckpointInfo JSON
+        self.incidents = f"{p}:incidents"  # hash id -> Incident JSON
+        self.applied = f"{p}:applied"  # hash action idempotency key -> directive id
+        self.heartbeat = f"{p}:heartbeat"  # string with TTL: last step + time
+        self.leader = f"{p}:leader"  # lease: holder id, with TTL
+        self.info = f"{p}:info"  # hash: run metadata (run dir, world size, model, ...)
+
+
+STEP_CONSUMER_GROUP = "sentinel"
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers shared by both sides
+# --------------------------------------------------------------------------------------------
+
+
+def merge_ranges(ranges) -> list[tuple[int, int]]:
+    """Normalise [lo, hi) ranges: drop empties, sort, merge overlapping/adjacent ones."""
+    rs = sorted((int(lo), int(hi)) for lo, hi in ranges if int(hi) > int(lo))
+    out: list[tuple[int, int]] = []
+    for lo, hi in rs:
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def ids_to_ranges(ids) -> list[tuple[int, int]]:
+    """Compress sample ids into merged [lo, hi) ranges."""
+    return merge_ranges((i, i + 1) for i in ids)
+
+
+def is_finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
