@@ -1,0 +1,314 @@
+"""Atomic, verified, full-state checkpoints.
+
+Layout: ``RUN_DIR/checkpoints/step-NNNNNNNN/`` holding ``model.pt``, ``optim.pt`` (or ``dcp/`` for
+FSDP2), ``train_state.json``, ``rng-rank{r}.pt`` for every rank, and ``manifest.json`` — written
+**last**, with a sha256 per file. A checkpoint is valid iff its manifest exists and every checksum
+matches, so a crash (or SIGKILL) at any moment leaves either the old set of valid checkpoints or the
+old set plus one new complete one.
+
+Write protocol: every rank writes its files into ``.tmp-step-N`` and fsyncs them; rank 0 then
+checksums everything, writes the manifest, fsyncs, and renames the directory into place. Loading
+verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+class CheckpointError(Exception):
+    """One-line problem with a checkpoint (corrupt, missing, incompatible)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_torch(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: Path, obj: Any) -> None:
+    _write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+@dataclass
+class ValidCheckpoint:
+    step: int
+    path: Path
+    manifest: dict
+
+    @property
+    def bytes(self) -> int:
+        return int(self.manifest.get("bytes", 0))
+
+
+def verify(path: Path) -> dict:
+    """Check a checkpoint directory against its manifest; return the manifest or raise CheckpointError."""
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{path.name}: incomplete (no manifest)")
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{path.name}: manifest is unreadable") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path.name}: unsupported checkpoint format {manifest.get('format')!r}")
+    for name, digest in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path.name}: {name} is missing")
+        if sha256_file(f) != digest:
+            raise CheckpointError(f"{path.name}: {name} fails its sha256 check (corrupt or truncated)")
+    return manifest
+
+
+def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """All step directories (valid or not), newest first."""
+    if not ckpt_root.is_dir():
+        return []
+    out = []
+    for p in ckpt_root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+def load_torch(path: Path) -> Any:
+    """Only after ``verify``: tensors and plain containers, never arbitrary pickle."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class Checkpointer:
+    """Saves and finds checkpoints for one rank. Collective calls go through ``barrier``/``all_ok``
+    (supplied by the trainer) so this module stays testable without a process group."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_every: int,
+        barrier: Callable[[], None],
+        all_ok: Callable[[bool], bool],
+        log: Callable[[str], None] = print,
+    ):
+        self.root = Path(run_dir) / "checkpoints"
+        self.rank, self.world_size = rank, world_size
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.barrier, self.all_ok, self.log = barrier, all_ok, log
+        self._async: threading.Thread | None = None
+        self._async_error: BaseException | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ discovery
+    def clean_partial(self) -> None:
+        """Remove leftovers of writes that died midway (rank 0, at start)."""
+        if self.rank == 0:
+            for p in self.root.glob(".tmp-step-*"):
+                shutil.rmtree(p, ignore_errors=True)
+            for p in self.root.glob(".trash-*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def newest_valid(self, at_or_before: int | None = None) -> ValidCheckpoint | None:
+        """Newest checkpoint that verifies; corrupt ones are reported in one line and passed over."""
+        for step, path in list_checkpoints(self.root):
+            if at_or_before is not None and step > at_or_before:
+                continue
+            try:
+                return ValidCheckpoint(step, path, verify(path))
+            except CheckpointError as e:
+                if self.rank == 0:
+                    self.log(f"warning: checkpoint {e}; falling back to the previous one")
+        return None
+
+    def exact(self, step: int) -> ValidCheckpoint:
+        path = self.root / step_dir_name(step)
+        if not path.is_dir():
+            raise CheckpointError(f"no checkpoint at step {step} in {self.root}")
+        return ValidCheckpoint(step, path, verify(path))
+
+    # ------------------------------------------------------------------ saving
+    def wait(self) -> None:
+        """Block until a pending async save has finished (before the next save, a load, or exit)."""
+        if self._async is not None:
+            self._async.join()
+            self._async = None
+        if self._async_error is not None:
+            err, self._async_error = self._async_error, None
+            self.log(f"warning: async checkpoint failed: {err}")
+
+    def save(
+        self,
+        step: int,
+        *,
+        shared: dict[str, Any],
+        per_rank: dict[str, Any],
+        meta: dict[str, Any],
+        dcp_writer: Callable[[Path], None] | None = None,
+        async_save: bool = False,
+        on_done: Callable[[bool, float, int, Path | None], None] | None = None,
+    ) -> None:
+        """Write a checkpoint for ``step``.
+
+        ``shared``: rank-0 files (name -> object; ``.json`` names are JSON, others torch.save);
+        ``per_rank``: this rank's files; ``dcp_writer(dir)``: collective FSDP2 writer (sync only).
+        With ``async_save`` the caller must have snapshotted tensors to CPU already; the write, the
+        manifest and the rename happen on a background thread and the step continues.
+        """
+        self.wait()
+        t0 = time.time()
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier()
+
+        if async_save and dcp_writer is None:
+            def job():
+                try:
+                    ok = self._write_files(tmp, shared, per_rank)
+                    (tmp / f".done-rank{self.rank}").write_text("ok" if ok else "fail")
+                    if self.rank == 0:
+                        info = self._finalize_when_ranks_done(tmp, step, meta)
+                        if on_done:
+                            on_done(info is not None, time.time() - t0, info[1] if info else 0, info[0] if info else None)
+                except BaseException as e:  # surfaced by wait()
+                    self._async_error = e
+                    if self.rank == 0 and on_done:
+                        on_done(False, time.time() - t0, 0, None)
+
+            self._async = threading.Thread(target=job, name=f"ckpt-{step}", daemon=True)
+            self._async.start()
+            return
+
+        ok = self._write_files(tmp, shared, per_rank)
+        if ok and dcp_writer is not None:
+            try:
+                dcp_writer(tmp / "dcp")
+            except OSError as e:
+                self.log(f"error: checkpoint step {step}: {e.strerror or e}")
+                ok = False
+        ok = self.all_ok(ok)
+        result = None
+        if self.rank == 0:
+            if ok:
+                try:
+                    result = self._finalize(tmp, step, meta)
+                except OSError as e:
+                    self.log(f"error: checkpoint step {step} could not be finalized: {e.strerror or e}")
+            if result is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if on_done:
+                on_done(result is not None, time.time() - t0, result[1] if result else 0, result[0] if result else None)
+        self.barrier()
+
+    def _write_files(self, tmp: Path, shared: dict, per_rank: dict) -> bool:
+        files = dict(per_rank)
+        if self.rank == 0:
+            files.update(shared)
+        try:
+            for name, obj in files.items():
+                (write_json if name.endswith(".json") else write_torch)(tmp / name, obj)
+            return True
+        except OSError as e:  # disk full, quota, EFBIG: the previous checkpoints are untouched
+            self.log(f"error: checkpoint write failed on rank {self.rank}: {e.strerror or e}")
+            return False
+
+    def _finalize_when_ranks_done(self, tmp: Path, step: int, meta: dict, timeout: float = 600.0):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            marks = [tmp / f".done-rank{r}" for r in range(self.world_size)]
+            if all(m.exists() for m in marks):
+                if all(m.read_text() == "ok" for m in marks):
+                    for m in marks:
+                        m.unlink()
+                    return self._finalize(tmp, step, meta)
+                break
+            time.sleep(0.05)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+
+    def _finalize(self, tmp: Path, step: int, meta: dict) -> tuple[Path, int]:
+        files = {}
+        total = 0
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = f.relative_to(tmp).as_posix()
+            files[rel] = sha256_file(f)
+            total += f.stat().st_size
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": files, "bytes": total,
+                    "world_size": self.world_size, "created": time.time(), **meta}
+        write_json(tmp / MANIFEST, manifest)  # last: the checkpoint becomes valid here
+        for d in [tmp, *[p for p in tmp.rglob("*") if p.is_dir()]]:
+            _fsync_dir(d)
+        final = self.root / step_dir_name(step)
+        if final.exists():  # re-saving a step after a rollback: swap, never delete first
+            trash = self.root / f".trash-{final.name}-{int(time.time() * 1e6)}"
+            final.rename(trash)
+            tmp.rename(final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(self.root)
+        self._retain()
+        return final, total
+
+    def _retain(self) -> None:
+        """Keep the newest ``keep_last`` valid checkpoints plus every ``keep_every``-th step forever."""
+        kept = 0
+        for step, path in list_checkpoints(self.root):
+            if not (path / MANIFEST).is_file():
+                continue
+            kept += 1
+            if kept <= self.keep_last or (self.keep_every and step % self.keep_every == 0):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def manifest_digest(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()

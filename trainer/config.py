@@ -1,0 +1,239 @@
+"""Validated training configuration: presets < YAML file < command-line flags.
+
+The resolved config is written to ``RUN_DIR/config.yaml``. Restarting with the same run dir and
+no ``--config``/``--preset`` reuses it, so ``python -m trainer --run-dir X`` is a plain resume.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """One-line configuration error (the CLI prints it without a traceback)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(2, ge=1)
+    d_model: int = Field(64, ge=8)
+    seq_len: int = Field(64, ge=4)
+    vocab_size: int | None = Field(None, ge=2, description="None: taken from the dataset")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = False
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor, as a fraction of lr")
+    warmup_steps: int = Field(10, ge=0)
+    decay_steps: int | None = Field(None, ge=1, description="None: max_steps")
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="global-norm clip; 0 disables")
+
+
+class DataConfig(_Strict):
+    dir: str | None = Field(None, description="prepared dataset dir; None: the default Shakespeare corpus")
+    micro_batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    skip: list[tuple[int, int]] = Field(default_factory=list, description="initial skip list [lo, hi)")
+
+
+class EvalConfig(_Strict):
+    every: int = Field(50, ge=0, description="validate every N steps; 0 disables")
+    batches: int = Field(4, ge=1)
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(50, ge=0, description="save every K steps; 0 disables periodic saves")
+    keep_last: int = Field(3, ge=1)
+    keep_every: int = Field(0, ge=0, description="also keep every K-th step forever; 0 disables")
+    async_save: bool = False
+
+
+class GuardConfig(_Strict):
+    enabled: bool = True
+    window: int = Field(64, ge=8)
+    min_history: int = Field(16, ge=2)
+    loss_z: float = Field(8.0, gt=0, description="robust z (median/MAD) above which the update is skipped")
+    grad_z: float = Field(12.0, gt=0)
+
+
+class TelemetryConfig(_Strict):
+    enabled: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(0, ge=0, le=65535, description="base port (+ local rank); 0 picks free ports")
+    redis_url: str | None = Field(None, description="control bus; 'embedded' starts one in the run dir; None: off")
+    param_digest_every: int = Field(1, ge=0)
+    log_every: int = Field(10, ge=1)
+    peak_flops: float | None = Field(None, gt=0, description="override the device peak FLOP/s for MFU")
+
+
+FAULT_RE = re.compile(r"^(garbage|lr|nan)@(\d+)(?:-(\d+))?(?::([0-9.eE+-]+))?$")
+
+
+class Fault(_Strict):
+    """A drill keyed to data positions: skipping those samples removes the fault, like real bad data."""
+
+    kind: Literal["garbage", "lr", "nan"]
+    lo: int = Field(ge=0)
+    hi: int = Field(description="exclusive")
+    factor: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        m = FAULT_RE.match(text.strip())
+        if not m:
+            raise ConfigError(f"--inject-fault {text!r}: expected KIND@LO[-HI][:FACTOR], KIND one of garbage, lr, nan")
+        kind, lo, hi, factor = m.groups()
+        lo_i = int(lo)
+        hi_i = int(hi) + 1 if hi else lo_i + 1  # the CLI range is inclusive
+        f = float(factor) if factor else (30.0 if kind == "lr" else 1.0)
+        return cls(kind=kind, lo=lo_i, hi=hi_i, factor=f)
+
+    def hits(self, ids) -> bool:
+        return any(self.lo <= i < self.hi for i in ids)
+
+
+class TrainConfig(_Strict):
+    run_id: str | None = Field(None, description="defaults to the run dir's name")
+    preset: str | None = None
+    seed: int = 1337
+    max_steps: int = Field(100, ge=1)
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    deterministic: bool = True
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    guard: GuardConfig = GuardConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    faults: list[Fault] = Field(default_factory=list)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_ok(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", v):
+            raise ValueError("run_id: use letters, digits, '-', '_' or '.'")
+        return v
+
+
+PRESETS: dict[str, dict] = {
+    # CPU smoke: a dozen steps in a few seconds
+    "tiny": {
+        "model": {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 64},
+        "data": {"micro_batch_size": 4},
+        "optim": {"lr": 3e-3, "warmup_steps": 10},
+        "eval": {"every": 50, "batches": 2},
+    },
+    # a few M params: CPU minutes
+    "small": {
+        "model": {"n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 128},
+        "data": {"micro_batch_size": 8},
+        "optim": {"lr": 1e-3, "warmup_steps": 50},
+        "eval": {"every": 100, "batches": 4},
+    },
+    # GPT-2 small, for GPUs
+    "gpt2-124m": {
+        "model": {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50304},
+        "data": {"micro_batch_size": 16, "grad_accum": 4},
+        "optim": {"lr": 6e-4, "warmup_steps": 700, "min_lr_ratio": 0.1, "weight_decay": 0.1},
+        "eval": {"every": 500, "batches": 20},
+        "checkpoint": {"every": 1000, "keep_last": 3, "keep_every": 10000, "async_save": True},
+    },
+}
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_path(d: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+    d[keys[-1]] = value
+
+
+def _format_validation(e: ValidationError, source: str) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    return f"{source}: {loc}: {msg}"
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{p}: invalid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    return data
+
+
+def resolve(
+    *,
+    preset: str | None = None,
+    config_file: str | None = None,
+    saved: dict | None = None,
+    overrides: dict | None = None,
+) -> TrainConfig:
+    """Build the config: saved run config (resume) or preset, then the YAML file, then flag overrides."""
+    layers: list[tuple[str, dict]] = []
+    if saved is not None and preset is None and config_file is None:
+        layers.append(("saved config.yaml", saved))
+    else:
+        name = preset or (saved or {}).get("preset") or "tiny"
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        layers.append((f"preset {name}", {**PRESETS[name], "preset": name}))
+        if config_file:
+            layers.append((str(config_file), load_yaml(config_file)))
+    merged: dict = {}
+    for source, layer in layers:
+        merged = _deep_merge(merged, layer)
+        try:  # validate each layer as it lands, so the error names the file that caused it
+            TrainConfig.model_validate(merged)
+        except ValidationError as e:
+            raise ConfigError(_format_validation(e, source)) from None
+    for dotted, value in (overrides or {}).items():
+        _set_path(merged, dotted, value)
+    try:
+        return TrainConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, "flags")) from None
+
+
+def dump(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

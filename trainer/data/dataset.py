@@ -1,0 +1,225 @@
+"""Reading a prepared dataset: ``meta.json`` plus memory-mapped token shards.
+
+On-disk format (written by ``prepare.py``, version ``FORMAT_VERSION``)::
+
+    DIR/meta.json            format version, tokenizer, shards, token counts, fingerprint
+    DIR/train-00000.bin ...  flat little-endian uint16/uint32 token ids, no header (nanoGPT layout)
+    DIR/val-00000.bin ...    held-out split: never sampled for training
+    DIR/tokenizer.json       (bpe only) the HF tokenizers file
+
+A *sample* is a window of ``seq_len + 1`` tokens over the concatenated train shards, taken with
+stride ``seq_len`` (so consecutive samples share one token: the last target of one is the first
+input of the next). Sample id ``i`` starts at token ``i * seq_len``. Ids are therefore stable and
+global: they depend only on the data and ``seq_len``, never on rank, world size or shuffling,
+which is what lets the sentinel name bad data by id and the skip list outlive a restart.
+Windows may cross shard boundaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .tokenizer import Tokenizer, tokenizer_from_info
+
+META_NAME = "meta.json"
+FORMAT_NAME = "sentinel-token-shards"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+class DataError(Exception):
+    """A dataset problem a user can fix; the message is one line and says how when it can."""
+
+
+def compute_fingerprint(shards: Sequence[dict], tokenizer: dict) -> str:
+    """sha256 over the sorted ``split:name:sha256`` of every shard plus the tokenizer identity.
+
+    Split and name are included with each content hash so that swapping train and val, or
+    reordering shards (which renumbers every sample id), also changes the fingerprint.
+    """
+    h = hashlib.sha256()
+    for line in sorted(f"{s['split']}:{s['name']}:{s['sha256']}" for s in shards):
+        h.update(line.encode() + b"\n")
+    h.update(json.dumps(tokenizer, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_meta(data_dir: Path | str) -> dict:
+    """Load and sanity-check ``meta.json``; DataError with a fix-it hint when absent or unusable."""
+    data_dir = Path(data_dir)
+    path = data_dir / META_NAME
+    if not path.is_file():
+        hint = f"run `python -m trainer.data prepare --out {data_dir}`"
+        raise DataError(f"data dir {data_dir} has no {META_NAME} ({hint})")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is unreadable: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise DataError(f"{path} is not a {FORMAT_NAME} meta file")
+    if int(meta.get("version", 0)) > FORMAT_VERSION:
+        raise DataError(f"{path} has format v{meta['version']}, newer than this tool's v{FORMAT_VERSION}; upgrade sentinel")
+    try:
+        want = compute_fingerprint(meta["shards"], meta["tokenizer"])
+    except (KeyError, TypeError):
+        raise DataError(f"{path} is missing shard or tokenizer entries") from None
+    if want != meta.get("dataset_fingerprint"):
+        raise DataError(f"{path} is inconsistent: its dataset_fingerprint does not match its shards")
+    return meta
+
+
+def load_tokenizer(data_dir: Path | str) -> Tokenizer:
+    """The tokenizer a prepared dataset was encoded with (``encode``/``decode``)."""
+    meta = read_meta(data_dir)
+    try:
+        return tokenizer_from_info(meta["tokenizer"], Path(data_dir))
+    except Exception as e:  # tokenizers raises its own exception types for a corrupt file
+        raise DataError(f"cannot load the tokenizer of {data_dir}: {e}") from None
+
+
+class _TokenStream:
+    """The shards of one split, read as one concatenated token array."""
+
+    def __init__(self, names: list[str], arrays: list[np.ndarray]) -> None:
+        self.names = names
+        self.arrays = arrays
+        self.starts = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
+        self.total = int(self.starts[-1])
+
+    def _shard_of(self, pos: int) -> int:
+        return int(np.searchsorted(self.starts, pos, side="right")) - 1
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as int64, stitched across shard boundaries."""
+        out = np.empty(length, dtype=np.int64)
+        filled, k = 0, self._shard_of(start)
+        while filled < length:
+            lo = start + filled - int(self.starts[k])
+            piece = self.arrays[k][lo : lo + length - filled]
+            out[filled : filled + len(piece)] = piece
+            filled += len(piece)
+            k += 1
+        return out
+
+    def locate(self, pos: int) -> tuple[str, int]:
+        k = self._shard_of(pos)
+        return self.names[k], pos - int(self.starts[k])
+
+
+class TokenDataset:
+    """A prepared dataset: sample windows from train, fixed evaluation windows from val."""
+
+    def __init__(self, data_dir: Path, meta: dict, streams: dict[str, _TokenStream]) -> None:
+        self.data_dir = data_dir
+        self.meta = meta
+        self.fingerprint: str = meta["dataset_fingerprint"]
+        self.vocab_size: int = int(meta["tokenizer"]["vocab_size"])
+        self.dtype = np.dtype(meta["tokenizer"]["dtype"]).newbyteorder("<")
+        self._streams = streams
+        self._tokenizer: Tokenizer | None = None
+
+    @classmethod
+    def open(cls, data_dir: Path | str, verify: bool = False) -> "TokenDataset":
+        """Memory-map every shard. ``verify=True`` also re-hashes each shard against meta.json
+        (reads the whole dataset once: worth it before a long run, too slow for every start)."""
+        data_dir = Path(data_dir)
+        meta = read_meta(data_dir)
+        dtype = np.dtype(meta["tokenizer"]["dtype"]).newbyteorder("<")
+        names: dict[str, list[str]] = {s: [] for s in SPLITS}
+        arrays: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        for shard in meta["shards"]:
+            path = data_dir / shard["name"]
+            if not path.is_file():
+                raise DataError(f"shard {path} is missing")
+            size = path.stat().st_size
+            if size == 0 or size != shard["tokens"] * dtype.itemsize:
+                want = shard["tokens"] * dtype.itemsize
+                raise DataError(f"shard {path} has {size} bytes, expected {want} (truncated or replaced?)")
+            if verify and sha256_file(path) != shard["sha256"]:
+                raise DataError(f"shard {path} is corrupt: sha256 differs from {META_NAME}")
+            names[shard["split"]].append(shard["name"])
+            arrays[shard["split"]].append(np.memmap(path, dtype=dtype, mode="r"))
+        streams = {s: _TokenStream(names[s], arrays[s]) for s in SPLITS}
+        return cls(data_dir, meta, streams)
+
+    # ---- train samples -----------------------------------------------------------------------
+
+    def num_samples(self, seq_len: int) -> int:
+        """Number of train windows of ``seq_len + 1`` tokens at stride ``seq_len``."""
+        _check_seq_len(seq_len)
+        return max(0, (self._streams["train"].total - 1) // seq_len)
+
+    def _check_id(self, sample_id: int, seq_len: int) -> int:
+        n = self.num_samples(seq_len)
+        if not 0 <= int(sample_id) < n:
+            raise DataError(f"sample id {sample_id} out of range: this dataset has {n} samples at seq_len {seq_len}")
+        return int(sample_id)
+
+    def get(self, sample_id: int, seq_len: int) -> np.ndarray:
+        """Tokens of one sample: int64, shape ``(seq_len + 1,)``; inputs ``[:-1]``, targets ``[1:]``."""
+        i = self._check_id(sample_id, seq_len)
+        return self._streams["train"].read(i * seq_len, seq_len + 1)
+
+    def get_many(self, ids: Sequence[int], seq_len: int) -> np.ndarray:
+        """Samples stacked in the order given: int64, shape ``(len(ids), seq_len + 1)``."""
+        out = np.empty((len(ids), seq_len + 1), dtype=np.int64)
+        for row, sample_id in enumerate(ids):
+            out[row] = self.get(sample_id, seq_len)
+        return out
+
+    def locate(self, sample_id: int, seq_len: int) -> tuple[str, int]:
+        """``(shard file name, token offset in that shard)`` where a sample starts."""
+        i = self._check_id(sample_id, seq_len)
+        return self._streams["train"].locate(i * seq_len)
+
+    # ---- validation --------------------------------------------------------------------------
+
+    def val_batches(self, seq_len: int, batch_size: int, max_batches: int) -> list[np.ndarray]:
+        """Fixed ``(B, seq_len + 1)`` int64 windows from the val split only.
+
+        The windows are spread evenly over the whole val split (not just its head), and depend
+        only on the data and the arguments, so every evaluation of every run sees the same tokens
+        and val losses are comparable across restarts. The last batch may be smaller when val
+        holds fewer than ``batch_size * max_batches`` windows.
+        """
+        _check_seq_len(seq_len)
+        if batch_size < 1 or max_batches < 1:
+            raise DataError(f"batch_size and max_batches must be >= 1 (got {batch_size}, {max_batches})")
+        val = self._streams["val"]
+        available = max(0, (val.total - 1) // seq_len)
+        if available == 0:
+            raise DataError(f"val split of {self.data_dir} has {val.total} tokens, fewer than one window of {seq_len + 1}")
+        k = min(available, batch_size * max_batches)
+        starts = (np.arange(k, dtype=np.int64) * available // k) * seq_len
+        windows = np.stack([val.read(int(s), seq_len + 1) for s in starts])
+        return [windows[i : i + batch_size] for i in range(0, k, batch_size)]
+
+    # ---- text --------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.data_dir)
+        return self._tokenizer
+
+    def decode(self, tokens: Sequence[int] | np.ndarray) -> str:
+        """Text of token ids (invalid UTF-8 is replaced, never raised)."""
+        return self.tokenizer.decode([int(t) for t in np.asarray(tokens).reshape(-1)])
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if int(seq_len) < 1:
+        raise DataError(f"seq_len must be >= 1 (got {seq_len})")

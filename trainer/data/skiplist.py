@@ -1,0 +1,104 @@
+"""The skip list: sample-id ranges the trainer must never train on again.
+
+The sentinel adds ranges when it blames a loss spike on data; the trainer consults the list for
+every id the sampler draws. Ranges are ``[lo, hi)`` and kept merged, so lookups are a bisect and
+the file stays small however many directives arrive. The list only grows.
+File format (``RUN_DIR/skiplist.json``): a JSON list ``[[lo, hi], ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from bisect import bisect_right
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from sentinel.protocol import merge_ranges
+
+from .dataset import DataError
+
+
+class SkipList:
+    def __init__(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
+        self._set(merge_ranges(_checked(ranges)))
+
+    def _set(self, ranges: list[tuple[int, int]]) -> None:
+        self._ranges = ranges
+        self._los = [lo for lo, _ in ranges]
+        self._his = [hi for _, hi in ranges]
+        self._size = sum(hi - lo for lo, hi in ranges)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(self._ranges)
+
+    def __len__(self) -> int:
+        """Number of sample ids covered."""
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"SkipList({self._ranges!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SkipList) and self._ranges == other._ranges
+
+    def add(self, ranges: Iterable[tuple[int, int]]) -> bool:
+        """Merge more ranges in; True if any new id became covered."""
+        before = self._size
+        self._set(merge_ranges(self._ranges + _checked(ranges)))
+        return self._size > before
+
+    def contains(self, sample_id: int) -> bool:
+        j = bisect_right(self._los, sample_id) - 1
+        return j >= 0 and sample_id < self._his[j]
+
+    def contains_many(self, ids: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`contains`: a bool mask over ``ids``."""
+        ids = np.asarray(ids)
+        if not self._ranges:
+            return np.zeros(ids.shape, dtype=bool)
+        j = np.searchsorted(np.asarray(self._los, dtype=np.int64), ids, side="right") - 1
+        his = np.asarray(self._his, dtype=np.int64)
+        return (j >= 0) & (ids < his[np.maximum(j, 0)])
+
+    def save(self, path: Path | str) -> None:
+        """Write atomically (tmp + fsync + rename): a crash leaves the old or the new list, never half."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump([[lo, hi] for lo, hi in self._ranges], f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    @classmethod
+    def load(cls, path: Path | str) -> "SkipList":
+        """Read a saved list; a missing file is an empty list (nothing skipped yet)."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as e:
+            raise DataError(f"skip list {path} is unreadable: {e}") from None
+        try:
+            return cls((lo, hi) for lo, hi in raw)
+        except (TypeError, ValueError) as e:
+            raise DataError(f"skip list {path} is malformed: expected [[lo, hi], ...] ({e})") from None
+
+
+def _checked(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for lo, hi in ranges:
+        if int(lo) != lo or int(hi) != hi or int(lo) < 0:
+            raise ValueError(f"bad skip range [{lo}, {hi}): bounds must be integers >= 0")
+        out.append((int(lo), int(hi)))
+    return out

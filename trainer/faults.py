@@ -1,0 +1,40 @@
+"""Fault drills keyed to sample ids (``--inject-fault KIND@LO-HI[:FACTOR]``).
+
+Each drill reproduces a real failure mode, and because it is keyed to data positions, skipping the
+samples removes it exactly as skipping real bad data would:
+- ``garbage``: the samples' tokens are replaced by uniform noise (seeded by the sample id);
+- ``lr``: the learning rate is multiplied by FACTOR on steps that train those samples;
+- ``nan``: the loss of a micro-batch holding those samples becomes NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trainer.config import Fault
+
+
+def corrupt_tokens(faults: list[Fault], ids: list[int], tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Return ``tokens`` (B, T+1) with garbage-drilled rows replaced; the input is not modified."""
+    out = tokens
+    for f in faults:
+        if f.kind != "garbage":
+            continue
+        for row, sid in enumerate(ids):
+            if f.lo <= sid < f.hi:
+                if out is tokens:
+                    out = tokens.copy()
+                out[row] = np.random.default_rng(sid).integers(0, vocab_size, size=tokens.shape[1])
+    return out
+
+
+def lr_multiplier(faults: list[Fault], ids: list[int]) -> float:
+    m = 1.0
+    for f in faults:
+        if f.kind == "lr" and f.hits(ids):
+            m *= f.factor
+    return m
+
+
+def poisons_loss(faults: list[Fault], ids: list[int]) -> bool:
+    return any(f.kind == "nan" and f.hits(ids) for f in faults)

@@ -1,0 +1,1 @@
+"""Trainer telemetry: metrics, MFU, Prometheus targets and the step stream."""

@@ -1,0 +1,424 @@
+"""The trainer's Prometheus metrics: one registry and one ``/metrics`` endpoint per rank.
+
+Why this shape:
+
+* **No duplicate series.** Quantities that are the same on every rank (loss, lr, step, tokens,
+  checkpoints, skips, ...) are *global* and exported by rank 0 only, labelled ``run``. Quantities
+  that differ per rank (its own loss, step time, phase times, memory, heartbeat, ...) are
+  *per-rank*, exported by every rank and labelled ``run`` and ``rank``. Summing or averaging a
+  global metric over ranks is therefore never possible by accident. docs/metrics.md lists which is
+  which; tests/test_metrics.py keeps the two in step.
+* **Cheap on the hot path.** Every labelled child is resolved once in ``__init__``; ``on_step`` is a
+  handful of locked float stores and a 20-element sum. Nothing here touches the GPU: values arrive
+  as host floats (the trainer copies them one step late, non-blocking). CUDA memory and RSS are
+  read by callbacks at scrape time, so they cost nothing per step and are always fresh.
+* **Our own registry.** Never the process-global one, so tests and several trainers in one
+  process never collide.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+import typing
+from collections import deque
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    Summary,
+    generate_latest,
+    start_http_server,
+)
+
+from sentinel.protocol import DirectiveKind
+
+# 10 ms .. 60 s: from a tiny CPU smoke model to a large model with heavy grad accumulation.
+STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# checkpoint saves: sub-second (small model, local disk) .. 20 min (sharded, network storage).
+CHECKPOINT_SECONDS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+
+PHASES = ("data_wait", "forward_backward", "optimizer", "telemetry", "control")
+SKIP_REASONS = ("nonfinite", "loss_spike", "grad_spike", "directive", "fault")
+DIRECTIVE_KINDS: tuple[str, ...] = typing.get_args(DirectiveKind)
+
+RUN = ("run",)
+RUN_RANK = ("run", "rank")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sentinel-train")
+    except Exception:  # not installed as a distribution (e.g. a source checkout on sys.path)
+        import sentinel
+
+        return getattr(sentinel, "__version__", "unknown")
+
+
+def _resident_bytes() -> float:
+    """Current RSS from /proc/self/statm; elsewhere the peak RSS from getrusage (best available)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return float(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _perplexity(loss: float) -> float:
+    """exp(loss), +Inf on overflow (a diverged run), NaN stays NaN."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+class TrainerMetrics:
+    """All Prometheus metrics of one trainer rank. Build once per process; call ``on_*`` per event."""
+
+    def __init__(
+        self,
+        *,
+        run: str,
+        rank: int,
+        world_size: int,
+        model: str,
+        parallelism: str,
+        device: str,
+        dtype: str,
+        registry: CollectorRegistry | None = None,
+        tokens_per_second_window: int = 20,
+    ) -> None:
+        if tokens_per_second_window < 1:
+            raise ValueError("tokens_per_second_window must be >= 1")
+        self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
+        self.run = run
+        self.rank = int(rank)
+        self.is_global_exporter = self.rank == 0
+        self._server = None
+        self._port: int | None = None
+        self._started = time.time()
+        self._checkpoint_ref = self._started  # age counts from process start until the first save
+        self._dropped_seen = 0
+        # (step_tokens, step_seconds, loaded_tokens, useful_tokens) of the last N steps
+        self._window: deque[tuple[int, float, int, int]] = deque(maxlen=tokens_per_second_window)
+
+        self._build_per_rank(device)
+        if self.is_global_exporter:
+            self._build_global(world_size=world_size, model=model, parallelism=parallelism, device=device, dtype=dtype)
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+    # ------------------------------------------------------------------------------------------
+
+    def _build_per_rank(self, device: str) -> None:
+        r, lv = self.registry, (self.run, str(self.rank))
+        self._rank_loss = Gauge(
+            "training_rank_loss", "This rank's loss for the last step (before the cross-rank mean).", RUN_RANK, registry=r
+        ).labels(*lv)
+        self._step_duration = Histogram(
+            "training_step_duration_seconds", "Wall time of one optimizer step on this rank.", RUN_RANK,
+            buckets=STEP_SECONDS_BUCKETS, registry=r,
+        ).labels(*lv)
+        phase = Summary(
+            "training_step_phase_seconds",
+            "Time spent per step in each phase on this rank; rate(_sum) is the share of wall time.",
+            RUN_RANK + ("phase",), registry=r,
+        )
+        self._phase = {p: phase.labels(*lv, p) for p in PHASES}
+        self._effective_ratio = Gauge(
+            "training_effective_token_ratio",
+            "Useful tokens / loaded tokens on this rank over the recent-step window (padding and skipped samples lower it).",
+            RUN_RANK, registry=r,
+        ).labels(*lv)
+        self._skipped_samples = Counter(
+            "training_skipped_samples", "Samples this rank's loader dropped (skip list).", RUN_RANK, registry=r
+        ).labels(*lv)
+        self._heartbeat = Gauge(
+            "training_heartbeat_timestamp_seconds", "Unix time this rank last reported being alive.", RUN_RANK, registry=r
+        ).labels(*lv)
+        self._heartbeat.set(self._started)
+        Gauge(
+            "training_process_resident_memory_bytes", "Resident set size of this rank's process.", RUN_RANK, registry=r
+        ).labels(*lv).set_function(_resident_bytes)
+        self._dropped = Counter(
+            "training_telemetry_dropped", "Telemetry records this rank could not deliver to the control bus.",
+            RUN_RANK, registry=r,
+        ).labels(*lv)
+        self._build_cuda_memory(device)
+
+    def _build_cuda_memory(self, device: str) -> None:
+        """CUDA allocator gauges, read at scrape time; absent unless this rank runs on a CUDA device."""
+        if not str(device).startswith("cuda"):
+            return
+        import torch  # lazy: only CUDA ranks pay for it
+
+        if not torch.cuda.is_available():
+            return
+        index = torch.device(device).index
+        if index is None:  # resolve now, on the training thread: the scrape thread's current device is 0
+            index = torch.cuda.current_device()
+
+        def reader(fn):
+            def read() -> float:
+                try:
+                    return float(fn(index))
+                except Exception:  # a scrape must never take the trainer down
+                    return math.nan
+
+            return read
+
+        r, lv = self.registry, (self.run, str(self.rank))
+        Gauge(
+            "training_cuda_memory_allocated_bytes", "Bytes held by live tensors on this rank's GPU.", RUN_RANK, registry=r
+        ).labels(*lv).set_function(reader(torch.cuda.memory_allocated))
+        Gauge(
+            "training_cuda_memory_reserved_bytes", "Bytes reserved by the caching allocator on this rank's GPU.",
+            RUN_RANK, registry=r,
+        ).labels(*lv).set_function(reader(torch.cuda.memory_reserved))
+
+    def _build_global(self, *, world_size: int, model: str, parallelism: str, device: str, dtype: str) -> None:
+        r, lv = self.registry, (self.run,)
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, RUN, registry=r).labels(*lv)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, RUN, registry=r).labels(*lv)
+
+        Info("training", "Static facts about the run (value is always 1).", RUN, registry=r).labels(*lv).info(
+            {
+                "model": str(model),
+                "world_size": str(world_size),
+                "parallelism": str(parallelism),
+                "device": str(device),
+                "dtype": str(dtype),
+                "version": _version(),
+            }
+        )
+        self._loss = gauge("training_loss", "Global mean training loss of the last step.")
+        self._val_loss = gauge("training_validation_loss", "Mean loss of the last validation pass.")
+        self._val_ppl = gauge("training_validation_perplexity", "exp(training_validation_loss).")
+        self._grad_norm = gauge("training_grad_norm", "Global L2 norm of the gradient before clipping.")
+        self._clipped = counter("training_grad_clipped_steps", "Steps whose gradient was clipped.")
+        self._lr = gauge("training_learning_rate", "Learning rate used by the last step.")
+        self._step = gauge("training_step", "Last completed optimizer step.")
+        self._tokens = counter(
+            "training_tokens", "Tokens trained by this process (non-skipped steps); rate() is training throughput."
+        )
+        self._trained_tokens = gauge(
+            "training_trained_tokens", "The run's cumulative trained-token position (goes back on rollback)."
+        )
+        self._tps = gauge("training_tokens_per_second", "Global tokens/s over the recent-step window.")
+        self._mfu_family = None  # created on the first known MFU: absent when no peak is known
+        self._mfu = None
+        skipped = Counter("training_skipped_steps", "Steps whose update was dropped, by reason.", RUN + ("reason",), registry=r)
+        self._skipped_family = skipped
+        self._skipped = {reason: skipped.labels(self.run, reason) for reason in SKIP_REASONS}
+        self._resumes = counter("training_resumes", "Resumes from a checkpoint (process starts included).")
+        self._rollbacks = counter("training_rollbacks", "In-process rollbacks to an earlier checkpoint.")
+
+        self._ckpt_last = gauge(
+            "training_checkpoint_last_success_timestamp_seconds", "Unix time of the last successful checkpoint."
+        )
+        Gauge(
+            "training_checkpoint_age_seconds",
+            "Seconds since the last successful checkpoint (since process start before the first one).",
+            RUN, registry=r,
+        ).labels(*lv).set_function(lambda: time.time() - self._checkpoint_ref)
+        self._ckpt_seconds = Histogram(
+            "training_checkpoint_save_duration_seconds", "Wall time of successful checkpoint saves.", RUN,
+            buckets=CHECKPOINT_SECONDS_BUCKETS, registry=r,
+        ).labels(*lv)
+        self._ckpt_bytes = gauge("training_checkpoint_size_bytes", "Size on disk of the last successful checkpoint.")
+        self._ckpt_failures = counter("training_checkpoint_failures", "Checkpoint saves that failed.")
+
+        self._directives_rejected = counter(
+            "training_directives_rejected", "Directives refused (bad signature, expired, invalid)."
+        )
+        applied = Counter(
+            "training_directives_applied", "Directives applied, by kind.", RUN + ("kind",), registry=r
+        )
+        self._applied_family = applied
+        self._applied = {kind: applied.labels(self.run, kind) for kind in DIRECTIVE_KINDS}
+
+    # ------------------------------------------------------------------------------------------
+    # serving
+    # ------------------------------------------------------------------------------------------
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve this registry on ``http://host:port/metrics`` from a daemon thread.
+
+        ``port=0`` lets the OS pick a free port; the bound port is returned (write it to the
+        Prometheus targets file). The trainer passes ``base_port + local_rank``.
+        """
+        if self._server is not None:
+            raise RuntimeError(f"already serving on port {self._port}")
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._port = int(self._server.server_port)
+        return self._port
+
+    @property
+    def port(self) -> int | None:
+        """The bound port, once :meth:`serve` ran."""
+        return self._port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint (idempotent)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def exposition(self) -> bytes:
+        """The text exposition a scrape would return."""
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------------------------------
+    # events
+    # ------------------------------------------------------------------------------------------
+
+    def on_step(
+        self,
+        *,
+        step: int,
+        loss: float | None,
+        rank_loss: float,
+        grad_norm: float | None,
+        lr: float | None,
+        tokens_total: int | None,
+        step_seconds: float,
+        phases: dict[str, float],
+        step_tokens: int,
+        grad_clipped: bool,
+        skipped_reason: str | None,
+        skipped_samples: int,
+        loaded_tokens: int,
+        useful_tokens: int,
+        mfu: float | None,
+    ) -> None:
+        """Record one optimizer step.
+
+        Per-rank inputs (every rank): ``rank_loss``, ``step_seconds``, ``phases`` (names outside
+        ``PHASES`` are ignored, to bound label cardinality), ``skipped_samples``, ``loaded_tokens``
+        and ``useful_tokens`` (this rank's loader, this step).
+        Global inputs (read on rank 0 only; ``None`` elsewhere is fine): ``step``, ``loss``,
+        ``grad_norm`` (pre-clip), ``lr``, ``tokens_total`` (the run's cumulative token position),
+        ``step_tokens`` (tokens of the whole global batch of this step), ``grad_clipped``,
+        ``skipped_reason`` (``None`` when the update was applied), ``mfu`` (``None`` when no peak
+        is known: the metric then never appears).
+        """
+        now = time.time()
+        self._heartbeat.set(now)
+        self._rank_loss.set(rank_loss)
+        self._step_duration.observe(step_seconds)
+        for name, seconds in phases.items():
+            child = self._phase.get(name)
+            if child is not None:
+                child.observe(seconds)
+        if skipped_samples:
+            self._skipped_samples.inc(skipped_samples)
+        self._window.append((int(step_tokens), float(step_seconds), int(loaded_tokens), int(useful_tokens)))
+        loaded = sum(w[2] for w in self._window)
+        if loaded > 0:
+            self._effective_ratio.set(sum(w[3] for w in self._window) / loaded)
+
+        if not self.is_global_exporter:
+            return
+        self._step.set(step)
+        if loss is not None:
+            self._loss.set(loss)
+        if grad_norm is not None:
+            self._grad_norm.set(grad_norm)
+        if lr is not None:
+            self._lr.set(lr)
+        if tokens_total is not None:
+            self._trained_tokens.set(tokens_total)
+        seconds = sum(w[1] for w in self._window)
+        if seconds > 0:
+            self._tps.set(sum(w[0] for w in self._window) / seconds)
+        if grad_clipped:
+            self._clipped.inc()
+        if skipped_reason:
+            child = self._skipped.get(skipped_reason)
+            if child is None:
+                child = self._skipped[skipped_reason] = self._skipped_family.labels(self.run, skipped_reason)
+            child.inc()
+        elif step_tokens > 0:
+            self._tokens.inc(step_tokens)
+        if mfu is not None:
+            if self._mfu is None:
+                self._mfu_family = Gauge(
+                    "training_mfu_ratio", "Model FLOPs utilisation: achieved model FLOP/s / peak FLOP/s of all devices.",
+                    RUN, registry=self.registry,
+                )
+                self._mfu = self._mfu_family.labels(self.run)
+            self._mfu.set(mfu)
+
+    def on_validation(self, loss: float) -> None:
+        """Record a validation pass: loss and perplexity ``exp(loss)`` (+Inf on overflow). Rank 0 only."""
+        if not self.is_global_exporter:
+            return
+        self._val_loss.set(loss)
+        self._val_ppl.set(_perplexity(loss))
+
+    def on_checkpoint(self, *, ok: bool, seconds: float, size_bytes: int, timestamp: float) -> None:
+        """Record a checkpoint save attempt. ``timestamp`` is the Unix time the save completed.
+
+        A failure only counts; duration, size and age describe the last *successful* save.
+        """
+        if not self.is_global_exporter:
+            return
+        if not ok:
+            self._ckpt_failures.inc()
+            return
+        self._checkpoint_ref = float(timestamp)
+        self._ckpt_last.set(timestamp)
+        self._ckpt_seconds.observe(seconds)
+        self._ckpt_bytes.set(size_bytes)
+
+    def on_resume(self) -> None:
+        """The run resumed from a checkpoint (at process start)."""
+        if self.is_global_exporter:
+            self._resumes.inc()
+
+    def on_rollback(self) -> None:
+        """The trainer rolled back to an earlier checkpoint without restarting."""
+        if self.is_global_exporter:
+            self._rollbacks.inc()
+
+    def on_directive(self, kind: str, applied: bool) -> None:
+        """A directive from the sentinel was applied (counted by kind) or rejected."""
+        if not self.is_global_exporter:
+            return
+        if not applied:
+            self._directives_rejected.inc()
+            return
+        child = self._applied.get(kind)
+        if child is None:  # unknown kinds are rejected upstream; count anyway rather than lose it
+            child = self._applied[kind] = self._applied_family.labels(self.run, kind)
+        child.inc()
+
+    def set_telemetry_dropped(self, total: int) -> None:
+        """Mirror the bus client's cumulative drop count into a counter.
+
+        A count lower than the last one means the client was recreated (its count restarted),
+        so all of ``total`` is new.
+        """
+        total = int(total)
+        delta = total - self._dropped_seen if total >= self._dropped_seen else total
+        self._dropped_seen = total
+        if delta > 0:
+            self._dropped.inc(delta)
+
+    def heartbeat(self) -> None:
+        """Mark this rank alive (also done by every ``on_step``); call it during long waits."""
+        self._heartbeat.set(time.time())

@@ -1,0 +1,707 @@
+"""The training loop: one optimizer step at a time, with everything needed to stop and resume exactly.
+
+Single process:      python -m trainer --preset tiny --run-dir runs/a --max-steps 100
+Distributed (CPU):   torchrun --nproc-per-node 2 -m trainer --preset tiny --run-dir runs/a
+FSDP2:               torchrun --nproc-per-node 2 -m trainer --preset tiny --run-dir runs/b --fsdp
+
+State at a step boundary, S_t = (params, optimizer moments + step counts, scheduler step, RNG of
+every rank, data cursor, grad-accumulation position, skip list, guard statistics, tokens seen), is
+exactly what a checkpoint holds; ``TrainState`` carries the host-side part of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, StepRecord, TimelineRecord, merge_ranges
+from trainer import faults as drills
+from trainer import rng
+from trainer.checkpoint import Checkpointer, CheckpointError, load_torch, manifest_digest
+from trainer.config import TrainConfig, dump
+from trainer.data import Sampler, SkipList, TokenDataset, batch_fingerprint, ensure_prepared
+from trainer.dist import DistEnv
+from trainer.guard import REASONS, StepGuard
+from trainer.model import GPT
+from trainer.optim import build_optimizer, lr_at
+from trainer.readback import StepReadback
+from trainer.steplog import StepLog
+
+
+class TrainingError(Exception):
+    """A one-line, user-facing reason the run cannot start or continue."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0  # tokens trained (global, excluding skipped steps)
+    timeline: int = 0  # +1 at every resume or rollback
+    accum_pos: int = 0  # micro-batches of the current step already done (0 at every step boundary)
+
+
+@dataclass
+class Directives:
+    """Host-side control flags, identical on every rank after the broadcast."""
+
+    paused: bool = False
+    stop: bool = False
+    applied: set[str] = field(default_factory=set)
+
+
+def _log(env: DistEnv, msg: str) -> None:
+    if env.is_main:
+        print(msg, flush=True)
+
+
+def param_digest_tensor(params) -> torch.Tensor:
+    """Cheap, exact, order-independent fingerprint of the parameters, computed on the device.
+
+    Per parameter: the integer sum of its raw bits and of a bit-mixing product (int64, no overflow
+    for < 2^29 elements per shard). Integer sums are associative, so the digest is the same for any
+    reduction order or sharding (FSDP sums shard digests with an all-reduce).
+    """
+    out = []
+    for p in params:
+        t = p.detach()
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        t = t.contiguous().reshape(-1)
+        ibits = t.view(torch.int32 if t.element_size() == 4 else torch.int16).to(torch.int64)
+        out.append(torch.stack([ibits.sum(), ((ibits >> 16) * (ibits & 0xFFFF)).sum()]))
+    return torch.stack(out).reshape(-1) if out else torch.zeros(2, dtype=torch.int64)
+
+
+def digest_hex(values) -> str:
+    arr = np.asarray(values if isinstance(values, list) else [values], dtype=np.int64)
+    return hashlib.sha256(arr.tobytes()).hexdigest()[:16]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, env: DistEnv):
+        self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
+        self.run_id = cfg.run_id or self.run_dir.resolve().name
+        self.state = TrainState()
+        self.ctl = Directives()
+        self._stop_signal = False
+        self._last_ckpt_time: float | None = None
+        self._throughput: deque = deque(maxlen=20)
+        self._val_loss: float | None = None
+
+        self._setup_run_dir()
+        self._setup_data()
+        self._setup_model()
+        self.guard = StepGuard(cfg.guard, env.device)
+        self.readback = StepReadback(env.device)
+        self.ckpt = Checkpointer(
+            self.run_dir, rank=env.rank, world_size=env.world_size,
+            keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
+            barrier=env.barrier, all_ok=env.all_ok, log=lambda m: print(m, flush=True),
+        )
+        self.steplog = StepLog(self.run_dir / "steps.jsonl") if env.is_main else None
+        self._setup_telemetry()
+
+    # ================================================================== setup
+    def _setup_run_dir(self) -> None:
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump(self.cfg))
+        self.env.barrier()
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        data_dir = Path(cfg.data.dir) if cfg.data.dir else None
+        if data_dir is None:
+            if self.env.is_main:
+                data_dir = ensure_prepared()
+            self.env.barrier()
+            data_dir = ensure_prepared()
+        self.data_dir = data_dir
+        self.ds = TokenDataset.open(data_dir)
+        vocab = cfg.model.vocab_size or self.ds.vocab_size
+        if vocab < self.ds.vocab_size:
+            raise TrainingError(f"model.vocab_size {vocab} is smaller than the dataset's vocabulary ({self.ds.vocab_size})")
+        cfg.model.vocab_size = vocab
+        n = self.ds.num_samples(cfg.model.seq_len)
+        if n < self.global_batch:
+            raise TrainingError(f"dataset {data_dir} has {n} samples of length {cfg.model.seq_len}, fewer than one global batch ({self.global_batch})")
+        self.sampler = Sampler(n, cfg.seed, self.ds.fingerprint)
+        # the skip list only grows: config + the run dir's file (which the sentinel may have grown)
+        self.skip = SkipList.load(self.run_dir / "skiplist.json")
+        if cfg.data.skip:
+            self.skip.add(cfg.data.skip)
+        self.val = self.ds.val_batches(cfg.model.seq_len, cfg.data.micro_batch_size, cfg.eval.batches) if cfg.eval.every else []
+
+    @property
+    def global_batch(self) -> int:
+        d = self.cfg.data
+        return d.micro_batch_size * d.grad_accum * self.env.world_size
+
+    def _setup_model(self) -> None:
+        cfg, env = self.cfg, self.env
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        model = GPT(cfg.model).to(env.device)
+        self.n_params = model.num_params(non_embedding=True)
+        self.raw_model = model
+        if cfg.parallelism == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            if env.distributed:
+                for block in model.blocks:
+                    fully_shard(block)
+                fully_shard(model)
+            self.model = model
+        elif env.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        else:
+            self.model = model
+        rng.seed_all(cfg.seed, env.rank)
+        self.opt = build_optimizer(model, cfg.optim)
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
+        )
+
+    def _setup_telemetry(self) -> None:
+        cfg, env = self.cfg, self.env
+        self.metrics = None
+        self.bus = None
+        self.secret = None
+        self.flops_per_token = None
+        self.peak = None
+        if not cfg.telemetry.enabled:
+            return
+        from trainer.telemetry.metrics import TrainerMetrics
+        from trainer.telemetry.mfu import flops_per_token, peak_flops
+
+        m = cfg.model
+        self.flops_per_token = flops_per_token(
+            n_params_non_embedding=self.n_params, n_layer=m.n_layer, d_model=m.d_model,
+            seq_len=m.seq_len, vocab_size=m.vocab_size,
+        )
+        dev_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
+        dtype = "bf16" if env.device.type == "cuda" else "fp32"
+        self.peak = peak_flops(dev_name, dtype, cfg.telemetry.peak_flops)
+        self.metrics = TrainerMetrics(
+            run=self.run_id, rank=env.rank, world_size=env.world_size, model=cfg.preset or "custom",
+            parallelism=cfg.parallelism if env.distributed else "single", device=dev_name or env.device.type, dtype=dtype,
+        )
+        base = cfg.telemetry.metrics_port
+        port = self.metrics.serve(cfg.telemetry.metrics_host, base + env.local_rank if base else 0)
+        self._publish_targets(port)
+        if env.is_main and cfg.telemetry.redis_url:
+            self._connect_bus(cfg.telemetry.redis_url)
+
+    def _publish_targets(self, port: int) -> None:
+        from trainer.telemetry.targets import write_targets
+
+        host = self.cfg.telemetry.metrics_host
+        if self.env.distributed:
+            gathered: list = [None] * self.env.world_size
+            dist.all_gather_object(gathered, (host, port, self.env.rank), group=self.env.control_group)
+        else:
+            gathered = [(host, port, 0)]
+        if self.env.is_main:
+            write_targets(self.run_dir, self.run_id, gathered)
+
+    def _connect_bus(self, url: str) -> None:
+        from sentinel.bus import load_secret, register_run
+        from trainer.telemetry.bus_client import BusClient
+
+        if url == "embedded":
+            from sentinel.embedded import ensure_embedded
+
+            url = ensure_embedded(self.run_dir)
+        self.secret = load_secret(self.run_dir)
+        self.bus = BusClient(url, self.run_id, self.secret, start_after_id=self._last_directive_stream_id())
+        self.bus_url = url
+        try:
+            from sentinel.bus import connect
+
+            register_run(connect(url), self.run_id, {
+                "run_dir": str(self.run_dir.resolve()), "world_size": self.env.world_size,
+                "model": self.cfg.preset or "custom", "started": time.time(),
+            })
+        except Exception as e:  # the bus is optional for training: never fail a run for it
+            print(f"warning: could not register run on the bus: {e.__class__.__name__}", flush=True)
+
+    def _last_directive_stream_id(self) -> str:
+        return "0-0"  # directives are deduplicated by id against directives.jsonl
+
+    # ================================================================== state
+    def _train_state(self) -> dict:
+        return {
+            "run": self.run_id,
+            "step": self.state.step,
+            "tokens": self.state.tokens,
+            "timeline": self.state.timeline,
+            "grad_accum_pos": self.state.accum_pos,
+            "sampler": self.sampler.state_dict(),
+            "skiplist": [list(r) for r in self.skip.ranges],
+            "guard": self.guard.state_dict(),
+            "scheduler": {"kind": "warmup_cosine", "step": self.state.step, "max_steps": self.cfg.max_steps},
+            "world_size": self.env.world_size,
+            "dataset_fingerprint": self.ds.fingerprint,
+            "faults": [f.model_dump() for f in self.cfg.faults],
+            "last_checkpoint_time": time.time(),
+        }
+
+    def save_checkpoint(self) -> None:
+        cfg, env = self.cfg, self.env
+        self._flush_readback()
+        meta = {"run": self.run_id, "timeline": self.state.timeline, "tokens": self.state.tokens,
+                "dataset_fingerprint": self.ds.fingerprint}
+        per_rank = {f"rng-rank{env.rank}.pt": rng.capture()}
+        shared: dict = {"train_state.json": self._train_state()}
+        dcp_writer = None
+        async_save = cfg.checkpoint.async_save
+        if cfg.parallelism == "fsdp" and env.distributed:
+            from torch.distributed.checkpoint import save as dcp_save
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            msd, osd = get_state_dict(self.model, self.opt)
+            dcp_writer = lambda d: dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(d))  # noqa: E731
+        else:
+            msd, osd = self.raw_model.state_dict(), self.opt.state_dict()
+            if async_save:  # snapshot to CPU now; the background thread writes while training goes on
+                msd = {k: v.detach().to("cpu", copy=True) for k, v in msd.items()}
+                osd = _cpu_copy(osd)
+            shared["model.pt"] = msd
+            shared["optim.pt"] = osd
+        step = self.state.step
+        self.ckpt.save(step, shared=shared, per_rank=per_rank, meta=meta, dcp_writer=dcp_writer,
+                       async_save=async_save, on_done=self._on_checkpoint_done(step))
+
+    def _on_checkpoint_done(self, step: int):
+        def done(ok: bool, seconds: float, size: int, path: Path | None) -> None:
+            now = time.time()
+            if ok:
+                self._last_ckpt_time = now
+            if self.metrics:
+                self.metrics.on_checkpoint(ok=ok, seconds=seconds, size_bytes=size, timestamp=now)
+            if ok and path is not None:
+                _log(self.env, f"checkpoint step {step} saved ({size / 1e6:.1f} MB, {seconds:.2f}s)")
+                if self.bus:
+                    manifest = json.loads((path / "manifest.json").read_text())
+                    self.bus.register_checkpoint(CheckpointInfo(
+                        run=self.run_id, step=step, path=str(path.resolve()), created=now, bytes=size,
+                        manifest_sha256=manifest_digest(manifest), world_size=self.env.world_size,
+                        timeline=self.state.timeline, tokens=self.state.tokens,
+                    ))
+        return done
+
+    def load_checkpoint(self, step: int | None = None, *, restore_skiplist: bool = True) -> int | None:
+        """Restore S_t from the newest valid checkpoint (or exactly ``step``); return its step or None."""
+        env = self.env
+        self.ckpt.wait()
+        ck = self.ckpt.exact(step) if step is not None else self.ckpt.newest_valid()
+        if ck is None:
+            return None
+        ts = json.loads((ck.path / "train_state.json").read_text())
+        if ts["dataset_fingerprint"] != self.ds.fingerprint:
+            raise TrainingError(
+                f"dataset fingerprint mismatch: checkpoint {ck.path.name} was trained on {ts['dataset_fingerprint']}, "
+                f"this data is {self.ds.fingerprint} ({self.data_dir})"
+            )
+        if ts["world_size"] != env.world_size:
+            raise TrainingError(
+                f"checkpoint {ck.path.name} was written by {ts['world_size']} ranks, this run has {env.world_size}; "
+                "exact resume needs the same world size"
+            )
+        if (ck.path / "dcp").is_dir():
+            from torch.distributed.checkpoint import load as dcp_load
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            msd, osd = get_state_dict(self.model, self.opt)
+            sd = {"model": msd, "optim": osd}
+            dcp_load(sd, checkpoint_id=str(ck.path / "dcp"))
+            set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:
+            self.raw_model.load_state_dict(load_torch(ck.path / "model.pt"))
+            self.opt.load_state_dict(load_torch(ck.path / "optim.pt"))
+        rng.restore(load_torch(ck.path / f"rng-rank{env.rank}.pt"))
+        self.sampler.load_state_dict(ts["sampler"])
+        self.guard.load_state_dict(ts["guard"])
+        if restore_skiplist:
+            self.skip.add([tuple(r) for r in ts["skiplist"]])
+        self.state = TrainState(step=ts["step"], tokens=ts["tokens"], timeline=self.state.timeline, accum_pos=ts["grad_accum_pos"])
+        self._last_ckpt_time = ck.manifest.get("created")
+        return ck.step
+
+    # ================================================================== control
+    def _poll_control(self) -> list[dict]:
+        """Rank 0 reads verified directives; every rank gets the same list at the same step boundary."""
+        items: list[dict] = []
+        if self.env.is_main and self.bus:
+            items = [d.model_dump(mode="json") for d in self.bus.poll_directives()]
+            self._rejected_total = getattr(self.bus, "rejected", 0)
+        if self.env.distributed:
+            items = self.env.broadcast_object(items)
+        return items
+
+    def _apply(self, d: Directive) -> None:
+        env = self.env
+        if d.id in self.ctl.applied:
+            self._ack(d, "duplicate", "already applied")
+            return
+        detail = None
+        status = "applied"
+        if d.kind == "skip-samples":
+            self.skip.add(d.ranges)
+            self._persist_skiplist()
+            detail = f"skip list now covers {len(self.skip)} samples"
+        elif d.kind == "rollback":
+            if d.to_step is None:
+                status, detail = "failed", "rollback without to_step"
+            else:
+                self.skip.add(d.ranges)
+                self._persist_skiplist()
+                try:
+                    self.rollback(d.to_step, reason=d.reason, directive_id=d.id, ranges=d.ranges)
+                    detail = f"resumed at step {self.state.step}, timeline {self.state.timeline}"
+                except (CheckpointError, TrainingError) as e:
+                    status, detail = "failed", str(e)
+        elif d.kind == "checkpoint-now":
+            self.save_checkpoint()
+        elif d.kind == "pause":
+            self.ctl.paused = True
+        elif d.kind == "resume":
+            self.ctl.paused = False
+        elif d.kind == "stop":
+            self.ctl.stop = True
+        self.ctl.applied.add(d.id)
+        if env.is_main:
+            with open(self.run_dir / "directives.jsonl", "a") as f:
+                f.write(json.dumps({"id": d.id, "kind": d.kind, "status": status, "step": self.state.step,
+                                    "timeline": self.state.timeline, "time": time.time(), "issuer": d.issuer,
+                                    "reason": d.reason, "incident_id": d.incident_id}) + "\n")
+        if self.metrics:
+            self.metrics.on_directive(d.kind, status == "applied")
+        self._ack(d, status, detail)
+        _log(env, f"directive {d.kind} ({d.id[:8]}): {status}" + (f" — {detail}" if detail else ""))
+
+    def _ack(self, d: Directive, status: str, detail: str | None) -> None:
+        if self.env.is_main and self.bus:
+            self.bus.ack(Ack(run=self.run_id, directive_id=d.id, kind=d.kind, status=status,
+                             step=self.state.step, timeline=self.state.timeline, detail=detail))
+
+    def _persist_skiplist(self) -> None:
+        if self.env.is_main:
+            self.skip.save(self.run_dir / "skiplist.json")
+            if self.bus:
+                self.bus.set_skiplist(self.skip.ranges)
+
+    def _load_applied_directives(self) -> None:
+        p = self.run_dir / "directives.jsonl"
+        ids: set[str] = set()
+        if self.env.is_main and p.is_file():
+            for line in p.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError, KeyError):
+                    ids.add(json.loads(line)["id"])
+        self.ctl.applied = set(self.env.broadcast_object(sorted(ids)))
+
+    def rollback(self, to_step: int, *, reason: str | None, directive_id: str | None, ranges) -> None:
+        """Reload the full state of checkpoint ``to_step`` in-process; the skip list is kept (it only grows)."""
+        self._flush_readback()
+        loaded = self.load_checkpoint(to_step, restore_skiplist=False)
+        assert loaded == to_step
+        self.state.timeline += 1
+        self._mark("rollback", to_step, reason=reason, directive_id=directive_id, ranges=ranges)
+        if self.metrics:
+            self.metrics.on_rollback()
+
+    def _mark(self, kind: str, from_step: int, *, reason=None, directive_id=None, ranges=(), checkpoint=None) -> None:
+        if not self.env.is_main:
+            return
+        rec = TimelineRecord(kind=kind, run=self.run_id, from_step=from_step, timeline=self.state.timeline,
+                             time=time.time(), reason=reason, directive_id=directive_id,
+                             skip_ranges=merge_ranges(ranges), checkpoint=checkpoint)
+        self.steplog.write(rec)
+        if self.bus:
+            self.bus.publish_step(rec)
+
+    # ================================================================== start / resume
+    def start(self) -> None:
+        env = self.env
+        self.ckpt.clean_partial()
+        env.barrier()
+        self._load_applied_directives()
+        pending = self.run_dir / "pending_rollback.json"
+        plan = None
+        if env.is_main and pending.is_file():
+            plan = json.loads(pending.read_text())
+        plan = env.broadcast_object(plan)
+        if plan is not None:
+            self.skip.add([tuple(r) for r in plan.get("ranges", [])])
+            self._persist_skiplist()
+            self.load_checkpoint(int(plan["to_step"]), restore_skiplist=True)
+            self.skip.add([tuple(r) for r in plan.get("ranges", [])])
+            self.state.timeline = self._previous_timeline() + 1
+            self._mark("rollback", self.state.step, reason=plan.get("reason"), directive_id=plan.get("id"),
+                       ranges=plan.get("ranges", []), checkpoint=f"step-{self.state.step:08d}")
+            if env.is_main:
+                pending.unlink()
+                if self.metrics:
+                    self.metrics.on_rollback()
+            _log(env, f"rollback prepared offline: resumed from step {self.state.step}")
+        else:
+            resumed = self.load_checkpoint()
+            if resumed is None:
+                self.state.timeline = self._previous_timeline() + 1
+                self._mark("start", 0)
+                _log(env, f"run {self.run_id}: fresh start")
+            else:
+                self.state.timeline = self._previous_timeline() + 1
+                self._mark("resume", resumed, checkpoint=f"step-{resumed:08d}")
+                if self.metrics and env.is_main:
+                    self.metrics.on_resume()
+                _log(env, f"run {self.run_id}: resumed from checkpoint step {resumed}")
+        self._persist_skiplist()
+        env.barrier()
+
+    def _previous_timeline(self) -> int:
+        last = -1
+        if self.env.is_main:
+            last = self.steplog.last_timeline()
+        return int(self.env.broadcast_object(last))
+
+    # ================================================================== the step
+    def _batch(self) -> tuple[list[int], int, list[torch.Tensor], list[list[int]]]:
+        """The global batch for this step, and this rank's micro-batches (every rank samples identically)."""
+        d = self.cfg.data
+        ids, n_skipped = self.sampler.next_ids(self.global_batch, self.skip)
+        world, rank, mb = self.env.world_size, self.env.rank, d.micro_batch_size
+        micro_ids = [ids[(m * world + rank) * mb:(m * world + rank + 1) * mb] for m in range(d.grad_accum)]
+        micro = []
+        for mids in micro_ids:
+            toks = self.ds.get_many(mids, self.cfg.model.seq_len)
+            toks = drills.corrupt_tokens(self.cfg.faults, mids, toks, self.cfg.model.vocab_size)
+            micro.append(torch.from_numpy(toks).to(self.env.device, non_blocking=True))
+        return ids, n_skipped, micro, micro_ids
+
+    def train_step(self, micro: list[torch.Tensor], micro_ids: list[list[int]], lr_value: float, *, apply: bool = True):
+        """Forward+backward over the micro-batches, guard, and (unless ``apply`` is False) the update.
+
+        Returns device tensors: loss (global mean), rank losses, pre-clip grad norm, factor, reason.
+        Also the entry point of ``sentinel replay-batch`` (with apply=False).
+        """
+        accum = len(micro)
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, toks in enumerate(micro):
+            self.state.accum_pos = i
+            x, y = toks[:, :-1], toks[:, 1:]
+            last = i == accum - 1
+            sync_ctx = self.model.no_sync() if (hasattr(self.model, "no_sync") and not last and self.env.distributed) else contextlib.nullcontext()
+            with sync_ctx:
+                with self.autocast:
+                    _, loss = self.model(x, y)
+                if drills.poisons_loss(self.cfg.faults, micro_ids[i]):
+                    loss = loss * float("nan")
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+        self.state.accum_pos = 0
+        local = loss_sum / accum
+        if self.env.distributed:
+            gathered = torch.empty(self.env.world_size, device=self.env.device)
+            dist.all_gather_into_tensor(gathered, local.reshape(1).float())
+            if self.cfg.parallelism == "fsdp":
+                pass  # FSDP reduce-scatters gradients itself; the loss gather is telemetry only
+        else:
+            gathered = local.reshape(1).float()
+        loss = gathered.mean()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        factor, reason = self.guard.check(loss, grad_norm)
+        if apply:
+            lr_t = torch.tensor(lr_value, dtype=torch.float32, device=self.env.device)
+            self.opt.step(lr_t, factor)
+        self.opt.zero_grad(set_to_none=True)
+        return loss, gathered, grad_norm, factor, reason
+
+    def _digest(self) -> torch.Tensor | None:
+        every = self.cfg.telemetry.param_digest_every
+        if not every or self.state.step % every:
+            return None
+        if self.cfg.parallelism == "fsdp" and self.env.distributed:
+            d = param_digest_tensor(self.raw_model.parameters())
+            dist.all_reduce(d)
+            return d
+        return param_digest_tensor(self.raw_model.parameters()) if self.env.is_main else None
+
+    def _evaluate(self) -> float | None:
+        if not self.val:
+            return None
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        with torch.no_grad():
+            for i, batch in enumerate(self.val):
+                if i % self.env.world_size != self.env.rank:
+                    continue
+                toks = torch.from_numpy(batch).to(self.env.device)
+                with self.autocast:
+                    _, loss = self.raw_model(toks[:, :-1], toks[:, 1:]) if self.cfg.parallelism != "fsdp" else self.model(toks[:, :-1], toks[:, 1:])
+                total += torch.stack([loss.double() * toks.shape[0], torch.tensor(float(toks.shape[0]), dtype=torch.float64, device=self.env.device)])
+        if self.env.distributed:
+            dist.all_reduce(total)
+        self.model.train()
+        val = (total[0] / total[1]).item()  # off the hot path: once per eval interval
+        if self.metrics and self.env.is_main:
+            self.metrics.on_validation(val)
+        return val
+
+    # ================================================================== loop
+    def _install_signals(self) -> None:
+        def handler(signum, frame):
+            self._stop_signal = True
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, handler)
+
+    def fit(self) -> None:
+        cfg, env = self.cfg, self.env
+        self._install_signals()
+        self.start()
+        self.model.train()
+        _log(env, f"model: {self.n_params / 1e6:.2f}M non-embedding params; global batch {self.global_batch} x {cfg.model.seq_len} tokens; "
+                  f"{env.world_size} rank(s), {cfg.parallelism if env.distributed else 'single'} on {env.device.type}")
+        while self.state.step < cfg.max_steps:
+            t_ctl = time.perf_counter()
+            for item in self._poll_control():
+                self._apply(Directive.model_validate(item))
+            while self.ctl.paused and not self.ctl.stop:
+                if self.metrics:
+                    self.metrics.heartbeat()
+                time.sleep(0.2)
+                for item in self._poll_control():
+                    self._apply(Directive.model_validate(item))
+            stop = self.ctl.stop or self._stop_signal
+            if env.distributed:
+                stop = not env.all_ok(not stop)
+            if stop:
+                _log(env, f"stopping at step {self.state.step} (checkpointing first)")
+                self.save_checkpoint()
+                break
+            t_control = time.perf_counter() - t_ctl
+            self._one_step(t_control)
+            if cfg.checkpoint.every and self.state.step % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
+        else:
+            if cfg.checkpoint.every and self.state.step % cfg.checkpoint.every:
+                self.save_checkpoint()
+        self._flush_readback()
+        self.ckpt.wait()
+        env.barrier()
+        if self.bus:
+            self.bus.flush(5.0)
+            self.bus.close()
+
+    def _one_step(self, t_control: float) -> None:
+        cfg, env = self.cfg, self.env
+        t0 = time.perf_counter()
+        ids, n_skipped, micro, micro_ids = self._batch()
+        t1 = time.perf_counter()
+        lr = lr_at(self.state.step, cfg.optim, cfg.max_steps) * drills.lr_multiplier(cfg.faults, ids)
+        loss, ranks, gnorm, factor, reason = self.train_step(micro, micro_ids, lr)
+        t2 = time.perf_counter()
+        self.state.step += 1
+        tensors = {"loss": loss, "ranks": ranks, "grad_norm": gnorm, "factor": factor, "reason": reason}
+        digest = self._digest()
+        if digest is not None:
+            tensors["digest"] = digest
+        t3 = time.perf_counter()
+        val = None
+        if cfg.eval.every and self.state.step % cfg.eval.every == 0:
+            val = self._evaluate()
+        meta = {
+            "step": self.state.step, "lr": lr, "ids": ids, "n_skipped": n_skipped, "time": time.time(),
+            "phases": {"data_wait": t1 - t0, "forward_backward": t2 - t1, "optimizer": t3 - t2, "control": t_control},
+            "val": val, "t_start": t0,
+        }
+        for values, m in self.readback.submit(tensors, meta):
+            self._emit(values, m)
+
+    def _flush_readback(self) -> None:
+        for values, m in self.readback.drain():
+            self._emit(values, m)
+
+    def _emit(self, v: dict, m: dict) -> None:
+        """Turn one step's host values into the step record, the Prometheus update and the bus message."""
+        cfg, env = self.cfg, self.env
+        t_tel = time.perf_counter()
+        skipped = v["factor"] == 0.0
+        seq = cfg.model.seq_len
+        step_tokens = len(m["ids"]) * seq
+        if not skipped:
+            self.state.tokens += step_tokens
+        ranks = v["ranks"] if isinstance(v["ranks"], list) else [v["ranks"]]
+        now = time.time()
+        self._throughput.append((now, step_tokens))
+        tps = None
+        if len(self._throughput) >= 2:
+            span = self._throughput[-1][0] - self._throughput[0][0]
+            tps = sum(t for _, t in list(self._throughput)[1:]) / span if span > 0 else None
+        mfu = None
+        if tps and self.peak and self.flops_per_token:
+            from trainer.telemetry.mfu import mfu as mfu_fn
+
+            mfu = mfu_fn(tps, self.flops_per_token, self.peak, env.world_size)
+        val = m["val"]
+        loaded = (len(m["ids"]) + m["n_skipped"]) * seq
+        useful = 0 if skipped else step_tokens
+        phases = dict(m["phases"])
+        step_seconds = time.perf_counter() - m["t_start"]
+        reason = REASONS.get(int(v["reason"])) if skipped else None
+        if env.is_main:
+            rec = StepRecord(
+                run=self.run_id, step=m["step"], timeline=self.state.timeline, loss=v["loss"], loss_max_rank=max(ranks),
+                rank_losses=ranks, grad_norm=v["grad_norm"], lr=m["lr"], tokens=self.state.tokens, batch_tokens=step_tokens,
+                batch_fingerprint=batch_fingerprint(m["ids"]), sample_ids=m["ids"], skipped=skipped, skip_reason=reason,
+                time=m["time"], param_digest=digest_hex(v["digest"]) if "digest" in v else None,
+                step_seconds=step_seconds, phases=phases, tokens_per_second=tps, mfu=mfu,
+                val_loss=val, val_ppl=(math.exp(val) if val is not None and val < 700 else None),
+                checkpoint_age_seconds=(now - self._last_ckpt_time) if self._last_ckpt_time else None,
+                effective_token_ratio=useful / loaded if loaded else None, world_size=env.world_size,
+            )
+            self.steplog.write(rec)
+            if self.bus:
+                self.bus.publish_step(rec)
+        phases["telemetry"] = time.perf_counter() - t_tel
+        if self.metrics:
+            self.metrics.on_step(
+                step=m["step"], loss=v["loss"] if env.is_main else None, rank_loss=ranks[env.rank],
+                grad_norm=v["grad_norm"] if env.is_main else None, lr=m["lr"] if env.is_main else None,
+                tokens_total=self.state.tokens if env.is_main else None, step_seconds=step_seconds, phases=phases,
+                step_tokens=step_tokens, grad_clipped=bool(cfg.optim.grad_clip and v["grad_norm"] > cfg.optim.grad_clip),
+                skipped_reason=reason, skipped_samples=m["n_skipped"], loaded_tokens=loaded, useful_tokens=useful, mfu=mfu,
+            )
+            if self.bus:
+                self.metrics.set_telemetry_dropped(self.bus.dropped)
+        if env.is_main and m["step"] % cfg.telemetry.log_every == 0:
+            extra = f" val {val:.4f}" if val is not None else ""
+            print(f"step {m['step']:>6} | loss {v['loss']:.4f} | gnorm {v['grad_norm']:.3f} | lr {m['lr']:.2e}"
+                  f"{' | SKIPPED ' + str(reason) if skipped else ''}{extra}", flush=True)
+
+
+def _cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    return obj
