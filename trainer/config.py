@@ -237,3 +237,14 @@ def resolve(
 
 def dump(cfg: TrainConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def load_run_config(run_dir: str | Path) -> TrainConfig:
+    """The resolved config a run was started with (``RUN_DIR/config.yaml``)."""
+    p = Path(run_dir) / "config.yaml"
+    if not p.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    try:
+        return TrainConfig.model_validate(load_yaml(p))
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, str(p))) from None

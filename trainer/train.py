@@ -90,8 +90,11 @@ def digest_hex(values) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, env: DistEnv):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, env: DistEnv, *, offline: bool = False):
+        """``offline=True`` builds the same model/optimizer/data/guard for replay tools, with no side
+        effects on the run dir: no config write, no step log, no telemetry, no bus."""
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
+        self.offline = offline
         self.run_id = cfg.run_id or self.run_dir.resolve().name
         self.state = TrainState()
         self.ctl = Directives()
@@ -110,11 +113,17 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
             barrier=env.barrier, all_ok=env.all_ok, log=lambda m: print(m, flush=True),
         )
-        self.steplog = StepLog(self.run_dir / "steps.jsonl") if env.is_main else None
-        self._setup_telemetry()
+        self.steplog = StepLog(self.run_dir / "steps.jsonl") if env.is_main and not offline else None
+        self.metrics = self.bus = self.secret = self.flops_per_token = self.peak = None
+        if not offline:
+            self._setup_telemetry()
 
     # ================================================================== setup
     def _setup_run_dir(self) -> None:
+        if self.offline:
+            if not self.run_dir.is_dir():
+                raise TrainingError(f"run dir not found: {self.run_dir}")
+            return
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump(self.cfg))
@@ -177,11 +186,6 @@ class Trainer:
 
     def _setup_telemetry(self) -> None:
         cfg, env = self.cfg, self.env
-        self.metrics = None
-        self.bus = None
-        self.secret = None
-        self.flops_per_token = None
-        self.peak = None
         if not cfg.telemetry.enabled:
             return
         from trainer.telemetry.metrics import TrainerMetrics
@@ -481,8 +485,14 @@ class Trainer:
     # ================================================================== the step
     def _batch(self) -> tuple[list[int], int, list[torch.Tensor], list[list[int]]]:
         """The global batch for this step, and this rank's micro-batches (every rank samples identically)."""
-        d = self.cfg.data
         ids, n_skipped = self.sampler.next_ids(self.global_batch, self.skip)
+        micro, micro_ids = self.micro_batches(ids)
+        return ids, n_skipped, micro, micro_ids
+
+    def micro_batches(self, ids: list[int]) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """This rank's micro-batches of a global batch: micro m of rank r holds
+        ``ids[(m * world + r) * mb : (m * world + r + 1) * mb]``. Drills are applied here."""
+        d = self.cfg.data
         world, rank, mb = self.env.world_size, self.env.rank, d.micro_batch_size
         micro_ids = [ids[(m * world + rank) * mb:(m * world + rank + 1) * mb] for m in range(d.grad_accum)]
         micro = []
@@ -490,7 +500,11 @@ class Trainer:
             toks = self.ds.get_many(mids, self.cfg.model.seq_len)
             toks = drills.corrupt_tokens(self.cfg.faults, mids, toks, self.cfg.model.vocab_size)
             micro.append(torch.from_numpy(toks).to(self.env.device, non_blocking=True))
-        return ids, n_skipped, micro, micro_ids
+        return micro, micro_ids
+
+    def lr_for(self, step_index: int, ids: list[int]) -> float:
+        """LR of the optimizer step with 0-based index ``step_index`` over global batch ``ids``."""
+        return lr_at(step_index, self.cfg.optim, self.cfg.max_steps) * drills.lr_multiplier(self.cfg.faults, ids)
 
     def train_step(self, micro: list[torch.Tensor], micro_ids: list[list[int]], lr_value: float, *, apply: bool = True):
         """Forward+backward over the micro-batches, guard, and (unless ``apply`` is False) the update.
@@ -615,7 +629,7 @@ class Trainer:
         t0 = time.perf_counter()
         ids, n_skipped, micro, micro_ids = self._batch()
         t1 = time.perf_counter()
-        lr = lr_at(self.state.step, cfg.optim, cfg.max_steps) * drills.lr_multiplier(cfg.faults, ids)
+        lr = self.lr_for(self.state.step, ids)
         loss, ranks, gnorm, factor, reason = self.train_step(micro, micro_ids, lr)
         t2 = time.perf_counter()
         self.state.step += 1

@@ -1,0 +1,365 @@
+"""Rank 0's side of the control bus: publish steps, receive signed directives, send acks.
+
+The one rule this module exists to keep: **Redis must never stall a training step.** Every
+method the training loop calls only touches in-memory queues (a lock held for microseconds);
+all network I/O happens in one background thread. If Redis is slow, the thread waits, not the
+step. If Redis is down, the thread backs off (0.5 s doubling to 5 s) while the queue buffers up
+to ``queue_max`` telemetry records; beyond that the oldest are dropped and counted in
+``dropped`` (exported as ``training_telemetry_dropped_total``). When Redis returns, the
+buffered records are delivered in order and directives resume.
+
+Delivery is at-least-once: a batch whose reply was lost (timeout mid-pipeline) is sent again.
+That is harmless by design: the last step record for a step number is authoritative, acks are
+keyed by directive id, and the trainer dedupes directives by id.
+
+Each I/O iteration is ONE pipelined round trip: XADD the queued records, HSET/SET pending
+checkpoint and skip-list updates, refresh the heartbeat, and XREAD new directives (non-blocking).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import redis
+
+from sentinel.bus import FIELD, BusError, connect, redact_url
+from sentinel.protocol import Ack, Directive, Event, Keys, SchemaError, TimelineRecord
+
+_CONN_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, OSError)
+
+
+class BusClient:
+    """Non-blocking bus client for the trainer (rank 0 only).
+
+    ``start_after_id`` is the directives-stream id after which to start reading: ``"0-0"``
+    (default) re-reads every directive still in the stream, so a restarted trainer also sees
+    the ones issued while it was down (it dedupes by directive id against its own
+    ``directives.jsonl``); ``"$"`` starts after whatever is in the stream when the client first
+    connects. The heartbeat key (TTL ``heartbeat_ttl_s``) exists while this process is alive and
+    connected; its JSON ``{"step", "time", "sent", "pid"}`` carries the last *published step* and
+    when it was published, so a hung step loop shows as a stale ``time`` under a fresh ``sent``.
+
+    A malformed ``url`` raises ``BusError`` here (misconfiguration); an unreachable Redis never does.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        secret: bytes,
+        *,
+        queue_max: int = 10000,
+        heartbeat_ttl_s: float = 30.0,
+        logger: logging.Logger | None = None,
+        start_after_id: str = "0-0",
+        steps_maxlen: int = 100_000,
+        events_maxlen: int = 10_000,
+        poll_interval_s: float = 0.1,
+        io_timeout_s: float = 2.0,
+        max_batch: int = 500,
+    ):
+        if not secret:
+            raise ValueError("BusClient needs a non-empty directive secret")
+        self.run = run
+        self.keys = Keys(run)
+        self.dropped = 0
+        self.rejected = 0
+        self.connected = False
+        self._secret = secret
+        self._url = redact_url(url)
+        self._log = logger or logging.getLogger("trainer.telemetry.bus")
+        self._queue_max = max(1, int(queue_max))
+        self._hb_ttl_ms = max(1000, int(heartbeat_ttl_s * 1000))
+        self._hb_every = min(1.0, heartbeat_ttl_s / 3)
+        self._steps_maxlen = steps_maxlen
+        self._events_maxlen = events_maxlen
+        self._poll = poll_interval_s
+        self._max_batch = max_batch
+        self._last_dir_id = start_after_id
+        self._resolve_tail = start_after_id == "$"
+
+        self._lock = threading.Lock()
+        self._telemetry: deque[tuple[str, str, int]] = deque()  # (stream, json, maxlen): droppable
+        self._control: deque[tuple[str, str, int]] = deque()  # acks: delivered or counted, never silently lost
+        self._checkpoints: dict[str, str] = {}  # step -> CheckpointInfo json (coalesced)
+        self._skiplist: str | None = None  # latest value only
+        self._inbox: deque[tuple[str, str]] = deque(maxlen=10_000)  # (stream id, directive json)
+        self._inflight = 0
+        self._step: int | None = None
+        self._timeline = 0
+        self._step_time = 0.0
+        self._hb_sent = 0.0
+        self._hb_step: int | None = None
+        self._closed = False
+        self._last_logged: dict[str, float] = {}
+
+        self._r = connect(url, check=False, timeout=io_timeout_s, retries=0)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"bus-io-{run}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ main-thread API (no I/O)
+
+    def publish_step(self, rec) -> None:
+        """Queue a ``StepRecord`` or ``TimelineRecord``. Never blocks; drops the oldest when full."""
+        data = rec.to_json()
+        with self._lock:
+            if isinstance(rec, TimelineRecord):
+                self._step, self._timeline = rec.from_step, rec.timeline
+            else:
+                self._step, self._timeline = rec.step, getattr(rec, "timeline", 0)
+            self._step_time = time.time()
+            self._push(self._telemetry, (self.keys.steps, data, self._steps_maxlen))
+        self._wake.set()
+
+    def publish_event(self, ev) -> None:
+        """Queue an ``Event`` (droppable telemetry, like steps)."""
+        data = ev.to_json()
+        with self._lock:
+            self._push(self._telemetry, (self.keys.events, data, self._events_maxlen))
+        self._wake.set()
+
+    def register_checkpoint(self, info) -> None:
+        """Queue ``HSET Keys(run).checkpoints step -> CheckpointInfo``."""
+        data = info.to_json()
+        with self._lock:
+            self._checkpoints[str(info.step)] = data
+        self._wake.set()
+
+    def set_skiplist(self, ranges) -> None:
+        """Queue ``SET Keys(run).skiplist`` (JSON list of [lo, hi)); only the latest value is sent."""
+        data = json.dumps([[int(lo), int(hi)] for lo, hi in ranges])
+        with self._lock:
+            self._skiplist = data
+        self._wake.set()
+
+    def ack(self, ack) -> None:
+        """Queue an ``Ack`` for the sentinel."""
+        data = ack.to_json()
+        with self._lock:
+            self._push(self._control, (self.keys.acks, data, self._events_maxlen))
+        self._wake.set()
+
+    def poll_directives(self) -> list[Directive]:
+        """Verified directives received since the last call, in stream order.
+
+        Forged, unsigned, expired, malformed or other-run directives are not returned: each is
+        counted in ``rejected``, logged in one line, and acked with ``status="rejected"``.
+        """
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        out: list[Directive] = []
+        for entry_id, data in items:
+            d: Directive | None = None
+            try:
+                d = Directive.from_json(data)
+                reason = d.verify(self._secret)
+                if reason is None and d.run != self.run:
+                    reason = f"addressed to run {d.run!r}"
+            except SchemaError as e:
+                reason = f"malformed ({e})"
+            if reason is None:
+                out.append(d)
+            else:
+                self._reject(entry_id, d, reason)
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Records queued but not yet confirmed written."""
+        with self._lock:
+            return self._pending_locked()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait (up to ``timeout``) until everything queued is written. For shutdown and tests."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.pending == 0:
+                return True
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            self._wake.set()
+            time.sleep(0.005)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Best-effort flush, then stop the I/O thread. Bounded by ``timeout`` (x2 at worst)."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        try:
+            self._r.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection must not fail shutdown
+            pass
+
+    def __enter__(self) -> "BusClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers (lock held)
+
+    def _push(self, q: deque, item: tuple[str, str, int]) -> None:
+        if self._closed:
+            self.dropped += 1
+            return
+        q.append(item)
+        while len(q) > self._queue_max:
+            q.popleft()
+            self.dropped += 1
+
+    def _pending_locked(self) -> int:
+        return len(self._telemetry) + len(self._control) + len(self._checkpoints) + (self._skiplist is not None) + self._inflight
+
+    def _reject(self, entry_id: str, d: Directive | None, reason: str) -> None:
+        self.rejected += 1
+        did = d.id if d is not None else f"stream:{entry_id}"
+        kind: Any = d.kind if d is not None else "unknown"
+        self._log.warning("rejected directive %s (%s) for run %s: %s", did, kind, self.run, reason)
+        step = self._step or 0
+        self.ack(Ack(run=self.run, directive_id=did, kind=kind, status="rejected", step=step, timeline=self._timeline, detail=reason))
+        self.publish_event(
+            Event(
+                run=self.run,
+                kind="directive_rejected",
+                severity="warning",
+                step=step,
+                message=f"rejected directive {did} ({kind}): {reason}",
+                data={"directive_id": did, "stream_id": entry_id, "reason": reason},
+            )
+        )
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _log_limited(self, key: str, msg: str, *args: Any) -> None:
+        """Log a repeated I/O-thread error at most every 30 s (it may recur 10 times a second)."""
+        now = time.monotonic()
+        if now - self._last_logged.get(key, -1e9) >= 30.0:
+            self._last_logged[key] = now
+            self._log.error(msg, *args)
+
+    def _run(self) -> None:
+        """The I/O loop: one pipelined round trip per iteration; backoff while Redis is away."""
+        backoff = 0.5
+        while not self._stop.is_set():
+            self._wake.wait(self._poll)
+            self._wake.clear()
+            try:
+                self._iteration()
+            except _CONN_ERRORS as e:
+                if self.connected:
+                    self._log.warning("control bus %s unreachable (%s); buffering up to %d records", self._url, _short(e), self._queue_max)
+                elif backoff == 0.5:
+                    self._log.warning("control bus %s not reachable yet (%s); retrying in the background", self._url, _short(e))
+                self.connected = False
+                self._stop.wait(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, 5.0)
+                continue
+            except Exception as e:  # noqa: BLE001 - the I/O thread must survive anything
+                self._log_limited("io", "control bus I/O error: %s", _short(e))
+                self._stop.wait(0.5)
+                continue
+            if not self.connected:
+                if backoff > 0.5:
+                    self._log.info("control bus %s reachable again", self._url)
+                self.connected = True
+            backoff = 0.5
+
+    def _take(self) -> tuple[list[tuple[str, str, int]], dict[str, str], str | None]:
+        with self._lock:
+            # acks first: control traffic must not wait behind a backlog of step records
+            batch = [self._control.popleft() for _ in range(min(len(self._control), self._max_batch))]
+            room = self._max_batch - len(batch)
+            batch += [self._telemetry.popleft() for _ in range(min(len(self._telemetry), room))]
+            ckpts, self._checkpoints = self._checkpoints, {}
+            skip, self._skiplist = self._skiplist, None
+            self._inflight = len(batch) + len(ckpts) + (skip is not None)
+            return batch, ckpts, skip
+
+    def _requeue(self, batch, ckpts, skip) -> None:
+        """Put a failed batch back at the front, keeping order; overflow drops the oldest."""
+        with self._lock:
+            tele = [b for b in batch if b[0] != self.keys.acks]
+            ctrl = [b for b in batch if b[0] == self.keys.acks]
+            self._telemetry.extendleft(reversed(tele))
+            self._control.extendleft(reversed(ctrl))
+            for q in (self._telemetry, self._control):
+                while len(q) > self._queue_max:
+                    q.popleft()
+                    self.dropped += 1
+            self._checkpoints = {**ckpts, **self._checkpoints}
+            if self._skiplist is None:
+                self._skiplist = skip
+            self._inflight = 0
+
+    def _iteration(self) -> None:
+        r, k = self._r, self.keys
+        if self._resolve_tail:
+            last = r.xrevrange(k.directives, count=1)
+            self._last_dir_id = last[0][0] if last else "0-0"
+            self._resolve_tail = False
+        batch, ckpts, skip = self._take()
+        try:
+            pipe = r.pipeline(transaction=False)
+            for stream, data, maxlen in batch:
+                pipe.xadd(stream, {FIELD: data}, maxlen=maxlen, approximate=True)
+            if ckpts:
+                pipe.hset(k.checkpoints, mapping=ckpts)
+            if skip is not None:
+                pipe.set(k.skiplist, skip)
+            now = time.time()
+            with self._lock:
+                step, step_time = self._step, self._step_time
+            hb = step is not None and (step != self._hb_step or now - self._hb_sent >= self._hb_every)
+            if hb:
+                pipe.set(k.heartbeat, json.dumps({"step": step, "time": step_time, "sent": now, "pid": os.getpid()}), px=self._hb_ttl_ms)
+            pipe.xread({k.directives: self._last_dir_id}, count=100)
+            results = pipe.execute(raise_on_error=False)
+        except BaseException:
+            self._requeue(batch, ckpts, skip)
+            raise
+        with self._lock:
+            self._inflight = 0
+        failed = [res for res in results[: len(batch)] if isinstance(res, Exception)]
+        if failed:
+            # a record Redis refused (OOM, ACL, wrong type) will not succeed by retrying: count it
+            with self._lock:
+                self.dropped += len(failed)
+            self._log_limited("refused", "control bus refused %d record(s): %s", len(failed), _short(failed[0]))
+        for res in results[len(batch) : -1]:
+            if isinstance(res, Exception):
+                self._log_limited("state", "control bus refused a checkpoint/skip-list/heartbeat write: %s", _short(res))
+        if hb:
+            self._hb_sent, self._hb_step = now, step
+        reply = results[-1]
+        if isinstance(reply, Exception):
+            self._log_limited("xread", "reading directives failed: %s", _short(reply))
+            return
+        entries = [(eid, fields) for _stream, items in (reply or []) for eid, fields in items]
+        if entries:
+            with self._lock:
+                for eid, fields in entries:
+                    self._inbox.append((eid, (fields or {}).get(FIELD, "")))
+            self._last_dir_id = entries[-1][0]
+            if len(entries) == 100:
+                self._wake.set()  # more may be waiting
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(f"{e.__class__.__name__}: {e}".split())[:300]
+
+
+__all__ = ["BusClient", "BusError"]
