@@ -281,6 +281,8 @@ class Keys:
         self.heartbeat = f"{p}:heartbeat"  # string with TTL: last step + time
         self.leader = f"{p}:leader"  # lease: holder id, with TTL
         self.info = f"{p}:info"  # hash: run metadata (run dir, world size, model, ...)
+        self.policy = f"{p}:policy"  # string: the leader sentinel's persisted policy state (JSON)
+        self.approvals = f"{p}:approvals"  # stream of signed approvals (`sentinel approve`)
 
 
 STEP_CONSUMER_GROUP = "sentinel"

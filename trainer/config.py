@@ -75,6 +75,9 @@ class GuardConfig(_Strict):
     min_history: int = Field(16, ge=2)
     loss_z: float = Field(8.0, gt=0, description="robust z (median/MAD) above which the update is skipped")
     grad_z: float = Field(12.0, gt=0)
+    max_consecutive_skips: int = Field(
+        8, ge=1, description="after this many outlier skips in a row the new level is accepted (non-finite is always skipped)"
+    )
 
 
 class TelemetryConfig(_Strict):

@@ -25,6 +25,7 @@ class StepGuard:
         self.loss = torch.zeros(cfg.window, dtype=torch.float32, device=device)
         self.grad = torch.zeros(cfg.window, dtype=torch.float32, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # accepted steps seen (capped by use)
+        self.streak = torch.zeros((), dtype=torch.int64, device=device)  # outlier skips in a row
 
     def _outlier(self, buf: torch.Tensor, n: torch.Tensor, x: torch.Tensor, z: float) -> torch.Tensor:
         # masked median/MAD over the filled part of the ring buffer, computed without leaving the device
@@ -49,10 +50,18 @@ class StepGuard:
         reason = torch.where(finite, 0, 1)
         if self.cfg.enabled:
             warm = self.count >= self.cfg.min_history
-            loss_bad = warm & self._outlier(self.loss, self.count, loss, self.cfg.loss_z)
-            grad_bad = warm & self._outlier(self.grad, self.count, grad_norm, self.cfg.grad_z)
-            reason = torch.where((reason == 0) & loss_bad, 2, reason)
-            reason = torch.where((reason == 0) & grad_bad, 3, reason)
+            loss_bad = finite & warm & self._outlier(self.loss, self.count, loss, self.cfg.loss_z)
+            grad_bad = finite & warm & self._outlier(self.grad, self.count, grad_norm, self.cfg.grad_z)
+            # a level that persists is not a spike: after max_consecutive_skips outliers in a row, accept
+            # it and rebuild the window from the new level (whether that level is damage worth a
+            # rollback is the sentinel's call, not the guard's)
+            give_up = self.streak >= self.cfg.max_consecutive_skips
+            reason = torch.where(loss_bad & ~give_up, 2, reason)
+            reason = torch.where(grad_bad & ~loss_bad & ~give_up, 3, reason)
+            rebaseline = (loss_bad | grad_bad) & give_up
+            self.count.copy_(torch.where(rebaseline, torch.zeros_like(self.count), self.count))
+            outlier = (reason == 2) | (reason == 3)
+            self.streak.copy_(torch.where(outlier, self.streak + 1, torch.zeros_like(self.streak)))
         ok = reason == 0
         # accepted values enter the ring buffer; rejected ones never do
         idx = (self.count % self.loss.numel()).view(1)
@@ -67,6 +76,7 @@ class StepGuard:
             "loss": self.loss.cpu().tolist(),
             "grad": self.grad.cpu().tolist(),
             "count": int(self.count.item()),
+            "streak": int(self.streak.item()),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -75,3 +85,4 @@ class StepGuard:
         self.loss.copy_(torch.tensor(sd["loss"], dtype=torch.float32))
         self.grad.copy_(torch.tensor(sd["grad"], dtype=torch.float32))
         self.count.fill_(int(sd["count"]))
+        self.streak.fill_(int(sd.get("streak", 0)))

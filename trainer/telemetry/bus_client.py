@@ -356,6 +356,9 @@ class BusClient:
             self._last_dir_id = entries[-1][0]
             if len(entries) == 100:
                 self._wake.set()  # more may be waiting
+        with self._lock:
+            if self._telemetry or self._control:
+                self._wake.set()  # a backlog larger than one batch: go again at once
 
 
 def _short(e: BaseException) -> str:

@@ -1,0 +1,118 @@
+"""Run the rules offline over a recorded step log: what would the sentinel have flagged and done?
+
+It drives the very ``RunPolicy`` the daemon uses, in dry-run mode (decisions are recorded, nothing is
+sent), with the policy's clock set to the records' own timestamps so cooldowns and rate limits
+replay as they would have live. Because a log rarely says which checkpoints existed, the backtest
+assumes one every ``checkpoint_every`` steps (as most trainers are configured) so that rollback
+decisions can be shown; pass ``None``/0 to assume none (every incident then escalates).
+
+``load_trace`` is tolerant: a line needs only ``step`` and ``loss`` (e.g. the
+``{"step", "loss", "wall_ms"}`` curves of public training logs); missing StepRecord fields get
+neutral values (``grad_norm = 0`` means "not reported" to the rules).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from sentinel.policy import RunPolicy
+from sentinel.protocol import CheckpointInfo, SchemaError, StepRecord, TimelineRecord
+from sentinel.rules import RuleSet, default_rules
+
+
+@dataclass
+class BacktestResult:
+    flagged: list[int] = field(default_factory=list)  # steps any rule flagged (sorted, unique)
+    actions: list[dict[str, Any]] = field(default_factory=list)  # what the policy would have done, with step
+    fired: list[dict[str, Any]] = field(default_factory=list)  # every finding: step, rule, severity, detail
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    records: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flagged": self.flagged, "actions": self.actions}
+
+
+def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "trace") -> StepRecord | TimelineRecord:
+    """One JSON line -> a record; step lines may carry only ``step`` and ``loss``."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SchemaError(f"{where}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    if not isinstance(obj, dict):
+        raise SchemaError(f"{where}: expected a JSON object")
+    kind = obj.get("kind", "step")
+    obj.setdefault("run", default_run)
+    if kind != "step":
+        try:
+            return TimelineRecord.from_json(obj)
+        except SchemaError as e:
+            raise SchemaError(f"{where}: {e}") from None
+    for k in ("step", "loss"):
+        if k not in obj:
+            raise SchemaError(f"{where}: a step line needs at least 'step' and 'loss' (missing {k!r})")
+    if "time" not in obj:
+        wall = obj.get("wall_ms")
+        obj["time"] = float(wall) / 1000.0 if isinstance(wall, (int, float)) else float(obj["step"])
+    loss = obj["loss"]
+    obj.setdefault("loss_max_rank", loss)
+    obj.setdefault("grad_norm", 0.0)
+    obj.setdefault("lr", 0.0)
+    obj.setdefault("tokens", 0)
+    obj.setdefault("batch_fingerprint", "")
+    try:
+        return StepRecord.from_json(obj)
+    except SchemaError as e:
+        raise SchemaError(f"{where}: {e}") from None
+
+
+def load_trace(path: str | Path) -> list[StepRecord | TimelineRecord]:
+    """Read a steps.jsonl or a loss-only trace. Errors name the file and line, in one line."""
+    p = Path(path)
+    out: list[StepRecord | TimelineRecord] = []
+    with p.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            line = raw.strip()
+            if line:
+                out.append(parse_trace_line(line, default_run=p.stem or "trace", where=f"{path}:{n}"))
+    return out
+
+
+def _simulated_checkpoint(rec: StepRecord) -> CheckpointInfo:
+    return CheckpointInfo(run=rec.run, step=rec.step, path=f"<assumed>/step-{rec.step:08d}", created=rec.time, bytes=0,
+                          manifest_sha256="", world_size=rec.world_size, timeline=rec.timeline, verified="unverified")
+
+
+def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | None = None, *,
+             checkpoint_every: int | None = 100, checkpoints: Iterable[CheckpointInfo] = ()) -> BacktestResult:
+    """Replay ``records`` through a dry-run RunPolicy; return flagged steps, findings and would-be actions."""
+    rules = rules or default_rules()
+    now = [0.0]
+    policy: RunPolicy | None = None
+    res = BacktestResult()
+    flagged: set[int] = set()
+    for rec in records:
+        if policy is None:
+            policy = RunPolicy(rec.run, rules, dry_run=True, clock=lambda: now[0])
+            for c in checkpoints:
+                policy.on_checkpoint(c)
+        now[0] = rec.time
+        if isinstance(rec, TimelineRecord):
+            policy.on_timeline(rec)
+        else:
+            res.records += 1
+            policy.on_step(rec)
+            for f in policy.last_findings:
+                flagged.add(rec.step)
+                res.fired.append({"step": rec.step, "rule": f.rule, "severity": f.severity, "detail": f.detail})
+            if checkpoint_every and rec.step % checkpoint_every == 0:
+                policy.on_checkpoint(_simulated_checkpoint(rec))
+        for ev in policy.drain_events():
+            if ev.kind == "action":
+                res.actions.append({"step": ev.step, **ev.data["action"]})
+    res.flagged = sorted(flagged)
+    if policy is not None:
+        res.incidents = [i.model_dump(mode="json") for i in policy.incidents]
+    return res

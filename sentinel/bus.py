@@ -1,0 +1,473 @@
+"""The control bus: Redis connections, URL/secret resolution and thin stream helpers.
+
+Used by the daemon, the CLI and the trainer's bus client. Everything here is deliberately thin:
+the value is in the error handling (one-line ``BusError`` messages that never leak a password,
+``ensure_group`` that swallows *only* BUSYGROUP, ``read_group`` that survives a Redis restarted
+without persistence) and in one consistent convention:
+
+* clients are created with ``decode_responses=True``: every value on the bus is UTF-8 JSON text,
+  so callers always get ``str`` keys, ids and values, never ``bytes``;
+* every stream entry carries the record JSON under the single field ``json``.
+
+Redis exceptions raised by the helpers are translated into ``BusError`` (``BusUnavailable`` for
+connection problems, so daemons can back off and retry on exactly that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Sequence
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from sentinel.protocol import (
+    Ack,
+    Directive,
+    Event,
+    Keys,
+    SchemaError,
+    StepRecord,
+    TimelineRecord,
+    parse_step_line,
+)
+
+FIELD = "json"  # the one field of every stream entry
+ENV_URL = "SENTINEL_REDIS_URL"
+ENV_PASSWORD = "SENTINEL_REDIS_PASSWORD"
+ENV_SECRET = "SENTINEL_SECRET"
+
+# URL query parameters we accept for TLS files (ours first, then redis-py's own names)
+_TLS_QUERY = {
+    "tls_ca": "ssl_ca_certs",
+    "ssl_ca_certs": "ssl_ca_certs",
+    "tls_cert": "ssl_certfile",
+    "ssl_certfile": "ssl_certfile",
+    "tls_key": "ssl_keyfile",
+    "ssl_keyfile": "ssl_keyfile",
+}
+
+
+class BusError(Exception):
+    """A control-bus failure, with a one-line message that is safe to print (no secrets)."""
+
+
+class BusUnavailable(BusError):
+    """Redis could not be reached (refused, timed out, connection lost): worth retrying later."""
+
+
+# --------------------------------------------------------------------------------------------
+# URLs, secrets
+# --------------------------------------------------------------------------------------------
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` (userinfo and ``password=`` query)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return re.sub(r"(://)([^@/\s]*)@", r"\1***@", url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
+        netloc = f"{user}:***@{host}" if user else f"***@{host}" if userinfo else f"@{host}"
+    query = parts.query
+    if query:
+        pairs = [(k, "***" if k.lower() in ("password", "pass", "pw") else v) for k, v in parse_qsl(query, keep_blank_values=True)]
+        query = urlencode(pairs, safe="/*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def resolve_url(run_dir: str | os.PathLike | None = None, redis_url: str | None = None) -> str:
+    """Pick the bus URL: ``redis_url`` (the --redis-url flag) > env SENTINEL_REDIS_URL > RUN_DIR/bus/url."""
+    if redis_url:
+        return redis_url
+    env = os.environ.get(ENV_URL)
+    if env:
+        return env
+    if run_dir is not None:
+        f = Path(run_dir) / "bus" / "url"
+        try:
+            url = f.read_text().strip()
+        except FileNotFoundError:
+            raise BusError(
+                f"no control bus for {run_dir}: {f} does not exist (start the run, or pass --redis-url / set {ENV_URL})"
+            ) from None
+        if not url:
+            raise BusError(f"no control bus for {run_dir}: {f} is empty")
+        return url
+    raise BusError(f"no control bus: pass --redis-url, set {ENV_URL}, or give a run directory")
+
+
+def _check_private(path: Path) -> None:
+    st = path.stat()
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise BusError(
+            f"secret file {path} is accessible by group/others (mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
+        )
+
+
+def load_secret(run_dir: str | os.PathLike | None = None, secret_file: str | os.PathLike | None = None) -> bytes:
+    """The HMAC key for directives: env SENTINEL_SECRET > ``secret_file`` > RUN_DIR/bus/secret.
+
+    The key is the *text* of the secret (stripped, UTF-8), not its hex-decoded bytes, so that
+    ``SENTINEL_SECRET=$(cat RUN_DIR/bus/secret)`` and the file give the same key. A file that
+    group or others can access is refused: anyone who can read it can forge rollbacks.
+    """
+    env = os.environ.get(ENV_SECRET)
+    if env:
+        return env.strip().encode()
+    if secret_file is not None:
+        path = Path(secret_file)
+    elif run_dir is not None:
+        path = Path(run_dir) / "bus" / "secret"
+    else:
+        raise BusError(f"no directive secret: set {ENV_SECRET}, pass --secret-file, or give a run directory")
+    try:
+        _check_private(path)
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        raise BusError(f"secret file {path} does not exist") from None
+    except PermissionError:
+        raise BusError(f"secret file {path} is not readable by this user") from None
+    if not text:
+        raise BusError(f"secret file {path} is empty")
+    return text.encode()
+
+
+# --------------------------------------------------------------------------------------------
+# Connections
+# --------------------------------------------------------------------------------------------
+
+
+def _split_tls_query(url: str) -> tuple[str, dict[str, str]]:
+    """Remove our TLS query parameters from ``url`` (redis-py would pass unknown ones through)."""
+    parts = urlsplit(url)
+    keep, tls = [], {}
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k in _TLS_QUERY:
+            tls[_TLS_QUERY[k]] = v
+        else:
+            keep.append((k, v))
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(keep), parts.fragment)), tls
+
+
+def _describe(r: redis.Redis) -> str:
+    """A redacted URL for a client, for error messages."""
+    kw = r.connection_pool.connection_kwargs
+    scheme = "rediss" if r.connection_pool.connection_class.__name__.startswith("SSL") else "redis"
+    user = kw.get("username")
+    auth = f"{quote(user)}:***@" if user else ("***@" if kw.get("password") else "")
+    return f"{scheme}://{auth}{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or e.__class__.__name__
+    # redis-py: "Error 111 connecting to 127.0.0.1:6390. Connection refused." -> "Connection refused"
+    m = re.match(r"Error (?:-?\d+ )?(?:connecting|while writing) to [^ ]+?\.? (.+)$", msg)
+    if m:
+        msg = m.group(1)
+    return msg.rstrip(".")
+
+
+def translate(e: BaseException, where: str) -> BusError:
+    """Map a redis-py exception to a one-line ``BusError`` (``BusUnavailable`` when retryable)."""
+    if isinstance(e, BusError):
+        return e
+    if isinstance(e, redis.AuthenticationError) or (
+        isinstance(e, redis.ResponseError) and str(e).startswith(("WRONGPASS", "NOAUTH"))
+    ):
+        return BusError(f"authentication failed for {where}: {_one_line(e)}")
+    if isinstance(e, redis.exceptions.NoPermissionError) or str(e).startswith("NOPERM"):
+        return BusError(f"permission denied at {where}: {_one_line(e)}")
+    if isinstance(e, redis.ConnectionError) and re.search(r"SSL|certificate|TLS", str(e)):
+        # a certificate problem will not fix itself: not BusUnavailable
+        return BusError(f"TLS handshake with {where} failed: {_one_line(e)}")
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, OSError)):
+        return BusUnavailable(f"cannot reach Redis at {where}: {_one_line(e)}")
+    return BusError(f"Redis error at {where}: {_one_line(e)}")
+
+
+@contextlib.contextmanager
+def bus_errors(r_or_url: redis.Redis | str) -> Iterator[None]:
+    """``with bus_errors(r): ...`` turns redis-py exceptions into one-line ``BusError``s."""
+    try:
+        yield
+    except redis.RedisError as e:
+        where = redact_url(r_or_url) if isinstance(r_or_url, str) else _describe(r_or_url)
+        raise translate(e, where) from None
+
+
+def connect(
+    url: str,
+    *,
+    password: str | None = None,
+    username: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    timeout: float = 2.0,
+    check: bool = True,
+    retries: int = 2,
+) -> redis.Redis:
+    """Open a client for ``url`` (``redis://`` or ``rediss://``) with ``decode_responses=True``.
+
+    Credentials: URL userinfo (``redis://user:pw@host``), else ``username``/``password``, else
+    env SENTINEL_REDIS_PASSWORD. TLS files: arguments, else URL query ``tls_ca``/``tls_cert``/
+    ``tls_key`` (or redis-py's ``ssl_ca_certs``/``ssl_certfile``/``ssl_keyfile``). ``timeout``
+    bounds both connecting and each reply. With ``check`` (default) the server is PINGed so a bad
+    URL or password fails here with a one-line ``BusError``; ``check=False`` never touches the
+    network (the trainer's client must start even when Redis is down). ``retries`` is how often a
+    command is retried on a connection error (short exponential backoff, capped at 0.5 s).
+    """
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise BusError(f"unsupported bus URL scheme {scheme!r} in {redact_url(url)}: use redis:// or rediss://")
+    clean, tls = _split_tls_query(url)
+    kwargs: dict[str, Any] = {
+        "decode_responses": True,
+        "protocol": 2,  # pinned: the stream helpers parse RESP2 reply shapes
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+        "health_check_interval": 30,
+    }
+    parts = urlsplit(clean)
+    if not parts.password:
+        pw = password if password is not None else os.environ.get(ENV_PASSWORD)
+        if pw:
+            kwargs["password"] = pw
+    if not parts.username and username:
+        kwargs["username"] = username
+    if scheme == "rediss":
+        for key, val in (("ssl_ca_certs", tls_ca), ("ssl_certfile", tls_cert), ("ssl_keyfile", tls_key)):
+            if val or tls.get(key):
+                path = val or unquote(tls[key])
+                if not Path(path).is_file():
+                    raise BusError(f"TLS file {path} ({key}) does not exist")
+                kwargs[key] = path
+    elif tls_ca or tls_cert or tls_key or tls:
+        raise BusError(f"TLS files given for a non-TLS URL {redact_url(url)}: use rediss://")
+    try:
+        r = redis.Redis.from_url(clean, **kwargs)
+    except ValueError as e:
+        raise BusError(f"invalid bus URL {redact_url(url)}: {e}") from None
+    if check:
+        with bus_errors(r):
+            r.ping()
+    return r
+
+
+# --------------------------------------------------------------------------------------------
+# Streams
+# --------------------------------------------------------------------------------------------
+
+
+class Entry(NamedTuple):
+    """One stream entry: the stream key, the entry id, and its fields (``{"json": ...}``)."""
+
+    stream: str
+    id: str
+    fields: dict[str, str]
+
+
+def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
+    """Create consumer group ``group`` on ``stream`` (creating the stream too). Idempotent.
+
+    Returns True when it created the group. Only the BUSYGROUP reply (group already exists) is
+    swallowed; anything else (wrong key type, ACL, connection) is a ``BusError``.
+    """
+    try:
+        r.xgroup_create(stream, group, id=start_id, mkstream=True)
+        return True
+    except redis.ResponseError as e:
+        if str(e).startswith("BUSYGROUP"):
+            return False
+        raise translate(e, _describe(r)) from None
+    except redis.RedisError as e:
+        raise translate(e, _describe(r)) from None
+
+
+def _clamp_block(r: redis.Redis, block_ms: int | None) -> int | None:
+    """Keep a blocking read shorter than the socket timeout, or redis-py reports a timeout error."""
+    if block_ms is None:
+        return None
+    sock_t = r.connection_pool.connection_kwargs.get("socket_timeout")
+    if sock_t:
+        block_ms = min(int(block_ms), max(1, int(sock_t * 1000 * 0.8)))
+    return max(0, int(block_ms)) or 1  # BLOCK 0 would mean "forever"
+
+
+def _entries(resp) -> list[Entry]:
+    out: list[Entry] = []
+    # connect() speaks RESP2: [[stream, [(id, fields), ...]], ...]
+    for stream, items in resp or []:
+        for eid, fields in items:
+            if fields is None:  # entry deleted (trimmed) while pending
+                continue
+            out.append(Entry(stream, eid, fields))
+    return out
+
+
+def read_group(
+    r: redis.Redis,
+    streams: str | Sequence[str],
+    group: str,
+    consumer: str,
+    *,
+    count: int = 100,
+    block_ms: int | None = None,
+    pending: bool = False,
+) -> list[Entry]:
+    """XREADGROUP on one or more streams; returns entries in stream order.
+
+    ``pending=True`` re-reads this consumer's own delivered-but-unacked entries (id ``0``): do that
+    once at start so a daemon that crashed mid-batch processes them again. If a group vanished
+    (Redis restarted without persistence) it is recreated and the read retried once.
+    ``block_ms`` is capped below the connection's socket timeout.
+    """
+    names = [streams] if isinstance(streams, str) else list(streams)
+    start = "0" if pending else ">"
+    block = _clamp_block(r, block_ms)
+    for attempt in (0, 1):
+        try:
+            resp = r.xreadgroup(group, consumer, {s: start for s in names}, count=count, block=block)
+            return _entries(resp)
+        except redis.ResponseError as e:
+            if str(e).startswith("NOGROUP") and attempt == 0:
+                for s in names:
+                    ensure_group(r, s, group)
+                continue
+            raise translate(e, _describe(r)) from None
+        except redis.RedisError as e:
+            raise translate(e, _describe(r)) from None
+    return []  # pragma: no cover
+
+
+def ack(r: redis.Redis, stream: str, group: str, *ids: str) -> int:
+    """XACK entries once they are fully processed (at-least-once delivery)."""
+    if not ids:
+        return 0
+    with bus_errors(r):
+        return int(r.xack(stream, group, *ids))
+
+
+def autoclaim(
+    r: redis.Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    *,
+    min_idle_ms: int,
+    start_id: str = "0-0",
+    count: int = 100,
+) -> tuple[str, list[Entry]]:
+    """XAUTOCLAIM entries another consumer left pending for ``min_idle_ms`` (it died).
+
+    Returns ``(next_start_id, entries)``; ``next_start_id == "0-0"`` means the scan is complete.
+    Entries trimmed from the stream while pending are dropped (Redis 6.2 returns them with no
+    fields; Redis >= 7 removes them and lists them separately).
+    """
+    with bus_errors(r):
+        resp = r.xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count)
+    next_id, items = resp[0], resp[1]
+    return next_id, [Entry(stream, eid, f) for eid, f in items if f is not None]
+
+
+def _to_json(record: Any) -> str:
+    if hasattr(record, "to_json"):
+        return record.to_json()
+    if isinstance(record, (str, bytes)):
+        return record.decode() if isinstance(record, bytes) else record
+    return json.dumps(record, separators=(",", ":"), allow_nan=True)
+
+
+def publish(r: redis.Redis, stream: str, record: Any, maxlen: int | None = 100_000) -> str:
+    """XADD ``record`` (a protocol model, dict or JSON text) under field ``json``; returns its id.
+
+    ``maxlen`` trims approximately (``~``), which is O(1) amortised; ``None`` keeps everything.
+    """
+    with bus_errors(r):
+        return r.xadd(stream, {FIELD: _to_json(record)}, maxlen=maxlen, approximate=True)
+
+
+_BY_SUFFIX = {":directives": Directive, ":acks": Ack, ":events": Event}
+
+
+def decode(entry: Entry | tuple | dict, model: type | None = None):
+    """Parse a stream entry back into its protocol record.
+
+    Accepts an ``Entry``, an ``(id, fields)`` pair or the fields dict. Without ``model`` the type
+    follows from the stream name (``Keys(run).steps`` -> ``StepRecord``/``TimelineRecord``,
+    ``.directives`` -> ``Directive``, ``.acks`` -> ``Ack``, ``.events`` -> ``Event``).
+    Raises ``SchemaError`` for an entry without a ``json`` field or with an invalid record.
+    """
+    stream = None
+    if isinstance(entry, Entry):
+        stream, fields = entry.stream, entry.fields
+    elif isinstance(entry, dict):
+        fields = entry
+    else:
+        fields = entry[-1]
+    data = (fields or {}).get(FIELD)
+    if data is None and fields:
+        data = fields.get(FIELD.encode())  # a client without decode_responses
+    if data is None:
+        eid = entry.id if isinstance(entry, Entry) else (entry[0] if isinstance(entry, tuple) else "?")
+        raise SchemaError(f"stream entry {eid} has no '{FIELD}' field")
+    if model is None and stream is not None:
+        for suffix, m in _BY_SUFFIX.items():
+            if stream.endswith(suffix):
+                model = m
+                break
+    if model is None or model in (StepRecord, TimelineRecord):
+        return parse_step_line(data)
+    return model.from_json(data)
+
+
+# --------------------------------------------------------------------------------------------
+# Run registry
+# --------------------------------------------------------------------------------------------
+
+
+def register_run(r: redis.Redis, run: str, info: dict[str, Any]) -> None:
+    """Add ``run`` to ``Keys.RUNS`` and write its metadata hash ``Keys(run).info``.
+
+    Non-string values are stored as JSON so that readers can ``json.loads`` them back.
+    """
+    keys = Keys(run)
+    mapping = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
+    with bus_errors(r):
+        pipe = r.pipeline(transaction=True)
+        pipe.sadd(Keys.RUNS, run)
+        if mapping:
+            pipe.hset(keys.info, mapping=mapping)
+        pipe.execute()
+
+
+def list_runs(r: redis.Redis) -> list[str]:
+    """The registered run ids, sorted."""
+    with bus_errors(r):
+        return sorted(r.smembers(Keys.RUNS))
+
+
+def ensure_embedded(run_dir: str | os.PathLike) -> str:
+    """Start (or reuse) the run's embedded bus; see ``sentinel.embedded``. Returns its URL."""
+    from sentinel.embedded import ensure_embedded as _ensure
+
+    return _ensure(run_dir)
+
+
+def stop_embedded(run_dir: str | os.PathLike) -> bool:
+    """Stop the run's embedded bus; see ``sentinel.embedded``."""
+    from sentinel.embedded import stop_embedded as _stop
+
+    return _stop(run_dir)

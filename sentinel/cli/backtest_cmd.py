@@ -1,0 +1,65 @@
+"""`sentinel backtest`: run the rules offline over a recorded step log.
+
+The same RunPolicy and rules as the daemon, in dry-run mode, so "what would it have done on last
+week's run?" and "would this rules change have paged us?" have exact answers before deploying.
+"""
+
+from __future__ import annotations
+
+import click
+
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
+
+MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the first ones, --json has all
+
+
+@click.command("backtest")
+@click.argument("trace", metavar="TRACE.jsonl")
+@click.option("--rules", "rules_path", default=None, metavar="FILE", help="Rules YAML (default: the built-in defaults).")
+@click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=0),
+              help="Assume a checkpoint every N steps when deciding rollbacks (0: assume none).")
+@json_option
+@friendly_errors
+def backtest(trace: str, rules_path: str | None, checkpoint_every: int, as_json: bool) -> None:
+    """Run the rules offline over TRACE.jsonl (a steps.jsonl, or lines with just step and loss).
+
+    Prints the flagged steps and the actions the policy would have taken.
+    """
+    from sentinel.backtest import backtest as run_backtest
+    from sentinel.backtest import load_trace
+    from sentinel.rules import RulesError, default_rules, load_rules
+
+    try:
+        rules = load_rules(rules_path) if rules_path else default_rules()
+    except RulesError as e:
+        raise SentinelError(str(e)) from None
+    records = load_trace(trace)
+    res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None)
+    if as_json:
+        emit_json(res.to_json())
+        return
+    _print_tables(trace, res)
+
+
+def _print_tables(trace: str, res) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    style = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+    t = Table(title=f"Flagged steps in {trace}", title_justify="left")
+    for col in ("step", "rule", "severity", "detail"):
+        t.add_column(col, justify="right" if col == "step" else "left")
+    for f in res.fired[:MAX_ROWS]:
+        t.add_row(str(f["step"]), f["rule"], f"[{style.get(f['severity'], '')}]{f['severity']}[/]", f["detail"])
+    if len(res.fired) > MAX_ROWS:
+        t.caption = f"... and {len(res.fired) - MAX_ROWS} more findings (use --json for all)"
+    console.print(t)
+    a = Table(title="Actions the policy would take", title_justify="left")
+    for col in ("step", "action", "to_step", "skip ranges", "incident", "reason"):
+        a.add_column(col)
+    for act in res.actions:
+        a.add_row(str(act["step"]), act["kind"], "" if act["to_step"] is None else str(act["to_step"]),
+                  str(len(act["ranges"])), act["incident_id"] or "", act["reason"])
+    console.print(a)
+    console.print(f"{res.records} steps, {len(res.flagged)} flagged, {len(res.actions)} actions, {len(res.incidents)} incidents")

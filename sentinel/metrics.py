@@ -1,0 +1,32 @@
+"""The sentinel's own Prometheus metrics (for Grafana annotations and alerts).
+
+Built once per daemon in a registry we own. Label cardinality stays low: ``run`` everywhere, plus
+``rule`` or ``action``/``outcome`` from small fixed vocabularies.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SentinelMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.steps = Counter("sentinel_steps_processed", "Step records processed.", ["run"], registry=r)
+        self.fired = Counter("sentinel_rule_fired", "Rule firings (after cooldowns).", ["run", "rule"], registry=r)
+        self.actions = Counter("sentinel_actions", "Actions taken, by outcome (sent, duplicate, dry_run, failed).",
+                               ["run", "action", "outcome"], registry=r)
+        self.incidents_open = Gauge("sentinel_incidents_open", "Incidents not yet healthy or escalated-and-closed.", ["run"], registry=r)
+        self.latency = Histogram("sentinel_detection_latency_seconds", "From step publish to signed directive in Redis.",
+                                 ["run"], buckets=LATENCY_BUCKETS, registry=r)
+        self.last_action = Gauge("sentinel_last_action_timestamp_seconds", "Unix time of the last action, by kind.",
+                                 ["run", "action"], registry=r)
+        self.leader = Gauge("sentinel_leader", "1 while this sentinel holds the run's leader lease.", ["run"], registry=r)
+        self.bus_errors = Counter("sentinel_bus_errors", "Control-bus errors (each retried).", registry=r)
+
+    def serve(self, host: str, port: int) -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

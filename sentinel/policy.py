@@ -1,0 +1,441 @@
+"""Per-run incident state machine: what to do about what the rules found.
+
+States (``RunPolicy.state``)::
+
+    healthy ──anomaly, guard skipped it──> suspect ──quiet for suspect_clear_steps──> healthy
+       │                                      │
+       └──damage (not skipped / sustained / ──┴──> incident ──> rollback ──TimelineRecord──> verifying
+           non-finite persists)                      │  (awaiting_approval)        │            │
+                                                     └─ no checkpoint / rate limit ┴─ rejected ─┴─ loss not back
+                                                                       └──> escalated (pause + page, hands off)
+    verifying ──loss back within band past the bad region──> healthy
+
+Why this shape: a single spike that the in-process guard already skipped costs nothing, so it is
+only watched (suspect). Damage that reached the weights is undone the PaLM way: restore a checkpoint
+from at least ``rollback_margin_steps`` before the onset and skip the samples of the steps from
+shortly before the onset to the detection. A recovery is not assumed: the loss must come back within
+``verify_window_steps`` or a human is paged, and automation stops for the run.
+
+The policy is pure: the daemon feeds it records, acks, checkpoints and clock ticks, and sends the
+``Action`` objects it returns. Every decision is also an ``Event`` (``drain_events``) and lands in an
+``Incident`` with its evidence. ``state_dict`` is plain JSON, so a restarted daemon resumes mid-incident
+and, with the deterministic ``idempotency_key``, never performs an action twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from sentinel.detectors import median_of
+from sentinel.protocol import Ack, CheckpointInfo, Event, Incident, StepRecord, TimelineRecord, ids_to_ranges, merge_ranges
+from sentinel.rules import Finding, RuleEngine, RuleSet
+
+ActionKind = Literal["rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now", "page"]
+DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
+MAX_EVIDENCE = 50  # per incident: enough to see the shape, bounded so incidents stay small
+_PRIORITY = {"divergence": 0, "nonfinite": 1, "loss_spike": 2}  # which anomaly names the incident
+
+
+class Action(BaseModel):
+    """Something the daemon should do. Directive kinds become signed Directives; "page" notifies a human."""
+
+    kind: ActionKind
+    run: str
+    incident_id: str | None
+    to_step: int | None = None
+    ranges: list[tuple[int, int]] = Field(default_factory=list)
+    reason: str
+    idempotency_key: str  # deterministic: a restarted daemon that replays the same input gets the same key
+
+
+def _evidence(rec: StepRecord, f: Finding) -> dict[str, Any]:
+    return {
+        "step": rec.step, "timeline": rec.timeline, "loss": rec.loss, "grad_norm": rec.grad_norm, "lr": rec.lr,
+        "skipped": rec.skipped, "skip_reason": rec.skip_reason, "batch_fingerprint": rec.batch_fingerprint,
+        "n_samples": len(rec.sample_ids), "rule": f.rule, "detail": f.detail,
+    }
+
+
+class RunPolicy:
+    """The incident state machine for one run. See the module docstring for the states."""
+
+    def __init__(self, run: str, rules: RuleSet, *, dry_run: bool = False, require_approval: bool | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.run = run
+        self.rules = rules
+        self.cfg = rules.policy
+        self.dry_run = bool(dry_run or self.cfg.dry_run)
+        self.require_approval = self.cfg.require_approval if require_approval is None else bool(require_approval)
+        self.clock = clock
+        self.engine = RuleEngine(rules)
+        self._rule_cfg = dict(rules.rules.items())
+        self.last_findings: list[Finding] = []  # of the latest on_step/on_tick, before cooldowns (backtests read it)
+        self._events: list[Event] = []
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._state = "healthy"
+        self.timeline = 0
+        self.last_step: int | None = None
+        self.last_time: float | None = None
+        self._incidents: dict[str, Incident] = {}
+        self._current: str | None = None  # id of the open incident
+        self._ep: dict[str, Any] = {}  # open episode: onset, count, last, baseline, verify_*
+        self._pending: dict[str, dict] = {}  # incident id -> action awaiting approval
+        self._checkpoints: dict[int, CheckpointInfo] = {}
+        self._samples: deque[tuple[int, list[int]]] = deque(maxlen=self.cfg.sample_history_steps)
+        self._rollback_times: list[float] = []
+        self._last_fire: dict[str, list] = {}  # rule -> [step, time]
+
+    # ------------------------------------------------------------------ public interface
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def incidents(self) -> list[Incident]:
+        return list(self._incidents.values())
+
+    def drain_events(self) -> list[Event]:
+        ev, self._events = self._events, []
+        return ev
+
+    def on_checkpoint(self, info: CheckpointInfo) -> None:
+        """A checkpoint exists (and is a rollback candidate unless its verification failed)."""
+        if info.verified != "failed":
+            self._checkpoints[info.step] = info
+
+    def on_step(self, rec: StepRecord) -> list[Action]:
+        if rec.timeline < self.timeline:
+            return []  # a late record from a timeline a rollback abandoned
+        if rec.timeline > self.timeline:
+            self.timeline = rec.timeline
+        self.last_step, self.last_time = rec.step, rec.time
+        if rec.sample_ids:
+            self._samples.append((rec.step, rec.sample_ids))
+        findings = self.engine.evaluate(rec)
+        self.last_findings = findings
+        st = self._state
+        if not findings:
+            if st == "suspect" and rec.step - self._ep["last"] >= self.cfg.suspect_clear_steps:
+                self._close("healthy", rec.step, "no further anomalies: the guard handled it")
+            elif st == "verifying":
+                out: list[Action] = []
+                self._verify(rec, out)
+                return self._emit(out)
+            return []
+        out = []
+        anomalies = []
+        for f in findings:
+            if not self._cooled(f, rec.step):
+                continue
+            self._event("rule_fired", f.severity, f.detail, step=rec.step, data=f.to_dict(), incident_id=self._current)
+            if f.anomaly and f.action == "rollback":
+                anomalies.append(f)
+            elif f.action in ("page", "checkpoint-now", "pause"):
+                self._operational(f, out)
+        if st in ("healthy", "suspect"):
+            if anomalies:
+                self._episode(rec, anomalies, out)
+            elif st == "suspect" and rec.step - self._ep["last"] >= self.cfg.suspect_clear_steps:
+                self._close("healthy", rec.step, "no further anomalies: the guard handled it")
+        elif st == "verifying":
+            if anomalies and self._is_damage(rec, anomalies):
+                self._escalate(f"anomaly during recovery verification at step {rec.step}: {anomalies[0].detail}", out, rec.step)
+            else:
+                self._verify(rec, out)
+        return self._emit(out)
+
+    def on_timeline(self, rec: TimelineRecord) -> list[Action]:
+        """A start/resume/rollback marker: forget what the restore made void; a requested rollback
+        that has happened starts verification."""
+        out: list[Action] = []
+        s = rec.from_step
+        self.timeline = max(self.timeline, rec.timeline)
+        self._last_fire = {r: [None, v[1]] for r, v in self._last_fire.items()}  # step cooldowns restart
+        for k in [k for k in self._checkpoints if k > s]:
+            del self._checkpoints[k]  # checkpoints of the abandoned branch are not ancestors any more
+        while self._samples and self._samples[-1][0] > s:
+            self._samples.pop()
+        self.last_step = s
+        self._event(rec.kind, "info", f"{rec.kind} from step {s} (timeline {rec.timeline})", step=s,
+                    incident_id=self._current, data={"checkpoint": rec.checkpoint, "reason": rec.reason})
+        inc = self._incidents.get(self._current) if self._current else None
+        if rec.kind == "start" and s == 0:
+            self.engine.reset()
+        elif inc is not None and self._state == "rollback" and (rec.kind == "rollback" or s == inc.rollback_to):
+            # our rollback happened. Keep the healthy pre-onset baseline; drop everything from the onset on.
+            self.engine.rewind(inc.onset_step - 1)
+            self._set_state("verifying", inc)
+            self._ep.update(verify_from=s, verify_recent=[])
+            self._event("verifying", "info", f"restored step {s}; verifying that the loss stays within "
+                        f"{self.cfg.verify_tolerance:.0%} of {self._ep.get('baseline')} for up to {self.cfg.verify_window_steps} steps",
+                        step=s, incident_id=inc.id)
+        else:
+            self.engine.rewind(s)
+            if self._state == "suspect":
+                self._close("healthy", s, f"superseded by {rec.kind} to step {s}")
+        return self._emit(out)
+
+    def on_ack(self, ack: Ack) -> list[Action]:
+        """A trainer's answer to a directive. A rejected or failed rollback escalates."""
+        out: list[Action] = []
+        ok = ack.status in ("applied", "duplicate")
+        self._event("ack", "info" if ok else "warning", f"{ack.kind} {ack.status} at step {ack.step}"
+                    + (f": {ack.detail}" if ack.detail else ""), step=ack.step, incident_id=self._current,
+                    data={"directive_id": ack.directive_id, "status": ack.status})
+        if not ok and self._state == "rollback" and ack.kind in ("rollback", "unknown"):
+            self._escalate(f"rollback {ack.status}: {ack.detail or 'no detail'}", out, ack.step)
+        return self._emit(out)
+
+    def on_tick(self, now: float, heartbeat_time: float | None) -> list[Action]:
+        """Clock-driven rules. ``heartbeat_time`` None falls back to the last record's time."""
+        hb = heartbeat_time if heartbeat_time is not None else self.last_time
+        newest = max((c.created for c in self._checkpoints.values()), default=None)
+        findings = self.engine.evaluate_tick(now, hb, newest, step=self.last_step)
+        self.last_findings = findings
+        out: list[Action] = []
+        for f in findings:
+            if self._cooled(f, f.step, now):
+                self._event("rule_fired", f.severity, f.detail, step=f.step, data=f.to_dict(), incident_id=self._current)
+                self._operational(f, out)
+        return self._emit(out)
+
+    def approve(self, incident_id: str) -> list[Action]:
+        """A human approves: the pending rollback of an awaiting_approval incident is issued, or an
+        escalated run is handed back to automation (with a resume)."""
+        inc = self._incidents.get(incident_id)
+        if inc is None:
+            raise ValueError(f"unknown incident {incident_id!r}")
+        out: list[Action] = []
+        if inc.state == "awaiting_approval" and incident_id in self._pending:
+            act = Action.model_validate(self._pending.pop(incident_id))
+            self._event("approved", "info", f"rollback to step {act.to_step} approved", step=self.last_step, incident_id=inc.id)
+            self._issue_rollback(inc, act, out)
+        elif inc.state == "escalated" and self._current == incident_id:
+            self._event("approved", "info", "operator handed the run back to automation", step=self.last_step, incident_id=inc.id)
+            out.append(self._incident_action(inc, "resume", "operator approved resuming after escalation"))
+            inc.closed_at = self.clock()
+            self._current, self._ep, self._state = None, {}, "healthy"
+        else:
+            raise ValueError(f"incident {incident_id} is {inc.state}: nothing to approve")
+        return self._emit(out)
+
+    # ------------------------------------------------------------------ episodes and incidents
+
+    def _is_damage(self, rec: StepRecord, anomalies: list[Finding]) -> bool:
+        for f in anomalies:
+            if f.rule == "divergence" or not rec.skipped:
+                return True
+            if f.rule == "nonfinite" and f.onset_step is not None and rec.step - f.onset_step + 1 >= self.rules.rules.nonfinite.persist_steps:
+                return True
+        return False
+
+    def _episode(self, rec: StepRecord, anomalies: list[Finding], out: list[Action]) -> None:
+        f = min(anomalies, key=lambda a: _PRIORITY.get(a.rule, 9))
+        onset = f.onset_step if f.onset_step is not None else rec.step
+        if self._state == "healthy":
+            iid = f"{self.run}-t{self.timeline}-s{onset}"
+            n = 1
+            while iid in self._incidents:  # a replay of the same step on a later timeline
+                n += 1
+                iid = f"{self.run}-t{self.timeline}-s{onset}-{n}"
+            inc = Incident(id=iid, run=self.run, state="suspect", rule=f.rule, onset_step=onset, detect_step=rec.step,
+                           opened_at=self.clock())
+            self._incidents[iid] = inc
+            self._current = iid
+            self._state = "suspect"
+            base = self.engine.loss_level()
+            self._ep = {"onset": onset, "count": 0, "last": rec.step, "baseline": base}
+            self._event("incident_opened", f.severity, f"{f.rule} at step {rec.step}: {f.detail}", step=rec.step, incident_id=iid)
+        inc = self._incidents[self._current]
+        ep = self._ep
+        ep["count"] += 1
+        ep["last"] = rec.step
+        if onset < ep["onset"]:
+            ep["onset"] = inc.onset_step = onset
+        inc.detect_step = rec.step
+        for a in anomalies:
+            if len(inc.evidence) < MAX_EVIDENCE:
+                inc.evidence.append(_evidence(rec, a))
+        if self._is_damage(rec, anomalies) or ep["count"] > self.cfg.suspect_max_skipped:
+            why = f.detail if ep["count"] <= self.cfg.suspect_max_skipped else f"{ep['count']} anomalous steps since {ep['onset']}"
+            self._open_incident(inc, f.rule, why, rec.step, out)
+
+    def _open_incident(self, inc: Incident, rule: str, why: str, step: int, out: list[Action]) -> None:
+        inc.rule = rule
+        self._set_state("incident", inc)
+        self._event("incident", "critical", f"damage at step {step} (onset {inc.onset_step}): {why}", step=step, incident_id=inc.id)
+        self.engine.clear_episode()
+        target = self._pick_target(inc.onset_step)
+        if target is None:
+            self._escalate(f"no checkpoint at or before onset step {inc.onset_step} to roll back to", out, step)
+            return
+        lo = inc.onset_step - self.cfg.skip_margin_steps
+        ids = [i for s, ids in self._samples if lo <= s <= step for i in ids]
+        inc.rollback_to = target
+        inc.skip_ranges = merge_ranges(ids_to_ranges(ids))
+        act = self._incident_action(inc, "rollback", f"{rule}: {why}", to_step=target, ranges=inc.skip_ranges)
+        if self.require_approval:
+            self._pending[inc.id] = act.model_dump(mode="json")
+            self._set_state("awaiting_approval", inc)
+            out.append(self._incident_action(inc, "page", f"approval needed: roll back to step {target} and skip "
+                                             f"{len(ids)} samples ({rule}); run `sentinel approve {inc.id}`"))
+            return
+        self._issue_rollback(inc, act, out)
+
+    def _issue_rollback(self, inc: Incident, act: Action, out: list[Action]) -> None:
+        now = self.clock()
+        recent = [t for t in self._rollback_times if now - t < 3600.0]
+        if len(recent) >= self.cfg.max_rollbacks_per_hour:
+            self._rollback_times = recent
+            self._escalate(f"rate limit: {len(recent)} rollbacks in the last hour (max {self.cfg.max_rollbacks_per_hour})", out, inc.detect_step)
+            return
+        self._rollback_times = recent + [now]
+        out.append(act)
+        if self.dry_run:  # nothing will be restored: record the decision and carry on watching
+            self._close("healthy", inc.detect_step, f"dry run: would roll back to step {act.to_step}")
+        else:
+            self._set_state("rollback", inc)
+
+    def _pick_target(self, onset: int) -> int | None:
+        steps = sorted(self._checkpoints)
+        margin_ok = [s for s in steps if s <= onset - self.cfg.rollback_margin_steps]
+        if margin_ok:
+            return margin_ok[-1]
+        before = [s for s in steps if s <= onset]
+        return before[0] if before else None
+
+    def _verify(self, rec: StepRecord, out: list[Action]) -> None:
+        ep = self._ep
+        inc = self._incidents[self._current]
+        recent = ep["verify_recent"]
+        recent.append(rec.loss)
+        k = self.cfg.verify_recent_steps
+        if len(recent) > k:
+            del recent[0]
+        base = ep.get("baseline")
+        deadline = ep["verify_from"] + self.cfg.verify_window_steps
+        in_band = base is None or median_of(recent) <= base * (1 + self.cfg.verify_tolerance)
+        past_bad_region = rec.step > inc.detect_step or rec.step >= deadline
+        if in_band and past_bad_region:
+            self._close("healthy", rec.step, f"recovered: loss {median_of(recent):.4g} within band of baseline {base} at step {rec.step}")
+        elif rec.step >= deadline:
+            self._escalate(f"loss did not come back within {self.cfg.verify_window_steps} steps of the restore "
+                           f"(recent {median_of(recent):.4g} vs baseline {base})", out, rec.step)
+
+    def _escalate(self, why: str, out: list[Action], step: int | None) -> None:
+        inc = self._incidents.get(self._current) if self._current else None
+        if inc is None:  # escalation outside an incident (should not happen): open one to carry it
+            iid = f"{self.run}-t{self.timeline}-s{step}-esc"
+            inc = Incident(id=iid, run=self.run, state="escalated", rule="policy", onset_step=step or 0,
+                           detect_step=step or 0, opened_at=self.clock())
+            self._incidents[iid] = inc
+            self._current = iid
+        self._set_state("escalated", inc)
+        self._event("escalated", "critical", f"automation stopped for run {self.run}: {why}", step=step, incident_id=inc.id)
+        out.append(self._incident_action(inc, "pause", f"escalated: {why}"))
+        out.append(self._incident_action(inc, "page", f"escalated: {why}"))
+        if self.dry_run:
+            inc.closed_at = self.clock()
+            self._current, self._ep = None, {}
+            # a dry run keeps watching (nothing was paused), but remembers it would have stopped here
+            self._state = "healthy"
+
+    def _close(self, state: str, step: int | None, why: str) -> None:
+        inc = self._incidents[self._current]
+        self._set_state(state, inc)
+        inc.closed_at = self.clock()
+        self._event("incident_closed", "info", why, step=step, incident_id=inc.id)
+        self._current, self._ep = None, {}
+        self._state = "healthy"
+
+    def _set_state(self, state: str, inc: Incident) -> None:
+        inc.state = state
+        self._state = state
+
+    # ------------------------------------------------------------------ actions, events, cooldowns
+
+    def _incident_action(self, inc: Incident, kind: str, reason: str, **kw) -> Action:
+        n = sum(1 for a in inc.actions if a["kind"] == kind) + 1
+        act = Action(kind=kind, run=self.run, incident_id=inc.id, reason=reason,
+                     idempotency_key=f"{self.run}:{inc.id}:{kind}:{n}", **kw)
+        inc.actions.append({**act.model_dump(mode="json"), "time": self.clock(), "dry_run": self.dry_run})
+        return act
+
+    def _operational(self, f: Finding, out: list[Action]) -> None:
+        if self._state == "escalated" and f.action in DIRECTIVE_KINDS:
+            return  # hands off: a human owns this run now
+        out.append(Action(kind=f.action, run=self.run, incident_id=None, reason=f"{f.rule}: {f.detail}",
+                          idempotency_key=f"{self.run}:{f.rule}:{f.action}:t{self.timeline}:s{f.step}"))
+
+    def _emit(self, out: list[Action]) -> list[Action]:
+        """Record every action as an event; a dry run returns none of them."""
+        for a in out:
+            self._event("action", "warning" if a.kind != "page" else "info", f"{a.kind}: {a.reason}",
+                        step=self.last_step, incident_id=a.incident_id, data={"action": a.model_dump(mode="json"), "dry_run": self.dry_run})
+        return [] if self.dry_run else out
+
+    def _cooled(self, f: Finding, step: int | None, now: float | None = None) -> bool:
+        """True when the rule may speak now; records the firing."""
+        cfg = self._rule_cfg.get(f.rule)
+        now = self.clock() if now is None else now
+        last = self._last_fire.get(f.rule)
+        if cfg is not None and last is not None:
+            ls, lt = last
+            if cfg.cooldown_steps and step is not None and ls is not None and step - ls < cfg.cooldown_steps:
+                return False
+            if cfg.cooldown_seconds and lt is not None and now - lt < cfg.cooldown_seconds:
+                return False
+        self._last_fire[f.rule] = [step, now]
+        return True
+
+    def _event(self, kind: str, severity: str, message: str, *, step: int | None = None, incident_id: str | None = None,
+               data: dict | None = None) -> None:
+        self._events.append(Event(run=self.run, kind=kind, severity=severity, step=step, message=message,
+                                  incident_id=incident_id, data=data or {}, time=self.clock()))
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly where this policy is, as plain JSON."""
+        return {
+            "version": 1,
+            "run": self.run,
+            "state": self._state,
+            "timeline": self.timeline,
+            "last_step": self.last_step,
+            "last_time": self.last_time,
+            "incidents": [i.model_dump(mode="json") for i in self._incidents.values()],
+            "current": self._current,
+            "episode": self._ep,
+            "pending": self._pending,
+            "checkpoints": [c.model_dump(mode="json") for c in self._checkpoints.values()],
+            "samples": [[s, [list(r) for r in ids_to_ranges(ids)]] for s, ids in self._samples],
+            "rollback_times": self._rollback_times,
+            "last_fire": self._last_fire,
+            "engine": self.engine.state_dict(),
+            "events": [e.model_dump(mode="json") for e in self._events],
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self._init_state()
+        self._state = d["state"]
+        self.timeline = int(d["timeline"])
+        self.last_step, self.last_time = d["last_step"], d["last_time"]
+        self._incidents = {i["id"]: Incident.model_validate(i) for i in d["incidents"]}
+        self._current = d["current"]
+        self._ep = dict(d["episode"])
+        self._pending = dict(d["pending"])
+        self._checkpoints = {c["step"]: CheckpointInfo.model_validate(c) for c in d["checkpoints"]}
+        for s, ranges in d["samples"]:
+            self._samples.append((int(s), [i for lo, hi in ranges for i in range(lo, hi)]))
+        self._rollback_times = [float(t) for t in d["rollback_times"]]
+        self._last_fire = {k: list(v) for k, v in d["last_fire"].items()}
+        self.engine.load_state_dict(d["engine"])
+        self._events = [Event.model_validate(e) for e in d.get("events", [])]

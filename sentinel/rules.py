@@ -1,0 +1,675 @@
+"""The rules file and the rule engine.
+
+A ``RuleSet`` is the validated content of a rules YAML file: one section per built-in rule (each
+with ``severity``, ``action`` and cooldowns) plus the ``policy`` knobs of the incident state machine.
+``default_rules()`` reads ``sentinel/default_rules.yaml``, the file the daemon uses when none is
+given; the pydantic defaults below equal it (a test keeps them in step), so a partial rules file
+means "the defaults, except ...".
+
+``RuleEngine`` turns a RuleSet into detectors and evaluates them: ``evaluate(record)`` on every
+step, ``evaluate_tick(...)`` on a clock tick (a hung trainer writes no records, so hang detection
+cannot wait for one). It returns ``Finding`` objects and decides nothing: cooldowns, incidents and
+actions are the policy's job.
+
+Rules whose inputs are absent from a record stay silent: a trace with only ``step`` and ``loss``
+evaluates the loss rules and nothing else. ``grad_norm == 0`` counts as "not reported" (the field is
+required by the protocol, and a true zero norm carries no spike information either).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sentinel import detectors as d
+from sentinel.protocol import StepRecord
+
+DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
+
+Severity = Literal["info", "warning", "critical"]
+RuleAction = Literal["rollback", "page", "checkpoint-now", "pause", "none"]
+
+
+class RulesError(ValueError):
+    """A rules file is unreadable or invalid. The message is one line: file, field path, problem."""
+
+
+# --------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RuleBase(_Strict):
+    enabled: bool = True
+    severity: Severity = "warning"
+    # what the policy does about it: "rollback" findings feed the incident state machine,
+    # "page"/"checkpoint-now"/"pause" become that action, "none" only records an event
+    action: RuleAction = "none"
+    cooldown_steps: int = Field(0, ge=0)  # no new event/action from this rule for this many steps
+    cooldown_seconds: float = Field(0.0, ge=0)  # ... nor for this many seconds (tick rules)
+
+
+class NonFiniteRule(RuleBase):
+    severity: Severity = "critical"
+    action: RuleAction = "rollback"
+    persist_steps: int = Field(3, ge=1)  # consecutive non-finite steps before it counts as damage even if skipped
+
+
+class LossSpikeRule(RuleBase):
+    severity: Severity = "warning"
+    action: RuleAction = "rollback"
+    window: int = Field(128, ge=8)  # admitted losses in the robust baseline
+    min_history: int = Field(50, ge=3)  # no verdicts before this many losses (warmup)
+    threshold: float = Field(6.0, gt=0)  # robust z (median/MAD) for a spike
+    min_ratio: float = Field(1.08, ge=1)  # ... and loss / recent level (EMA) at least this
+    ema_alpha: float = Field(0.05, gt=0, le=1)
+
+
+class GradNormSpikeRule(RuleBase):
+    severity: Severity = "warning"
+    action: RuleAction = "none"  # clipping usually absorbs it; the loss rules decide on damage
+    window: int = Field(128, ge=8)
+    min_history: int = Field(50, ge=3)
+    threshold: float = Field(8.0, gt=0)
+    min_ratio: float = Field(2.0, ge=1)
+    ema_alpha: float = Field(0.05, gt=0, le=1)
+
+
+class DivergenceRule(RuleBase):
+    severity: Severity = "critical"
+    action: RuleAction = "rollback"
+    cooldown_steps: int = Field(50, ge=0)
+    k: int = Field(8, ge=1)  # at least k ...
+    n: int = Field(16, ge=1)  # ... of the last n steps anomalous
+    threshold: float = Field(3.0, gt=0)  # robust z that makes a step "anomalous" here
+    min_ratio: float = Field(1.02, ge=1)
+
+
+class ValDivergenceRule(RuleBase):
+    severity: Severity = "warning"
+    action: RuleAction = "page"
+    cooldown_steps: int = Field(1000, ge=0)
+    max_gap_increase: float = Field(0.1, gt=0)  # nats: (val - train) gap above its best so far
+    consecutive: int = Field(2, ge=1)  # evaluations in a row (the gap is taken against the loss rule's spike-free level)
+
+
+class BandRule(RuleBase):
+    """Below a band for a duration: an absolute floor, or a fraction of the run's own median."""
+
+    severity: Severity = "warning"
+    action: RuleAction = "page"
+    cooldown_seconds: float = Field(1800.0, ge=0)
+    min_value: float | None = Field(None, ge=0)  # absolute target; None = relative to the run's median
+    min_fraction: float = Field(0.7, gt=0, le=1)  # of the median of the last `window` steps
+    window: int = Field(200, ge=8)
+    min_history: int = Field(20, ge=1)
+    min_steps: int = Field(10, ge=1)
+    duration_seconds: float = Field(300.0, ge=0)
+
+
+class CheckpointAgeRule(RuleBase):
+    severity: Severity = "warning"
+    action: RuleAction = "checkpoint-now"
+    cooldown_seconds: float = Field(900.0, ge=0)
+    max_age_seconds: float = Field(7200.0, gt=0)
+
+
+class HeartbeatRule(RuleBase):
+    severity: Severity = "critical"
+    action: RuleAction = "page"
+    cooldown_seconds: float = Field(900.0, ge=0)
+    stale_seconds: float = Field(300.0, gt=0)
+
+
+class DataWaitRule(RuleBase):
+    severity: Severity = "warning"
+    action: RuleAction = "page"
+    cooldown_seconds: float = Field(1800.0, ge=0)
+    max_fraction: float = Field(0.2, gt=0, le=1)  # data_wait / step_seconds, smoothed
+    ema_alpha: float = Field(0.1, gt=0, le=1)
+    min_steps: int = Field(20, ge=1)
+
+
+class StragglerRule(RuleBase):
+    severity: Severity = "warning"
+    action: RuleAction = "page"
+    cooldown_seconds: float = Field(1800.0, ge=0)
+    max_skew: float = Field(1.3, gt=1)  # slowest rank / median rank step time
+    min_steps: int = Field(10, ge=1)
+
+
+class RankLossRule(RuleBase):
+    severity: Severity = "warning"
+    action: RuleAction = "page"
+    cooldown_steps: int = Field(500, ge=0)
+    max_deviation: float = Field(0.25, gt=0)  # |rank loss - median of others| / median of others
+    min_steps: int = Field(3, ge=1)
+
+
+class Rules(_Strict):
+    nonfinite: NonFiniteRule = NonFiniteRule()
+    loss_spike: LossSpikeRule = LossSpikeRule()
+    grad_norm_spike: GradNormSpikeRule = GradNormSpikeRule()
+    divergence: DivergenceRule = DivergenceRule()
+    val_divergence: ValDivergenceRule = ValDivergenceRule()
+    throughput_low: BandRule = BandRule()
+    mfu_low: BandRule = BandRule(severity="info")
+    checkpoint_age: CheckpointAgeRule = CheckpointAgeRule()
+    heartbeat_stale: HeartbeatRule = HeartbeatRule()
+    data_wait_high: DataWaitRule = DataWaitRule()
+    rank_straggler: StragglerRule = StragglerRule()
+    rank_loss_outlier: RankLossRule = RankLossRule()
+
+    def items(self) -> list[tuple[str, RuleBase]]:
+        return [(name, getattr(self, name)) for name in type(self).model_fields]
+
+
+class PolicyConfig(_Strict):
+    rollback_margin_steps: int = Field(100, ge=0)  # M: roll back to a checkpoint <= onset - M (PaLM: ~100)
+    skip_margin_steps: int = Field(10, ge=0)  # skip samples of steps [onset - margin, detection]
+    max_rollbacks_per_hour: int = Field(2, ge=0)  # R; one more escalates
+    verify_window_steps: int = Field(300, ge=1)  # W: steps after the restore for the loss to come back
+    verify_tolerance: float = Field(0.05, ge=0)  # back means median of recent loss <= baseline * (1 + tol)
+    verify_recent_steps: int = Field(5, ge=1)
+    suspect_max_skipped: int = Field(3, ge=1)  # more skipped anomalies than this in one episode -> incident
+    suspect_clear_steps: int = Field(100, ge=1)  # quiet steps before a suspect episode closes
+    sample_history_steps: int = Field(2048, ge=1)  # sample ids kept for skip lists
+    require_approval: bool = False
+    dry_run: bool = False
+
+
+class RuleSet(_Strict):
+    version: Literal[1] = 1
+    policy: PolicyConfig = PolicyConfig()
+    rules: Rules = Rules()
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _one_line(source: str, e: ValidationError) -> str:
+    errs = e.errors()
+    err = errs[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{source}: {loc}: {err['msg']}{more}"
+
+
+def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
+    """Parse rules YAML text; ``source`` names it in error messages."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise RulesError(f"{source}: {where}invalid YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise RulesError(f"{source}: invalid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RulesError(f"{source}: <root>: expected a mapping of settings, got {type(data).__name__}")
+    try:
+        return RuleSet.model_validate(data)
+    except ValidationError as e:
+        raise RulesError(_one_line(source, e)) from None
+
+
+def load_rules(path: str | Path) -> RuleSet:
+    """Read and validate a rules file. Raises ``RulesError`` (one line) or FileNotFoundError."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise RulesError(f"{path}: not a text file") from None
+    return parse_rules(text, str(path))
+
+
+def default_rules() -> RuleSet:
+    """The defaults the daemon uses: ``sentinel/default_rules.yaml``."""
+    return load_rules(DEFAULT_RULES_PATH)
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Finding:
+    """One rule's verdict on one step (or tick). ``anomaly`` findings describe damage to the model
+    (spikes, divergence, non-finite) and feed the incident state machine; the rest are operational."""
+
+    rule: str
+    severity: str
+    action: str
+    step: int | None
+    detail: str
+    value: float | None = None
+    onset_step: int | None = None
+    anomaly: bool = False
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _f(x: float) -> str:
+    return f"{x:.4g}"
+
+
+class _Eval:
+    """A rule evaluator: ``__call__(rec, out)`` appends findings; state is JSON-able."""
+
+    name = ""
+
+    def __init__(self, cfg: RuleBase, name: str):
+        self.cfg, self.name = cfg, name
+
+    def finding(self, rec_step: int | None, detail: str, **kw) -> Finding:
+        c = self.cfg
+        return Finding(self.name, c.severity, c.action, rec_step, detail, **kw)
+
+    def rewind(self, keep_through_step: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.rewind(-1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        pass
+
+
+class _LossEval(_Eval):
+    """Loss spike, sustained divergence and non-finite loss share one robust baseline."""
+
+    def __init__(self, rules: Rules):
+        self.spike_cfg, self.div_cfg, self.nf_cfg = rules.loss_spike, rules.divergence, rules.nonfinite
+        s, v = self.spike_cfg, self.div_cfg
+        self.det = d.SpikeDetector(
+            window=s.window, min_history=s.min_history, z_spike=s.threshold, ratio_spike=s.min_ratio,
+            z_elevated=v.threshold, ratio_elevated=v.min_ratio, ema_alpha=s.ema_alpha,
+        )
+        self.kofn = d.KOfN(min(v.k, v.n), v.n)
+        self.nf_run = 0  # consecutive non-finite losses
+        self.spike_on = s.enabled
+        self.div_on = v.enabled
+        self.nf_on = self.nf_cfg.enabled
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        step, x = rec.step, rec.loss
+        code = self.det.update(step, x)
+        if code <= 0:
+            self.nf_run = 0
+            if self.kofn._flagged:
+                self.kofn.update(step, False)
+            return
+        det = self.det
+        if code == d.NONFINITE:
+            self.nf_run += 1
+            if self.nf_on:
+                c = self.nf_cfg
+                out.append(Finding("nonfinite", c.severity, c.action, step, f"loss is {x} ({self.nf_run} in a row)",
+                                   value=x, onset_step=step - self.nf_run + 1, anomaly=True))
+        else:
+            self.nf_run = 0
+            if code == d.SPIKE and self.spike_on:
+                c = self.spike_cfg
+                out.append(Finding("loss_spike", c.severity, c.action, step,
+                                   f"loss {_f(x)} vs baseline {_f(det.baseline)}: z={det.z:.1f}, x{det.ratio:.2f} of recent level",
+                                   value=x, onset_step=step, anomaly=True))
+        if self.kofn.update(step, True) and self.div_on:
+            c, kn = self.div_cfg, self.kofn
+            out.append(Finding("divergence", c.severity, c.action, step,
+                               f"{len(kn._flagged)} of the last {kn.n} steps anomalous (loss {_f(x)}, baseline {_f(det.baseline)})",
+                               value=x, onset_step=kn.onset(), anomaly=True))
+
+    def level(self) -> float | None:
+        return self.det.level()
+
+    def rewind(self, keep_through_step: int) -> None:
+        self.det.rewind(keep_through_step)
+        self.kofn.clear()
+        self.nf_run = 0
+
+    def reset(self) -> None:
+        self.det.reset()
+        self.kofn.clear()
+        self.nf_run = 0
+
+    def clear_episode(self) -> None:
+        """After an incident has been opened, start counting divergence afresh."""
+        self.kofn.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "nf_run": self.nf_run}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.det.load_state_dict(st["det"])
+        self.kofn.load_state_dict(st["kofn"])
+        self.nf_run = int(st["nf_run"])
+
+
+class _GradEval(_Eval):
+    def __init__(self, cfg: GradNormSpikeRule, nf_cfg: NonFiniteRule):
+        super().__init__(cfg, "grad_norm_spike")
+        self.nf_cfg = nf_cfg
+        self.det = d.SpikeDetector(
+            window=cfg.window, min_history=cfg.min_history, z_spike=cfg.threshold, ratio_spike=cfg.min_ratio,
+            z_elevated=cfg.threshold, ratio_elevated=cfg.min_ratio, ema_alpha=cfg.ema_alpha,
+        )
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        g = rec.grad_norm
+        if g == 0.0:  # not reported
+            return
+        code = self.det.update(rec.step, g)
+        if code <= 0:
+            return
+        if code == d.NONFINITE:
+            if self.nf_cfg.enabled and math.isfinite(rec.loss):  # a non-finite loss was reported already
+                c = self.nf_cfg
+                out.append(Finding("nonfinite", c.severity, c.action, rec.step, f"grad norm is {g}",
+                                   value=g, onset_step=rec.step, anomaly=True))
+        elif code == d.SPIKE and self.cfg.enabled:
+            det = self.det
+            out.append(self.finding(rec.step, f"grad norm {_f(g)} vs baseline {_f(det.baseline)}: z={det.z:.1f}, x{det.ratio:.2f}",
+                                    value=g, onset_step=rec.step, anomaly=self.cfg.action == "rollback"))
+
+    def rewind(self, keep_through_step: int) -> None:
+        self.det.rewind(keep_through_step)
+
+    def reset(self) -> None:
+        self.det.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"det": self.det.state_dict()}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.det.load_state_dict(st["det"])
+
+
+class _ValEval(_Eval):
+    """Validation loss pulling away from train loss: the gap (val - train level) exceeds its best
+    value so far by ``max_gap_increase`` on ``consecutive`` evaluations. Uses ``val_loss``, else
+    ``log(val_ppl)``. The train level is the loss detector's EMA, which spikes never enter."""
+
+    def __init__(self, cfg: ValDivergenceRule, train_level: d.Ema):
+        super().__init__(cfg, "val_divergence")
+        self.train = train_level
+        self.best_gap: float | None = None
+        self.run = 0
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        v = rec.val_loss
+        if v is None:
+            p = rec.val_ppl
+            if p is None or not p > 0:
+                return
+            v = math.log(p)
+        t = self.train.value
+        if t is None or not math.isfinite(v):
+            return
+        gap = v - t
+        if self.best_gap is None or gap < self.best_gap:
+            self.best_gap = gap
+        if gap - self.best_gap > self.cfg.max_gap_increase:
+            self.run += 1
+            if self.run >= self.cfg.consecutive:
+                out.append(self.finding(rec.step, f"val-train gap {gap:.3f} nats, best {self.best_gap:.3f} ({self.run} evals)", value=v))
+        else:
+            self.run = 0
+
+    def rewind(self, keep_through_step: int) -> None:
+        self.run = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_gap": self.best_gap, "run": self.run}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.best_gap, self.run = st["best_gap"], int(st["run"])
+
+
+class _BandEval(_Eval):
+    """A value below its band (absolute floor, or a fraction of its own recent median) for long enough.
+
+    The relative floor is the median of recent healthy values. It moves slowly, so the reference
+    window takes every ``REFRESH``-th healthy value (``window`` samples then span ``REFRESH * window``
+    steps) and the floor is refreshed only then: the per-step cost is a compare.
+    """
+
+    REFRESH = 8
+
+    def __init__(self, cfg: BandRule, name: str, field: str, unit: str = ""):
+        super().__init__(cfg, name)
+        self.field, self.unit = field, unit
+        self.win = d.SortedWindow(cfg.window)
+        self.hold = d.Persistence(cfg.min_steps, cfg.duration_seconds)
+        self.floor: float | None = cfg.min_value
+        self._n = 0
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        x = getattr(rec, self.field)
+        if x is None or x != x:
+            return
+        floor = self.floor
+        if self.cfg.min_value is None:
+            if floor is None or x >= floor:
+                self._n += 1
+                if floor is None or self._n % self.REFRESH == 0:
+                    win = self.win
+                    win.push(rec.step, x)  # only healthy values set the band
+                    self.floor = self.cfg.min_fraction * win.median() if len(win) >= self.cfg.min_history else None
+                if self.hold.count:
+                    self.hold.reset()
+                return
+        elif x >= floor:
+            if self.hold.count:
+                self.hold.reset()
+            return
+        if self.hold.update(rec.step, rec.time, True):
+            out.append(self.finding(rec.step, f"{self.field} {_f(x)}{self.unit} below {_f(floor)} for "
+                                    f"{self.hold.count} steps since step {self.hold.since_step}",
+                                    value=x, onset_step=self.hold.since_step))
+
+    def rewind(self, keep_through_step: int) -> None:
+        self.win.rewind(keep_through_step)
+        self.hold.reset()
+        c = self.cfg
+        self.floor = c.min_value if c.min_value is not None or len(self.win) < c.min_history else c.min_fraction * self.win.median()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"win": self.win.state_dict(), "hold": self.hold.state_dict(), "floor": self.floor, "n": self._n}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.win.load_state_dict(st["win"])
+        self.hold.load_state_dict(st["hold"])
+        self.floor, self._n = st["floor"], int(st["n"])
+
+
+class _CheckpointAgeEval(_Eval):
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        a = rec.checkpoint_age_seconds
+        if a is not None and a > self.cfg.max_age_seconds:
+            out.append(self.finding(rec.step, f"last checkpoint {a:.0f}s old (max {self.cfg.max_age_seconds:.0f}s)", value=a))
+
+
+class _DataWaitEval(_Eval):
+    def __init__(self, cfg: DataWaitRule):
+        super().__init__(cfg, "data_wait_high")
+        self.ema = d.Ema(cfg.ema_alpha)
+        self.n = 0
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        ph, st = rec.phases, rec.step_seconds
+        if not ph or not st or st <= 0:
+            return
+        w = ph.get("data_wait")
+        if w is None:
+            return
+        e = self.ema
+        frac = w / st if e.value is None else e.value + e.alpha * (w / st - e.value)
+        e.value = frac
+        self.n += 1
+        if self.n >= self.cfg.min_steps and frac > self.cfg.max_fraction:
+            out.append(self.finding(rec.step, f"data wait {frac:.0%} of step time (max {self.cfg.max_fraction:.0%})", value=frac))
+
+    def rewind(self, keep_through_step: int) -> None:
+        self.ema.value, self.n = None, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": self.ema.value, "n": self.n}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.ema.value, self.n = st["ema"], int(st["n"])
+
+
+class _StragglerEval(_Eval):
+    def __init__(self, cfg: StragglerRule):
+        super().__init__(cfg, "rank_straggler")
+        self.hold = d.Persistence(cfg.min_steps)
+        self.rank: int | None = None
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        rs = rec.rank_step_seconds
+        if not rs:
+            return
+        if not self.hold.count and max(rs) <= self.cfg.max_skew * min(rs):
+            self.rank = None  # the median is >= the minimum, so no rank can be over the skew bar
+            return
+        r = d.straggler(rs)
+        if r is None:
+            return
+        rank, skew = r
+        bad = skew > self.cfg.max_skew and (self.rank is None or rank == self.rank)
+        self.rank = rank if skew > self.cfg.max_skew else None
+        if self.hold.update(rec.step, rec.time, bad):
+            out.append(self.finding(rec.step, f"rank {rank} step time x{skew:.2f} of the median rank for {self.hold.count} steps",
+                                    value=skew, rank=rank, onset_step=self.hold.since_step))
+
+    def rewind(self, keep_through_step: int) -> None:
+        self.hold.reset()
+        self.rank = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"hold": self.hold.state_dict(), "rank": self.rank}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        self.hold.load_state_dict(st["hold"])
+        self.rank = st["rank"]
+
+
+class _RankLossEval(_StragglerEval):
+    def __init__(self, cfg: RankLossRule):
+        _Eval.__init__(self, cfg, "rank_loss_outlier")
+        self.hold = d.Persistence(cfg.min_steps)
+        self.rank = None
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        rl = rec.rank_losses
+        if not rl:
+            return
+        if not self.hold.count:
+            lo, hi = min(rl), max(rl)
+            if lo > 0 and hi - lo <= self.cfg.max_deviation * lo and math.isfinite(sum(rl)):
+                self.rank = None  # every median-of-others lies in [lo, hi]: no deviation can exceed the bar
+                return
+        r = d.rank_outlier(rl)
+        if r is None:
+            return
+        rank, dev = r
+        over = dev > self.cfg.max_deviation
+        bad = over and (self.rank is None or rank == self.rank)
+        self.rank = rank if over else None
+        if self.hold.update(rec.step, rec.time, bad):
+            out.append(self.finding(rec.step, f"rank {rank} loss {_f(rl[rank])} deviates {dev:.0%} from the other ranks "
+                                    f"for {self.hold.count} steps", value=rl[rank], rank=rank, onset_step=self.hold.since_step))
+
+
+class RuleEngine:
+    """All enabled rules of a RuleSet, evaluated in a fixed order. Pure: no clock, no I/O."""
+
+    def __init__(self, ruleset: RuleSet):
+        r = ruleset.rules
+        self.ruleset = ruleset
+        self.loss = _LossEval(r)
+        self._grad = _GradEval(r.grad_norm_spike, r.nonfinite)
+        self._evals: dict[str, _Eval] = {
+            "loss": self.loss,
+            "grad_norm": self._grad,
+            "val_divergence": _ValEval(r.val_divergence, self.loss.det.ema),
+            "throughput_low": _BandEval(r.throughput_low, "throughput_low", "tokens_per_second", " tok/s"),
+            "mfu_low": _BandEval(r.mfu_low, "mfu_low", "mfu"),
+            "checkpoint_age": _CheckpointAgeEval(r.checkpoint_age, "checkpoint_age"),
+            "data_wait_high": _DataWaitEval(r.data_wait_high),
+            "rank_straggler": _StragglerEval(r.rank_straggler),
+            "rank_loss_outlier": _RankLossEval(r.rank_loss_outlier),
+        }
+        enabled = {n for n, c in r.items() if c.enabled}
+        need = {
+            "loss": bool(enabled & {"loss_spike", "divergence", "nonfinite", "val_divergence"}),
+            "grad_norm": bool(enabled & {"grad_norm_spike", "nonfinite"}),
+        }
+        # bound __call__ methods: one attribute lookup less per rule per step
+        self._calls = [ev.__call__ for n, ev in self._evals.items() if need.get(n, n in enabled)]
+        self.tick_ckpt, self.tick_hb = r.checkpoint_age, r.heartbeat_stale
+
+    def evaluate(self, rec: StepRecord) -> list[Finding]:
+        out: list[Finding] = []
+        for ev in self._calls:
+            ev(rec, out)
+        return out
+
+    def evaluate_tick(self, now: float, heartbeat_time: float | None, last_checkpoint_time: float | None,
+                      step: int | None = None) -> list[Finding]:
+        """Clock-driven rules: a stale heartbeat (hang) and the age of the newest known checkpoint."""
+        out: list[Finding] = []
+        hb = self.tick_hb
+        if hb.enabled and heartbeat_time is not None and now - heartbeat_time > hb.stale_seconds:
+            age = now - heartbeat_time
+            out.append(Finding("heartbeat_stale", hb.severity, hb.action, step,
+                               f"no heartbeat for {age:.0f}s (max {hb.stale_seconds:.0f}s): trainer hung or dead", value=age))
+        ck = self.tick_ckpt
+        if ck.enabled and last_checkpoint_time is not None and now - last_checkpoint_time > ck.max_age_seconds:
+            age = now - last_checkpoint_time
+            out.append(Finding("checkpoint_age", ck.severity, ck.action, step,
+                               f"newest checkpoint {age:.0f}s old (max {ck.max_age_seconds:.0f}s)", value=age))
+        return out
+
+    def loss_level(self) -> float | None:
+        """The current robust loss baseline (median of admitted losses)."""
+        return self.loss.level()
+
+    def rewind(self, keep_through_step: int) -> None:
+        """A rollback/resume restored ``keep_through_step``: forget what came after it."""
+        for ev in self._evals.values():
+            ev.rewind(keep_through_step)
+
+    def reset(self) -> None:
+        for ev in self._evals.values():
+            ev.reset()
+
+    def clear_episode(self) -> None:
+        self.loss.clear_episode()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {n: ev.state_dict() for n, ev in self._evals.items()}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        for n, ev in self._evals.items():
+            if n in st:
+                ev.load_state_dict(st[n])
