@@ -1,0 +1,223 @@
+"""Live drills: a real (multi-rank) training run, a fault keyed to real sample ids, and the sentinel.
+
+Used by ``sentinel demo`` and by the end-to-end tests. Like replay-batch and verify-resume this is
+an offline tool: it launches the trainer as a subprocess (torchrun) and only imports
+``trainer.data`` to find which samples a given step will train on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sentinel.protocol import StepRecord, TimelineRecord, authoritative_steps, parse_step_line
+
+DEMO_RULES = """\
+# Rules for the demo drill: a short run, so the rollback margin is short too.
+version: 1
+policy:
+  rollback_margin_steps: 20
+  skip_margin_steps: 5
+  verify_window_steps: 60
+rules:
+  val_divergence:
+    enabled: false
+"""
+
+
+@dataclass
+class DrillSpec:
+    run_dir: Path
+    steps: int = 200
+    ranks: int = 2
+    drill_step: int = 100  # the step whose batch carries the faulty samples
+    fault: str = "lr"  # lr | garbage | nan
+    factor: float = 100.0
+    sentinel: bool = True
+    ckpt_every: int = 10
+    eval_every: int = 50
+    seed: int = 1337
+    preset: str = "tiny"
+    data_dir: Path | None = None
+    redis_url: str | None = None  # None: the run's embedded bus
+    rules_yaml: str = DEMO_RULES
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DrillResult:
+    run_dir: Path
+    fault_ids: list[int]
+    final_val_loss: float | None
+    steps: dict[int, StepRecord]
+    timeline: list[TimelineRecord]
+    sentinel_log: list[str]
+    returncode: int
+    wall_seconds: float
+
+    @property
+    def rollbacks(self) -> list[TimelineRecord]:
+        return [t for t in self.timeline if t.kind == "rollback"]
+
+    def summary(self) -> dict:
+        return {
+            "run_dir": str(self.run_dir), "fault_sample_ids": self.fault_ids, "final_val_loss": self.final_val_loss,
+            "rollbacks": [{"to_step": t.from_step, "skip_ranges": t.skip_ranges, "reason": t.reason} for t in self.rollbacks],
+            "steps": len(self.steps), "guard_skipped_steps": sorted(s for s, r in self.steps.items() if r.skipped),
+            "returncode": self.returncode, "wall_seconds": round(self.wall_seconds, 1),
+        }
+
+
+def batch_ids_at(data_dir: Path, *, seq_len: int, seed: int, global_batch: int, step: int) -> list[int]:
+    """Sample ids the trainer will train on at ``step`` (1-based), with an empty skip list."""
+    from trainer.data import Sampler, SkipList, TokenDataset
+
+    ds = TokenDataset.open(data_dir)
+    sampler = Sampler(ds.num_samples(seq_len), seed, ds.fingerprint)
+    ids: list[int] = []
+    for _ in range(step):
+        ids, _ = sampler.next_ids(global_batch, SkipList([]))
+    return ids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_command(spec: DrillSpec, fault_arg: str | None, redis_url: str | None) -> list[str]:
+    if spec.ranks > 1:
+        torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun") or "torchrun"
+        head = [torchrun, "--nproc-per-node", str(spec.ranks), "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), "-m", "trainer"]
+    else:
+        head = [sys.executable, "-m", "trainer"]
+    cmd = head + ["--preset", spec.preset, "--run-dir", str(spec.run_dir), "--max-steps", str(spec.steps),
+                  "--ckpt-every", str(spec.ckpt_every), "--keep-last", "30", "--eval-every", str(spec.eval_every),
+                  "--seed", str(spec.seed), "--set", "telemetry.log_every=10"]
+    if spec.data_dir:
+        cmd += ["--data", str(spec.data_dir)]
+    if fault_arg:
+        cmd += ["--inject-fault", fault_arg]
+    if redis_url:
+        cmd += ["--redis-url", redis_url]
+    return cmd + list(spec.extra_args)
+
+
+class SentinelThread:
+    """The daemon, in-process, on its own thread (the demo's sentinel)."""
+
+    def __init__(self, url: str, run: str, secret: bytes, rules_path: Path, log: list[str]):
+        from sentinel import bus
+        from sentinel.daemon import Daemon, Options
+        from sentinel.rules import load_rules
+
+        self.log = log
+        self.daemon = Daemon(bus.connect(url), Options(rules=load_rules(rules_path), secret=secret, lease_ms=5000),
+                             runs=[run], log=self._log)
+        self.thread = threading.Thread(target=self.daemon.run_forever, name="sentinel", daemon=True)
+
+    def _log(self, msg: str) -> None:
+        self.log.append(f"{time.strftime('%H:%M:%S')} {msg}")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.daemon.stop_requested = True
+        self.thread.join(timeout=10)
+
+
+def read_steps(run_dir: Path) -> tuple[dict[int, StepRecord], list[TimelineRecord]]:
+    path = run_dir / "steps.jsonl"
+    recs = []
+    if path.is_file():
+        with open(path, "rb") as f:
+            for line in f:
+                if line.endswith(b"\n") and line.strip():
+                    recs.append(parse_step_line(line))
+    return authoritative_steps(recs), [r for r in recs if isinstance(r, TimelineRecord)]
+
+
+def final_val_loss(steps: dict[int, StepRecord]) -> float | None:
+    vals = [r.val_loss for s, r in sorted(steps.items()) if r.val_loss is not None]
+    return vals[-1] if vals else None
+
+
+def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> DrillResult:
+    """Run the drill to completion; ``on_tick(run_dir, log)`` is called ~4x/s (live displays)."""
+    from sentinel import bus
+    from trainer.data import ensure_prepared
+
+    t0 = time.time()
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(spec.data_dir) if spec.data_dir else ensure_prepared()
+    spec.data_dir = data_dir
+    from trainer.config import PRESETS
+
+    preset = PRESETS[spec.preset]
+    seq_len = preset["model"]["seq_len"]
+    gb = preset["data"]["micro_batch_size"] * preset["data"].get("grad_accum", 1) * spec.ranks
+    fault_ids: list[int] = []
+    fault_arg = None
+    if spec.fault:
+        fault_ids = batch_ids_at(data_dir, seq_len=seq_len, seed=spec.seed, global_batch=gb, step=spec.drill_step)
+        target = min(fault_ids)
+        fault_arg = f"{spec.fault}@{target}" + (f":{spec.factor}" if spec.fault == "lr" else "")
+        fault_ids = [target]
+    log: list[str] = []
+    sentinel = None
+    url = None
+    if spec.sentinel:
+        from sentinel.embedded import ensure_embedded
+
+        url = spec.redis_url or ensure_embedded(spec.run_dir)
+        rules_path = spec.run_dir / "sentinel-rules.yaml"
+        rules_path.write_text(spec.rules_yaml)
+        run_id = spec.run_dir.resolve().name
+        sentinel = SentinelThread(url, run_id, bus.load_secret(spec.run_dir), rules_path, log)
+        sentinel.start()
+    cmd = trainer_command(spec, fault_arg, url)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(spec.run_dir / "trainer.log", "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if on_tick:
+                    on_tick(spec.run_dir, log)
+                if time.time() - t0 > timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.25)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            rc = proc.wait()
+    if sentinel:
+        time.sleep(0.5)  # let the daemon read the last records and acks
+        sentinel.stop()
+    steps, timeline = read_steps(spec.run_dir)
+    if on_tick:
+        on_tick(spec.run_dir, log)
+    return DrillResult(spec.run_dir, fault_ids, final_val_loss(steps), steps, timeline, log, rc, time.time() - t0)
+
+
+def incidents_of(run_dir: Path, url: str | None = None) -> list[dict]:
+    """Incidents the sentinel recorded for a drill's run (from its bus)."""
+    from sentinel import bus
+    from sentinel.protocol import Keys
+
+    r = bus.connect(bus.resolve_url(run_dir, url))
+    raw = r.hgetall(Keys(run_dir.resolve().name).incidents)
+    return [json.loads(v) for v in raw.values()]
