@@ -41,7 +41,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, lr: torch.Tensor | None = None, factor: torch.Tensor | None = None, closure=None):  # type: ignore[override]
+    def step(self, lr: float | None = None, factor: torch.Tensor | None = None, closure=None):  # type: ignore[override]
         """Apply one update scaled by ``factor``. Called without ``lr`` (as torch.distributed.checkpoint
         does to materialise optimizer state before loading), it only creates the state: no update."""
         if lr is None:
@@ -51,7 +51,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
                         self._init_state(p)
             return None
         if factor is None:
-            factor = torch.ones((), dtype=torch.float32, device=lr.device)
+            factor = torch.ones((), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
         keep = factor > 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]

@@ -102,6 +102,7 @@ class Trainer:
         self._last_ckpt_time: float | None = None
         self._throughput: deque = deque(maxlen=20)
         self._val_loss: float | None = None
+        self._rejected_seen = 0
 
         self._setup_run_dir()
         self._setup_data()
@@ -351,7 +352,12 @@ class Trainer:
         items: list[dict] = []
         if self.env.is_main and self.bus:
             items = [d.model_dump(mode="json") for d in self.bus.poll_directives()]
-            self._rejected_total = getattr(self.bus, "rejected", 0)
+            # forged/unsigned/expired directives never get here: the bus client rejects, acks and counts them
+            new_rejections = self.bus.rejected - self._rejected_seen
+            self._rejected_seen = self.bus.rejected
+            if self.metrics:
+                for _ in range(new_rejections):
+                    self.metrics.on_directive("unknown", False)
         if self.env.distributed:
             items = self.env.broadcast_object(items)
         return items
@@ -392,8 +398,8 @@ class Trainer:
                 f.write(json.dumps({"id": d.id, "kind": d.kind, "status": status, "step": self.state.step,
                                     "timeline": self.state.timeline, "time": time.time(), "issuer": d.issuer,
                                     "reason": d.reason, "incident_id": d.incident_id}) + "\n")
-        if self.metrics:
-            self.metrics.on_directive(d.kind, status == "applied")
+        if self.metrics and status == "applied":
+            self.metrics.on_directive(d.kind, True)
         self._ack(d, status, detail)
         _log(env, f"directive {d.kind} ({d.id[:8]}): {status}" + (f" — {detail}" if detail else ""))
 
@@ -499,7 +505,10 @@ class Trainer:
         for mids in micro_ids:
             toks = self.ds.get_many(mids, self.cfg.model.seq_len)
             toks = drills.corrupt_tokens(self.cfg.faults, mids, toks, self.cfg.model.vocab_size)
-            micro.append(torch.from_numpy(toks).to(self.env.device, non_blocking=True))
+            t = torch.from_numpy(toks)
+            if self.env.device.type == "cuda":  # a copy from pageable memory would sync the stream
+                t = t.pin_memory()
+            micro.append(t.to(self.env.device, non_blocking=True))
         return micro, micro_ids
 
     def lr_for(self, step_index: int, ids: list[int]) -> float:
@@ -542,9 +551,8 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         factor, reason = self.guard.check(loss, grad_norm)
-        if apply:
-            lr_t = torch.tensor(lr_value, dtype=torch.float32, device=self.env.device)
-            self.opt.step(lr_t, factor)
+        if apply:  # lr stays a Python float: uploading it as a tensor would be a host->device sync
+            self.opt.step(lr_value, factor)
         self.opt.zero_grad(set_to_none=True)
         return loss, gathered, grad_norm, factor, reason
 
