@@ -13,6 +13,7 @@ verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a fil
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -64,7 +65,15 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 def write_torch(path: Path, obj: Any) -> None:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            # torch's zip writer turns a failed write (disk full, EFBIG, quota) into a RuntimeError
+            # ("unexpected pos ..."); surface the OSError underneath so callers handle it as I/O
+            cause = e.__context__
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__context__
+            raise cause or OSError(errno.EIO, f"torch.save failed: {str(e).splitlines()[0]}") from None
         f.flush()
         os.fsync(f.fileno())
 
@@ -191,13 +200,16 @@ class Checkpointer:
         per_rank: dict[str, Any],
         meta: dict[str, Any],
         dcp_writer: Callable[[Path], None] | None = None,
+        dcp_async_writer: Callable[[Path], Any] | None = None,
         async_save: bool = False,
         on_done: Callable[[bool, float, int, Path | None], None] | None = None,
     ) -> None:
         """Write a checkpoint for ``step``.
 
         ``shared``: rank-0 files (name -> object; ``.json`` names are JSON, others torch.save);
-        ``per_rank``: this rank's files; ``dcp_writer(dir)``: collective FSDP2 writer (sync only).
+        ``per_rank``: this rank's files; ``dcp_writer(dir)``: collective FSDP2 writer;
+        ``dcp_async_writer(dir)``: its async form (stages to CPU, returns a Future that completes
+        once every rank has written — DCP's coordinator gathers them on its own process group).
         With ``async_save`` the caller must have snapshotted tensors to CPU already; the write, the
         manifest and the rename happen on a background thread and the step continues.
         """
@@ -208,6 +220,27 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.barrier()
+
+        if async_save and dcp_async_writer is not None:
+            ok = self._write_files(tmp, shared, per_rank)  # small files: written now
+            fut = dcp_async_writer(tmp / "dcp") if ok else None  # the step waits only for the CPU staging
+
+            def dcp_job():
+                try:
+                    done_ok = ok and fut is not None and fut.result() is not None
+                except BaseException as e:  # surfaced by wait()
+                    self._async_error, done_ok = e, False
+                info = None
+                if self.rank == 0:
+                    info = self._finalize(tmp, step, meta) if done_ok else None
+                    if info is None:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                    if on_done:
+                        on_done(info is not None, time.time() - t0, info[1] if info else 0, info[0] if info else None)
+
+            self._async = threading.Thread(target=dcp_job, name=f"ckpt-{step}", daemon=True)
+            self._async.start()
+            return
 
         if async_save and dcp_writer is None:
             def job():

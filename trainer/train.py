@@ -103,6 +103,7 @@ class Trainer:
         self._throughput: deque = deque(maxlen=20)
         self._val_loss: float | None = None
         self._rejected_seen = 0
+        self._ckpt_group = None  # lazily created gloo group for FSDP2 async checkpoints
 
         self._setup_run_dir()
         self._setup_data()
@@ -271,7 +272,7 @@ class Trainer:
                 "dataset_fingerprint": self.ds.fingerprint}
         per_rank = {f"rng-rank{env.rank}.pt": rng.capture()}
         shared: dict = {"train_state.json": self._train_state()}
-        dcp_writer = None
+        dcp_writer = dcp_async_writer = None
         async_save = cfg.checkpoint.async_save
         if cfg.parallelism == "fsdp" and env.distributed:
             from torch.distributed.checkpoint import save as dcp_save
@@ -279,6 +280,14 @@ class Trainer:
 
             msd, osd = get_state_dict(self.model, self.opt)
             dcp_writer = lambda d: dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(d))  # noqa: E731
+            if async_save:
+                from torch.distributed.checkpoint import async_save as dcp_async_save
+
+                if self._ckpt_group is None:  # DCP's background collectives get their own gloo group
+                    self._ckpt_group = dist.new_group(backend="gloo")
+                group = self._ckpt_group
+                dcp_async_writer = lambda d: dcp_async_save(  # noqa: E731
+                    {"model": msd, "optim": osd}, checkpoint_id=str(d), process_group=group)
         else:
             msd, osd = self.raw_model.state_dict(), self.opt.state_dict()
             if async_save:  # snapshot to CPU now; the background thread writes while training goes on
@@ -288,7 +297,7 @@ class Trainer:
             shared["optim.pt"] = osd
         step = self.state.step
         self.ckpt.save(step, shared=shared, per_rank=per_rank, meta=meta, dcp_writer=dcp_writer,
-                       async_save=async_save, on_done=self._on_checkpoint_done(step))
+                       dcp_async_writer=dcp_async_writer, async_save=async_save, on_done=self._on_checkpoint_done(step))
 
     def _on_checkpoint_done(self, step: int):
         def done(ok: bool, seconds: float, size: int, path: Path | None) -> None:
