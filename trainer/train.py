@@ -128,7 +128,9 @@ class Trainer:
             return
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump(self.cfg))
+        # written once start() has restored (or begun) the run: a start that fails (e.g. --data of a
+        # different dataset) must not overwrite the config a plain `--run-dir` resume relies on
+        self._config_text = dump(self.cfg)
         self.env.barrier()
 
     def _setup_data(self) -> None:
@@ -489,6 +491,17 @@ class Trainer:
                     self.metrics.on_resume()
                 _log(env, f"run {self.run_id}: resumed from checkpoint step {resumed}")
         self._persist_skiplist()
+        if env.is_main:  # atomically: a kill mid-write must not leave a truncated config.yaml
+            tmp = self.run_dir / ".config.yaml.tmp"
+            tmp.write_text(self._config_text)
+            os.replace(tmp, self.run_dir / "config.yaml")
+            info = {"run": self.run_id, "world_size": env.world_size, "parallelism": self.cfg.parallelism,
+                    "model": self.cfg.preset or "custom", "data_dir": str(Path(self.data_dir).resolve()),
+                    "dataset_fingerprint": self.ds.fingerprint, "device": env.device.type,
+                    "timeline": self.state.timeline, "started": time.time()}
+            tmp = self.run_dir / ".run.json.tmp"
+            tmp.write_text(json.dumps(info, indent=1))
+            os.replace(tmp, self.run_dir / "run.json")
         env.barrier()
 
     def _previous_timeline(self) -> int:

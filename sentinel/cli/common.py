@@ -37,9 +37,13 @@ def friendly_errors(fn):
             raise SentinelError(str(e)) from None
         except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError) as e:
             raise SentinelError(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e)) from None
-        except Exception as e:  # redis errors without importing redis at module import time
-            if type(e).__module__.startswith(("redis", "valkey")):
+        except Exception as e:  # matched by module so this file imports neither redis nor torch
+            mod = type(e).__module__
+            if mod.startswith(("redis", "valkey")):
                 raise SentinelError(f"control bus unreachable or failed: {e.__class__.__name__}: {_redact(str(e))}") from None
+            if mod.startswith(("sentinel.", "trainer.")) and type(e).__name__.endswith("Error"):
+                # our own one-line errors (BusError, RulesError, DataError, CheckpointError, ...)
+                raise SentinelError(_redact(str(e)).splitlines()[0] if str(e) else type(e).__name__) from None
             raise
 
     return wrapper

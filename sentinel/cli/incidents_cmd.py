@@ -1,0 +1,290 @@
+"""``sentinel incidents`` and ``sentinel approve``.
+
+Incidents live in the run's ``incidents`` hash (written by the daemon, and by ``sentinel rollback``
+for manual rollbacks); their timelines are the ``events`` stream entries that carry their id.
+``approve`` XADDs a signed ``resume`` Directive naming the incident to the run's ``approvals``
+stream, which the leader daemon reads (``RunWatcher._read_approvals``) and acts on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option
+
+EVENTS_SCAN = 20_000  # newest events read per run to build timelines
+APPROVABLE = ("awaiting_approval", "escalated")
+
+
+def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = None) -> dict:
+    """{"run", "incidents": [incident + "timeline" + "outcome"], "orphan_events": [...]} for one run."""
+    from sentinel import bus, rundir
+    from sentinel.protocol import Event, Incident, SchemaError
+
+    out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "incidents": []}
+    if ref.r is None:
+        # no bus: what the run directory remembers (manual actions and the trainer's applied directives)
+        out["note"] = ref.bus_note
+        out["audit"] = rundir.read_audit(ref.run_dir, tail=200) if ref.run_dir else []
+        out["directives"] = rundir.read_directives_log(ref.run_dir, tail=200) if ref.run_dir else []
+        return out
+    with bus.bus_errors(ref.r):
+        raw = ref.r.hgetall(ref.keys.incidents)
+        entries = ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN)
+    incs: list[Incident] = []
+    for v in raw.values():
+        try:
+            incs.append(Incident.from_json(v))
+        except SchemaError:
+            continue
+    by_id: dict[str, list[dict]] = {}
+    for eid, fields in reversed(entries):
+        try:
+            ev = bus.decode((eid, fields), Event)
+        except SchemaError:
+            continue
+        if ev.incident_id:
+            by_id.setdefault(ev.incident_id, []).append({"id": eid, **ev.model_dump(mode="json", exclude={"v", "run"})})
+    incs.sort(key=lambda i: i.opened_at)
+    for inc in incs:
+        if incident_id and inc.id != incident_id:
+            continue
+        if only_open and inc.closed_at is not None:
+            continue
+        d = inc.model_dump(mode="json", exclude={"v"})
+        d["open"] = inc.closed_at is None
+        d["timeline"] = by_id.get(inc.id, [])
+        d["outcome"] = _outcome(inc, d["timeline"])
+        out["incidents"].append(d)
+    return out
+
+
+def _outcome(inc, timeline: list[dict]) -> str:
+    if inc.closed_at is None:
+        return {"awaiting_approval": "waiting for `sentinel approve`", "escalated": "escalated: automation stopped, a human must act",
+                "verifying": "rolled back; verifying recovery", "rollback": "rollback in progress",
+                }.get(inc.state, f"open ({inc.state})")
+    for ev in reversed(timeline):
+        if ev["kind"] in ("incident_closed", "manual_rollback", "approved"):
+            return ev["message"]
+    return f"closed ({inc.state})"
+
+
+def _render(runs: list[dict]):
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    from sentinel import rundir
+    from sentinel.runref import fmt_duration
+
+    def ts(t):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+    parts = []
+    for run in runs:
+        if run["source"] == "files":
+            parts.append(Text(f"{run['run']}: no control bus ({run.get('note') or 'offline'}); from the run directory:", style="yellow"))
+            t = Table(title="manual actions (audit.jsonl) and applied directives (directives.jsonl)", title_justify="left")
+            for c in ("time", "what", "who", "step", "detail"):
+                t.add_column(c)
+            rows = [(a.get("time"), f"{a.get('action')} {a.get('phase', '')}".strip(), a.get("who", ""),
+                     a.get("to_step", ""), a.get("reason") or a.get("outcome") or "") for a in run.get("audit", [])]
+            rows += [(d.get("time"), f"{d.get('kind')} {d.get('status')}", d.get("issuer", ""), d.get("step", ""),
+                      d.get("reason") or "") for d in run.get("directives", [])]
+            for r in sorted(rows, key=lambda x: x[0] or 0):
+                t.add_row(ts(r[0]), *(Text(str(x)) for x in r[1:]))
+            parts.append(t)
+            continue
+        if not run["incidents"]:
+            parts.append(Text(f"{run['run']}: no incidents", style="green"))
+            continue
+        for inc in run["incidents"]:
+            style = "red" if inc["open"] else "green"
+            dur = fmt_duration((inc["closed_at"] or time.time()) - inc["opened_at"])
+            head = (f"[bold]{escape(inc['id'])}[/]  rule [bold]{escape(inc['rule'])}[/]  state [{style}]{inc['state']}[/]  "
+                    f"onset step {inc['onset_step']}, detected {inc['detect_step']}  opened {ts(inc['opened_at'])}  "
+                    + (f"closed after {dur}" if not inc["open"] else f"[red]open for {dur}[/]"))
+            body = []
+            ev = inc.get("evidence") or []
+            if ev:
+                et = Table(title="evidence", title_justify="left", show_edge=False)
+                for c in ("step", "loss", "grad norm", "skipped", "detail"):
+                    et.add_column(c, justify="right" if c in ("step", "loss", "grad norm") else "left")
+                for e in ev[:12]:
+                    et.add_row(str(e.get("step", "")), _num(e.get("loss"), ".4f"), _num(e.get("grad_norm"), ".3f"),
+                               Text(str(e.get("skip_reason") or ("yes" if e.get("skipped") else ""))), Text(str(e.get("detail", ""))))
+                if len(ev) > 12:
+                    et.caption = f"... {len(ev) - 12} more (--json)"
+                body.append(et)
+            acts = inc.get("actions") or []
+            if acts:
+                at = Table(title="actions", title_justify="left", show_edge=False)
+                for c in ("time", "action", "to step", "skip samples", "by", "outcome", "reason"):
+                    at.add_column(c)
+                for a in acts:
+                    rs = [tuple(r) for r in a.get("ranges") or []]
+                    at.add_row(ts(a.get("time")), str(a.get("kind")) + (" (dry run)" if a.get("dry_run") else ""),
+                               str(a.get("to_step", "") if a.get("to_step") is not None else ""),
+                               f"{rundir.count(rs)}" if rs else "", str(a.get("issuer", "sentinel")),
+                               Text(str(a.get("outcome", ""))), Text(str(a.get("reason", ""))))
+                body.append(at)
+            tl = inc.get("timeline") or []
+            if tl:
+                tt = Table(title="timeline", title_justify="left", show_edge=False)
+                for c in ("time", "event", "step", "message"):
+                    tt.add_column(c)
+                sev = {"critical": "red", "warning": "yellow"}
+                for e in tl[-30:]:
+                    tt.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])),
+                               Text(e["kind"], style=sev.get(e["severity"], "")), "" if e.get("step") is None else str(e["step"]),
+                               Text(e["message"]))
+                body.append(tt)
+            body.append(Text.assemble("outcome: ", (inc["outcome"], style)))
+            parts.append(Panel(Group(*body), title=head, title_align="left", border_style=style))
+    return Group(*parts)
+
+
+def _num(x, fmt):
+    return "" if x is None else format(x, fmt)
+
+
+@click.command("incidents")
+@click.argument("runs", nargs=-1, metavar="[RUN]...")
+@click.option("--open", "only_open", is_flag=True, help="Only incidents that are still open.")
+@click.option("--id", "incident_id", metavar="INCIDENT", help="Only this incident.")
+@redis_url_option
+@json_option
+@friendly_errors
+def incidents(runs, only_open, incident_id, redis_url, as_json):
+    """Incident timelines: evidence (the triggering step records), actions and outcomes.
+
+    RUN is a run directory or a run id on the bus; without RUN, every run registered on the bus.
+    """
+    from sentinel.runref import ops_errors
+
+    ops_errors(_incidents)(runs, only_open, incident_id, redis_url, as_json)
+
+
+def _incidents(runs, only_open, incident_id, redis_url, as_json):
+    from sentinel.runref import resolve_many
+
+    out = [run_incidents(ref, only_open=only_open, incident_id=incident_id) for ref in resolve_many(runs, redis_url)]
+    if incident_id and not any(r["incidents"] for r in out):
+        raise SentinelError(f"incident {incident_id} not found")
+    if as_json:
+        emit_json({"runs": out})
+        return
+    from sentinel.cli.status_cmd import console_for_output
+
+    console = console_for_output()
+    if not out:
+        console.print("[dim]no runs registered on the bus[/]")
+    console.print(_render(out))
+
+
+# --------------------------------------------------------------------------------------------
+# approve
+# --------------------------------------------------------------------------------------------
+
+
+def find_incident(incident_id: str, run: str | None, redis_url: str | None):
+    """(RunRef, Incident) for an incident id: in ``--run``'s incidents hash, else in every registered run's."""
+    from sentinel import bus
+    from sentinel.protocol import Incident
+    from sentinel.runref import all_runs, resolve
+
+    if run:
+        refs = [resolve(run, redis_url, need_bus=True)]
+    else:
+        try:
+            refs = all_runs(redis_url)
+        except Exception as e:
+            from sentinel.runref import RunRefError
+
+            if isinstance(e, RunRefError):
+                raise RunRefError(f"{e}; or pass --run RUN_DIR") from None
+            raise
+    for ref in refs:
+        with bus.bus_errors(ref.r):
+            raw = ref.r.hget(ref.keys.incidents, incident_id)
+        if raw:
+            return ref, Incident.from_json(raw)
+    where = f"run {refs[0].run}" if run else f"any of the {len(refs)} run(s) on the bus"
+    raise SentinelError(f"incident {incident_id} not found in {where}")
+
+
+@click.command("approve")
+@click.argument("incident_id", metavar="INCIDENT")
+@click.option("--run", "run", metavar="RUN", help="The incident's run (a run dir or id); default: search every run on the bus.")
+@click.option("--reason", help="Why (recorded with the approval).")
+@click.option("--force", is_flag=True, help="Send the approval even if the incident does not look like it is waiting for one.")
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds to wait for the sentinel to act on the approval (0: do not wait).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
+@redis_url_option
+@json_option
+@friendly_errors
+def approve(incident_id, run, reason, force, wait_s, secret_file, redis_url, as_json):
+    """Approve the pending action of INCIDENT (require_approval mode) or hand an escalated run back
+    to automation: a signed approval on the run's approvals stream, for the sentinel daemon.
+
+    Incident ids look like RUNID-t0-s101; the run is found on the bus unless --run is given.
+    """
+    from sentinel.runref import ops_errors
+
+    ops_errors(_approve)(incident_id, run, reason, force, wait_s, secret_file, redis_url, as_json)
+
+
+def _approve(incident_id, run, reason, force, wait_s, secret_file, redis_url, as_json):
+    from sentinel import bus, rundir
+    from sentinel.protocol import Directive, Event, SchemaError
+    from sentinel.runref import issuer
+
+    ref, inc = find_incident(incident_id, run, redis_url)
+    if not force and (inc.closed_at is not None or inc.state not in APPROVABLE):
+        raise SentinelError(f"incident {inc.id} is {inc.state}{' (closed)' if inc.closed_at else ''}: nothing to approve "
+                            f"(only {' / '.join(APPROVABLE)} incidents wait for one; --force sends it anyway)")
+    secret = ref.secret(secret_file)
+    who = issuer()
+    d = Directive(run=ref.run, kind="resume", incident_id=inc.id, issuer=who,
+                  reason=reason or f"approved by {who}").signed(secret)
+    with bus.bus_errors(ref.r):
+        tail = ref.r.xrevrange(ref.keys.events, count=1)
+    ev_cursor = tail[0][0] if tail else "0-0"
+    sid = bus.publish(ref.r, ref.keys.approvals, d)
+    if ref.run_dir is not None:
+        rundir.append_audit(ref.run_dir, {"action": "approve", "who": who, "run": ref.run, "incident_id": inc.id,
+                                          "incident_state": inc.state, "reason": reason, "directive_id": d.id,
+                                          "stream_id": sid})
+    acted = None
+    if wait_s > 0:
+        deadline = time.monotonic() + wait_s
+        while acted is None and time.monotonic() < deadline:
+            with bus.bus_errors(ref.r):
+                resp = ref.r.xread({ref.keys.events: ev_cursor}, count=100, block=500)
+            for _, items in resp or []:
+                for eid, fields in items:
+                    ev_cursor = eid
+                    try:
+                        ev = bus.decode((eid, fields), Event)
+                    except SchemaError:
+                        continue
+                    if ev.incident_id == inc.id and ev.kind == "approved":
+                        acted = ev.message
+    res = {"run": ref.run, "incident_id": inc.id, "incident_state": inc.state, "directive_id": d.id, "stream_id": sid,
+           "issuer": who, "acted": acted}
+    if as_json:
+        emit_json(res)
+    else:
+        click.echo(f"approved {inc.id} ({inc.state}) as {who}: approval {sid} on the bus")
+        if acted:
+            click.echo(f"the sentinel acted: {acted}")
+        elif wait_s > 0:
+            click.echo(f"warning: no sentinel acted on it within {wait_s:.0f}s (is `sentinel run` watching {ref.run}?)", err=True)
+    if wait_s > 0 and acted is None:
+        raise SystemExit(1)

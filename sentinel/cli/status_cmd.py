@@ -1,0 +1,278 @@
+"""``sentinel status``: one row per run, with what is out of band marked.
+
+Live runs are read from the control bus (the step stream's tail, heartbeat, checkpoints, incidents,
+acks); a run directory with no reachable bus is read from its files (``steps.jsonl``, checkpoint
+manifests, ``directives.jsonl``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from sentinel.cli.common import emit_json, friendly_errors, json_option, redis_url_option
+
+WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
+LOSS_BAND = 1.20  # loss above 1.2x its recent median is out of band
+CKPT_OLD_S = 2 * 3600.0
+
+
+def run_status(ref, now: float | None = None) -> dict:
+    """Everything status shows for one run, as a JSON-able dict."""
+    from sentinel import bus, rundir
+    from sentinel.protocol import Ack, CheckpointInfo, Incident, SchemaError
+    from sentinel.runref import HEARTBEAT_STALE_S
+
+    now = time.time() if now is None else now
+    row: dict = {"run": ref.run, "run_dir": str(ref.run_dir) if ref.run_dir else None, "bus": ref.describe_bus(),
+                 "source": "bus" if ref.r is not None else "files"}
+    records: list = []
+    hb = None
+    if ref.r is not None:
+        k = ref.keys
+        with bus.bus_errors(ref.r):
+            entries = ref.r.xrevrange(k.steps, count=WINDOW)
+        for eid, fields in reversed(entries):
+            try:
+                records.append(bus.decode((eid, fields)))
+            except SchemaError:
+                continue
+        hb = ref.heartbeat()
+    if not records and ref.run_dir is not None:
+        records = rundir.tail_records(ref.run_dir, WINDOW)
+        if ref.r is not None:
+            row["source"] = "bus+files"
+    s = rundir.summarize(records, now)
+    row.update(s.to_json())
+
+    # liveness
+    if ref.r is None:
+        mt = rundir.steps_mtime(ref.run_dir) if ref.run_dir else None
+        row["state"] = "offline"
+        row["heartbeat_age_seconds"] = None
+        row["note"] = ref.bus_note
+        if mt is not None and now - mt < 60:
+            row["state"] = "offline-writing"  # steps.jsonl moving, but no bus: a trainer without telemetry
+    elif hb is None:
+        row["state"] = "stopped" if records else "no-data"
+        row["heartbeat_age_seconds"] = None
+    else:
+        sent = hb.get("sent") or hb.get("time")
+        age = (now - float(sent)) if isinstance(sent, (int, float)) else None
+        row["heartbeat_age_seconds"] = age
+        row["state"] = "stale" if age is not None and age > HEARTBEAT_STALE_S else "live"
+        if isinstance(hb.get("step"), int) and (row.get("step") is None or hb["step"] > row["step"]):
+            row["step"] = hb["step"]
+
+    # checkpoints: the newest one's age
+    newest = None
+    if ref.r is not None:
+        with bus.bus_errors(ref.r):
+            raw = ref.r.hgetall(ref.keys.checkpoints)
+        for v in raw.values():
+            try:
+                ci = CheckpointInfo.from_json(v)
+            except SchemaError:
+                continue
+            if newest is None or ci.created > newest:
+                newest = ci.created
+    if newest is None and ref.run_dir is not None:
+        cks = rundir.checkpoint_steps(ref.run_dir)
+        for _, p in cks[:1]:
+            ck = rundir.load_checkpoint(_, p, rehash=False)
+            newest = ck.created
+    if newest is not None:
+        row["checkpoint_age_seconds"] = max(0.0, now - newest)
+    # a stopped run's checkpoint is not getting older in a way anyone needs to act on
+    row["checkpoint_stale"] = bool(row.get("checkpoint_age_seconds") is not None and row["checkpoint_age_seconds"] > CKPT_OLD_S
+                                   and row["state"] in ("live", "stale", "offline-writing"))
+
+    # incidents
+    open_ids: list[str] = []
+    if ref.r is not None:
+        with bus.bus_errors(ref.r):
+            inc_raw = ref.r.hgetall(ref.keys.incidents)
+        for v in inc_raw.values():
+            try:
+                inc = Incident.from_json(v)
+            except SchemaError:
+                continue
+            if inc.closed_at is None:
+                open_ids.append(inc.id)
+        row["incidents_total"] = len(inc_raw)
+    row["open_incidents"] = len(open_ids)
+    row["open_incident_ids"] = sorted(open_ids)
+
+    # last action: the newest ack on the bus, else the trainer's directive log
+    last = None
+    if ref.r is not None:
+        with bus.bus_errors(ref.r):
+            acks = ref.r.xrevrange(ref.keys.acks, count=1)
+        for _, fields in acks:
+            try:
+                a = Ack.from_json(fields.get("json", "{}"))
+                last = {"kind": a.kind, "status": a.status, "step": a.step, "time": a.time, "detail": a.detail}
+            except SchemaError:
+                pass
+    if last is None and ref.run_dir is not None:
+        log = rundir.read_directives_log(ref.run_dir, tail=1)
+        if log:
+            d = log[-1]
+            last = {k: d.get(k) for k in ("kind", "status", "step", "time", "issuer")}
+    if ref.run_dir is not None:
+        pending = rundir.read_pending_rollback(ref.run_dir)
+        if pending:
+            row["pending_rollback"] = pending
+    row["last_action"] = last
+    loss, med = row.get("loss"), row.get("loss_median")
+    row["loss_out_of_band"] = bool(loss is not None and med and (loss != loss or loss > LOSS_BAND * med))
+    return row
+
+
+def _fmt_num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _fmt_rate(x) -> str:
+    if x is None:
+        return "-"
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+def render(rows: list[dict], errors: list[str], now: float | None = None):
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    from sentinel.runref import ago, fmt_duration
+
+    now = time.time() if now is None else now
+    t = Table(title=f"sentinel status  ({time.strftime('%H:%M:%S', time.localtime(now))})", title_justify="left")
+    for col, just in (("run", "left"), ("state", "left"), ("step", "right"), ("loss", "right"), ("val PPL", "right"),
+                      ("grad norm", "right"), ("tokens/s", "right"), ("MFU", "right"), ("ckpt age", "right"),
+                      ("incidents", "right"), ("guard skips", "right"), ("last action", "left")):
+        t.add_column(col, justify=just, no_wrap=col != "last action")
+    state_style = {"live": "green", "stale": "bold red", "stopped": "dim", "offline": "dim", "offline-writing": "yellow",
+                   "no-data": "dim"}
+    for r in rows:
+        st = r["state"]
+        if st == "live" and r.get("heartbeat_age_seconds") is not None:
+            st_txt = f"live ({fmt_duration(r['heartbeat_age_seconds'])})"
+        elif st == "stale":
+            st_txt = f"stale hb {fmt_duration(r.get('heartbeat_age_seconds'))}"
+        else:
+            st_txt = st
+        loss = _fmt_num(r.get("loss"), ".4f")
+        if r.get("loss_out_of_band"):
+            loss = f"[bold red]{loss}[/] [red](med {r['loss_median']:.3f})[/]"
+        ck = fmt_duration(r.get("checkpoint_age_seconds"))
+        if r.get("checkpoint_stale"):
+            ck = f"[bold red]{ck}[/]"
+        n_open = r.get("open_incidents", 0)
+        inc = f"[bold red]{n_open} open[/]" if n_open else "[green]0[/]"
+        skips = r.get("guard_skips", 0)
+        skips_txt = f"[yellow]{skips}[/]" if skips else "0"
+        la = r.get("last_action")
+        la_txt = "-"
+        if la:
+            color = {"applied": "green", "rejected": "red", "failed": "red"}.get(str(la.get("status")), "")
+            la_txt = f"{la.get('kind')} [{color}]{la.get('status')}[/]" if color else escape(f"{la.get('kind')} {la.get('status')}")
+            if la.get("step") is not None:
+                la_txt += f" @ {la['step']}"
+            la_txt += f", {ago(la.get('time'), now)} ago"
+        if r.get("pending_rollback"):
+            la_txt += f" [yellow](pending rollback to {r['pending_rollback'].get('to_step')})[/]"
+        mfu = r.get("mfu")
+        t.add_row(
+            Text(r["run"]), Text(st_txt, style=state_style.get(r["state"], "")), _fmt_num(r.get("step"), "d"), loss,
+            _fmt_num(r.get("val_ppl"), ".2f"), _fmt_num(r.get("grad_norm"), ".3f"), _fmt_rate(r.get("tokens_per_second")),
+            "-" if mfu is None else f"{mfu * 100:.1f}%", ck, inc, skips_txt, la_txt,
+        )
+    parts = [t]
+    if not rows and not errors:
+        parts.append(Text("no runs registered on the bus", style="dim"))
+    notes = [f"{r['run']}: {r['note']}" for r in rows if r.get("note")]
+    for n in notes:
+        parts.append(Text(f"note: {n}", style="dim"))
+    for e in errors:
+        parts.append(Text(f"error: {e}", style="red"))
+    return Group(*parts)
+
+
+def console_for_output(stderr: bool = False):
+    """A rich console; when output is piped, wide enough that rows are not cut to 80 columns."""
+    from rich.console import Console
+
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, width=200)
+
+
+def collect(runs, redis_url) -> tuple[list[dict], list[str]]:
+    from sentinel.runref import resolve_many
+
+    refs = resolve_many(runs, redis_url)
+    rows, errors = [], []
+    now = time.time()
+    for ref in refs:
+        rows.append(run_status(ref, now))
+    return rows, errors
+
+
+@click.command("status")
+@click.argument("runs", nargs=-1, metavar="[RUN]...")
+@click.option("--watch", is_flag=True, help="Refresh live until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@redis_url_option
+@json_option
+@friendly_errors
+def status(runs, watch, interval, redis_url, as_json):
+    """One row per run: step, loss, val PPL, grad norm, tokens/s, MFU, checkpoint age, open incidents,
+    guard skips, last action. Out-of-band values are red: loss >20% above its recent median, the
+    newest checkpoint older than 2 h, a stale heartbeat, open incidents.
+
+    RUN is a run directory (works offline, from steps.jsonl) or a run id on the bus; without RUN,
+    every run registered on the bus (--redis-url / SENTINEL_REDIS_URL).
+    """
+    from sentinel.runref import ops_errors
+
+    ops_errors(_status)(runs, watch, interval, redis_url, as_json)
+
+
+def _status(runs, watch, interval, redis_url, as_json):
+    rows, errors = collect(runs, redis_url)
+    if not watch:
+        if as_json:
+            emit_json({"runs": rows, "time": time.time()})
+            return
+        console_for_output().print(render(rows, errors))
+        return
+    try:
+        if as_json:  # one compact JSON document per refresh (NDJSON)
+            while True:
+                click.echo(json.dumps({"runs": rows, "time": time.time()}, default=str, sort_keys=True))
+                time.sleep(interval)
+                rows, errors = collect(runs, redis_url)
+        from rich.live import Live
+
+        console = console_for_output()
+        with Live(render(rows, errors), console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                try:
+                    rows, errors = collect(runs, redis_url)
+                    live.update(render(rows, errors))
+                except Exception as e:  # keep watching through a bus blip
+                    from sentinel.bus import BusError
+
+                    if not isinstance(e, BusError):
+                        raise
+                    live.update(render(rows, [f"{e} (showing the last good data)"]))
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,556 @@
+"""Torch-free readers (and the few writers the CLI needs) for a run directory.
+
+The on-call commands (`sentinel status`, `checkpoints`, `rollback`, `skip-list`, ...) must work on
+a laptop without torch and must never import the training loop, so everything they need from
+``RUN_DIR`` lives here, on the standard library plus ``sentinel.protocol``:
+
+* ``steps.jsonl``: the last N records, read backwards from the end (a run's log can be huge);
+* ``checkpoints/step-*/manifest.json``: listing, sizes, and a re-hash of every file against the
+  manifest's sha256 (``checksum_ok`` / ``corrupt`` / ``incomplete``), plus ``verified.json`` from
+  ``sentinel verify-resume`` (``resume_verified`` / ``failed``);
+* ``skiplist.json``: read, and an atomic write (tmp + fsync + rename) in the trainer's format;
+* ``pending_rollback.json``: the plan a trainer consumes at its next start;
+* ``directives.jsonl`` (the trainer's log of applied directives) and ``audit.jsonl`` (who did what
+  by hand, and why).
+
+The formats mirror ``trainer/checkpoint.py``, ``trainer/data/skiplist.py`` and ``trainer/train.py``;
+this module does not import them (``trainer.checkpoint`` imports torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from sentinel.protocol import SchemaError, StepRecord, TimelineRecord, merge_ranges, parse_step_line
+
+STEPS = "steps.jsonl"
+SKIPLIST = "skiplist.json"
+PENDING = "pending_rollback.json"
+DIRECTIVES_LOG = "directives.jsonl"
+AUDIT = "audit.jsonl"
+CONFIG = "config.yaml"
+CKPT_DIR = "checkpoints"
+MANIFEST = "manifest.json"
+VERIFIED = "verified.json"
+CHECKPOINT_FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+class RunDirError(Exception):
+    """A one-line problem with a run directory (missing, unreadable, malformed file)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Identity
+# --------------------------------------------------------------------------------------------
+
+
+def require_run_dir(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise RunDirError(f"run directory not found: {p}")
+    if not any((p / n).exists() for n in (STEPS, CONFIG, CKPT_DIR, "bus")):
+        raise RunDirError(f"{p} is not a run directory (no {STEPS}, {CONFIG}, {CKPT_DIR}/ or bus/)")
+    return p
+
+
+def run_id_of(run_dir: str | os.PathLike) -> str:
+    """The run id the trainer uses for this directory: config.yaml's ``run_id``, else the directory's
+    name (the same rule as ``Trainer``; a copied run dir becomes a new run)."""
+    d = Path(run_dir)
+    cfg = d / CONFIG
+    if cfg.is_file():
+        try:
+            import yaml
+
+            rid = (yaml.safe_load(cfg.read_text()) or {}).get("run_id")
+            if rid:
+                return str(rid)
+        except Exception:  # an unreadable config is the trainer's problem, not ours
+            pass
+    return d.resolve().name
+
+
+def config_skip_ranges(run_dir: str | os.PathLike) -> list[tuple[int, int]]:
+    """``data.skip`` of the run's config.yaml (the trainer re-adds these at every start)."""
+    cfg = Path(run_dir) / CONFIG
+    if not cfg.is_file():
+        return []
+    try:
+        import yaml
+
+        raw = ((yaml.safe_load(cfg.read_text()) or {}).get("data") or {}).get("skip") or []
+        return merge_ranges((int(lo), int(hi)) for lo, hi in raw)
+    except Exception:
+        return []
+
+
+# --------------------------------------------------------------------------------------------
+# steps.jsonl
+# --------------------------------------------------------------------------------------------
+
+
+def tail_lines(path: str | os.PathLike, n: int, block: int = 1 << 16) -> list[bytes]:
+    """The last ``n`` complete lines of a file, reading backwards (a torn last line is dropped)."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+        buf = b""
+        pos = end
+        while pos > 0 and buf.count(b"\n") <= n:
+            step = min(block, pos)
+            pos -= step
+            f.seek(pos)
+            buf = f.read(step) + buf
+    if not buf.endswith(b"\n"):
+        cut = buf.rfind(b"\n")
+        buf = buf[: cut + 1] if cut >= 0 else b""
+    lines = [ln for ln in buf.split(b"\n") if ln.strip()]
+    if pos > 0 and lines:  # the first piece may be a partial line
+        lines = lines[1:]
+    return lines[-n:] if n else []
+
+
+def tail_records(run_dir: str | os.PathLike, n: int = 1000) -> list[StepRecord | TimelineRecord]:
+    """The last ``n`` records of ``steps.jsonl`` (malformed lines are skipped); [] if there is none."""
+    path = Path(run_dir) / STEPS
+    if not path.is_file():
+        return []
+    out = []
+    for line in tail_lines(path, n):
+        try:
+            out.append(parse_step_line(line))
+        except SchemaError:
+            continue
+    return out
+
+
+def read_records(run_dir: str | os.PathLike):
+    """Every record of ``steps.jsonl``, in order (streamed; a torn tail line is skipped)."""
+    path = Path(run_dir) / STEPS
+    if not path.is_file():
+        return
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                return
+            if line.strip():
+                try:
+                    yield parse_step_line(line)
+                except SchemaError:
+                    continue
+
+
+def effective_steps(records: Iterable) -> list[StepRecord]:
+    """The authoritative step records of a record sequence (a rollback supersedes later steps)."""
+    out: dict[int, StepRecord] = {}
+    for r in records:
+        if isinstance(r, StepRecord):
+            out[r.step] = r
+        elif isinstance(r, TimelineRecord):
+            for s in [s for s in out if s > r.from_step]:
+                del out[s]
+    return [out[s] for s in sorted(out)]
+
+
+def steps_mtime(run_dir: str | os.PathLike) -> float | None:
+    try:
+        return (Path(run_dir) / STEPS).stat().st_mtime
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{int(step):08d}"
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    manifest: dict | None
+    bytes: int
+    created: float | None
+    checksum: str  # checksum_ok | corrupt | incomplete | unverified (not re-hashed)
+    problem: str | None = None
+    verify_resume: dict | None = None  # the verified.json entry, if any
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def status(self) -> str:
+        """What an operator should believe: a bad checksum beats an old verify-resume result."""
+        if self.checksum in ("corrupt", "incomplete"):
+            return self.checksum
+        if self.verify_resume and self.verify_resume.get("verified") in ("resume_verified", "failed"):
+            return str(self.verify_resume["verified"])
+        return self.checksum
+
+    @property
+    def usable(self) -> bool:
+        return self.checksum in ("checksum_ok", "unverified") and self.status != "failed"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "name": self.name, "path": str(self.path), "bytes": self.bytes, "created": self.created,
+            "age_seconds": (time.time() - self.created) if self.created else None, "verified": self.status,
+            "checksum": self.checksum, "problem": self.problem, "verify_resume": self.verify_resume,
+            "timeline": (self.manifest or {}).get("timeline"), "tokens": (self.manifest or {}).get("tokens"),
+            "world_size": (self.manifest or {}).get("world_size"),
+        }
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def check_checkpoint(path: Path, *, rehash: bool = True) -> tuple[str, str | None, dict | None]:
+    """(state, problem, manifest) for one ``step-N`` directory, like ``trainer.checkpoint.verify``."""
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        return "incomplete", "no manifest (the write never finished)", None
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return "corrupt", "manifest.json is unreadable", None
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        return "corrupt", f"unsupported checkpoint format {manifest.get('format')!r}", manifest
+    for name in sorted(files):
+        if not (path / name).is_file():
+            return "incomplete", f"{name} is missing", manifest
+    if not rehash:
+        return "unverified", None, manifest
+    for name, digest in sorted(files.items()):
+        try:
+            if sha256_file(path / name) != digest:
+                return "corrupt", f"{name} fails its sha256 check (corrupt or truncated)", manifest
+        except OSError as e:
+            return "corrupt", f"{name}: {e.strerror or e}", manifest
+    return "checksum_ok", None, manifest
+
+
+def read_verified(run_dir: str | os.PathLike) -> dict[int, dict]:
+    """``checkpoints/verified.json`` written by ``sentinel verify-resume``: {step: {"verified", "time", ...}}."""
+    p = Path(run_dir) / CKPT_DIR / VERIFIED
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[int, dict] = {}
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            try:
+                out[int(k)] = v if isinstance(v, dict) else {"verified": str(v)}
+            except ValueError:
+                continue
+    return out
+
+
+def checkpoint_steps(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Every ``step-N`` directory (valid or not), newest first; in-flight ``.tmp-*`` writes excluded."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+def load_checkpoint(step: int, path: Path, verified: dict[int, dict] | None = None, *, rehash: bool = True) -> Checkpoint:
+    state, problem, manifest = check_checkpoint(path, rehash=rehash)
+    size = int(manifest["bytes"]) if manifest and isinstance(manifest.get("bytes"), int) else _dir_bytes(path)
+    created = manifest.get("created") if manifest else None
+    if created is None:
+        try:
+            created = path.stat().st_mtime
+        except OSError:
+            created = None
+    return Checkpoint(step=step, path=path, manifest=manifest, bytes=size, created=created, checksum=state,
+                      problem=problem, verify_resume=(verified or {}).get(step))
+
+
+def list_checkpoints(run_dir: str | os.PathLike, *, rehash: bool = True) -> list[Checkpoint]:
+    """All checkpoints of a run, newest first, each with its checksum / verification state."""
+    verified = read_verified(run_dir)
+    return [load_checkpoint(s, p, verified, rehash=rehash) for s, p in checkpoint_steps(run_dir)]
+
+
+def find_checkpoint(run_dir: str | os.PathLike, step: int, *, rehash: bool = True) -> Checkpoint | None:
+    p = Path(run_dir) / CKPT_DIR / step_dir_name(step)
+    if not p.is_dir():
+        return None
+    return load_checkpoint(step, p, read_verified(run_dir), rehash=rehash)
+
+
+def checkpoint_skip_ranges(ck: Checkpoint) -> list[tuple[int, int]]:
+    """The skip list saved in a checkpoint's train state (re-added when the trainer resumes from it)."""
+    try:
+        ts = json.loads((ck.path / "train_state.json").read_text())
+        return merge_ranges((int(lo), int(hi)) for lo, hi in ts.get("skiplist", []))
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+# --------------------------------------------------------------------------------------------
+# Skip list
+# --------------------------------------------------------------------------------------------
+
+
+def read_skiplist(run_dir: str | os.PathLike) -> list[tuple[int, int]]:
+    """``skiplist.json`` as merged [lo, hi) ranges; a missing file is an empty list."""
+    p = Path(run_dir) / SKIPLIST
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"skip list {p} is unreadable: {e}") from None
+    try:
+        return merge_ranges((int(lo), int(hi)) for lo, hi in raw)
+    except (TypeError, ValueError):
+        raise RunDirError(f"skip list {p} is malformed: expected [[lo, hi], ...]") from None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_skiplist(run_dir: str | os.PathLike, ranges) -> list[tuple[int, int]]:
+    """Replace ``skiplist.json`` atomically (same format as ``trainer.data.SkipList.save``)."""
+    merged = merge_ranges(ranges)
+    _atomic_write(Path(run_dir) / SKIPLIST, json.dumps([[lo, hi] for lo, hi in merged]))
+    return merged
+
+
+def grow_skiplist(run_dir: str | os.PathLike, ranges) -> tuple[list[tuple[int, int]], int]:
+    """Merge ``ranges`` into ``skiplist.json``; returns (new list, number of newly covered ids)."""
+    before = read_skiplist(run_dir)
+    after = merge_ranges(list(before) + [tuple(r) for r in ranges])
+    if after != before:
+        write_skiplist(run_dir, after)
+    return after, count(after) - count(before)
+
+
+# --------------------------------------------------------------------------------------------
+# Range helpers
+# --------------------------------------------------------------------------------------------
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``LO:HI`` (half-open) or a single id ``N`` (= ``N:N+1``)."""
+    t = text.strip()
+    try:
+        if ":" in t:
+            a, b = t.split(":", 1)
+            lo, hi = int(a), int(b)
+        else:
+            lo = int(t)
+            hi = lo + 1
+    except ValueError:
+        raise ValueError(f"bad sample range {text!r}: expected LO:HI (sample ids, HI exclusive) or one id") from None
+    if lo < 0 or hi <= lo:
+        raise ValueError(f"bad sample range {text!r}: need 0 <= LO < HI")
+    return lo, hi
+
+
+def count(ranges) -> int:
+    return sum(int(hi) - int(lo) for lo, hi in ranges)
+
+
+def subtract_ranges(ranges, remove) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    rem = merge_ranges(remove)
+    for lo, hi in merge_ranges(ranges):
+        pieces = [(lo, hi)]
+        for rlo, rhi in rem:
+            nxt = []
+            for a, b in pieces:
+                if rhi <= a or rlo >= b:
+                    nxt.append((a, b))
+                    continue
+                if a < rlo:
+                    nxt.append((a, rlo))
+                if rhi < b:
+                    nxt.append((rhi, b))
+            pieces = nxt
+        out.extend(pieces)
+    return merge_ranges(out)
+
+
+def intersect_ranges(a, b) -> list[tuple[int, int]]:
+    out = []
+    for lo, hi in merge_ranges(a):
+        for blo, bhi in merge_ranges(b):
+            x, y = max(lo, blo), min(hi, bhi)
+            if x < y:
+                out.append((x, y))
+    return merge_ranges(out)
+
+
+def fmt_ranges(ranges, limit: int = 6) -> str:
+    rs = [f"{lo}:{hi}" for lo, hi in ranges]
+    if len(rs) > limit:
+        return ", ".join(rs[:limit]) + f", ... (+{len(rs) - limit})"
+    return ", ".join(rs) or "-"
+
+
+# --------------------------------------------------------------------------------------------
+# Pending rollback, directives log, audit log
+# --------------------------------------------------------------------------------------------
+
+
+def read_pending_rollback(run_dir: str | os.PathLike) -> dict | None:
+    p = Path(run_dir) / PENDING
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"{p} is unreadable: {e}") from None
+    return data if isinstance(data, dict) else None
+
+
+def write_pending_rollback(run_dir: str | os.PathLike, *, to_step: int, ranges, reason: str | None, id: str,
+                           **extra: Any) -> Path:
+    """Write the plan the trainer's ``start()`` consumes: {"to_step", "ranges", "reason", "id", ...}."""
+    p = Path(run_dir) / PENDING
+    plan = {"to_step": int(to_step), "ranges": [[lo, hi] for lo, hi in merge_ranges(ranges)], "reason": reason,
+            "id": id, **extra}
+    _atomic_write(p, json.dumps(plan, indent=1, sort_keys=True))
+    return p
+
+
+def _read_jsonl(path: Path, tail: int | None = None) -> list[dict]:
+    if not path.is_file():
+        return []
+    lines = tail_lines(path, tail) if tail else path.read_bytes().splitlines()
+    out = []
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def read_directives_log(run_dir: str | os.PathLike, tail: int | None = None) -> list[dict]:
+    """The trainer's ``directives.jsonl`` (applied directives: id, kind, status, step, timeline, ...)."""
+    return _read_jsonl(Path(run_dir) / DIRECTIVES_LOG, tail)
+
+
+def read_audit(run_dir: str | os.PathLike, tail: int | None = None) -> list[dict]:
+    return _read_jsonl(Path(run_dir) / AUDIT, tail)
+
+
+def append_audit(run_dir: str | os.PathLike, record: dict[str, Any]) -> dict[str, Any]:
+    """Append one line to ``audit.jsonl`` (O_APPEND + fsync: concurrent writers never interleave)."""
+    rec = {"time": time.time(), **record}
+    data = (json.dumps(rec, sort_keys=True, default=str) + "\n").encode()
+    fd = os.open(Path(run_dir) / AUDIT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return rec
+
+
+@dataclass
+class StepsSummary:
+    """What ``sentinel status`` shows for a run, computed from a window of step records."""
+
+    step: int | None = None
+    timeline: int | None = None
+    loss: float | None = None
+    loss_median: float | None = None
+    val_ppl: float | None = None
+    grad_norm: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    guard_skips: int = 0
+    window: int = 0
+    last_time: float | None = None
+    checkpoint_age_seconds: float | None = None
+    last_timeline_event: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+
+def summarize(records: list, now: float | None = None) -> StepsSummary:
+    now = time.time() if now is None else now
+    steps = effective_steps(records)
+    s = StepsSummary(window=len(steps))
+    for r in records:
+        if isinstance(r, TimelineRecord):
+            s.last_timeline_event = {"kind": r.kind, "from_step": r.from_step, "timeline": r.timeline, "time": r.time,
+                                     "reason": r.reason, "skip_samples": count(r.skip_ranges)}
+    if not steps:
+        return s
+    last = steps[-1]
+    s.step, s.timeline, s.loss, s.grad_norm, s.last_time = last.step, last.timeline, last.loss, last.grad_norm, last.time
+    s.tokens_per_second, s.mfu = last.tokens_per_second, last.mfu
+    recent = [r.loss for r in steps[-51:-1] if r.loss == r.loss and not r.skipped]
+    if recent:
+        recent.sort()
+        m = len(recent) // 2
+        s.loss_median = recent[m] if len(recent) % 2 else (recent[m - 1] + recent[m]) / 2
+    for r in reversed(steps):
+        if r.val_ppl is not None:
+            s.val_ppl = r.val_ppl
+            break
+    s.guard_skips = sum(1 for r in steps if r.skipped)
+    if last.checkpoint_age_seconds is not None:
+        s.checkpoint_age_seconds = last.checkpoint_age_seconds + max(0.0, now - last.time)
+    return s

@@ -1,0 +1,256 @@
+"""Resolve the ``RUN`` argument of the on-call commands.
+
+``RUN`` is either a run directory (``runs/demo``, ``/data/runs/x``, ``.``) or a run id registered on
+the control bus. Either way the commands get a :class:`RunRef`: the run id, the run directory when it
+is on this machine, and a Redis client when a bus is reachable.
+
+Bus resolution follows the project rule: ``--redis-url`` > ``SENTINEL_REDIS_URL`` > ``RUN_DIR/bus/url``.
+An *explicitly* given URL that cannot be reached is an error; a run directory's own embedded bus that
+is down just means the run is offline (its trainer has stopped), and the commands fall back to files.
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sentinel import bus
+from sentinel.cli.common import SentinelError, looks_like_run_dir
+from sentinel.protocol import Keys
+from sentinel.rundir import RunDirError, require_run_dir, run_id_of
+
+# the trainer refreshes the heartbeat about every second (TTL 30 s); older than this is "stale"
+HEARTBEAT_STALE_S = 15.0
+
+
+class RunRefError(Exception):
+    """A RUN that cannot be resolved (one line, safe to print)."""
+
+
+@dataclass
+class RunRef:
+    run: str
+    run_dir: Path | None = None
+    r: Any = None  # redis.Redis | None
+    url: str | None = None
+    bus_note: str | None = None  # why there is no bus (offline), for the operator
+    info: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.run)
+
+    def heartbeat(self) -> dict | None:
+        """The trainer's heartbeat ({"step", "time", "sent", "pid"}) if the key exists, else None."""
+        if self.r is None:
+            return None
+        with bus.bus_errors(self.r):
+            raw = self.r.get(self.keys.heartbeat)
+        if not raw:
+            return None
+        try:
+            hb = json.loads(raw)
+            return hb if isinstance(hb, dict) else {}
+        except ValueError:
+            return {}
+
+    def trainer_attached(self) -> bool:
+        """A trainer is live on the bus: its heartbeat key (30 s TTL) exists."""
+        return self.heartbeat() is not None
+
+    def secret(self, secret_file: str | None = None) -> bytes:
+        return bus.load_secret(self.run_dir, secret_file)
+
+    def describe_bus(self) -> str:
+        return bus.redact_url(self.url) if self.url else "no bus"
+
+
+def _explicit_url(redis_url: str | None) -> str | None:
+    return redis_url or os.environ.get(bus.ENV_URL) or None
+
+
+def connect_explicit(redis_url: str | None) -> tuple[Any, str]:
+    url = _explicit_url(redis_url)
+    if not url:
+        raise RunRefError(f"no control bus: pass --redis-url, set {bus.ENV_URL}, or give a run directory")
+    return bus.connect(url), url
+
+
+def resolve(run: str, redis_url: str | None = None, *, need_bus: bool = False) -> RunRef:
+    """Turn RUN (a run dir or a run id) into a :class:`RunRef`.
+
+    ``need_bus``: fail when no bus can be reached (commands that only work live).
+    """
+    explicit = _explicit_url(redis_url)
+    if looks_like_run_dir(run):
+        try:
+            run_dir = require_run_dir(run)
+        except RunDirError as e:
+            raise RunRefError(str(e)) from None
+        rid = run_id_of(run_dir)
+        ref = RunRef(rid, run_dir)
+        if explicit:
+            ref.r, ref.url = bus.connect(explicit), explicit  # an explicit bus must work
+        else:
+            try:
+                url = bus.resolve_url(run_dir, None)
+            except bus.BusError:
+                ref.bus_note = "no control bus for this run dir (it was never started with one)"
+            else:
+                try:
+                    ref.r, ref.url = bus.connect(url, timeout=1.0, retries=0), url
+                except bus.BusError as e:
+                    ref.bus_note = f"the run's embedded bus is down ({e})"
+        if need_bus and ref.r is None:
+            raise RunRefError(f"run {rid}: {ref.bus_note}; start it or pass --redis-url")
+        if ref.r is not None:
+            ref.info = _info(ref.r, rid)
+        return ref
+    # a run id: look it up on the bus
+    if not explicit:
+        raise RunRefError(
+            f"{run!r} is not a run directory, and no control bus was given to look it up as a run id "
+            f"(pass --redis-url or set {bus.ENV_URL})"
+        )
+    try:
+        Keys(run)
+    except ValueError as e:
+        raise RunRefError(str(e)) from None
+    r = bus.connect(explicit)
+    known = bus.list_runs(r)
+    if run not in known:
+        hint = f" (known runs: {', '.join(known[:10])}{', ...' if len(known) > 10 else ''})" if known else " (no runs registered)"
+        raise RunRefError(f"run {run!r} is not known to the control bus at {bus.redact_url(explicit)}{hint}")
+    info = _info(r, run)
+    rd = info.get("run_dir")
+    run_dir = Path(rd) if rd and Path(rd).is_dir() else None
+    return RunRef(run, run_dir, r, explicit, info=info)
+
+
+def all_runs(redis_url: str | None) -> list[RunRef]:
+    """Every run registered on the (explicit) bus."""
+    r, url = connect_explicit(redis_url)
+    out = []
+    for rid in bus.list_runs(r):
+        try:
+            Keys(rid)
+        except ValueError:
+            continue
+        info = _info(r, rid)
+        rd = info.get("run_dir")
+        out.append(RunRef(rid, Path(rd) if rd and Path(rd).is_dir() else None, r, url, info=info))
+    return out
+
+
+def resolve_many(runs: tuple[str, ...] | list[str], redis_url: str | None) -> list[RunRef]:
+    if not runs:
+        return all_runs(redis_url)
+    return [resolve(x, redis_url) for x in runs]
+
+
+def _info(r, run: str) -> dict[str, str]:
+    with bus.bus_errors(r):
+        return dict(r.hgetall(Keys(run).info) or {})
+
+
+def issuer() -> str:
+    """``cli:USER@HOST``: who issued a directive by hand (goes into the signed body and the audit log)."""
+    try:
+        user = os.environ.get("USER") or getpass.getuser()
+    except Exception:
+        user = f"uid{os.getuid()}"
+    return f"cli:{user}@{socket.gethostname()}"
+
+
+def ops_errors(fn):
+    """Turn the expected failures of the on-call commands into one-line ``error: ...`` messages."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (bus.BusError, RunRefError, RunDirError) as e:
+            raise SentinelError(str(e)) from None
+        except KeyboardInterrupt:
+            raise SentinelError("interrupted", exit_code=130) from None
+
+    return wrapper
+
+
+def ago(ts: float | None, now: float | None = None) -> str:
+    if ts is None:
+        return "-"
+    return fmt_duration((time.time() if now is None else now) - ts)
+
+
+def fmt_duration(sec: float | None) -> str:
+    if sec is None:
+        return "-"
+    sec = max(0.0, float(sec))
+    if sec < 90:
+        return f"{sec:.0f}s"
+    if sec < 90 * 60:
+        return f"{sec / 60:.0f}m"
+    if sec < 48 * 3600:
+        return f"{sec / 3600:.1f}h"
+    return f"{sec / 86400:.1f}d"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if x < 1000 or unit == "TB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1000
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------------------------
+# Directives by hand: send one signed directive and wait for the trainer's ack
+# --------------------------------------------------------------------------------------------
+
+
+def last_ack_id(ref: RunRef) -> str:
+    with bus.bus_errors(ref.r):
+        last = ref.r.xrevrange(ref.keys.acks, count=1)
+    return last[0][0] if last else "0-0"
+
+
+def wait_ack(ref: RunRef, directive_id: str, after_id: str, timeout: float, on_tick=None):
+    """Block until the trainer acks ``directive_id`` (returns the ``Ack``) or ``timeout`` passes (None)."""
+    from sentinel.protocol import Ack, SchemaError
+
+    t0 = time.monotonic()
+    cursor = after_id
+    while True:
+        left = timeout - (time.monotonic() - t0)
+        if left <= 0:
+            return None
+        if on_tick:
+            on_tick(time.monotonic() - t0)
+        with bus.bus_errors(ref.r):
+            resp = ref.r.xread({ref.keys.acks: cursor}, count=100, block=max(1, int(min(0.5, left) * 1000)))
+        for _, items in resp or []:
+            for eid, fields in items:
+                cursor = eid
+                try:
+                    a = Ack.from_json((fields or {}).get(bus.FIELD, "{}"))
+                except SchemaError:
+                    continue
+                if a.directive_id == directive_id:
+                    return a
+
+
+def publish_event(ref: RunRef, ev) -> str | None:
+    if ref.r is None:
+        return None
+    return bus.publish(ref.r, ref.keys.events, ev)
