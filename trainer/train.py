@@ -69,9 +69,12 @@ def _log(env: DistEnv, msg: str) -> None:
 def param_digest_tensor(params) -> torch.Tensor:
     """Cheap, exact, order-independent fingerprint of the parameters, computed on the device.
 
-    Per parameter: the integer sum of its raw bits and of a bit-mixing product (int64, no overflow
-    for < 2^29 elements per shard). Integer sums are associative, so the digest is the same for any
-    reduction order or sharding (FSDP sums shard digests with an all-reduce).
+    Per parameter: the sum of its raw bits read as int32 words and as int16 half-words (for 2-byte
+    dtypes: int16 and int8), accumulated in int64. Each sum is one read pass with no temporaries
+    (about 1/16 of the cost of a bit-mixing product). Integer sums are associative, so the digest
+    is the same for any reduction order or sharding: FSDP sums the shard digests with an all-reduce.
+    Two word sizes make offsetting changes (a +d in one word, a -d in another) much less likely to
+    cancel in both.
     """
     out = []
     for p in params:
@@ -79,8 +82,8 @@ def param_digest_tensor(params) -> torch.Tensor:
         if hasattr(t, "to_local"):
             t = t.to_local()
         t = t.contiguous().reshape(-1)
-        ibits = t.view(torch.int32 if t.element_size() == 4 else torch.int16).to(torch.int64)
-        out.append(torch.stack([ibits.sum(), ((ibits >> 16) * (ibits & 0xFFFF)).sum()]))
+        wide, narrow = (torch.int32, torch.int16) if t.element_size() == 4 else (torch.int16, torch.int8)
+        out.append(torch.stack([t.view(wide).sum(dtype=torch.int64), t.view(narrow).sum(dtype=torch.int64)]))
     return torch.stack(out).reshape(-1) if out else torch.zeros(2, dtype=torch.int64)
 
 
