@@ -177,7 +177,7 @@ class SpikeDetector:
     __slots__ = (
         "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
         "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
-        "z", "ratio", "baseline", "scale", "_gate",
+        "z", "ratio", "baseline", "scale", "_gate", "_s", "_fifo", "_size", "_alpha",
     )
 
     def __init__(
@@ -195,6 +195,8 @@ class SpikeDetector:
     ):
         self.window = SortedWindow(window)
         self.ema = Ema(ema_alpha)
+        # aliases of the window's containers (the same objects, never rebound) for the hot path
+        self._s, self._fifo, self._size, self._alpha = self.window._sorted, self.window._fifo, window, ema_alpha
         self.min_history = max(3, min_history)
         self.z_spike, self.ratio_spike = z_spike, ratio_spike
         self.z_elevated, self.ratio_elevated = z_elevated, ratio_elevated
@@ -222,25 +224,26 @@ class SpikeDetector:
 
         The window push and EMA update are written inline: this runs for every step of every run.
         """
-        if x != x or x == math.inf or x == -math.inf:
+        if x - x != 0.0:  # NaN or +-inf (inf - inf is NaN)
             self._note_refusal(True)
             return NONFINITE
         w = self.window
-        s = w._sorted
+        s = self._s
         ema = self.ema
         level = ema.value
         if len(s) < self.min_history:
             w.push(step, x)
-            ema.value = x if level is None else level + ema.alpha * (x - level)
+            ema.value = x if level is None else level + self._alpha * (x - level)
             return WARMUP
         ratio = x / level if level > 0 else (math.inf if x > 0 else 1.0)
         if ratio < self._gate:  # the common case: O(log n), no MAD needed
-            if len(s) >= w.size:
-                del s[bisect_left(s, w._fifo.popleft()[1])]
+            fifo = self._fifo
+            if len(s) >= self._size:
+                del s[bisect_left(s, fifo.popleft()[1])]
             insort(s, x)
-            w._fifo.append((step, x))
+            fifo.append((step, x))
             w._mad_cache = None
-            ema.value = level + ema.alpha * (x - level)
+            ema.value = level + self._alpha * (x - level)
             if self._refused_count:
                 self._note_refusal(False)
             return NORMAL
@@ -405,11 +408,10 @@ def rank_outlier(rank_losses: list[float]) -> tuple[int, float] | None:
     n = len(rank_losses)
     if n < 2:
         return None
+    if not math.isfinite(sum(rank_losses)):
+        return next(r for r, x in enumerate(rank_losses) if not math.isfinite(x)), math.inf
     s = sorted(rank_losses)
     lo, hi = s[0], s[-1]
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        bad = next(r for r, x in enumerate(rank_losses) if not math.isfinite(x))
-        return bad, math.inf
     # median of the others when the highest (resp. lowest) is left out: s[:-1] (resp. s[1:])
     m = n - 1
     h = m >> 1
@@ -420,3 +422,82 @@ def rank_outlier(rank_losses: list[float]) -> tuple[int, float] | None:
     if dev_hi >= dev_lo:
         return rank_losses.index(hi), dev_hi
     return rank_losses.index(lo), dev_lo
+
+
+class RiseDetector:
+    """Slow divergence: a smoothed loss that has risen ``max_rise`` above its own running minimum.
+
+    A rolling baseline adapts to a slow climb (each step is only a little above the last ones), so
+    k-of-n counting against it misses a loss that creeps up 20% over a few hundred steps. Training
+    loss trends down; its smoothed value (an EMA, each input clipped to ``clip`` x the current
+    smoothed value so one spike cannot fake a trend) should not rise far above the lowest smoothed
+    value of the last ``horizon`` steps.
+
+    The running minimum is kept per block of ``horizon // 10`` steps (the horizon is therefore
+    exact to one block): per step it costs two compares, and the minimum over the blocks is
+    recomputed once per block.
+    """
+
+    __slots__ = ("alpha", "max_rise", "horizon", "warmup", "clip", "smooth", "n", "block", "_blocks",
+                 "_cur", "_cur_step", "_hmin", "_hmin_step")
+
+    def __init__(self, max_rise: float = 0.06, horizon: int = 500, alpha: float = 0.02, warmup: int = 150, clip: float = 1.2):
+        self.alpha, self.max_rise, self.horizon, self.warmup, self.clip = alpha, max_rise, horizon, warmup, clip
+        self.block = max(1, horizon // 10)
+        self.reset()
+
+    def update(self, step: int, x: float) -> bool:
+        s = self.smooth
+        if s is None:
+            s = x
+        else:
+            c = s * self.clip
+            s += self.alpha * ((x if x < c else c) - s)
+        self.smooth = s
+        self.n += 1
+        if s < self._cur:
+            self._cur, self._cur_step = s, step
+            if s < self._hmin:
+                self._hmin, self._hmin_step = s, step
+        if self.n % self.block == 0:
+            self._roll()
+        return self.n >= self.warmup and s > self._hmin * (1.0 + self.max_rise)
+
+    def _roll(self) -> None:
+        """Close the current block; drop blocks older than the horizon; recompute the minimum."""
+        b = self._blocks
+        b.append((self._cur_step, self._cur))
+        while len(b) > self.horizon // self.block:
+            b.popleft()
+        self._cur, self._cur_step = math.inf, -1
+        st, v = min(b, key=lambda p: p[1])
+        self._hmin, self._hmin_step = v, st
+
+    def minimum(self) -> tuple[int, float] | None:
+        """(step, value) of the lowest smoothed loss in the horizon: the divergence onset estimate."""
+        return None if self._hmin == math.inf else (self._hmin_step, self._hmin)
+
+    def rise(self) -> float:
+        m = self.minimum()
+        return (self.smooth / m[1] - 1.0) if (m and self.smooth is not None and m[1] > 0) else 0.0
+
+    def reset(self) -> None:
+        self.smooth, self.n = None, 0
+        self._blocks: deque[tuple[int, float]] = deque()
+        self._cur, self._cur_step = math.inf, -1
+        self._hmin, self._hmin_step = math.inf, -1
+
+    def state_dict(self) -> dict[str, Any]:
+        inf = self._hmin == math.inf
+        return {"smooth": self.smooth, "n": self.n, "blocks": [list(p) for p in self._blocks],
+                "cur": None if self._cur == math.inf else [self._cur_step, self._cur],
+                "hmin": None if inf else [self._hmin_step, self._hmin]}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.reset()
+        self.smooth, self.n = d["smooth"], int(d["n"])
+        self._blocks = deque((int(s), float(v)) for s, v in d["blocks"])
+        if d["cur"] is not None:
+            self._cur_step, self._cur = int(d["cur"][0]), float(d["cur"][1])
+        if d["hmin"] is not None:
+            self._hmin_step, self._hmin = int(d["hmin"][0]), float(d["hmin"][1])

@@ -19,6 +19,7 @@ required by the protocol, and a true zero norm carries no spike information eith
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -92,6 +93,10 @@ class DivergenceRule(RuleBase):
     n: int = Field(16, ge=1)  # ... of the last n steps anomalous
     threshold: float = Field(3.0, gt=0)  # robust z that makes a step "anomalous" here
     min_ratio: float = Field(1.02, ge=1)
+    # slow climb: smoothed loss this far above its lowest value of the last rise_horizon steps
+    max_rise: float = Field(0.06, gt=0)
+    rise_horizon: int = Field(500, ge=10)
+    rise_alpha: float = Field(0.02, gt=0, le=1)
 
 
 class ValDivergenceRule(RuleBase):
@@ -305,6 +310,9 @@ class _LossEval(_Eval):
             z_elevated=v.threshold, ratio_elevated=v.min_ratio, ema_alpha=s.ema_alpha,
         )
         self.kofn = d.KOfN(min(v.k, v.n), v.n)
+        self.rise = d.RiseDetector(max_rise=v.max_rise, horizon=v.rise_horizon, alpha=v.rise_alpha,
+                                   warmup=s.min_history + int(3 / v.rise_alpha))
+        self._det_update, self._rise_update = self.det.update, self.rise.update
         self.nf_run = 0  # consecutive non-finite losses
         self.spike_on = s.enabled
         self.div_on = v.enabled
@@ -312,7 +320,15 @@ class _LossEval(_Eval):
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
         step, x = rec.step, rec.loss
-        code = self.det.update(step, x)
+        code = self._det_update(step, x)
+        if code != 3 and self._rise_update(step, x) and self.div_on:  # 3: NONFINITE
+            c, r = self.div_cfg, self.rise
+            m = r.minimum()
+            out.append(Finding("divergence", c.severity, c.action, step,
+                               f"smoothed loss {_f(r.smooth)} is {r.rise():.1%} above its minimum {_f(m[1])} at step {m[0]}",
+                               value=x, onset_step=m[0] + 1, anomaly=True))
+            if code <= 0:
+                return
         if code <= 0:
             self.nf_run = 0
             if self.kofn._flagged:
@@ -332,7 +348,7 @@ class _LossEval(_Eval):
                 out.append(Finding("loss_spike", c.severity, c.action, step,
                                    f"loss {_f(x)} vs baseline {_f(det.baseline)}: z={det.z:.1f}, x{det.ratio:.2f} of recent level",
                                    value=x, onset_step=step, anomaly=True))
-        if self.kofn.update(step, True) and self.div_on:
+        if self.kofn.update(step, True) and self.div_on and not (out and out[-1].rule == "divergence" and out[-1].step == step):
             c, kn = self.div_cfg, self.kofn
             out.append(Finding("divergence", c.severity, c.action, step,
                                f"{len(kn._flagged)} of the last {kn.n} steps anomalous (loss {_f(x)}, baseline {_f(det.baseline)})",
@@ -344,11 +360,13 @@ class _LossEval(_Eval):
     def rewind(self, keep_through_step: int) -> None:
         self.det.rewind(keep_through_step)
         self.kofn.clear()
+        self.rise.reset()
         self.nf_run = 0
 
     def reset(self) -> None:
         self.det.reset()
         self.kofn.clear()
+        self.rise.reset()
         self.nf_run = 0
 
     def clear_episode(self) -> None:
@@ -356,11 +374,12 @@ class _LossEval(_Eval):
         self.kofn.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "nf_run": self.nf_run}
+        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "rise": self.rise.state_dict(), "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.det.load_state_dict(st["det"])
         self.kofn.load_state_dict(st["kofn"])
+        self.rise.load_state_dict(st["rise"])
         self.nf_run = int(st["nf_run"])
 
 
@@ -372,12 +391,13 @@ class _GradEval(_Eval):
             window=cfg.window, min_history=cfg.min_history, z_spike=cfg.threshold, ratio_spike=cfg.min_ratio,
             z_elevated=cfg.threshold, ratio_elevated=cfg.min_ratio, ema_alpha=cfg.ema_alpha,
         )
+        self._update = self.det.update
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
         g = rec.grad_norm
         if g == 0.0:  # not reported
             return
-        code = self.det.update(rec.step, g)
+        code = self._update(rec.step, g)
         if code <= 0:
             return
         if code == d.NONFINITE:
@@ -460,14 +480,16 @@ class _BandEval(_Eval):
         self.win = d.SortedWindow(cfg.window)
         self.hold = d.Persistence(cfg.min_steps, cfg.duration_seconds)
         self.floor: float | None = cfg.min_value
+        self.relative = cfg.min_value is None
+        self.get = operator.attrgetter(field)
         self._n = 0
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
-        x = getattr(rec, self.field)
+        x = self.get(rec)
         if x is None or x != x:
             return
         floor = self.floor
-        if self.cfg.min_value is None:
+        if self.relative:
             if floor is None or x >= floor:
                 self._n += 1
                 if floor is None or self._n % self.REFRESH == 0:
@@ -502,9 +524,13 @@ class _BandEval(_Eval):
 
 
 class _CheckpointAgeEval(_Eval):
+    def __init__(self, cfg: CheckpointAgeRule, name: str):
+        super().__init__(cfg, name)
+        self.max_age = cfg.max_age_seconds
+
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
         a = rec.checkpoint_age_seconds
-        if a is not None and a > self.cfg.max_age_seconds:
+        if a is not None and a > self.max_age:
             out.append(self.finding(rec.step, f"last checkpoint {a:.0f}s old (max {self.cfg.max_age_seconds:.0f}s)", value=a))
 
 
@@ -541,6 +567,7 @@ class _DataWaitEval(_Eval):
 class _StragglerEval(_Eval):
     def __init__(self, cfg: StragglerRule):
         super().__init__(cfg, "rank_straggler")
+        self.max_skew = cfg.max_skew
         self.hold = d.Persistence(cfg.min_steps)
         self.rank: int | None = None
 
@@ -548,7 +575,7 @@ class _StragglerEval(_Eval):
         rs = rec.rank_step_seconds
         if not rs:
             return
-        if not self.hold.count and max(rs) <= self.cfg.max_skew * min(rs):
+        if not self.hold.count and max(rs) <= self.max_skew * min(rs):
             self.rank = None  # the median is >= the minimum, so no rank can be over the skew bar
             return
         r = d.straggler(rs)
@@ -576,6 +603,7 @@ class _StragglerEval(_Eval):
 class _RankLossEval(_StragglerEval):
     def __init__(self, cfg: RankLossRule):
         _Eval.__init__(self, cfg, "rank_loss_outlier")
+        self.max_dev = cfg.max_deviation
         self.hold = d.Persistence(cfg.min_steps)
         self.rank = None
 
@@ -585,7 +613,7 @@ class _RankLossEval(_StragglerEval):
             return
         if not self.hold.count:
             lo, hi = min(rl), max(rl)
-            if lo > 0 and hi - lo <= self.cfg.max_deviation * lo and math.isfinite(sum(rl)):
+            if lo > 0 and hi - lo <= self.max_dev * lo and math.isfinite(sum(rl)):
                 self.rank = None  # every median-of-others lies in [lo, hi]: no deviation can exceed the bar
                 return
         r = d.rank_outlier(rl)

@@ -1,0 +1,102 @@
+"""Backtests: the daemon's policy replayed over a recorded log, and the `sentinel backtest` CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from sentinel.backtest import backtest, load_trace
+from sentinel.cli.backtest_cmd import backtest as backtest_cmd
+from sentinel.protocol import StepRecord, TimelineRecord
+from sentinel.rules import default_rules
+
+
+def loss_only_trace(tmp_path: Path, spikes=(400,), n: int = 600) -> Path:
+    rng = random.Random(0)
+    lines = []
+    for s in range(1, n + 1):
+        loss = 3.0 * (1 + rng.gauss(0, 0.01)) * (1.5 if s in spikes else 1.0)
+        lines.append(json.dumps({"step": s, "loss": round(loss, 4), "wall_ms": 31559 + 100 * s}))
+    p = tmp_path / "curve.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_backtest_flags_the_spike_and_proposes_a_rollback(tmp_path):
+    res = backtest(load_trace(loss_only_trace(tmp_path)), default_rules())
+    assert res.flagged == [400]
+    assert [a["kind"] for a in res.actions] == ["rollback"]
+    assert res.actions[0]["to_step"] == 300 and res.actions[0]["step"] == 400
+    assert res.fired[0]["rule"] == "loss_spike" and res.fired[0]["severity"] == "warning"
+    assert res.to_json() == {"flagged": res.flagged, "actions": res.actions}
+
+
+def test_backtest_without_checkpoints_escalates(tmp_path):
+    res = backtest(load_trace(loss_only_trace(tmp_path)), default_rules(), checkpoint_every=None)
+    assert [a["kind"] for a in res.actions] == ["pause", "page"]
+
+
+def test_full_steps_jsonl_with_timeline_records(tmp_path):
+    rng = random.Random(1)
+    recs: list = [TimelineRecord(kind="start", run="r", from_step=0, timeline=0, time=0.0)]
+    for s in range(1, 301):
+        recs.append(StepRecord(run="r", step=s, loss=3.0 * (1 + rng.gauss(0, 0.01)), loss_max_rank=3.1, grad_norm=1.0, lr=1e-3,
+                               tokens=s, batch_fingerprint="f", time=float(s), sample_ids=[s]))
+    recs.append(StepRecord(run="r", step=301, loss=6.0, loss_max_rank=6.0, grad_norm=1.0, lr=1e-3, tokens=301,
+                           batch_fingerprint="f", time=301.0, sample_ids=[301]))
+    recs.append(TimelineRecord(kind="rollback", run="r", from_step=200, timeline=1, time=302.0))
+    for s in range(201, 260):
+        recs.append(StepRecord(run="r", step=s, timeline=1, loss=3.0 * (1 + rng.gauss(0, 0.01)), loss_max_rank=3.1, grad_norm=1.0,
+                               lr=1e-3, tokens=s, batch_fingerprint="f", time=302.0 + s, sample_ids=[s]))
+    p = tmp_path / "steps.jsonl"
+    p.write_text("\n".join(r.to_json() for r in recs) + "\n")
+    res = backtest(load_trace(p), default_rules())
+    assert res.flagged == [301]
+    assert res.actions[0]["kind"] == "rollback"
+    assert [list(r) for r in res.actions[0]["ranges"]] == [[291, 302]]  # sample ids of steps [301 - 10, 301]
+
+
+def test_cli_json_shape_on_loss_only_trace(tmp_path):
+    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path)), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert set(data) == {"flagged", "actions"}
+    assert data["flagged"] == [400] and data["actions"][0]["kind"] == "rollback"
+
+
+def test_cli_table_output(tmp_path):
+    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path))])
+    assert r.exit_code == 0, r.output
+    assert "loss_spike" in r.output and "rollback" in r.output
+
+
+def test_cli_custom_rules(tmp_path):
+    rules = tmp_path / "r.yaml"
+    rules.write_text("rules:\n  loss_spike:\n    enabled: false\n")
+    r = CliRunner().invoke(backtest_cmd, ["--rules", str(rules), str(loss_only_trace(tmp_path)), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["flagged"] == []
+
+
+def _one_line_error(r) -> str:
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "Traceback" not in r.output
+    return lines[0]
+
+
+def test_cli_bad_inputs_exit_2_with_one_line(tmp_path):
+    assert "missing.jsonl" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(tmp_path / "missing.jsonl")]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "loss": 3.0}\n{not json\n')
+    assert "bad.jsonl:2" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(bad)]))
+    noloss = tmp_path / "noloss.jsonl"
+    noloss.write_text('{"step": 1}\n')
+    assert "loss" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(noloss)]))
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  loss_spike:\n    threshold: abc\n")
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, ["--rules", str(rules), str(loss_only_trace(tmp_path))]))
+    assert "rules.loss_spike.threshold" in msg

@@ -1,0 +1,288 @@
+"""Detectors and the rule engine: each fires on its anomaly, stays quiet on healthy noise, and stays
+inactive when its inputs are absent."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from sentinel import detectors as d
+from sentinel.protocol import StepRecord
+from sentinel.rules import RuleEngine, RuleSet, default_rules
+
+
+def rec(step: int, loss: float, **kw) -> StepRecord:
+    base = dict(run="r", step=step, loss=loss, loss_max_rank=loss, grad_norm=0.0, lr=1e-3, tokens=step * 1000,
+                batch_fingerprint="fp", time=1000.0 + step)
+    base.update(kw)
+    return StepRecord(**base)
+
+
+def healthy(n: int, seed: int = 0, level: float = 3.0, noise: float = 0.02) -> list[float]:
+    rng = random.Random(seed)
+    return [level * (1 + rng.gauss(0, noise)) for _ in range(n)]
+
+
+def rules_named(engine_out) -> set[str]:
+    return {f.rule for f in engine_out}
+
+
+# ------------------------------------------------------------------ building blocks
+
+
+def test_sorted_window_median_mad_match_numpy():
+    rng = np.random.default_rng(1)
+    for size in (3, 8, 33, 128):
+        w = d.SortedWindow(size)
+        vals = rng.standard_t(3, 400)
+        for i, v in enumerate(vals):
+            w.push(i, float(v))
+            last = vals[max(0, i + 1 - size):i + 1]
+            if len(last) >= 3:
+                med = np.median(last)
+                assert w.median() == pytest.approx(med)
+                assert w.mad() == pytest.approx(np.median(np.abs(last - med)))
+
+
+def test_sorted_window_rewind_drops_later_steps():
+    w = d.SortedWindow(10)
+    for s in range(10):
+        w.push(s, float(s))
+    w.rewind(4)
+    assert w.values() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert w.median() == 2.0
+
+
+def test_spike_detector_fires_on_spike_not_on_noise():
+    det = d.SpikeDetector()
+    codes = [det.update(i, x) for i, x in enumerate(healthy(3000))]
+    assert d.SPIKE not in codes
+    assert det.update(3000, 3.0 * 1.4) == d.SPIKE
+
+
+def test_spike_detector_warmup_gives_no_verdict():
+    det = d.SpikeDetector(min_history=50)
+    for i, x in enumerate(healthy(10)):
+        det.update(i, x)
+    assert det.update(10, 100.0) == d.WARMUP
+
+
+def test_spike_does_not_contaminate_baseline():
+    """A second spike right after the first is still a spike: the first never entered the window."""
+    det = d.SpikeDetector()
+    for i, x in enumerate(healthy(300)):
+        det.update(i, x)
+    before = det.window.values()
+    assert det.update(300, 4.5) == d.SPIKE
+    assert det.window.values()[-1] == before[-1]  # the spike was not admitted
+    assert det.update(301, 3.0) in (d.NORMAL,)
+    assert det.update(302, 3.8) == d.SPIKE
+    # the anchors' flaw for contrast: a mean+6 sigma window that admits the spike hides the second one
+    w = healthy(300) + [4.5, 3.0]
+    mean, sd = np.mean(w[-128:]), np.std(w[-128:])
+    assert 3.8 < mean + 6 * sd
+
+
+def test_nonfinite_verdict_and_not_admitted():
+    det = d.SpikeDetector()
+    for i, x in enumerate(healthy(100)):
+        det.update(i, x)
+    n = len(det.window)
+    assert det.update(100, math.nan) == d.NONFINITE
+    assert det.update(101, math.inf) == d.NONFINITE
+    assert len(det.window) == n
+
+
+def test_spike_detector_follows_a_real_level_shift():
+    det = d.SpikeDetector()
+    for i, x in enumerate(healthy(300)):
+        det.update(i, x)
+    codes = [det.update(300 + i, x) for i, x in enumerate(healthy(200, seed=2, level=3.6))]
+    assert codes[-50:].count(d.NORMAL) >= 45  # re-baselined, not flagging forever
+
+
+def test_kofn_and_onset():
+    k = d.KOfN(3, 5)
+    assert not k.update(1, True)
+    assert not k.update(2, False)
+    assert not k.update(3, True)
+    assert k.update(4, True)
+    assert k.onset() == 1
+    assert not k.update(7, False)  # steps 1 and 3 fell out of the window
+
+
+def test_rise_detector_fires_on_slow_climb_not_on_falling_noise():
+    r = d.RiseDetector(max_rise=0.06, horizon=500, alpha=0.02, warmup=100)
+    rng = random.Random(0)
+    xs = [2.6 + 8 * (t + 10) ** -0.35 * (1 + rng.gauss(0, 0.03)) for t in range(2000)]
+    assert not any(r.update(i, x) for i, x in enumerate(xs))
+    fired = [r.update(2000 + i, xs[-1] * (1 + 0.3 * i / 150) * (1 + rng.gauss(0, 0.03))) for i in range(150)]
+    assert any(fired)
+    assert r.minimum()[0] < 2000
+
+
+def test_persistence_needs_steps_and_seconds():
+    p = d.Persistence(min_steps=3, min_seconds=10)
+    assert not p.update(1, 0.0, True)
+    assert not p.update(2, 5.0, True)
+    assert not p.update(3, 9.0, True)
+    assert p.update(4, 10.0, True)
+    assert not p.update(5, 11.0, False)
+
+
+def test_straggler_and_rank_outlier():
+    assert d.straggler([1.0, 1.0, 1.0, 2.0]) == (3, 2.0)
+    assert d.straggler([1.0]) is None
+    assert d.rank_outlier([3.0, 3.1, 2.9, 6.0])[0] == 3
+    assert d.rank_outlier([3.0, 4.0])[0] == 1  # two ranks: the higher loss is the suspect
+    assert d.rank_outlier([3.0, math.nan, 3.0]) == (1, math.inf)
+
+
+# ------------------------------------------------------------------ the engine, rule by rule
+
+
+def run(engine: RuleEngine, records) -> list:
+    out = []
+    for r in records:
+        out += engine.evaluate(r)
+    return out
+
+
+def test_loss_only_records_activate_only_loss_rules():
+    e = RuleEngine(default_rules())
+    xs = healthy(400)
+    xs[350] = 5.0
+    found = run(e, [rec(i, x) for i, x in enumerate(xs)])
+    assert rules_named(found) == {"loss_spike"}
+    assert [f.step for f in found] == [350]
+
+
+def test_healthy_full_telemetry_is_quiet():
+    e = RuleEngine(default_rules())
+    rng = random.Random(3)
+    recs = []
+    for i, x in enumerate(healthy(1000)):
+        recs.append(rec(i, x, grad_norm=1.0 + rng.gauss(0, 0.05), tokens_per_second=1e6 * (1 + rng.gauss(0, 0.02)),
+                        mfu=0.4 * (1 + rng.gauss(0, 0.02)), step_seconds=0.5, phases={"data_wait": 0.01},
+                        rank_step_seconds=[0.5 + rng.gauss(0, 0.005) for _ in range(4)],
+                        rank_losses=[x * (1 + rng.gauss(0, 0.02)) for _ in range(4)], checkpoint_age_seconds=100.0,
+                        val_loss=3.05 if i % 100 == 0 else None))
+    assert run(e, recs) == []
+
+
+def test_grad_norm_spike_and_nonfinite_grad():
+    e = RuleEngine(default_rules())
+    recs = [rec(i, x, grad_norm=1.0 + 0.01 * (i % 7)) for i, x in enumerate(healthy(200))]
+    recs.append(rec(200, 3.0, grad_norm=50.0))
+    recs.append(rec(201, 3.0, grad_norm=math.inf))
+    found = run(e, recs)
+    assert [(f.rule, f.step) for f in found] == [("grad_norm_spike", 200), ("nonfinite", 201)]
+
+
+def test_nonfinite_loss_counts_persistence():
+    e = RuleEngine(default_rules())
+    found = run(e, [rec(i, x) for i, x in enumerate(healthy(100))] + [rec(100 + i, math.nan) for i in range(3)])
+    nf = [f for f in found if f.rule == "nonfinite"]
+    assert len(nf) == 3 and nf[-1].onset_step == 100 and nf[0].anomaly
+
+
+def test_divergence_k_of_n():
+    e = RuleEngine(default_rules())
+    xs = healthy(300) + [3.0 * 1.06 * (1 + 0.005 * (i % 3)) for i in range(20)]
+    found = run(e, [rec(i, x) for i, x in enumerate(xs)])
+    div = [f for f in found if f.rule == "divergence"]
+    assert div and div[0].step < 300 + 16 and div[0].onset_step >= 300
+
+
+def test_val_divergence():
+    e = RuleEngine(default_rules())
+    recs = []
+    for i, x in enumerate(healthy(1000)):
+        val = None
+        if i % 100 == 0:
+            val = 3.05 if i < 700 else 3.4  # the gap to train grows from 0.05 to 0.4 nats
+        recs.append(rec(i, x, val_loss=val))
+    found = run(e, recs)
+    assert [f.step for f in found if f.rule == "val_divergence"] == [800, 900]
+
+
+def test_val_ppl_used_when_val_loss_absent():
+    e = RuleEngine(default_rules())
+    recs = [rec(i, x, val_ppl=math.exp(3.05 if i < 700 else 3.5) if i % 100 == 0 else None) for i, x in enumerate(healthy(1000))]
+    assert any(f.rule == "val_divergence" for f in run(e, recs))
+
+
+@pytest.mark.parametrize("field,rule,healthy_value", [("tokens_per_second", "throughput_low", 1e6), ("mfu", "mfu_low", 0.4)])
+def test_band_rules_need_a_duration(field, rule, healthy_value):
+    e = RuleEngine(default_rules())
+    recs = [rec(i, 3.0, **{field: healthy_value}, time=float(i)) for i in range(300)]
+    # 50% of the band for 20 steps at 1 s/step: long enough in steps, not in seconds (300 s)
+    recs += [rec(300 + i, 3.0, **{field: healthy_value / 2}, time=300.0 + i) for i in range(20)]
+    assert run(e, recs) == []
+    recs2 = [rec(320 + i, 3.0, **{field: healthy_value / 2}, time=320.0 + 30 * i) for i in range(20)]
+    found = run(e, recs2)
+    assert found and {f.rule for f in found} == {rule}
+
+
+def test_band_rule_absolute_floor():
+    rs = RuleSet.model_validate({"rules": {"throughput_low": {"min_value": 5e5, "min_steps": 2, "duration_seconds": 0}}})
+    e = RuleEngine(rs)
+    found = run(e, [rec(0, 3.0, tokens_per_second=4e5), rec(1, 3.0, tokens_per_second=4e5)])
+    assert [f.rule for f in found] == ["throughput_low"]
+
+
+def test_checkpoint_age_from_records_and_ticks():
+    e = RuleEngine(default_rules())
+    assert [f.rule for f in e.evaluate(rec(1, 3.0, checkpoint_age_seconds=8000.0))] == ["checkpoint_age"]
+    assert e.evaluate(rec(2, 3.0, checkpoint_age_seconds=100.0)) == []
+    assert [f.rule for f in e.evaluate_tick(10_000.0, 9_990.0, 1_000.0)] == ["checkpoint_age"]
+
+
+def test_heartbeat_stale_on_tick_only():
+    e = RuleEngine(default_rules())
+    assert e.evaluate_tick(1000.0, 900.0, None) == []
+    found = e.evaluate_tick(1000.0, 600.0, None)
+    assert [f.rule for f in found] == ["heartbeat_stale"] and found[0].severity == "critical"
+    assert e.evaluate_tick(1000.0, None, None) == []  # no heartbeat known: inactive
+
+
+def test_data_wait_high():
+    e = RuleEngine(default_rules())
+    ok = run(e, [rec(i, 3.0, step_seconds=1.0, phases={"data_wait": 0.05}) for i in range(50)])
+    bad = run(e, [rec(50 + i, 3.0, step_seconds=1.0, phases={"data_wait": 0.6}) for i in range(30)])
+    assert ok == [] and bad and bad[0].rule == "data_wait_high"
+
+
+def test_rank_straggler_names_the_rank():
+    e = RuleEngine(default_rules())
+    found = run(e, [rec(i, 3.0, rank_step_seconds=[0.5, 0.5, 0.9, 0.5]) for i in range(12)])
+    assert found and found[0].rule == "rank_straggler" and found[0].rank == 2 and found[0].step == 9
+
+
+def test_rank_loss_outlier_names_the_rank():
+    e = RuleEngine(default_rules())
+    found = run(e, [rec(i, 3.0, rank_losses=[3.0, 3.0, 3.0, 5.0]) for i in range(5)])
+    assert found and found[0].rule == "rank_loss_outlier" and found[0].rank == 3
+
+
+def test_disabled_rules_do_not_fire():
+    rs = RuleSet.model_validate({"rules": {"loss_spike": {"enabled": False}}})
+    e = RuleEngine(rs)
+    xs = healthy(300)
+    xs[250] = 6.0
+    assert all(f.rule != "loss_spike" for f in run(e, [rec(i, x) for i, x in enumerate(xs)]))
+
+
+def test_engine_state_dict_round_trip():
+    import json
+
+    e1, e2 = RuleEngine(default_rules()), RuleEngine(default_rules())
+    xs = healthy(400)
+    recs = [rec(i, x, grad_norm=1.0, tokens_per_second=1e6) for i, x in enumerate(xs)]
+    run(e1, recs[:300])
+    e2.load_state_dict(json.loads(json.dumps(e1.state_dict())))
+    tail = recs[300:] + [rec(400, 5.0, grad_norm=30.0)]
+    assert [f.to_dict() for f in run(e1, tail)] == [f.to_dict() for f in run(e2, tail)]

@@ -1,0 +1,86 @@
+"""Rules files: defaults, validation, and one-line errors that name the file and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sentinel.cli.rules_cmd import rules as rules_group
+from sentinel.rules import DEFAULT_RULES_PATH, RuleSet, RulesError, default_rules, load_rules
+
+
+def write(tmp_path: Path, text: str, name: str = "rules.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_default_file_equals_schema_defaults():
+    """The YAML the daemon reads and the pydantic defaults must never drift apart."""
+    assert default_rules() == RuleSet()
+    assert DEFAULT_RULES_PATH.is_file()
+
+
+def test_partial_file_inherits_defaults(tmp_path):
+    rs = load_rules(write(tmp_path, "rules:\n  loss_spike:\n    threshold: 7.5\npolicy:\n  max_rollbacks_per_hour: 5\n"))
+    assert rs.rules.loss_spike.threshold == 7.5
+    assert rs.rules.loss_spike.window == RuleSet().rules.loss_spike.window
+    assert rs.policy.max_rollbacks_per_hour == 5
+
+
+def test_model_validate_directly():
+    rs = RuleSet.model_validate({"rules": {"divergence": {"k": 4, "n": 8}}})
+    assert (rs.rules.divergence.k, rs.rules.divergence.n) == (4, 8)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("rules:\n  loss_spike:\n    threshold: abc\n", "rules.yaml: rules.loss_spike.threshold: Input should be a valid number"),
+        ("rules:\n  loss_spike:\n    thresold: 5\n", "rules.yaml: rules.loss_spike.thresold: Extra inputs are not permitted"),
+        ("rules:\n  no_such_rule: {}\n", "rules.yaml: rules.no_such_rule: Extra inputs are not permitted"),
+        ("policy:\n  max_rollbacks_per_hour: -1\n", "rules.yaml: policy.max_rollbacks_per_hour: Input should be greater than or equal to 0"),
+        ("rules:\n  heartbeat_stale:\n    severity: loud\n", "rules.yaml: rules.heartbeat_stale.severity: Input should be 'info', 'warning' or 'critical'"),
+        ("- just\n- a list\n", "rules.yaml: <root>: expected a mapping"),
+    ],
+)
+def test_validation_errors_are_one_line_with_file_and_path(tmp_path, text, expected):
+    with pytest.raises(RulesError) as ei:
+        load_rules(write(tmp_path, text))
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert msg.replace(str(tmp_path) + "/", "").startswith(expected)
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    with pytest.raises(RulesError) as ei:
+        load_rules(write(tmp_path, "rules:\n  loss_spike:\n    threshold: [1, 2\n"))
+    msg = str(ei.value)
+    assert "\n" not in msg and "rules.yaml: line " in msg and "column" in msg
+
+
+def test_empty_file_is_the_defaults(tmp_path):
+    assert load_rules(write(tmp_path, "")) == RuleSet()
+
+
+def test_cli_check_ok_and_json(tmp_path):
+    r = CliRunner().invoke(rules_group, ["check", str(DEFAULT_RULES_PATH)])
+    assert r.exit_code == 0, r.output
+    assert "loss_spike" in r.output
+    r = CliRunner().invoke(rules_group, ["check", str(DEFAULT_RULES_PATH), "--json"])
+    import json
+
+    data = json.loads(r.output)
+    assert data["ok"] is True and data["rules"]["loss_spike"]["threshold"] == 6.0
+
+
+def test_cli_check_bad_file_exit_2_one_line(tmp_path):
+    p = write(tmp_path, "rules:\n  loss_spike:\n    threshold: abc\n")
+    r = CliRunner().invoke(rules_group, ["check", str(p)])
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "rules.loss_spike.threshold" in lines[0]
+    r = CliRunner().invoke(rules_group, ["check", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2 and r.output.strip().startswith("error: ") and len(r.output.strip().splitlines()) == 1
