@@ -1,0 +1,1 @@
+"""Prometheus alerting rules: see alerts/build.py."""

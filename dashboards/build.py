@@ -1,0 +1,398 @@
+"""Grafana dashboards as code (grafana-foundation-sdk, pinned in pyproject's ``dashboards`` extra).
+
+    pip install 'grafana-foundation-sdk==1769699379!11.6.0'   # the 11.6 build (a plain install gets 10.1)
+    python -m dashboards.build            # regenerate dashboards/training.json and dashboards/sentinel.json
+    python -m dashboards.build --check    # exit 1 if a committed JSON differs from the builder's output
+
+* ``training.json`` - the operator dashboard: the rows of seed 003 §5.4 as panels, laid out in the
+  "60-second inspection order": optimization first (loss, val PPL, grad norm), then systems
+  (tokens/s, MFU, step time, phases, checkpoint age), then restores and per-rank health.
+* ``sentinel.json`` - is the sentinel itself alive, leading, keeping up and acting?
+
+Sentinel actions, rollbacks and resumes are dashboard *annotations*, so every graph shares one
+timeline ("did the loss spike right after a resume?"). One small function per panel, shared
+defaults, a ``ref_id`` on every query, JSON encoded with sorted keys so diffs stay clean.
+Metric names and labels: docs/metrics.md (trainer) and sentinel/metrics.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dash_b
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as dash_m
+
+HERE = Path(__file__).resolve().parent
+DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
+RUN = 'run="$run"'  # every trainer and sentinel series carries `run` (docs/metrics.md)
+RATE = "$__rate_interval"
+
+
+# ------------------------------------------------------------------ shared defaults
+def query(expr: str, legend: str, ref_id: str) -> prometheus.Dataquery:
+    return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref_id).datasource(DATASOURCE)
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dash_b.ThresholdsConfig:
+    return (dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE)
+            .steps([dash_m.Threshold(value=v, color=c) for v, c in steps]))
+
+
+def default_timeseries() -> timeseries.Panel:
+    return (
+        timeseries.Panel()
+        .datasource(DATASOURCE)
+        .height(8)
+        .span(12)
+        .line_width(1)
+        .fill_opacity(10)
+        .show_points(common.VisibilityMode.NEVER)
+        .legend(common_b.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
+                .placement(common.LegendPlacement.BOTTOM).show_legend(True))
+        .tooltip(common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI).sort(common.SortOrder.DESCENDING))
+    )
+
+
+def default_stat() -> stat.Panel:
+    return (
+        stat.Panel()
+        .datasource(DATASOURCE)
+        .height(4)
+        .span(6)
+        .graph_mode(common.BigValueGraphMode.AREA)
+        .color_mode(common.BigValueColorMode.BACKGROUND)
+        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]))
+    )
+
+
+def right_axis(ref_id: str, unit: str) -> list[dash_m.DynamicConfigValue]:
+    return [dash_m.DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
+            dash_m.DynamicConfigValue(id_val="unit", value=unit)]
+
+
+def annotation(name: str, expr: str, color: str) -> dash_b.AnnotationQuery:
+    # A Prometheus annotation: an event wherever the expression has a sample. `changes(...[1m]) > 0`
+    # marks the minute in which a counter or timestamp moved, whatever the dashboard's resolution.
+    return dash_b.AnnotationQuery().name(name).datasource(DATASOURCE).enable(True).icon_color(color).expr(expr)
+
+
+def run_variable() -> dash_b.QueryVariable:
+    return (dash_b.QueryVariable("run").label("run").datasource(DATASOURCE)
+            .query("label_values(training_step, run)")
+            .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dash_m.VariableSort.ALPHABETICAL_ASC))
+
+
+def datasource_variable() -> dash_b.DatasourceVariable:
+    return dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus")
+
+
+def base_dashboard(title: str, uid: str, description: str) -> dash_b.Dashboard:
+    return (
+        dash_b.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["sentinel", "training"])
+        .refresh("30s")
+        .time("now-6h", "now")
+        .timezone("browser")
+        .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)  # one timeline across every panel
+        .with_variable(datasource_variable())
+        .with_variable(run_variable())
+    )
+
+
+# ------------------------------------------------------------------ annotations (shared timeline)
+def sentinel_action_annotation() -> dash_b.AnnotationQuery:
+    # Not `changes(...)`: the gauge is created by the first action, so its first sample is already the
+    # action's time and `changes` would miss it. Mark the minute after each action instead.
+    return annotation("Sentinel actions",
+                      f"(time() - sentinel_last_action_timestamp_seconds{{{RUN}}}) < 60", "purple")
+
+
+def training_annotations() -> list[dash_b.AnnotationQuery]:
+    return [
+        annotation("Rollbacks", f"changes(training_rollbacks_total{{{RUN}}}[1m]) > 0", "red"),
+        annotation("Resumes", f"changes(training_resumes_total{{{RUN}}}[1m]) > 0", "orange"),
+        sentinel_action_annotation(),
+        annotation("Skipped steps",
+                   f"sum by (run, reason) (increase(training_skipped_steps_total{{{RUN}}}[1m])) > 0", "yellow"),
+    ]
+
+
+# ------------------------------------------------------------------ training panels (§5.4 rows)
+def loss_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Train loss and validation perplexity")
+            .description("§5.4 train loss / val PPL. Healthy: smooth decline. Red flag: sudden spike, oscillation, "
+                         "val PPL not improving or diverging from train. First move: align the timeline "
+                         "(annotations: resumes, rollbacks, sentinel actions, skips).")
+            .with_target(query(f"training_loss{{{RUN}}}", "train loss", "A"))
+            .with_target(query(f"training_validation_loss{{{RUN}}}", "val loss", "B"))
+            .with_target(query(f"training_validation_perplexity{{{RUN}}}", "val PPL", "C"))
+            .override_by_query("C", right_axis("C", "none")))
+
+
+def grad_norm_panel() -> timeseries.Panel:
+    clipped = (f"sum by (run) (rate(training_grad_clipped_steps_total{{{RUN}}}[{RATE}]))"
+               f" / max by (run) (rate(training_step_duration_seconds_count{{{RUN}}}[{RATE}]))")
+    return (default_timeseries().title("Grad norm (pre-clip) and clipped-step share")
+            .description("§5.4 grad norm. Healthy: noisy but bounded. Red flag: sudden spike or periodic jitter, "
+                         "clipping on most steps. First move: stabilize first, replay next (sentinel replay-batch).")
+            .with_target(query(f"training_grad_norm{{{RUN}}}", "grad norm (pre-clip)", "A"))
+            .with_target(query(clipped, "clipped steps share", "B"))
+            .override_by_query("B", right_axis("B", "percentunit")))
+
+
+def learning_rate_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Learning rate").span(6)
+            .description("Unexpected jump: schedule or restore error. Align it with loss spikes.")
+            .with_target(query(f"training_learning_rate{{{RUN}}}", "lr", "A")))
+
+
+def rank_loss_spread_panel() -> timeseries.Panel:
+    spread = f"max by (run) (training_rank_loss{{{RUN}}}) - min by (run) (training_rank_loss{{{RUN}}})"
+    return (default_timeseries().title("Rank loss spread (max - min)").span(6)
+            .description("One rank far above the others: bad data on that rank's shard or a faulty device.")
+            .with_target(query(spread, "spread", "A"))
+            .with_target(query(f"training_rank_loss{{{RUN}}}", "rank {{rank}}", "B")))
+
+
+def throughput_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Tokens/s and MFU")
+            .description("§5.4 tokens/s and MFU. Red flag: persistently below target; high utilisation but low MFU "
+                         "(kernel, communication or input starvation). First move: check the step breakdown.")
+            .unit("short")
+            .with_target(query(f"training_tokens_per_second{{{RUN}}}", "tokens/s", "A"))
+            .with_target(query(f"training_mfu_ratio{{{RUN}}}", "MFU", "B"))
+            .override_by_query("B", right_axis("B", "percentunit")))
+
+
+def step_time_panel() -> timeseries.Panel:
+    def q(p: str) -> str:
+        return (f"histogram_quantile({p}, sum by (run, rank, le) "
+                f"(rate(training_step_duration_seconds_bucket{{{RUN}}}[{RATE}])))")
+
+    return (default_timeseries().title("Step time p50 / p99 per rank (straggler)").unit("s")
+            .description("A rank slower than the rest is a straggler: every other rank waits for it at the all-reduce.")
+            .with_target(query(q("0.5"), "p50 rank {{rank}}", "A"))
+            .with_target(query(q("0.99"), "p99 rank {{rank}}", "B")))
+
+
+def phase_panel() -> timeseries.Panel:
+    share = f"avg by (run, phase) (rate(training_step_phase_seconds_sum{{{RUN}}}[{RATE}]))"
+    data_wait = (f"max by (run) (rate(training_step_phase_seconds_sum{{{RUN}, phase=\"data_wait\"}}[{RATE}])"
+                 f" / on (run, rank) sum by (run, rank) (rate(training_step_phase_seconds_sum{{{RUN}}}[{RATE}])))")
+    return (default_timeseries().title("Step phase breakdown (share of wall time)").unit("percentunit")
+            .description("Fraction of wall time per phase (mean over ranks). A growing data_wait share is input "
+                         "starvation; the dashed line is the worst rank's data_wait share of its step time.")
+            .stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL))
+            .with_target(query(share, "{{phase}}", "A"))
+            .with_target(query(data_wait, "data_wait share (worst rank)", "B"))
+            .override_by_query("B", [dash_m.DynamicConfigValue(id_val="custom.stacking", value={"mode": "none"}),
+                                     dash_m.DynamicConfigValue(id_val="custom.lineStyle",
+                                                               value={"fill": "dash", "dash": [10, 10]})]))
+
+
+def effective_token_ratio_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Effective token ratio per rank").unit("percentunit").span(6)
+            .description("Useful / loaded tokens. Falling: poor packing or many skipped samples.")
+            .with_target(query(f"training_effective_token_ratio{{{RUN}}}", "rank {{rank}}", "A")))
+
+
+def checkpoint_age_panel() -> stat.Panel:
+    return (default_stat().title("Checkpoint age").unit("s")
+            .description("§5.4 checkpoint age. Red flag: too long without a checkpoint. First move: inspect the "
+                         "save/restore path (sentinel checkpoints RUN). Thresholds match TrainingCheckpointTooOld.")
+            .thresholds(thresholds((None, "green"), (3600, "orange"), (7200, "red")))
+            .with_target(query(f"time() - training_checkpoint_last_success_timestamp_seconds{{{RUN}}}", "age", "A")))
+
+
+def checkpoint_saves_panel() -> timeseries.Panel:
+    p99 = (f"histogram_quantile(0.99, sum by (run, le) "
+           f"(rate(training_checkpoint_save_duration_seconds_bucket{{{RUN}}}[{RATE}])))")
+    return (default_timeseries().title("Checkpoint save time and failures").span(6)
+            .description("Growing save time: storage jitter or write blocking. Any failure deserves a look.")
+            .with_target(query(p99, "save p99 (s)", "A"))
+            .with_target(query(f"increase(training_checkpoint_failures_total{{{RUN}}}[{RATE}])", "failures", "B"))
+            .with_target(query(f"training_checkpoint_size_bytes{{{RUN}}}", "size", "C"))
+            .override_by_query("C", right_axis("C", "bytes")))
+
+
+def skips_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Skipped steps by reason").span(6)
+            .description("Steps whose update was dropped. Increasingly frequent: the run is approaching its "
+                         "stability boundary - do not keep gambling because it recovered.")
+            .with_target(query(f"sum by (run, reason) (increase(training_skipped_steps_total{{{RUN}}}[{RATE}]))",
+                               "{{reason}}", "A"))
+            .with_target(query(f"sum by (run) (increase(training_skipped_samples_total{{{RUN}}}[{RATE}]))",
+                               "skipped samples (skip list)", "B")))
+
+
+def restores_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Resumes and rollbacks").span(6)
+            .description("Abnormal restores. Compare with the loss: did the spike happen right after a resume?")
+            .with_target(query(f"increase(training_resumes_total{{{RUN}}}[{RATE}])", "resumes", "A"))
+            .with_target(query(f"increase(training_rollbacks_total{{{RUN}}}[{RATE}])", "rollbacks", "B")))
+
+
+def memory_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Memory per rank").unit("bytes")
+            .description("Creeping up: a leak. CUDA reserved near device memory: OOM ahead. "
+                         "CUDA series exist only on GPU runs.")
+            .with_target(query(f"training_process_resident_memory_bytes{{{RUN}}}", "host RSS rank {{rank}}", "A"))
+            .with_target(query(f"training_cuda_memory_allocated_bytes{{{RUN}}}", "CUDA allocated rank {{rank}}", "B"))
+            .with_target(query(f"training_cuda_memory_reserved_bytes{{{RUN}}}", "CUDA reserved rank {{rank}}", "C")))
+
+
+def heartbeat_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Heartbeat age per rank").unit("s").span(6)
+            .description("Seconds since each rank was last alive. Large: that rank hangs (see TrainingStalled).")
+            .thresholds(thresholds((None, "green"), (120, "orange"), (300, "red")))
+            .thresholds_style(common_b.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
+            .with_target(query(f"time() - training_heartbeat_timestamp_seconds{{{RUN}}}", "rank {{rank}}", "A")))
+
+
+def telemetry_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Telemetry drops, directives, scrape health").span(6)
+            .description("Dropped telemetry: the sentinel is partly blind. Rejected directives: bad signature, "
+                         "expired or invalid. up == 0 names the rank whose endpoint is down.")
+            .with_target(query(f"sum by (run, rank) (increase(training_telemetry_dropped_total{{{RUN}}}[{RATE}]))",
+                               "dropped rank {{rank}}", "A"))
+            .with_target(query(f"increase(training_directives_rejected_total{{{RUN}}}[{RATE}])", "directives rejected", "B"))
+            .with_target(query(f"sum by (run, kind) (increase(training_directives_applied_total{{{RUN}}}[{RATE}]))",
+                               "applied {{kind}}", "C"))
+            .with_target(query(f"up{{{RUN}}}", "up rank {{rank}}", "D")))
+
+
+def training_dashboard() -> dash_b.Dashboard:
+    d = base_dashboard("Sentinel / Training run", "sentinel-training",
+                       "Operator view of one pretraining run (seed 003 §5.4), in the 60-second inspection order.")
+    for a in training_annotations():
+        d = d.annotation(a)
+    return (
+        d.with_row(dash_b.Row("1. Optimization: loss, val PPL, grad norm"))
+        .with_panel(loss_panel())
+        .with_panel(grad_norm_panel())
+        .with_panel(learning_rate_panel())
+        .with_panel(rank_loss_spread_panel())
+        .with_row(dash_b.Row("2. Systems: tokens/s, MFU, step time, checkpoints"))
+        .with_panel(throughput_panel())
+        .with_panel(step_time_panel())
+        .with_panel(phase_panel())
+        .with_panel(effective_token_ratio_panel())
+        .with_panel(checkpoint_age_panel())
+        .with_panel(checkpoint_saves_panel())
+        .with_row(dash_b.Row("3. Restores, skips and rank health"))
+        .with_panel(skips_panel())
+        .with_panel(restores_panel())
+        .with_panel(memory_panel())
+        .with_panel(heartbeat_panel())
+        .with_panel(telemetry_panel())
+    )
+
+
+# ------------------------------------------------------------------ sentinel panels
+def sentinel_steps_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Steps processed vs trained").unit("ops")
+            .description("The sentinel must keep up with the trainer; a gap means it lags or is down.")
+            .with_target(query(f"sum by (run) (rate(sentinel_steps_processed_total{{{RUN}}}[{RATE}]))",
+                               "sentinel steps/s", "A"))
+            .with_target(query(f"max by (run) (rate(training_step_duration_seconds_count{{{RUN}}}[{RATE}]))",
+                               "trainer steps/s", "B")))
+
+
+def sentinel_rules_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Rules fired")
+            .description("Rule firings after cooldowns, by rule.")
+            .with_target(query(f"sum by (run, rule) (increase(sentinel_rule_fired_total{{{RUN}}}[{RATE}]))",
+                               "{{rule}}", "A")))
+
+
+def sentinel_actions_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Actions by outcome")
+            .description("sent / duplicate / dry_run / failed, per action kind. 'page' means a human is needed.")
+            .with_target(query(f"sum by (run, action, outcome) (increase(sentinel_actions_total{{{RUN}}}[{RATE}]))",
+                               "{{action}} {{outcome}}", "A")))
+
+
+def sentinel_incidents_panel() -> stat.Panel:
+    return (default_stat().title("Open incidents")
+            .thresholds(thresholds((None, "green"), (1, "red")))
+            .with_target(query(f"max by (run) (sentinel_incidents_open{{{RUN}}})", "open", "A")))
+
+
+def sentinel_leader_panel() -> stat.Panel:
+    return (default_stat().title("Leaders holding the lease")
+            .description("Exactly 1 is healthy: 0 = nobody acts on the run, >1 = split brain.")
+            .thresholds(thresholds((None, "red"), (1, "green"), (2, "red")))
+            .with_target(query(f"sum by (run) (sentinel_leader{{{RUN}}})", "leaders", "A")))
+
+
+def sentinel_latency_panel() -> timeseries.Panel:
+    p99 = (f"histogram_quantile(0.99, sum by (run, le) "
+           f"(rate(sentinel_detection_latency_seconds_bucket{{{RUN}}}[{RATE}])))")
+    return (default_timeseries().title("Detection latency p99").unit("s").span(6)
+            .description("From step publish to signed directive in Redis (observed when a directive is sent).")
+            .with_target(query(p99, "p99", "A")))
+
+
+def sentinel_bus_errors_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Bus errors and last action age").span(6)
+            .description("Control-bus errors (each retried; daemon-wide, no run label), and seconds since each "
+                         "kind of action was last taken on the run.")
+            .with_target(query(f"sum(increase(sentinel_bus_errors_total[{RATE}]))", "bus errors", "A"))
+            .with_target(query(f"time() - sentinel_last_action_timestamp_seconds{{{RUN}}}", "since {{action}}", "B"))
+            .override_by_query("B", right_axis("B", "s")))
+
+
+def sentinel_dashboard() -> dash_b.Dashboard:
+    d = base_dashboard("Sentinel / Daemon health", "sentinel-daemon",
+                       "Is the sentinel alive, leading, keeping up with the trainer, and what did it do?")
+    d = d.annotation(sentinel_action_annotation())
+    return (
+        d.with_panel(sentinel_incidents_panel())
+        .with_panel(sentinel_leader_panel())
+        .with_panel(sentinel_steps_panel())
+        .with_panel(sentinel_rules_panel())
+        .with_panel(sentinel_actions_panel())
+        .with_panel(sentinel_latency_panel())
+        .with_panel(sentinel_bus_errors_panel())
+    )
+
+
+# ------------------------------------------------------------------ output
+DASHBOARDS = {"training.json": training_dashboard, "sentinel.json": sentinel_dashboard}
+
+
+def render(name: str) -> str:
+    return JSONEncoder(sort_keys=True, indent=2).encode(DASHBOARDS[name]().build()) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dashboards.build", description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a committed JSON is stale")
+    ap.add_argument("--out", type=Path, default=HERE, help="output directory (default: dashboards/)")
+    args = ap.parse_args(argv)
+    stale = []
+    for name in DASHBOARDS:
+        path, text = args.out / name, render(name)
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"stale: {', '.join(stale)} - run `python -m dashboards.build`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

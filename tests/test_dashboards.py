@@ -1,0 +1,261 @@
+"""Dashboards as code (dashboards/build.py): the committed JSON is the builder's output, and every
+panel query works against a real Prometheus that scraped a real run and a real sentinel.
+
+Fast checks: committed JSON == builder output (and ``--check`` says so), sorted keys, a ``refId`` on
+every query (unique per panel), the ``run`` variable, every query scoped to ``$run``.
+
+Slow end-to-end check (``test_every_panel_query_returns_data``): Debian ``prometheus`` on 127.0.0.1
+scrapes (1 s) a 2-rank ``torchrun`` training run through the scrape config of docs/metrics.md
+(``honor_labels``, file SD on ``RUN_DIR/metrics_targets.json``) and a ``sentinel run`` daemon on the
+run's embedded bus. The run carries the sentinel demo's drill (an ``lr`` x100 fault on one sample of
+step 120), so the sentinel really detects a spike, rolls back and skips the data: rollback, action
+and latency panels have data too. Every panel target and annotation, with ``$run`` and
+``$__rate_interval`` substituted, must parse and return at least one series, except the few
+listed in ``EMPTY_OK`` with the reason a healthy CPU run leaves them empty (then the query must
+still parse).
+
+A missing prometheus fails under CI (CI=true) and skips elsewhere; so does a missing SDK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_port, skip_or_fail, wait_port
+from test_prometheus_e2e import Prometheus, _binary
+
+ROOT = Path(__file__).resolve().parents[1]
+DASH_DIR = ROOT / "dashboards"
+NAMES = ("training.json", "sentinel.json")
+
+STEPS = 300
+DRILL_STEP = 120  # a checkpoint at 100 is >= 20 steps (the drill's rollback margin) before the onset
+RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape at high resolution: >= 4 scrapes
+# Targets a healthy CPU run legitimately leaves empty: (substring of the expr) -> why.
+EMPTY_OK = {
+    "training_cuda_memory_": "CUDA-only series (docs/metrics.md): not exported on a CPU run",
+    "changes(training_resumes_total": "a fresh run never resumes; the counter itself must exist",
+}
+
+
+@pytest.fixture(scope="module")
+def build():
+    try:
+        from dashboards import build as b
+    except ImportError as e:  # the SDK is the `dashboards` extra
+        skip_or_fail(f"grafana-foundation-sdk not installed: {e}")
+    return b
+
+
+def _load(name: str) -> dict:
+    return json.loads((DASH_DIR / name).read_text())
+
+
+def _panels(d: dict) -> list[dict]:
+    out = []
+    for p in d["panels"]:
+        out.append(p)
+        out += p.get("panels", [])
+    return [p for p in out if p.get("type") != "row"]
+
+
+def _queries(d: dict) -> list[tuple[str, str]]:
+    """(where, expr) for every panel target and annotation of a dashboard JSON."""
+    qs = [(f"{p['title']} / {t['refId']}", t["expr"]) for p in _panels(d) for t in p["targets"]]
+    qs += [(f"annotation {a['name']}", a["expr"]) for a in d["annotations"]["list"] if "expr" in a]
+    return qs
+
+
+# ------------------------------------------------------------------ fast: JSON is the builder's output
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_json_equals_builder_output(build, name):
+    committed = (DASH_DIR / name).read_text()
+    assert committed == build.render(name), f"dashboards/{name} is stale: run `python -m dashboards.build`"
+    # sorted keys at every level, so regenerated JSON diffs cleanly
+    assert json.dumps(json.loads(committed), sort_keys=True, indent=2) + "\n" == committed
+
+
+def test_check_flag_detects_stale_json(build, tmp_path):
+    assert build.main(["--out", str(tmp_path)]) == 0
+    assert build.main(["--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / "training.json").write_text("{}\n")
+    assert build.main(["--check", "--out", str(tmp_path)]) == 1
+    p = subprocess.run([sys.executable, "-m", "dashboards.build", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_query_has_ref_id_and_run_scope(name):
+    d = _load(name)
+    (run_var,) = [v for v in d["templating"]["list"] if v["name"] == "run"]
+    assert run_var["query"] == "label_values(training_step, run)"
+    panels = _panels(d)
+    assert panels
+    for p in panels:
+        refs = [t.get("refId") for t in p["targets"]]
+        assert refs and all(refs) and len(set(refs)) == len(refs), f"{p['title']}: refIds {refs}"
+        assert p["datasource"]["uid"] == "${datasource}"
+    for where, expr in _queries(d):
+        # every series is per run; the daemon-wide bus error counter is the one without a run label
+        assert 'run="$run"' in expr or "sentinel_bus_errors_total" in expr, f"{where}: not scoped to $run: {expr}"
+    assert any(a["name"] == "Sentinel actions" for a in d["annotations"]["list"])
+
+
+def test_training_dashboard_covers_the_operator_table():
+    exprs = " ".join(e for _, e in _queries(_load("training.json")))
+    for needed in ("training_loss", "training_validation_perplexity", "training_grad_norm",
+                   "training_grad_clipped_steps_total", "training_tokens_per_second", "training_mfu_ratio",
+                   "training_step_duration_seconds_bucket", 'phase="data_wait"', "training_effective_token_ratio",
+                   "time() - training_checkpoint_last_success_timestamp_seconds", "training_skipped_steps_total",
+                   "training_resumes_total", "training_rollbacks_total", "training_process_resident_memory_bytes",
+                   "time() - training_heartbeat_timestamp_seconds", "training_telemetry_dropped_total",
+                   'max by (run) (training_rank_loss{run="$run"}) - min by (run) (training_rank_loss{run="$run"})',
+                   "changes(training_rollbacks_total"):  # fmt: skip
+        assert needed in exprs, needed
+    sexprs = " ".join(e for _, e in _queries(_load("sentinel.json")))
+    for needed in ("sentinel_steps_processed_total", "sentinel_rule_fired_total", "sentinel_actions_total",
+                   "sentinel_incidents_open", "sentinel_detection_latency_seconds_bucket", "sentinel_leader",
+                   "sentinel_bus_errors_total"):  # fmt: skip
+        assert needed in sexprs, needed
+
+
+# ------------------------------------------------------------------ slow: real Prometheus, real run
+class RunAndSentinelPrometheus(Prometheus):
+    """The docs' scrape config for the trainer, plus a job for the sentinel's own endpoint."""
+
+    def __init__(self, binary: str, workdir: Path, targets_file: Path, sentinel_port: int) -> None:
+        self.sentinel_port = sentinel_port
+        super().__init__(binary, workdir, targets_file)
+
+    def documented_config(self, targets_file: Path) -> dict:  # type: ignore[override]
+        cfg = Prometheus.documented_config(targets_file)
+        cfg["scrape_configs"].append({
+            "job_name": "sentinel", "scrape_interval": "1s", "scrape_timeout": "1s", "honor_labels": True,
+            "static_configs": [{"targets": [f"127.0.0.1:{self.sentinel_port}"]}],
+        })  # fmt: skip
+        return cfg
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for k in ("SENTINEL_REDIS_URL", "SENTINEL_SECRET"):
+        env.pop(k, None)
+    return env
+
+
+def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _drill_fault(seed: int) -> str:
+    from sentinel.drill import batch_ids_at
+    from trainer.config import PRESETS
+    from trainer.data import ensure_prepared
+
+    preset = PRESETS["tiny"]
+    gb = preset["data"]["micro_batch_size"] * preset["data"].get("grad_accum", 1) * 2
+    ids = batch_ids_at(ensure_prepared(), seq_len=preset["model"]["seq_len"], seed=seed, global_batch=gb, step=DRILL_STEP)
+    return f"lr@{min(ids)}:100"
+
+
+def _concrete(expr: str, run: str) -> str:
+    return expr.replace("$run", run).replace("$__rate_interval", RATE_INTERVAL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_every_panel_query_returns_data(tmp_path):
+    from sentinel.drill import DEMO_RULES
+    from sentinel.embedded import PID_FILE, bus_dir, ensure_embedded, stop_embedded
+
+    binary = _binary("prometheus")
+    run_dir = tmp_path / f"dash-{uuid.uuid4().hex[:8]}"  # run id = dir name: unique per test
+    run_dir.mkdir()
+    run = run_dir.name
+    ensure_embedded(run_dir)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(DEMO_RULES)
+    (tmp_path / "prom").mkdir()
+    s_port = free_port()
+    prom = RunAndSentinelPrometheus(binary, tmp_path / "prom", run_dir / "metrics_targets.json", s_port)
+    sentinel = trainer = None
+    try:
+        prom.wait_ready()
+        sentinel = subprocess.Popen(
+            [sys.executable, "-m", "sentinel", "run", str(run_dir), "--rules", str(rules), "--metrics-port", str(s_port),
+             "--lease-ms", "3000"],
+            cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=open(tmp_path / "sentinel.log", "wb"),
+            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        wait_port(s_port, timeout=30, proc=sentinel)
+        train_log = tmp_path / "train.log"
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer",
+             "--preset", "tiny", "--run-dir", str(run_dir), "--max-steps", str(STEPS), "--eval-every", "20",
+             "--ckpt-every", "50", "--keep-last", "30", "--seed", "1337", "--peak-flops", "1e12",
+             "--inject-fault", _drill_fault(1337), "--redis-url", "embedded",
+             "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu"],
+            cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=open(train_log, "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True)  # fmt: skip
+        # Evaluate at a moment while everything is live: after the run ends its series go stale.
+        at = None
+        deadline = time.monotonic() + 120
+        while at is None and time.monotonic() < deadline:
+            assert trainer.poll() is None, f"trainer exited early ({trainer.returncode}): {train_log.read_text()[-3000:]}"
+            res = prom.query(f'training_step{{run="{run}"}} >= {STEPS - 60} and on (run) '
+                             f'training_rollbacks_total{{run="{run}"}} > 0')  # fmt: skip
+            if res:
+                at = time.time() - 1.0
+            time.sleep(0.5)
+        assert at is not None, f"no rollback then step {STEPS - 60} in time:\n{train_log.read_text()[-3000:]}\n" + (
+            (tmp_path / "sentinel.log").read_text()[-3000:])
+        # (the run itself may go on: every query is evaluated at `at`, the end of the run is not needed)
+
+        empty, justified = [], []
+        for name in NAMES:
+            for where, expr in _queries(_load(name)):
+                q = _concrete(expr, run)
+                assert "$" not in q, f"{name} {where}: unsubstituted variable in {q}"
+                series = prom.query(q, at)  # asserts status == success: the query parses and evaluates
+                if series:
+                    continue
+                why = next((w for k, w in EMPTY_OK.items() if k in expr), None)
+                (justified if why else empty).append(f"{name} {where}: {q}")
+        assert not empty, "panel queries with no data:\n" + "\n".join(empty)
+        # the justified ones: the resume counter exists (and is 0), CUDA memory is really absent
+        assert prom.query(f'training_resumes_total{{run="{run}"}} == 0', at)
+        assert prom.query(f'{{__name__=~"training_cuda_memory_.*", run="{run}"}}', at) == []
+        assert len(justified) == 3, justified
+        # the variable's query: label_values(training_step, run) lists this run
+        body = json.loads(urllib.request.urlopen(f"{prom.url}/api/v1/label/run/values?match[]=training_step").read())
+        assert run in body["data"], body
+        assert trainer.poll() in (None, 0), train_log.read_text()[-3000:]
+    finally:
+        for p in (trainer, sentinel):
+            if p is not None:
+                _kill_group(p)
+        prom.stop()
+        try:
+            stop_embedded(run_dir)
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                os.kill(int((bus_dir(run_dir) / PID_FILE).read_text()), signal.SIGKILL)
