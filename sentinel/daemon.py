@@ -69,7 +69,7 @@ class Options:
     dry_run: bool = False
     require_approval: bool | None = None
     lease_ms: int = 10_000
-    claim_idle_ms: int = 15_000
+    claim_idle_ms: int = 15_000  # unused: a new leader claims every pending entry (it holds the lease)
     batch: int = 500
     alertmanager_url: str | None = None
 
@@ -96,6 +96,7 @@ class RunWatcher:
         if got and not self.leader:
             self.log(f"[{self.run}] leader lease acquired by {me}")
             self._load_state()
+            self._recovered = False  # a new term: recover pending entries again (ours and a dead leader's)
         elif not got and self.leader:
             self.log(f"[{self.run}] leader lease lost")
         self.leader = got
@@ -136,8 +137,11 @@ class RunWatcher:
         todo = list(entries)
         if not self._recovered:  # own pending (crash mid-batch) and entries a dead consumer left behind
             todo = bus.read_group(self.r, self.keys.steps, STEP_CONSUMER_GROUP, self.opts.consumer, count=10_000, pending=True) + todo
+            # we hold the lease, so whoever left entries pending is no longer acting on them: claim them
+            # however briefly they have been idle (a dead leader's batch is younger than claim_idle_ms
+            # when a short lease expires, and recovery runs only once per lease acquisition)
             _, claimed = bus.autoclaim(self.r, self.keys.steps, STEP_CONSUMER_GROUP, self.opts.consumer,
-                                       min_idle_ms=self.opts.claim_idle_ms, count=10_000)
+                                       min_idle_ms=0, count=10_000)
             todo = claimed + todo
             self._recovered = True
         todo.sort(key=lambda e: _stream_id_tuple(e.id))
@@ -223,6 +227,11 @@ class RunWatcher:
         for ev in events:
             if ev.kind == "rule_fired" and ev.data.get("rule"):
                 self.m.fired.labels(self.run, str(ev.data["rule"])).inc()
+            elif ev.kind == "action" and ev.data.get("dry_run") and isinstance(ev.data.get("action"), dict):
+                # a dry-run policy returns no actions to _execute: count and log them from their events
+                act = ev.data["action"]
+                self.m.actions.labels(self.run, str(act.get("kind")), "dry_run").inc()
+                self.log(f"[{self.run}] DRY RUN: would send {act.get('kind')} ({act.get('reason')})")
             bus.publish(self.r, self.keys.events, ev)
         incidents = {i.id: i.to_json() for i in self.policy.incidents}
         if events and incidents:

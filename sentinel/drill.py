@@ -154,6 +154,20 @@ def final_val_loss(steps: dict[int, StepRecord]) -> float | None:
     return vals[-1] if vals else None
 
 
+def _ensure_run_secret(run_dir: Path) -> None:
+    """RUN_DIR/bus/secret (0600, random) when an external bus is used: ``load_secret`` falls back to it."""
+    import secrets
+
+    d = Path(run_dir) / "bus"
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(d / "secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+
+
 def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> DrillResult:
     """Run the drill to completion; ``on_tick(run_dir, log)`` is called ~4x/s (live displays)."""
     from sentinel import bus
@@ -182,6 +196,8 @@ def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> Drill
         from sentinel.embedded import ensure_embedded
 
         url = spec.redis_url or ensure_embedded(spec.run_dir)
+        if spec.redis_url and not os.environ.get(bus.ENV_SECRET):
+            _ensure_run_secret(spec.run_dir)  # no embedded bus made one; trainer and daemon both read this file
         rules_path = spec.run_dir / "sentinel-rules.yaml"
         rules_path.write_text(spec.rules_yaml)
         run_id = spec.run_dir.resolve().name

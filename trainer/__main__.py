@@ -13,8 +13,14 @@ import sys
 from pathlib import Path
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, like our own errors, not usage + error
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m trainer",
         description="Distributed GPT pretraining with full-state checkpoints and bitwise-exact resume.",
         epilog="Any config field can be set with --set path=value (e.g. --set optim.lr=1e-3). "

@@ -17,6 +17,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -128,7 +129,12 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
 
 def load_torch(path: Path) -> Any:
     """Only after ``verify``: tensors and plain containers, never arbitrary pickle."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused a global: a tampered or foreign file
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), "not plain tensors/containers")
+        raise CheckpointError(f"checkpoint {path.parent.name}: {path.name} refused by torch.load(weights_only=True): {why}") from None
 
 
 class Checkpointer:

@@ -1,0 +1,281 @@
+"""End to end: a real Prometheus scrapes a real 2-rank training run through the documented config.
+
+Debian's ``prometheus`` runs in the foreground on 127.0.0.1 (free port, TSDB in tmp) with the
+``prometheus.yml`` from docs/metrics.md, changed only where a test must: 1 s scrape interval,
+1 s file-SD refresh, and the run's own ``metrics_targets.json`` as the file-SD source. Then
+``torchrun --nproc-per-node 2 -m trainer --preset tiny`` trains for ~10 s (metrics servers die
+with it), with ``--peak-flops`` so MFU is exported, frequent validation and a checkpoint.
+
+Checked:
+* every metric of the docs table has samples in Prometheus (PromQL ``last_over_time(...[5m])``;
+  histograms through ``_bucket``/``_count``/``_sum``, summaries through ``_count``/``_sum``),
+  with exactly the documented labels: ``run`` everywhere, ``rank`` only on per-rank series and
+  then for both ranks, ``reason``/``kind``/``phase`` with their full value sets, no ``exported_*``.
+  The CUDA-only rows cannot exist on this CPU run: the test asserts they are *absent* instead.
+* each rank's live ``/metrics`` passes ``promtool check metrics`` with no complaint.
+
+A missing prometheus/promtool fails under CI (CI=true) and skips elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_port, require_binary
+from test_metrics import DOCS, _cuda_only, documented
+from trainer.telemetry.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 420  # ~10 s of tiny-preset DDP on 2 CPU cores: ~10 scrapes at 1 s
+EVAL_EVERY = 20
+CKPT_EVERY = 100
+PROBE_AT_STEP = 130  # live endpoints are checked once a validation and a checkpoint have happened
+MIN_SCRAPES = 4
+# Prometheus adds these; everything else on a series must come from the documented label set
+ADDED_LABELS = {"__name__", "job", "instance"}
+
+
+def _binary(name: str) -> str:
+    return require_binary(shutil.which(name) or f"/usr/bin/{name}")
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+class Prometheus:
+    """Debian prometheus in the foreground, owned by the test: ``stop()`` kills it."""
+
+    def __init__(self, binary: str, workdir: Path, targets_file: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / "prometheus.log"
+        self.config = workdir / "prometheus.yml"
+        self.config.write_text(yaml.safe_dump(self.documented_config(targets_file), sort_keys=False))
+        self._log_f = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={self.config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            cwd=workdir, stdin=subprocess.DEVNULL, stdout=self._log_f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    @staticmethod
+    def documented_config(targets_file: Path) -> dict:
+        """docs/metrics.md's prometheus.yml with test timings and this run's targets file."""
+        block = re.search(r"```yaml\n(# prometheus.yml\n.*?)```", DOCS.read_text(), re.S).group(1)
+        cfg = yaml.safe_load(block)
+        cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+        (job,) = cfg["scrape_configs"]
+        assert job["honor_labels"] is True and job["metric_relabel_configs"], "docs config changed shape"
+        job.update(scrape_interval="1s", scrape_timeout="1s")
+        job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
+        return cfg
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}: {self.log_tail()}")
+            with contextlib.suppress(OSError):
+                if _get(f"{self.url}/-/ready", timeout=1) is not None:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"prometheus not ready after {timeout}s: {self.log_tail()}")
+
+    def query(self, promql: str, at: float | None = None) -> list[dict]:
+        params = {"query": promql}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        body = json.loads(_get(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"))
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def log_tail(self, n: int = 10) -> str:
+        with contextlib.suppress(OSError):
+            return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-n:])
+        return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log_f.close()
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / f"e2e-{uuid.uuid4().hex[:8]}"  # the run id is the dir name: unique per test
+    d.mkdir()  # must exist before Prometheus starts: file SD watches the directory
+    return d
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, run_dir: Path):
+    binary = _binary("prometheus")
+    workdir = tmp_path / "prometheus"
+    workdir.mkdir()
+    prom = Prometheus(binary, workdir, run_dir / "metrics_targets.json")
+    try:
+        prom.wait_ready()
+        yield prom
+    finally:
+        prom.stop()
+
+
+def _start_training(run_dir: Path, log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "trainer", "--preset", "tiny", "--run-dir", str(run_dir), "--max-steps", str(STEPS),
+        "--eval-every", str(EVAL_EVERY), "--ckpt-every", str(CKPT_EVERY), "--peak-flops", "1e12",
+        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("SENTINEL_REDIS_URL", None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the torchrun we started and its workers (its own session), by its process group id."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _exposition_value(body: str, name: str) -> float | None:
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _probe_live_endpoints(proc: subprocess.Popen, run_dir: Path, log: Path) -> dict[str, bytes]:
+    """Once the run is past PROBE_AT_STEP, fetch every rank's /metrics (while the trainer lives)."""
+    targets_file = run_dir / "metrics_targets.json"
+    deadline = time.monotonic() + 120
+    groups = None
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"trainer exited early ({proc.returncode}): {log.read_text()[-3000:]}"
+        if groups is None and targets_file.is_file():
+            groups = json.loads(targets_file.read_text())
+        if groups is not None:
+            rank0 = next(g for g in groups if g["labels"]["rank"] == "0")["targets"][0]
+            with contextlib.suppress(OSError):
+                step = _exposition_value(_get(f"http://{rank0}/metrics").decode(), "training_step")
+                if step is not None and step >= PROBE_AT_STEP:
+                    return {g["labels"]["rank"]: _get(f"http://{g['targets'][0]}/metrics") for g in groups}
+        time.sleep(0.1)
+    raise AssertionError(f"run did not reach step {PROBE_AT_STEP}: {log.read_text()[-3000:]}")
+
+
+def _labels(series: dict) -> dict[str, str]:
+    return {k: v for k, v in series["metric"].items() if k not in ADDED_LABELS}
+
+
+def test_prometheus_scrapes_every_documented_metric_with_documented_labels(prometheus, run_dir, tmp_path):
+    promtool = _binary("promtool")
+    run = run_dir.name
+    log = tmp_path / "train.log"
+    proc = _start_training(run_dir, log)
+    try:
+        live = _probe_live_endpoints(proc, run_dir, log)
+        rc = proc.wait(180)
+    finally:
+        _kill_group(proc)
+    assert rc == 0, log.read_text()[-3000:]
+
+    # ---- every rank's live endpoint is promtool-clean
+    assert set(live) == {"0", "1"}
+    for rank, body in live.items():
+        chk = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=30)
+        assert chk.returncode == 0 and not chk.stdout.strip() and not chk.stderr.strip(), (
+            f"rank {rank}: " + chk.stdout.decode() + chk.stderr.decode()
+        )
+
+    # ---- Prometheus really scraped both ranks several times, and `up` carries run + rank
+    at = time.time()
+    ups = prometheus.query(f'sum_over_time(up{{run="{run}"}}[5m])', at)
+    assert {s["metric"].get("rank") for s in ups} == {"0", "1"}, (ups, prometheus.log_tail())
+    for s in ups:
+        assert float(s["value"][1]) >= MIN_SCRAPES, (f"only {s['value'][1]} successful scrapes", s)
+
+    # ---- every documented metric, with the documented labels
+    docs = documented()
+    checked = 0
+    for name, row in docs.items():
+        if _cuda_only(row):
+            # CUDA-only rows (GPU memory) cannot exist on this CPU run: they must be absent, not zero
+            assert prometheus.query(f'last_over_time({{__name__=~"{name}.*", run="{run}"}}[5m])', at) == [], name
+            continue
+        per_rank = "rank" in row["labels"]
+        suffixes = {"histogram": ("_bucket", "_count", "_sum"), "summary": ("_count", "_sum")}.get(row["type"], ("",))
+        for suffix in suffixes:
+            series = prometheus.query(f'last_over_time({name}{suffix}{{run="{run}"}}[5m])', at)
+            assert series, f"{name}{suffix}: no samples in Prometheus"
+            want = row["labels"] | ({"le"} if suffix == "_bucket" else set())
+            for s in series:
+                labels = _labels(s)
+                assert set(labels) == want, f"{name}{suffix}: labels {sorted(labels)}, documented {sorted(want)}"
+                assert labels["run"] == run
+            ranks = {s["metric"].get("rank") for s in series}
+            if per_rank:
+                assert ranks == {"0", "1"}, f"{name}{suffix}: ranks {ranks}"
+            else:  # global: rank 0 only, and the documented relabel rule removed the target's rank
+                assert ranks == {None}, f"{name}{suffix}: a global series carries rank {ranks}"
+            by_other = {}
+            for s in series:
+                key = tuple(sorted((k, v) for k, v in _labels(s).items() if k not in ("run", "rank")))
+                by_other.setdefault(key, set()).add(s["metric"].get("rank"))
+            for label, values in (("reason", SKIP_REASONS), ("kind", DIRECTIVE_KINDS), ("phase", PHASES)):
+                if label in row["labels"]:
+                    assert {s["metric"][label] for s in series} == set(values), f"{name}: {label} values"
+            if per_rank:  # every label combination exists on both ranks (e.g. each phase per rank)
+                assert all(v == {"0", "1"} for v in by_other.values()), f"{name}{suffix}: {by_other}"
+            else:  # no duplicates: one series per label combination
+                assert len(series) == len(by_other), f"{name}{suffix}: duplicate global series"
+            checked += 1
+    assert checked >= 35, checked
+
+    # ---- nothing was renamed to exported_* (the reason honor_labels is in the docs config)
+    everything = prometheus.query(f'{{__name__=~"training_.*", run="{run}"}}[5m]', at)  # a range vector keeps names
+    assert {s["metric"]["__name__"] for s in everything} >= {n for n, row in docs.items() if not _cuda_only(row)} - {
+        n for n, row in docs.items() if row["type"] in ("histogram", "summary")}
+    renamed = [s["metric"] for s in everything if any(k.startswith("exported_") for k in s["metric"])]
+    assert renamed == [], renamed
+
+    # ---- a few values that only a real run produces
+    def value(promql: str) -> float:
+        (s,) = prometheus.query(promql, at)
+        return float(s["value"][1])
+
+    # the last scrape may precede the last step by up to a scrape interval
+    assert PROBE_AT_STEP <= value(f'last_over_time(training_step{{run="{run}"}}[5m])') <= STEPS
+    assert 0 < value(f'last_over_time(training_mfu_ratio{{run="{run}"}}[5m])') < 1
+    vloss = value(f'last_over_time(training_validation_loss{{run="{run}"}}[5m])')
+    assert value(f'last_over_time(training_validation_perplexity{{run="{run}"}}[5m])') == pytest.approx(math.exp(vloss), rel=1e-9)
+    assert value(f'last_over_time(training_checkpoint_size_bytes{{run="{run}"}}[5m])') > 0
+    info = prometheus.query(f'last_over_time(training_info{{run="{run}"}}[5m])', at)[0]["metric"]
+    assert (info["model"], info["world_size"], info["parallelism"], info["device"]) == ("tiny", "2", "ddp", "cpu")
