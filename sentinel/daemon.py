@@ -195,6 +195,8 @@ class RunWatcher:
                 except (SchemaError, KeyError):
                     continue
                 self.log(f"[{self.run}] ack {a.kind} {a.directive_id[:8]}: {a.status}" + (f" ({a.detail})" if a.detail else ""))
+                if a.status in ("failed", "rejected"):  # "sent" was counted at XADD; the trainer's verdict lands here
+                    self.m.actions.labels(self.run, a.kind, a.status).inc()
                 self._execute(self.policy.on_ack(a), None)
 
     def _read_approvals(self) -> None:

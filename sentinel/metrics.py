@@ -17,7 +17,7 @@ class SentinelMetrics:
         r = self.registry
         self.steps = Counter("sentinel_steps_processed", "Step records processed.", ["run"], registry=r)
         self.fired = Counter("sentinel_rule_fired", "Rule firings (after cooldowns).", ["run", "rule"], registry=r)
-        self.actions = Counter("sentinel_actions", "Actions taken, by outcome (sent, duplicate, dry_run, failed).",
+        self.actions = Counter("sentinel_actions", "Actions taken, by outcome: sent, duplicate, dry_run, and the trainer's verdict failed or rejected.",
                                ["run", "action", "outcome"], registry=r)
         self.incidents_open = Gauge("sentinel_incidents_open", "Incidents not yet healthy or escalated-and-closed.", ["run"], registry=r)
         self.latency = Histogram("sentinel_detection_latency_seconds", "From step publish to signed directive in Redis.",
