@@ -27,6 +27,7 @@ setup-system:
 	  command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	  command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	  command -v prometheus-alertmanager >/dev/null || missing="$$missing prometheus-alertmanager"; \
+	  command -v kubectl >/dev/null || missing="$$missing kubernetes-client"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  fi; \

@@ -18,6 +18,8 @@ required by the protocol, and a true zero norm carries no spike information eith
 
 from __future__ import annotations
 
+from collections import deque
+
 import math
 import operator
 from dataclasses import asdict, dataclass
@@ -105,6 +107,7 @@ class ValDivergenceRule(RuleBase):
     cooldown_steps: int = Field(1000, ge=0)
     max_gap_increase: float = Field(0.1, gt=0)  # nats: (val - train) gap above its best so far
     consecutive: int = Field(2, ge=1)  # evaluations in a row (the gap is taken against the loss rule's spike-free level)
+    warmup_evals: int = Field(2, ge=0)  # evaluations ignored at first: the train level lags a fast early descent
 
 
 class BandRule(RuleBase):
@@ -426,25 +429,37 @@ class _GradEval(_Eval):
 class _ValEval(_Eval):
     """Validation loss pulling away from train loss: the gap (val - train level) exceeds its best
     value so far by ``max_gap_increase`` on ``consecutive`` evaluations. Uses ``val_loss``, else
-    ``log(val_ppl)``. The train level is the loss detector's EMA, which spikes never enter."""
+    ``log(val_ppl)``. The train level is the median of the last ``RECENT`` finite train losses: an
+    EMA lags a fast descent by ~1/alpha steps, which would make the early gap look falsely good and
+    page later for nothing; a short median lags ~RECENT/2 steps and shrugs off single spikes."""
+
+    RECENT = 16
 
     def __init__(self, cfg: ValDivergenceRule, train_level: d.Ema):
         super().__init__(cfg, "val_divergence")
-        self.train = train_level
+        self.recent: deque[float] = deque(maxlen=self.RECENT)
         self.best_gap: float | None = None
         self.run = 0
+        self.evals = 0
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        loss = rec.loss
+        if loss == loss and loss not in (math.inf, -math.inf):  # finite, without a function call
+            self.recent.append(loss)
         v = rec.val_loss
         if v is None:
             p = rec.val_ppl
             if p is None or not p > 0:
                 return
             v = math.log(p)
-        t = self.train.value
-        if t is None or not math.isfinite(v):
+        if not self.recent or not math.isfinite(v):
             return
+        srt = sorted(self.recent)
+        t = srt[len(srt) // 2]
         gap = v - t
+        self.evals += 1
+        if self.evals <= self.cfg.warmup_evals:
+            return
         if self.best_gap is None or gap < self.best_gap:
             self.best_gap = gap
         if gap - self.best_gap > self.cfg.max_gap_increase:
@@ -458,10 +473,11 @@ class _ValEval(_Eval):
         self.run = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_gap": self.best_gap, "run": self.run}
+        return {"best_gap": self.best_gap, "run": self.run, "evals": self.evals, "recent": list(self.recent)}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
-        self.best_gap, self.run = st["best_gap"], int(st["run"])
+        self.best_gap, self.run, self.evals = st["best_gap"], int(st["run"]), int(st.get("evals", 0))
+        self.recent = deque(st.get("recent", []), maxlen=self.RECENT)
 
 
 class _BandEval(_Eval):

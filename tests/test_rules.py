@@ -84,3 +84,42 @@ def test_cli_check_bad_file_exit_2_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "rules.loss_spike.threshold" in lines[0]
     r = CliRunner().invoke(rules_group, ["check", str(tmp_path / "missing.yaml")])
     assert r.exit_code == 2 and r.output.strip().startswith("error: ") and len(r.output.strip().splitlines()) == 1
+
+
+def _val_trace(losses_and_vals):
+    from sentinel.protocol import StepRecord
+
+    for step, (loss, val) in enumerate(losses_and_vals, start=1):
+        yield StepRecord(run="r", step=step, loss=loss, loss_max_rank=loss, grad_norm=1.0, lr=1e-3, tokens=step,
+                         batch_fingerprint="f", time=float(step), val_loss=val)
+
+
+def _val_findings(points):
+    from sentinel.rules import RuleEngine
+
+    eng = RuleEngine(default_rules())
+    return [f for rec in _val_trace(points) for f in eng.evaluate(rec) if f.rule == "val_divergence"]
+
+
+def test_val_divergence_ignores_the_lag_of_a_fast_early_descent():
+    # loss falls fast, exponentially (5.5 -> 3.0, time constant 60 steps, like real curves); val (every
+    # 50) tracks the *current* loss, so early on it sits far below any lagging train level. That early
+    # gap must not become the baseline the rule later pages against.
+    import math
+
+    pts = []
+    for s in range(1, 601):
+        loss = 3.0 + 2.5 * math.exp(-s / 60)
+        pts.append((loss, loss - 0.02 if s % 50 == 0 else None))
+    assert _val_findings(pts) == []
+
+
+def test_val_divergence_fires_when_val_pulls_away_from_train():
+    pts = []
+    for s in range(1, 601):
+        val = None
+        if s % 50 == 0:
+            val = 3.0 + (0.0 if s <= 300 else 0.4)  # overfitting: train flat at 3.0, val jumps +0.4 nats
+        pts.append((3.0, val))
+    found = _val_findings(pts)
+    assert found and found[0].step == 400  # second consecutive eval above best gap + 0.1

@@ -98,10 +98,12 @@ class Trainer:
         effects on the run dir: no config write, no step log, no telemetry, no bus."""
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
         self.offline = offline
+        self._stop_signal = False
+        if not offline:  # from the start: a SIGTERM during setup still ends in a checkpoint, not a kill
+            self._install_signals()
         self.run_id = cfg.run_id or self.run_dir.resolve().name
         self.state = TrainState()
         self.ctl = Directives()
-        self._stop_signal = False
         self._last_ckpt_time: float | None = None
         self._throughput: deque = deque(maxlen=20)
         self._val_loss: float | None = None
@@ -621,7 +623,6 @@ class Trainer:
 
     def fit(self) -> None:
         cfg, env = self.cfg, self.env
-        self._install_signals()
         self.start()
         self.model.train()
         _log(env, f"model: {self.n_params / 1e6:.2f}M non-embedding params; global batch {self.global_batch} x {cfg.model.seq_len} tokens; "
@@ -647,8 +648,8 @@ class Trainer:
             self._one_step(t_control)
             if cfg.checkpoint.every and self.state.step % cfg.checkpoint.every == 0:
                 self.save_checkpoint()
-        else:
-            if cfg.checkpoint.every and self.state.step % cfg.checkpoint.every:
+        else:  # finished: always leave a checkpoint of the final state (every=0 means "only at the end")
+            if not cfg.checkpoint.every or self.state.step % cfg.checkpoint.every:
                 self.save_checkpoint()
         self._flush_readback()
         self.ckpt.wait()
