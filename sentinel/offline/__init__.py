@@ -108,6 +108,28 @@ def open_run(run: str | os.PathLike) -> RunLog:
     return RunLog(run_dir=run_dir, records=records, world_size=world, run_id=run_id)
 
 
+def precheck_checkpoint(run_dir: Path, *, exact: int | None = None, before: int | None = None) -> int:
+    """Find and verify (sha256 against the manifest) the checkpoint a tool will restore, in this
+    process: multi-rank runs fail fast on bad input instead of after launching ranks."""
+    from trainer.checkpoint import CheckpointError, Checkpointer
+
+    ck = Checkpointer(run_dir, rank=0, world_size=1, keep_last=1, keep_every=0,
+                      barrier=lambda: None, all_ok=lambda ok: ok, log=lambda m: None)
+    if exact is not None:
+        try:
+            return ck.exact(exact).step
+        except CheckpointError as e:
+            msg = str(e)
+            raise OfflineError(msg if msg.startswith("no checkpoint") else f"checkpoint {msg}") from None
+    passed: list[str] = []
+    ck.log = passed.append
+    found = ck.newest_valid(at_or_before=before)
+    if found is None:
+        why = f" ({'; '.join(m.removeprefix('warning: checkpoint ').split(';')[0] for m in passed)})" if passed else ""
+        raise OfflineError(f"no valid checkpoint at or before step {before} in {run_dir / 'checkpoints'}{why}")
+    return found.step
+
+
 # ------------------------------------------------------------------------------------ workers
 
 

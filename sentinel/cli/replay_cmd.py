@@ -1,0 +1,178 @@
+"""`sentinel replay-batch`: replay the exact batch of one step offline and name the culprit samples."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import click
+
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
+
+
+def parse_checkpoint(value: str | None) -> int | None:
+    """A checkpoint id: a step number (``20``) or its directory name (``step-00000020``)."""
+    if value is None:
+        return None
+    m = re.fullmatch(r"(?:step-)?0*(\d+)", value.strip())
+    if not m:
+        raise SentinelError(f"--checkpoint {value!r}: expected a step number or step-NNNNNNNN")
+    return int(m.group(1))
+
+
+def make_progress(enabled: bool):
+    """A rich progress bar on stderr for a person; a no-op (None) for scripts."""
+    if not enabled:
+        return None, None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("starting", total=None)
+
+    def report(done: int, total: int, desc: str) -> None:
+        bar.update(task, completed=done, total=max(total, 1), description=desc)
+
+    return bar, report
+
+
+def fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return repr(x) if math.isfinite(x) else str(x)
+    return str(x)
+
+
+@click.command("replay-batch")
+@click.argument("run", metavar="RUN")
+@click.option("--step", "step", required=True, type=click.IntRange(min=1), help="The step whose batch to replay.")
+@click.option("--checkpoint", "checkpoint", default=None, metavar="ID",
+              help="Start from this checkpoint (a step number); default: the newest valid one before the step.")
+@click.option("--top", "top_k", default=5, show_default=True, type=click.IntRange(min=0), help="How many culprit samples to name.")
+@click.option("--rank-by", "rank_by", type=click.Choice(["loss", "grad_norm"]), default="loss", show_default=True,
+              help="Rank culprits by per-sample loss or by per-sample gradient norm.")
+@click.option("--skip-culprits", is_flag=True, help="Add the top culprits to the run's skip list (and send a signed "
+              "skip-samples directive when the run's control bus answers).")
+@json_option
+@friendly_errors
+def replay_batch(run: str, step: int, checkpoint: str | None, top_k: int, rank_by: str, skip_culprits: bool, as_json: bool) -> None:
+    """Replay exactly the batch RUN trained on at --step, offline, and name its culprit samples.
+
+    Restores the newest valid checkpoint before the step, fast-forwards with the recorded sample ids
+    of every step in between (checking each against the log), then runs the step's forward and
+    backward without the update. Equal loss and grad norm (bitwise on CPU, rtol 1e-3 on CUDA) means
+    *reproduced*: the cause is in the data plus the state. Otherwise a transient or hardware fault
+    is suspected. Per-sample losses and gradient norms name the culprits (id, shard, offset, text).
+    Multi-rank runs are replayed on the same number of ranks (torchrun).
+    """
+    from sentinel.offline import OfflineError, launch_workers, open_run, precheck_checkpoint
+
+    ck = parse_checkpoint(checkpoint)
+    try:
+        log = open_run(run)
+        if step not in log.records:
+            raise OfflineError(f"step {step} is not in the step log of {run} ({log.span()})")
+        if ck is not None and ck >= step:
+            raise OfflineError(f"checkpoint {ck} is not before step {step}: replay needs the state before the step")
+        bar, report = make_progress(not as_json)
+        try:
+            if bar is not None:
+                bar.start()
+            if log.world_size > 1:
+                precheck_checkpoint(log.run_dir, exact=ck, before=step - 1)
+                argv = ["replay", str(log.run_dir), "--step", str(step), "--top", str(top_k), "--rank-by", rank_by]
+                if ck is not None:
+                    argv += ["--checkpoint", str(ck)]
+                res = launch_workers(log.world_size, argv, progress=report)
+            else:
+                res = _in_process(log.run_dir, step, ck, top_k, rank_by, report)
+        finally:
+            if bar is not None:
+                bar.stop()
+    except OfflineError as e:
+        raise SentinelError(str(e)) from None
+
+    if skip_culprits:
+        res["skip"] = _skip(log, res, top_k)
+    if as_json:
+        emit_json(res)
+        return
+    _render(res)
+
+
+def _in_process(run_dir, step, ck, top_k, rank_by, report):
+    from sentinel.offline import OfflineError
+    from sentinel.offline.replay import replay
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.train import TrainingError
+
+    try:
+        return replay(_env(run_dir), run_dir, step, checkpoint=ck, top_k=top_k, rank_by=rank_by, progress=report,
+                      warn=lambda m: click.echo(m, err=True))
+    except (CheckpointError, TrainingError, DataError, ConfigError) as e:
+        raise OfflineError(str(e)) from None
+
+
+def _env(run_dir):
+    from sentinel.offline.replay import local_env
+    from trainer.config import load_run_config
+
+    return local_env(load_run_config(run_dir).device)
+
+
+def _skip(log, res: dict, top_k: int) -> dict:
+    from sentinel.offline.replay import add_to_skiplist, send_skip_directive
+
+    ids = [c["id"] for c in res["culprits"][:top_k]]
+    if not ids:
+        return {"ids": [], "ranges": [], "added": 0, "bus": "nothing to skip"}
+    ranges, added = add_to_skiplist(log.run_dir, ids)
+    bus = send_skip_directive(log.run_dir, res.get("run") or log.run_id, ranges,
+                              reason=f"replay-batch: culprits of step {res['step']}")
+    out = {"ids": ids, "ranges": [list(r) for r in ranges], "added": added, "bus": bus,
+           "file": str(log.run_dir / "skiplist.json")}
+    if not res["reproduced"]:
+        out["warning"] = "the step was not reproduced: these samples may be innocent (transient fault suspected)"
+    return out
+
+
+def _render(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    con = Console()
+    con.print(Text(f"replay of step {res['step']} from checkpoint {res['checkpoint']} "
+                   f"({res['world_size']} rank(s), {res['device']}, tolerance {res['tolerance']}; "
+                   f"fast-forward {res['fast_forward']['steps']} step(s): "
+                   f"{'matched the log' if res['fast_forward']['matched'] else 'DIVERGED'})"))
+    t = Table(show_edge=False)
+    t.add_column("")
+    t.add_column("recorded", justify="right")
+    t.add_column("replayed", justify="right")
+    t.add_column("match")
+    for k in ("loss", "grad_norm", "lr", "skipped"):
+        ok = res["match"][k]
+        t.add_row(k, fmt(res["recorded"][k]), fmt(res["replayed"][k]), Text("yes" if ok else "NO", style="green" if ok else "bold red"))
+    con.print(t)
+    style = "bold green" if res["reproduced"] else "bold yellow"
+    con.print(Text(res["verdict"], style=style))
+    if res["culprits"]:
+        ct = Table(title=f"top {len(res['culprits'])} culprits (by per-sample {res['ranked_by']}; batch of {res['batch_size']})",
+                   show_edge=False, title_justify="left")
+        for col, just in (("id", "right"), ("loss", "right"), ("grad norm", "right"), ("shard:offset", "left")):
+            ct.add_column(col, justify=just, no_wrap=True)
+        ct.add_column("text", no_wrap=True, overflow="ellipsis", max_width=max(16, con.width - 60))
+        for c in res["culprits"]:
+            gn = "-" if c["grad_norm"] is None else f"{c['grad_norm']:.4g}"
+            ct.add_row(str(c["id"]), f"{c['loss']:.4f}", gn, f"{c['shard']}:{c['offset']}", Text(c["text"]))
+        con.print(ct)
+    if "skip" in res:
+        s = res["skip"]
+        con.print(Text(f"skip list: added {s['ids']} ({s['added']} new id(s)) to {s.get('file', 'skiplist.json')}; {s['bus']}"))
+        if s.get("warning"):
+            con.print(Text("warning: " + s["warning"], style="yellow"))

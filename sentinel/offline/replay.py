@@ -1,0 +1,400 @@
+"""``sentinel replay-batch``: reproduce exactly the batch a run trained on at step N, offline.
+
+Procedure (the spirit of Megatron's rerun machinery, done from a checkpoint):
+
+1. Restore the newest valid checkpoint C <= N-1 (or the one asked for) into an offline
+   :class:`trainer.train.Trainer` with the run's own config and world size.
+2. Fast-forward C+1 .. N-1 with the **recorded** sample ids of each step (authoritative
+   steps.jsonl), checking every step's batch fingerprint, LR, loss, grad norm and guard verdict
+   against the log, with ``train_step(apply=True)``.
+3. Run step N's forward and backward with ``apply=False`` and compare loss and grad norm with the
+   record: bitwise on CPU, within CUDA_RTOL on CUDA. Equal: *reproduced*, the cause is in the data
+   plus the state. Different: *not reproduced*, a transient or hardware fault is suspected.
+4. Culprits: re-seed every rank's RNG to its state just before step N (so dropout draws the same
+   masks as the exact replay, which already happened and is unaffected), forward each micro-batch
+   once with per-token losses, and take per sample the mean token loss and the L2 norm of the
+   gradient of that sample's loss alone (one ``autograd.grad`` per sample).
+
+Every function here runs on every rank of a process group (or on a single in-process "rank") and
+makes the same collective calls on each; results are gathered so every rank returns the same dict.
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sentinel.offline import CUDA_ATOL, CUDA_RTOL, OfflineError, ProgressFn, same, tolerance_text
+
+SNIPPET_CHARS = 80
+
+
+# ------------------------------------------------------------------------------------ session
+
+
+def local_env(device_pref: str = "auto"):
+    """A single-process DistEnv (no process group), whatever WORLD_SIZE says."""
+    from trainer.dist import DistEnv
+
+    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise OfflineError("the run was configured for CUDA but no GPU is available here")
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    return DistEnv(rank=0, local_rank=0, world_size=1, device=device)
+
+
+def build_trainer(run_dir: Path, env=None, *, warn=None):
+    """The run's model/optimizer/data/guard, built offline (no side effects on the run dir).
+    Deterministic algorithms are switched on exactly as ``python -m trainer`` does."""
+    from trainer.config import load_run_config
+    from trainer.train import Trainer
+
+    cfg = load_run_config(run_dir)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if env is None:
+        env = local_env(cfg.device)
+    tr = Trainer(cfg, Path(run_dir), env, offline=True)
+    tr.ckpt.log = warn or _stderr
+    return tr
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def restore(tr, step: int) -> None:
+    """Load exactly checkpoint ``step`` with the skip list it had (not the run dir's current one,
+    which may have grown since): the state S_step as the run had it."""
+    from trainer.data import SkipList
+
+    tr.skip = SkipList(tr.cfg.data.skip)
+    tr.load_checkpoint(step, restore_skiplist=True)
+
+
+def param_digest(tr) -> str:
+    """The param digest exactly as the trainer records it (``StepRecord.param_digest``)."""
+    from trainer.train import digest_hex, param_digest_tensor
+
+    d = param_digest_tensor(tr.raw_model.parameters())
+    if tr.cfg.parallelism == "fsdp" and tr.env.distributed:
+        dist.all_reduce(d)
+    return digest_hex(d.tolist())
+
+
+def gather(env, obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not env.distributed:
+        return [obj]
+    out: list = [None] * env.world_size
+    dist.all_gather_object(out, obj, group=env.control_group)
+    return out
+
+
+def device_kind(tr) -> str:
+    return tr.env.device.type
+
+
+def checkpoint_problem(e: Exception) -> str:
+    """A CheckpointError as one line that says it is about a checkpoint."""
+    msg = str(e)
+    return msg if msg.startswith("no checkpoint") else f"checkpoint {msg}"
+
+
+def check_ids(rec, step: int) -> list[int]:
+    from trainer.data import batch_fingerprint
+
+    ids = list(rec.sample_ids)
+    if not ids:
+        raise OfflineError(f"step {step} in the log has no sample_ids: this run's log cannot be replayed")
+    if batch_fingerprint(ids) != rec.batch_fingerprint:
+        raise OfflineError(
+            f"step {step}: the recorded sample_ids do not match the recorded batch fingerprint "
+            f"({batch_fingerprint(ids)} != {rec.batch_fingerprint}); the log is inconsistent"
+        )
+    return ids
+
+
+def run_step(tr, ids: list[int], *, apply: bool) -> dict:
+    """One optimizer step over global batch ``ids`` at the trainer's current step; host values."""
+    micro, micro_ids = tr.micro_batches(ids)
+    lr = tr.lr_for(tr.state.step, ids)
+    loss, ranks, gnorm, factor, reason = tr.train_step(micro, micro_ids, lr, apply=apply)
+    if apply:
+        tr.state.step += 1
+    return {"loss": float(loss.item()), "rank_losses": [float(x) for x in ranks.tolist()],
+            "grad_norm": float(gnorm.item()), "lr": lr, "skipped": float(factor.item()) == 0.0,
+            "reason": int(reason.item())}
+
+
+# ------------------------------------------------------------------------------------ culprits
+
+
+def sanitize(text: str, limit: int = SNIPPET_CHARS) -> str:
+    """A terminal-safe one-line snippet: newlines shown as a symbol, control characters replaced."""
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("\u23ce")
+        elif ch in "\t\r":
+            out.append(" ")
+        elif ch.isprintable() and not unicodedata.category(ch).startswith("M"):  # no combining marks
+            out.append(ch)
+        else:
+            out.append("\u00b7")
+    s = "".join(out)
+    return s[:limit] + ("\u2026" if len(s) > limit else "")
+
+
+def per_sample(tr, micro: list[torch.Tensor], micro_ids: list[list[int]], rng_state: dict) -> list[dict]:
+    """This rank's per-sample mean token loss and gradient norm, under the RNG state of the step.
+
+    The model runs unwrapped (no DDP hooks, no collectives): each sample's gradient is its own.
+    Under FSDP the parameters are sharded, so only the losses are computed (grad_norm None).
+    """
+    from trainer import faults as drills
+    from trainer import rng
+
+    rng.restore(rng_state)
+    model = tr.raw_model
+    model.train()
+    fsdp = tr.cfg.parallelism == "fsdp" and tr.env.distributed
+    params = [p for p in model.parameters() if p.requires_grad]
+    out: list[dict] = []
+    for toks, mids in zip(micro, micro_ids):
+        x, y = toks[:, :-1], toks[:, 1:]
+        with torch.set_grad_enabled(not fsdp):
+            with tr.autocast:
+                _, tok_loss = model(x, y, reduction="none")
+            per = tok_loss.float().view(x.shape[0], -1).mean(1)
+            for r, sid in enumerate(mids):
+                gn = None
+                if not fsdp:
+                    grads = torch.autograd.grad(per[r], params, retain_graph=r < len(mids) - 1, allow_unused=True)
+                    norms = [torch.linalg.vector_norm(g.float()) for g in grads if g is not None]
+                    gn = float(torch.linalg.vector_norm(torch.stack(norms)).item()) if norms else 0.0
+                loss = float(per[r].item())
+                if drills.poisons_loss(tr.cfg.faults, [sid]):
+                    loss, gn = math.nan, (math.nan if gn is not None else None)
+                out.append({"id": int(sid), "loss": loss, "grad_norm": gn, "rank": tr.env.rank})
+        del per, tok_loss
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+RANK_BY = ("loss", "grad_norm")
+
+
+def rank_culprits(samples: list[dict], by: str = "loss") -> list[dict]:
+    """Order samples worst first by ``by`` (per-sample loss, or per-sample gradient norm); a
+    non-finite value ranks first. ``score`` is the value over the batch median of that measure."""
+    if by not in RANK_BY:
+        raise OfflineError(f"cannot rank culprits by {by!r}; choose from {', '.join(RANK_BY)}")
+    vals = sorted(s[by] for s in samples if s[by] is not None and math.isfinite(s[by]))
+    med = (vals[(len(vals) - 1) // 2] + vals[len(vals) // 2]) / 2 if vals else 0.0
+    for s in samples:
+        v = s[by]
+        if v is None:
+            s["score"] = 0.0
+        elif not math.isfinite(v):
+            s["score"] = math.inf
+        else:
+            s["score"] = v / med if med else 0.0
+    return sorted(samples, key=lambda s: (-s["score"], s["id"]))
+
+
+def describe_sample(tr, sid: int) -> dict:
+    """Where a sample lives and what it says (the tokens as trained: drills applied)."""
+    from trainer import faults as drills
+
+    seq = tr.cfg.model.seq_len
+    shard, offset = tr.ds.locate(sid, seq)
+    toks = tr.ds.get_many([sid], seq)
+    toks = drills.corrupt_tokens(tr.cfg.faults, [sid], toks, tr.cfg.model.vocab_size)
+    try:
+        text = tr.ds.decode(toks[0])
+    except Exception as e:  # a missing/odd tokenizer must not sink the report
+        text = f"<undecodable: {e.__class__.__name__}>"
+    return {"shard": shard, "offset": int(offset), "text": sanitize(text)}
+
+
+# ------------------------------------------------------------------------------------ replay
+
+
+def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_k: int = 5, rank_by: str = "loss",
+           progress: ProgressFn | None = None, warn=None) -> dict:
+    """Replay step ``step`` of the run in ``run_dir`` (see the module docstring); every rank returns
+    the same result dict."""
+    from trainer import rng
+    from trainer.checkpoint import CheckpointError
+    from trainer.steplog import authoritative
+
+    run_dir = Path(run_dir)
+    records = authoritative(run_dir / "steps.jsonl")
+    rec = records.get(step)
+    if rec is None:
+        span = f"steps {min(records)}..{max(records)}" if records else "no steps"
+        raise OfflineError(f"step {step} is not in the step log of {run_dir} ({span})")
+    if step < 1:
+        raise OfflineError("steps are numbered from 1")
+    warnings: list[str] = []
+
+    def note(msg: str) -> None:
+        warnings.append(msg)
+        if env.is_main:
+            (warn or _stderr)(msg)
+
+    tr = build_trainer(run_dir, env, warn=note)
+    if tr.global_batch != len(rec.sample_ids):
+        raise OfflineError(f"step {step} trained {len(rec.sample_ids)} samples, but the run's config gives a global batch "
+                           f"of {tr.global_batch} on {env.world_size} rank(s)")
+    # --- checkpoint
+    if checkpoint is None:
+        passed_over: list[str] = []
+        tr.ckpt.log = passed_over.append
+        ck = tr.ckpt.newest_valid(at_or_before=step - 1)
+        tr.ckpt.log = note
+        if ck is None:
+            why = f" ({'; '.join(m.removeprefix('warning: checkpoint ').split(';')[0] for m in passed_over)})" if passed_over else ""
+            raise OfflineError(f"no valid checkpoint at or before step {step - 1} in {run_dir / 'checkpoints'}{why}")
+        for m in passed_over:
+            note(m)
+        c = ck.step
+    else:
+        if checkpoint >= step:
+            raise OfflineError(f"checkpoint {checkpoint} is not before step {step}: replay needs the state before the step")
+        try:
+            c = tr.ckpt.exact(checkpoint).step
+        except CheckpointError as e:
+            raise OfflineError(checkpoint_problem(e)) from None
+    missing = [s for s in range(c + 1, step) if s not in records]
+    if missing:
+        raise OfflineError(f"cannot fast-forward from checkpoint {c}: step {missing[0]} is missing from the step log")
+    restore(tr, c)
+    dev = device_kind(tr)
+    ckpt_digest_ok = None
+    if c in records and records[c].param_digest:
+        ckpt_digest_ok = param_digest(tr) == records[c].param_digest
+        if not ckpt_digest_ok:
+            note(f"warning: checkpoint {c}'s parameters do not match the param digest the log recorded at step {c} "
+                 "(a different checkpoint, or a log written with another digest function)")
+
+    # --- fast-forward with the recorded batches
+    ff_first_bad: dict | None = None
+    total = step - c
+    if progress:
+        progress(0, total, f"fast-forward from checkpoint {c}")
+    for s in range(c + 1, step):
+        r = records[s]
+        ids = check_ids(r, s)
+        got = run_step(tr, ids, apply=True)
+        bad = [k for k, want in (("loss", r.loss), ("grad_norm", r.grad_norm)) if not same(got[k], want, dev)]
+        if got["lr"] != r.lr:
+            bad.append("lr")
+        if got["skipped"] != r.skipped:
+            bad.append("skipped")
+        if bad and ff_first_bad is None:
+            ff_first_bad = {"step": s, "fields": bad, "replayed": {k: got[k] for k in ("loss", "grad_norm", "lr", "skipped")},
+                            "recorded": {"loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr, "skipped": r.skipped}}
+            note(f"warning: fast-forward diverged from the log at step {s} ({', '.join(bad)})")
+        if progress:
+            progress(s - c, total, f"fast-forward step {s}")
+
+    # --- step N, exactly, without the update
+    ids = check_ids(rec, step)
+    rng_before = rng.capture()
+    micro, micro_ids = tr.micro_batches(ids)
+    lr = tr.lr_for(tr.state.step, ids)
+    loss, ranks, gnorm, factor, reason = tr.train_step(micro, micro_ids, lr, apply=False)
+    replayed = {"loss": float(loss.item()), "grad_norm": float(gnorm.item()),
+                "rank_losses": [float(x) for x in ranks.tolist()], "lr": lr,
+                "skipped": float(factor.item()) == 0.0}
+    if progress:
+        progress(total, total, f"replayed step {step}")
+    loss_ok = same(replayed["loss"], rec.loss, dev)
+    gn_ok = same(replayed["grad_norm"], rec.grad_norm, dev)
+    reproduced = bool(loss_ok and gn_ok and ff_first_bad is None)
+
+    # --- culprits (after the exact replay; same RNG state as the replay had)
+    mine = per_sample(tr, micro, micro_ids, rng_before)
+    samples = [s for part in gather(env, mine) for s in part]
+    ranked = rank_culprits(samples, rank_by)
+    culprits = []
+    for s in ranked[:max(0, top_k)]:
+        culprits.append({"id": s["id"], "loss": s["loss"], "grad_norm": s["grad_norm"], "score": s["score"],
+                         "rank": s["rank"], **describe_sample(tr, s["id"])})
+
+    if reproduced:
+        verdict = ("reproduced: the recorded batch replayed from the checkpoint gives the same loss and grad norm; "
+                   "the cause is in the data plus the training state (see the culprits)")
+    elif ff_first_bad is not None:
+        verdict = (f"not reproduced: the fast-forward already diverged from the log at step {ff_first_bad['step']}; "
+                   "a transient or hardware fault (or a log/checkpoint mismatch) is suspected")
+    else:
+        verdict = ("not reproduced: the same data and state give a different loss/grad norm; "
+                   "a transient or hardware fault is suspected")
+    return {
+        "run": rec.run,
+        "step": step,
+        "checkpoint": c,
+        "world_size": env.world_size,
+        "device": dev,
+        "tolerance": tolerance_text(dev),
+        "rtol": CUDA_RTOL if dev == "cuda" else 0.0,
+        "atol": CUDA_ATOL if dev == "cuda" else 0.0,
+        "batch_fingerprint": rec.batch_fingerprint,
+        "batch_size": len(ids),
+        "recorded": {"loss": rec.loss, "grad_norm": rec.grad_norm, "lr": rec.lr, "skipped": rec.skipped,
+                     "rank_losses": rec.rank_losses},
+        "replayed": replayed,
+        "match": {"loss": loss_ok, "grad_norm": gn_ok, "lr": lr == rec.lr, "skipped": replayed["skipped"] == rec.skipped},
+        "fast_forward": {"steps": step - c - 1, "matched": ff_first_bad is None, "first_mismatch": ff_first_bad,
+                         "checkpoint_matches_log": ckpt_digest_ok},
+        "reproduced": reproduced,
+        "verdict": verdict,
+        "ranked_by": rank_by,
+        "culprits": culprits,
+        "warnings": warnings,
+    }
+
+
+def add_to_skiplist(run_dir: Path, ids: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """Merge ``ids`` into RUN_DIR/skiplist.json; returns (ranges added, ids newly covered)."""
+    from sentinel.protocol import ids_to_ranges
+    from trainer.data import SkipList
+
+    path = Path(run_dir) / "skiplist.json"
+    sl = SkipList.load(path)
+    before = len(sl)
+    ranges = ids_to_ranges(ids)
+    sl.add(ranges)
+    sl.save(path)
+    return ranges, len(sl) - before
+
+
+def send_skip_directive(run_dir: Path, run_id: str, ranges, *, reason: str) -> str:
+    """If the run has a control bus (RUN_DIR/bus/url) and it answers, send a signed skip-samples
+    Directive; returns a one-line status (never raises: the skip-list file is the must-have)."""
+    url_file = Path(run_dir) / "bus" / "url"
+    if not url_file.is_file() and not os.environ.get("SENTINEL_REDIS_URL"):
+        return "no control bus for this run: skip list file updated only"
+    try:
+        from sentinel.bus import connect, load_secret, publish, resolve_url
+        from sentinel.protocol import Directive, Keys
+
+        url = resolve_url(run_dir)
+        r = connect(url, timeout=1.0, retries=0)
+        secret = load_secret(run_dir)
+        d = Directive(run=run_id, kind="skip-samples", ranges=list(ranges), reason=reason,
+                      issuer="sentinel replay-batch").signed(secret)
+        publish(r, Keys(run_id).directives, d)
+        return f"sent signed skip-samples directive {d.id[:8]} on the control bus"
+    except Exception as e:  # the bus is optional here
+        return f"control bus unreachable ({e.__class__.__name__}): skip list file updated only"

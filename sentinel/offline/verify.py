@@ -1,0 +1,380 @@
+"""``sentinel verify-resume``: prove that resuming from checkpoint C reproduces the run.
+
+The full state at a step boundary is S_t = (params, Adam moments + step counts, scheduler step,
+RNG of every rank, data cursor, grad-accumulation position, skip list, guard statistics). A resume
+is *equivalent* when, under the same input and random state, the K steps after it match the
+uninterrupted run in batch, loss, gradient norm and update (param digest).
+
+1. Restore checkpoint C exactly (error if missing or corrupt), with the recorded world size.
+2. Save->load->save round trip: re-save every component of the loaded state (model, optimizer,
+   train_state, RNG) to a temp dir, load it back, and compare a sha256 over a canonical
+   serialisation of its tensors/values with the original files' contents.
+3. Run K steps with the trainer's own sampler (this tests the data cursor) and
+   ``train_step(apply=True)``; compare each with the reference: the authoritative step log, or
+   with ``drill`` an in-memory uninterrupted run from an earlier checkpoint past C+K.
+4. Diagnose the first divergence: batch fingerprint -> data cursor; LR -> scheduler; loss/grad at
+   C+1 -> params (checked directly against the digest recorded at C), else RNG when the model has
+   dropout, else data/numerics; only the digest after an update -> optimizer moments (or step
+   counts, checked directly); guard verdict -> guard statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sentinel.offline import OfflineError, ProgressFn, same, tolerance_text
+from sentinel.offline.replay import _stderr, build_trainer, checkpoint_problem, gather, param_digest, restore
+
+FIELDS = ("batch_fingerprint", "lr", "loss", "grad_norm", "skipped", "param_digest")
+# train_state keys that legitimately differ after a reload: the run id follows the run dir's name,
+# the timeline is bumped by every resume, and the save time is the time of the save
+VOLATILE_TRAIN_STATE = ("run", "timeline", "last_checkpoint_time")
+
+COMPONENTS = {
+    "data_cursor": "data cursor (sampler epoch/position, or the skip list)",
+    "scheduler": "LR scheduler (step counter)",
+    "params": "model parameters",
+    "rng": "RNG state (dropout masks)",
+    "data": "data content or non-deterministic numerics (params, cursor and RNG check out)",
+    "optimizer": "optimizer moments (exp_avg / exp_avg_sq)",
+    "optimizer_step": "optimizer step counts (Adam bias correction)",
+    "guard": "step-guard statistics (the in-process skip decision)",
+}
+
+
+# ------------------------------------------------------------------------------------ digests
+
+
+def canonical_digest(obj) -> str:
+    """sha256 over a canonical serialisation: dict keys sorted, tensors as dtype + shape + raw
+    bytes, scalars by type and repr. Equal for equal state, whatever the file bytes."""
+    h = hashlib.sha256()
+
+    def feed(o):
+        if isinstance(o, torch.Tensor):
+            t = o.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"T{t.dtype}{tuple(o.shape)}:".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, dict):
+            h.update(f"D{len(o)}:".encode())
+            for k in sorted(o, key=lambda k: (type(k).__name__, str(k))):
+                feed(k)
+                feed(o[k])
+        elif isinstance(o, (list, tuple)):
+            h.update(f"L{len(o)}:".encode())
+            for x in o:
+                feed(x)
+        elif isinstance(o, float):
+            h.update(f"f{o!r};".encode())
+        elif isinstance(o, (bool, int, str, type(None))):
+            h.update(f"{type(o).__name__}{o!r};".encode())
+        else:
+            h.update(f"{type(o).__name__}{o!r};".encode())
+
+    feed(obj)
+    return h.hexdigest()
+
+
+def _components_now(tr) -> dict:
+    """The loaded state, component by component, as the trainer would save it."""
+    from trainer import rng
+
+    out = {}
+    if tr.env.is_main and not (tr.cfg.parallelism == "fsdp" and tr.env.distributed):
+        out["model.pt"] = tr.raw_model.state_dict()
+        out["optim.pt"] = tr.opt.state_dict()
+    if tr.env.is_main:
+        ts = tr._train_state()
+        out["train_state.json"] = {k: v for k, v in ts.items() if k not in VOLATILE_TRAIN_STATE}
+    out[f"rng-rank{tr.env.rank}.pt"] = rng.capture()
+    return out
+
+
+def round_trip(tr, ck_path: Path) -> dict:
+    """Re-save each component of the state just loaded from ``ck_path`` to a temp dir, load it
+    back, and compare its canonical digest with the original file's. Call right after loading."""
+    from trainer.checkpoint import load_torch, write_json, write_torch
+
+    now = _components_now(tr)
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="sentinel-roundtrip-") as tmp:
+        for name, obj in now.items():
+            dst = Path(tmp) / name
+            if name.endswith(".json"):
+                write_json(dst, obj)
+                again = json.loads(dst.read_text())
+                orig = json.loads((ck_path / name).read_text())
+                orig = {k: v for k, v in orig.items() if k not in VOLATILE_TRAIN_STATE}
+            else:
+                write_torch(dst, obj)
+                again = load_torch(dst)
+                orig = load_torch(ck_path / name)
+            a, b = canonical_digest(orig), canonical_digest(again)
+            rows[name] = {"original": a[:16], "resaved": b[:16], "identical": a == b}
+            if a != b and isinstance(orig, dict) and isinstance(again, dict):
+                rows[name]["differs"] = sorted(
+                    str(key) for key in set(orig) | set(again)
+                    if key not in orig or key not in again or canonical_digest(orig[key]) != canonical_digest(again[key])
+                )
+    merged: dict = {}
+    for part in gather(tr.env, rows):
+        merged.update(part)
+    return {"components": dict(sorted(merged.items())), "identical": all(r["identical"] for r in merged.values()),
+            "ignored_train_state_keys": list(VOLATILE_TRAIN_STATE)}
+
+
+# ------------------------------------------------------------------------------------ stepping
+
+
+def _step(tr, number: int) -> dict:
+    """One optimizer step exactly as ``Trainer._one_step`` does it (own sampler), host values.
+    ``number`` is the step this should be (the trainer's own counter is what is being tested)."""
+    from trainer.data import batch_fingerprint
+
+    ids, _n_skipped, micro, micro_ids = tr._batch()
+    lr = tr.lr_for(tr.state.step, ids)
+    loss, _ranks, gnorm, factor, _reason = tr.train_step(micro, micro_ids, lr)
+    tr.state.step += 1
+    return {"step": number, "batch_fingerprint": batch_fingerprint(ids), "lr": lr,
+            "loss": float(loss.item()), "grad_norm": float(gnorm.item()),
+            "skipped": float(factor.item()) == 0.0, "param_digest": param_digest(tr)}
+
+
+def _digests_incomparable(tr, records: dict, c: int) -> bool:
+    """True when other checkpoints' parameters don't match their recorded digests either: then
+    the digest function changed (not the parameters of checkpoint C). Loads model weights into
+    ``tr``; the caller restores C afterwards."""
+    from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
+
+    if tr.cfg.parallelism == "fsdp" and tr.env.distributed:
+        return False
+    checked = 0
+    for s, path in list_checkpoints(tr.ckpt.root):
+        if s == c or s not in records or not records[s].param_digest or checked >= 2:
+            continue
+        try:
+            verify(path)
+            tr.raw_model.load_state_dict(load_torch(path / "model.pt"))
+        except (CheckpointError, OSError, RuntimeError):
+            continue
+        checked += 1
+        if param_digest(tr) == records[s].param_digest:
+            return False
+    return checked > 0
+
+
+def _opt_step_count(tr) -> float | None:
+    if tr.cfg.parallelism == "fsdp" and tr.env.distributed:
+        return None
+    for st in tr.opt.state.values():
+        if "step" in st:
+            return float(st["step"])
+    return None
+
+
+def _compare(got: dict, ref: dict, dev: str) -> list[str]:
+    bad = []
+    for k in FIELDS:
+        want = ref.get(k)
+        if want is None and k == "param_digest":
+            continue  # not recorded at this step (param_digest_every)
+        if k in ("loss", "grad_norm"):
+            ok = same(got[k], want, dev)
+        else:
+            ok = got[k] == want
+        if not ok:
+            bad.append(k)
+    return bad
+
+
+def diagnose(rows: list[dict], c: int, *, params_ok: bool | None, opt_step_ok: bool | None, dropout: float,
+             sched_step: int | None = None) -> dict | None:
+    """Name the state component behind the first divergence (None when every step matched)."""
+    first = next((r for r in rows if r["mismatch"]), None)
+    if first is None:
+        return None
+    s, bad = first["step"], set(first["mismatch"])
+    if "batch_fingerprint" in bad:
+        comp, why = "data_cursor", f"step {s} trained a different batch than the run did"
+    elif "lr" in bad:
+        comp, why = "scheduler", f"step {s} used LR {first['replayed']['lr']!r}, the run used {first['reference']['lr']!r}"
+        if sched_step is not None and sched_step != c:
+            why += f"; the checkpoint's step counter says {sched_step}, not {c}"
+    elif bad & {"loss", "grad_norm"} and s == c + 1:
+        if params_ok is False:
+            comp, why = "params", f"the loaded parameters differ from the run's at step {c} (param digest)"
+        elif dropout > 0:
+            comp, why = "rng", (f"step {s} saw the same batch with the same parameters{' (digest verified)' if params_ok else ''}, "
+                                f"yet its loss differs; the model has dropout {dropout}, so the random state differs")
+        elif params_ok:
+            comp, why = "data", f"same batch ids and verified parameters, yet step {s}'s loss differs (token content or numerics)"
+        else:
+            comp, why = "params", f"step {s} (the first after the resume) already differs in loss/grad norm with the same batch"
+    elif bad & {"loss", "grad_norm"}:
+        prev = next((r for r in rows if r["step"] == s - 1), None)
+        if prev is not None and prev.get("reference", {}).get("param_digest") is None:
+            # no digest to separate the update from the forward: the update before s is the suspect
+            comp = "optimizer_step" if opt_step_ok is False else "optimizer"
+            why = f"step {s - 1} matched but step {s} differs: the update of step {s - 1} differed (LR matched, so not the scheduler)"
+        elif dropout > 0:
+            comp, why = "rng", f"parameters matched after step {s - 1}, yet step {s}'s loss differs (model has dropout {dropout})"
+        else:
+            comp, why = "data", f"parameters matched after step {s - 1}, yet step {s}'s loss differs"
+    elif "skipped" in bad:
+        comp, why = "guard", f"the step guard decided differently at step {s} on the same loss and grad norm"
+    elif "param_digest" in bad:
+        comp = "optimizer_step" if opt_step_ok is False else "optimizer"
+        why = (f"step {s}'s loss and grad norm match, but the parameters after its update differ "
+               f"(LR matched, so not the scheduler)")
+        if opt_step_ok is False:
+            why += "; the optimizer's step counts disagree with the number of applied steps in the log"
+    else:  # pragma: no cover - every field is handled above
+        comp, why = "params", f"step {s} differs in {', '.join(sorted(bad))}"
+    return {"step": s, "fields": sorted(bad), "component": comp, "suspect": COMPONENTS[comp], "reason": why}
+
+
+def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: bool = False,
+                  progress: ProgressFn | None = None, warn=None) -> dict:
+    """Verify the resume from checkpoint ``from_step``; every rank returns the same result dict."""
+    from trainer.checkpoint import CheckpointError
+    from trainer.steplog import authoritative
+
+    run_dir = Path(run_dir)
+    c = int(from_step)
+    if steps < 1:
+        raise OfflineError("--steps must be at least 1")
+    records = authoritative(run_dir / "steps.jsonl")
+    notes: list[str] = []
+
+    def note(msg: str) -> None:
+        notes.append(msg)
+        if env.is_main:
+            (warn or _stderr)(msg)
+
+    tr = build_trainer(run_dir, env, warn=note)
+    try:
+        ck = tr.ckpt.exact(c)
+    except CheckpointError as e:
+        raise OfflineError(checkpoint_problem(e)) from None
+    dev = tr.env.device.type
+    dropout = float(tr.cfg.model.dropout)
+
+    # ---------------------------------------------------------------- the reference trajectory
+    ref: dict[int, dict] = {}
+    ref_digest_c: str | None = records[c].param_digest if c in records else None
+    k = steps
+    if not drill:
+        k = 0
+        while k < steps and (c + k + 1) in records:
+            k += 1
+        if k == 0:
+            raise OfflineError(f"the step log has no steps after checkpoint {c}; use --drill to make a reference in memory")
+        for s in range(c + 1, c + k + 1):
+            r = records[s]
+            ref[s] = {"batch_fingerprint": r.batch_fingerprint, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
+                      "skipped": r.skipped, "param_digest": r.param_digest}
+        if k < steps:
+            note(f"note: the log has only {k} step(s) after checkpoint {c}; verifying {k}")
+        reference = "log"
+        if (c + 1) in records and c in records and records[c + 1].timeline != records[c].timeline:
+            reference = "log (itself written after a restart at this checkpoint)"
+    else:
+        older = tr.ckpt.newest_valid(at_or_before=c - 1) if c > 0 else None
+        start = older.step if older is not None else 0
+        if older is not None:
+            restore(tr, start)
+        else:
+            from trainer.data import SkipList
+
+            tr.skip = SkipList(tr.cfg.data.skip)  # the initial state, exactly as a fresh start
+        total = c + k - start
+        if progress:
+            progress(0, total, f"drill: uninterrupted run from {'checkpoint ' + str(start) if start else 'the initial state'}")
+        for i in range(total):
+            got = _step(tr, start + i + 1)
+            if got["step"] == c:
+                ref_digest_c = got["param_digest"]
+            if got["step"] > c:
+                ref[got["step"]] = {key: got[key] for key in FIELDS}
+            if progress:
+                progress(i + 1, total, f"drill: reference step {got['step']}")
+        reference = f"in-memory uninterrupted run from {'checkpoint ' + str(start) if start else 'step 0'}"
+
+    # ---------------------------------------------------------------- resume from C
+    restore(tr, c)
+    rt = round_trip(tr, ck.path)
+    params_ok = (param_digest(tr) == ref_digest_c) if ref_digest_c else None
+    if params_ok is False and not drill and _digests_incomparable(tr, records, c):
+        note("note: no checkpoint of this run matches the param digest its log recorded: the log was written "
+             "with a different digest function, so updates are compared through losses and grad norms only")
+        params_ok = None
+        for r in ref.values():
+            r["param_digest"] = None
+        restore(tr, c)
+    opt_steps = _opt_step_count(tr)
+    opt_step_ok = None
+    if opt_steps is not None and not drill and all(s in records for s in range(1, c + 1)):
+        applied = sum(1 for s in range(1, c + 1) if not records[s].skipped)
+        opt_step_ok = opt_steps == float(applied)
+    loaded_step = tr.state.step
+    sched_ok = loaded_step == c
+
+    rows = []
+    if progress:
+        progress(0, k, f"resume from checkpoint {c}")
+    for i in range(k):
+        got = _step(tr, c + i + 1)
+        want = ref[got["step"]]
+        rows.append({"step": got["step"], "replayed": got, "reference": want, "mismatch": _compare(got, want, dev)})
+        if progress:
+            progress(i + 1, k, f"resumed step {got['step']}")
+    first = diagnose(rows, c, params_ok=params_ok, opt_step_ok=opt_step_ok, dropout=dropout, sched_step=loaded_step)
+    if first is None and params_ok is False:
+        first = {"step": c, "fields": ["param_digest"], "component": "params", "suspect": COMPONENTS["params"],
+                 "reason": f"the loaded parameters differ from the digest recorded at step {c}"}
+    equivalent = first is None
+    return {
+        "run": tr.run_id,
+        "from_step": c,
+        "steps": k,
+        "world_size": env.world_size,
+        "device": dev,
+        "tolerance": tolerance_text(dev),
+        "reference": reference,
+        "drill": drill,
+        "equivalent": equivalent,
+        "round_trip": rt,
+        "ok": bool(equivalent and rt["identical"]),
+        "first_divergence": first,
+        "checks": {"params_match_log_at_checkpoint": params_ok, "optimizer_step_count_ok": opt_step_ok,
+                   "scheduler_step_ok": sched_ok, "model_dropout": dropout},
+        "rows": [{"step": r["step"], "mismatch": r["mismatch"],
+                  **{f"{f}": r["replayed"][f] for f in FIELDS},
+                  **{f"ref_{f}": r["reference"].get(f) for f in FIELDS}} for r in rows],
+        "notes": notes,
+    }
+
+
+def mark_verified(run_dir: Path, step: int, ok: bool, extra: dict | None = None) -> Path:
+    """Record the outcome in RUN_DIR/checkpoints/verified.json ({step: {"verified", "time", ...}})."""
+    path = Path(run_dir) / "checkpoints" / "verified.json"
+    data: dict = {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data[str(int(step))] = {"verified": "resume_verified" if ok else "failed", "time": time.time(), **(extra or {})}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+

@@ -1,0 +1,209 @@
+"""`sentinel replay-batch` against real training runs (tiny preset, CPU): no mocks.
+
+Runs are made once per session under pytest's base temp dir (shared with test_verify_resume.py):
+* ``drop``    - 20 steps, dropout 0.1, checkpoints at 10 and 20 (the reference run);
+* ``garbage`` - the same run with two samples of step 14's batch drilled to garbage tokens;
+* ``ddp2``    - 2 ranks (torchrun), 12 steps, checkpoints at 5, 10, 12 (slow tests only).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sentinel.cli import main as cli
+from trainer.steplog import authoritative
+
+PY = sys.executable
+GARBAGE_STEP = 14
+
+
+# ------------------------------------------------------------------------------------ fixtures
+
+
+def _shared(factory, name: str) -> Path:
+    return factory.getbasetemp() / "offline-runs" / name
+
+
+def make_run(factory, name: str, *extra: str, ranks: int = 1, steps: int = 20, every: int = 10) -> Path:
+    """A real run (built once per session; reused by name)."""
+    run = _shared(factory, name)
+    if (run / "steps.jsonl").is_file():
+        return run
+    from trainer.data import ensure_prepared
+
+    data = ensure_prepared(factory.getbasetemp() / "offline-data")
+    shutil.rmtree(run, ignore_errors=True)
+    run.parent.mkdir(parents=True, exist_ok=True)
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [PY]
+    cmd = [*launcher, "-m", "trainer", "--preset", "tiny", "--run-dir", str(run), "--max-steps", str(steps),
+           "--ckpt-every", str(every), "--telemetry", "off", "--data", str(data), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return run
+
+
+def records(run: Path) -> dict:
+    return authoritative(run / "steps.jsonl")
+
+
+@pytest.fixture(scope="module")
+def drop_run(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory, "drop", "--set", "model.dropout=0.1")
+
+
+@pytest.fixture(scope="module")
+def garbage_run(tmp_path_factory, drop_run) -> tuple[Path, list[int]]:
+    """Two of the four samples of the reference run's step 14, drilled to garbage."""
+    ids = records(drop_run)[GARBAGE_STEP].sample_ids
+    bad = [ids[0], ids[2]]
+    faults = [a for i in bad for a in ("--inject-fault", f"garbage@{i}")]
+    run = make_run(tmp_path_factory, "garbage", "--set", "model.dropout=0.1", *faults)
+    return run, bad
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory, "ddp2", ranks=2, steps=12, every=5)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def replay_json(*args: str) -> dict:
+    r = invoke("replay-batch", *args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+# ------------------------------------------------------------------------------------ replay
+
+
+def test_replay_normal_step_is_bitwise(drop_run):
+    rec = records(drop_run)[15]
+    res = replay_json(drop_run, "--step", "15", "--top", "3")
+    assert res["checkpoint"] == 10
+    assert res["reproduced"] is True
+    assert res["device"] == "cpu" and res["tolerance"] == "bitwise (==)"
+    # bitwise: the floats themselves are equal, no tolerance
+    assert res["replayed"]["loss"] == rec.loss == res["recorded"]["loss"]
+    assert res["replayed"]["grad_norm"] == rec.grad_norm
+    assert res["fast_forward"] == {"steps": 4, "matched": True, "first_mismatch": None, "checkpoint_matches_log": True}
+    assert len(res["culprits"]) == 3
+    c = res["culprits"][0]
+    assert set(c) >= {"id", "loss", "grad_norm", "shard", "offset", "text"}
+    assert c["id"] in rec.sample_ids and c["shard"].endswith(".bin") and c["offset"] >= 0
+    assert 0 < len(c["text"]) <= 81 and "\n" not in c["text"]
+    losses = [x["loss"] for x in res["culprits"]]
+    assert losses == sorted(losses, reverse=True)
+
+
+def test_replay_from_an_explicit_checkpoint_right_before_the_step(drop_run):
+    rec = records(drop_run)[11]
+    res = replay_json(drop_run, "--step", "11", "--checkpoint", "step-00000010", "--top", "0")
+    assert res["reproduced"] and res["fast_forward"]["steps"] == 0
+    assert (res["replayed"]["loss"], res["replayed"]["grad_norm"]) == (rec.loss, rec.grad_norm)
+    assert res["culprits"] == []
+
+
+def test_replay_garbage_drill_names_the_drilled_samples(garbage_run, drop_run):
+    run, bad = garbage_run
+    rec = records(run)[GARBAGE_STEP]
+    assert rec.loss > records(drop_run)[GARBAGE_STEP].loss + 0.5  # the drill really hurt this step
+    res = replay_json(run, "--step", str(GARBAGE_STEP), "--top", "2")
+    assert res["reproduced"] is True
+    assert res["replayed"]["loss"] == rec.loss and res["replayed"]["grad_norm"] == rec.grad_norm
+    assert sorted(c["id"] for c in res["culprits"]) == sorted(bad)
+    assert all(c["loss"] > 5.0 for c in res["culprits"])
+
+
+def test_replay_skip_culprits_updates_the_skip_list(garbage_run, tmp_path):
+    src, bad = garbage_run
+    run = tmp_path / "garbage-copy"
+    shutil.copytree(src, run)
+    r = invoke("replay-batch", run, "--step", GARBAGE_STEP, "--top", "2", "--skip-culprits")
+    assert r.exit_code == 0, r.output
+    assert "reproduced" in r.stdout and "culprits" in r.stdout
+    assert "skip list" in r.stdout
+    ranges = json.loads((run / "skiplist.json").read_text())
+    covered = {i for lo, hi in ranges for i in range(lo, hi)}
+    assert set(bad) <= covered and len(covered) == 2
+
+
+def test_replay_end_to_end_subprocess(drop_run):
+    p = subprocess.run([PY, "-m", "sentinel", "replay-batch", str(drop_run), "--step", "20", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)  # nothing but the JSON on stdout
+    rec = records(drop_run)[20]
+    assert res["reproduced"] and res["replayed"]["loss"] == rec.loss and res["step"] == 20
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+@pytest.fixture(scope="module")
+def corrupt_run(drop_run, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("corrupt") / "run"
+    shutil.copytree(drop_run, run)
+    with open(run / "checkpoints" / "step-00000010" / "model.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00garbage\x00")
+    return run
+
+
+BAD_REPLAY = {
+    "missing run": (lambda d, c, t: [t / "nope", "--step", "3"], "run directory not found"),
+    "missing step": (lambda d, c, t: [d, "--step", "999"], "step 999 is not in the step log"),
+    "no checkpoint": (lambda d, c, t: [d, "--step", "5"], "no valid checkpoint at or before step 4"),
+    "corrupt checkpoint": (lambda d, c, t: [c, "--step", "14", "--checkpoint", "10"], "fails its sha256 check"),
+    "only corrupt checkpoints": (lambda d, c, t: [c, "--step", "14"], "no valid checkpoint at or before step 13"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REPLAY))
+def test_replay_bad_input_is_one_line_exit_2(case, drop_run, corrupt_run, tmp_path):
+    argv, msg = BAD_REPLAY[case]
+    r = invoke("replay-batch", *argv(drop_run, corrupt_run, tmp_path))
+    assert r.exit_code == 2, r.output
+    assert isinstance(r.exception, SystemExit)  # no uncaught exception
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], r.output
+
+
+def test_replay_bad_input_subprocess_has_no_traceback(corrupt_run):
+    p = subprocess.run([PY, "-m", "sentinel", "replay-batch", str(corrupt_run), "--step", "14", "--checkpoint", "10"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "sha256" in p.stderr
+
+
+# ------------------------------------------------------------------------------------ 2 ranks
+
+
+@pytest.mark.slow
+def test_replay_two_ranks_reproduces_loss_and_grad_norm(ddp_run):
+    rec = records(ddp_run)[8]
+    assert rec.world_size == 2 and len(rec.rank_losses) == 2
+    res = replay_json(ddp_run, "--step", "8", "--top", "8")
+    assert res["world_size"] == 2 and res["checkpoint"] == 5
+    assert res["reproduced"] is True
+    assert res["replayed"]["loss"] == rec.loss and res["replayed"]["grad_norm"] == rec.grad_norm
+    assert res["replayed"]["rank_losses"] == rec.rank_losses
+    assert sorted(c["id"] for c in res["culprits"]) == sorted(rec.sample_ids)  # every rank's samples
+    assert {c["rank"] for c in res["culprits"]} == {0, 1}
+
+
+@pytest.mark.slow
+def test_replay_two_ranks_bad_input_is_one_line(ddp_run):
+    r = invoke("replay-batch", ddp_run, "--step", "3")
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
+    assert r.output.strip().splitlines() == [r.output.strip()] and "no valid checkpoint at or before step 2" in r.output

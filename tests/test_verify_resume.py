@@ -1,0 +1,239 @@
+"""`sentinel verify-resume` against real runs: a good checkpoint passes, tampered ones are caught.
+
+Each tampered checkpoint is a copy of a real one with one state component altered and its
+manifest checksums re-written, so it still verifies as a checkpoint: only the resume semantics
+can catch it, and verify-resume must name the component. Runs are shared (by name, under the
+session's base temp dir) with test_replay.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from sentinel.cli import main as cli
+from trainer.checkpoint import sha256_file, verify
+from trainer.steplog import authoritative
+
+PY = sys.executable
+C = 10  # the checkpoint under test (the run has 10 and 20)
+
+
+def make_run(factory, name: str, *extra: str, ranks: int = 1, steps: int = 20, every: int = 10) -> Path:
+    """A real run, built once per session (same name/recipe as in test_replay.py)."""
+    run = factory.getbasetemp() / "offline-runs" / name
+    if (run / "steps.jsonl").is_file():
+        return run
+    from trainer.data import ensure_prepared
+
+    data = ensure_prepared(factory.getbasetemp() / "offline-data")
+    shutil.rmtree(run, ignore_errors=True)
+    run.parent.mkdir(parents=True, exist_ok=True)
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [PY]
+    cmd = [*launcher, "-m", "trainer", "--preset", "tiny", "--run-dir", str(run), "--max-steps", str(steps),
+           "--ckpt-every", str(every), "--telemetry", "off", "--data", str(data), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def drop_run(tmp_path_factory) -> Path:
+    """Dropout 0.1, so the RNG state matters."""
+    return make_run(tmp_path_factory, "drop", "--set", "model.dropout=0.1")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory, "ddp2", ranks=2, steps=12, every=5)
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def verify_json(*args, code: int = 0) -> dict:
+    r = invoke("verify-resume", *args, "--json")
+    assert r.exit_code == code, r.output
+    return json.loads(r.stdout)
+
+
+def verified(run: Path) -> dict:
+    return json.loads((run / "checkpoints" / "verified.json").read_text())
+
+
+# ------------------------------------------------------------------------------------ tampering
+
+
+def _ckpt(run: Path, step: int = C) -> Path:
+    return run / "checkpoints" / f"step-{step:08d}"
+
+
+def _rewrite_manifest(ck: Path) -> None:
+    m = json.loads((ck / "manifest.json").read_text())
+    for name in m["files"]:
+        m["files"][name] = sha256_file(ck / name)
+    (ck / "manifest.json").write_text(json.dumps(m))
+    verify(ck)  # still a valid checkpoint
+
+
+def tamper_cursor(ck: Path) -> None:
+    ts = json.loads((ck / "train_state.json").read_text())
+    ts["sampler"]["position"] += 1
+    (ck / "train_state.json").write_text(json.dumps(ts))
+
+
+def tamper_rng(ck: Path) -> None:
+    st = torch.load(ck / "rng-rank0.pt", weights_only=True)
+    st["torch"] = torch.Generator().manual_seed(12345).get_state()
+    torch.save(st, ck / "rng-rank0.pt")
+
+
+def tamper_optimizer(ck: Path) -> None:
+    o = torch.load(ck / "optim.pt", weights_only=True)
+    for s in o["state"].values():
+        s["exp_avg"].mul_(1.5)
+    torch.save(o, ck / "optim.pt")
+
+
+def tamper_scheduler(ck: Path) -> None:
+    ts = json.loads((ck / "train_state.json").read_text())
+    ts["step"] += 3
+    (ck / "train_state.json").write_text(json.dumps(ts))
+
+
+TAMPER = {
+    "data_cursor": tamper_cursor,
+    "rng": tamper_rng,
+    "optimizer": tamper_optimizer,
+    "scheduler": tamper_scheduler,
+}
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+def test_good_checkpoint_is_equivalent(drop_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(drop_run, run)
+    res = verify_json(run, "--from-step", C, "--steps", "4")
+    assert res["equivalent"] is True and res["ok"] is True and res["first_divergence"] is None
+    assert res["steps"] == 4 and res["reference"] == "log" and res["tolerance"] == "bitwise (==)"
+    recs = authoritative(run / "steps.jsonl")
+    for row in res["rows"]:
+        rec = recs[row["step"]]
+        assert row["mismatch"] == []
+        assert (row["loss"], row["grad_norm"], row["param_digest"], row["batch_fingerprint"]) == \
+            (rec.loss, rec.grad_norm, rec.param_digest, rec.batch_fingerprint)
+    rt = res["round_trip"]
+    assert rt["identical"] and set(rt["components"]) == {"model.pt", "optim.pt", "train_state.json", "rng-rank0.pt"}
+    assert res["checks"]["params_match_log_at_checkpoint"] and res["checks"]["optimizer_step_count_ok"]
+    assert verified(run)[str(C)]["verified"] == "resume_verified"
+
+
+def test_human_output_and_step_cap(drop_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(drop_run, run)
+    r = invoke("verify-resume", run, "--from-step", "step-00000010", "--steps", "50")
+    assert r.exit_code == 0, r.output
+    assert "equivalent" in r.stdout and "save->load->save" in r.stdout and "resume_verified" in r.stdout
+    assert "verifying 10" in r.output  # capped at what the log has (steps 11..20)
+
+
+def test_drill_makes_its_own_reference(drop_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(drop_run, run)
+    res = verify_json(run, "--from-step", "20", "--steps", "3", "--drill")  # the log ends at 20
+    assert res["equivalent"] and res["steps"] == 3 and res["reference"].startswith("in-memory uninterrupted run from checkpoint 10")
+    assert res["checks"]["params_match_log_at_checkpoint"] is True
+
+
+@pytest.mark.parametrize("component", list(TAMPER))
+def test_tampered_checkpoint_is_caught_and_named(component, drop_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(drop_run, run)
+    TAMPER[component](_ckpt(run))
+    _rewrite_manifest(_ckpt(run))
+    res = verify_json(run, "--from-step", C, "--steps", "3", code=1)
+    assert res["equivalent"] is False and res["ok"] is False
+    d = res["first_divergence"]
+    assert d["component"] == component, d
+    assert d["step"] == C + 1
+    assert verified(run)[str(C)]["verified"] == "failed"
+    # the human view names the suspect too, and exits 1
+    r = invoke("verify-resume", run, "--from-step", C, "--steps", "2")
+    assert r.exit_code == 1 and "NOT equivalent" in r.stdout and "suspect:" in r.stdout
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+@pytest.fixture(scope="module")
+def corrupt_run(drop_run, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("corrupt-v") / "run"
+    shutil.copytree(drop_run, run)
+    with open(_ckpt(run) / "optim.pt", "r+b") as f:
+        f.seek(64)
+        f.write(b"\xffbroken\xff")
+    return run
+
+
+BAD = {
+    "missing run": (lambda d, c, t: [t / "nope", "--from-step", "10"], "run directory not found"),
+    "not a run dir": (lambda d, c, t: [t, "--from-step", "10"], "is not a run directory"),
+    "missing step": (lambda d, c, t: [d, "--from-step", "7"], "no checkpoint at step 7"),
+    "no steps after": (lambda d, c, t: [d, "--from-step", "20"], "no steps after checkpoint 20"),
+    "corrupt checkpoint": (lambda d, c, t: [c, "--from-step", "10"], "fails its sha256 check"),
+    "bad checkpoint id": (lambda d, c, t: [d, "--from-step", "ten"], "expected a step number"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_verify_bad_input_is_one_line_exit_2(case, drop_run, corrupt_run, tmp_path):
+    argv, msg = BAD[case]
+    r = invoke("verify-resume", *argv(drop_run, corrupt_run, tmp_path))
+    assert r.exit_code == 2, r.output
+    assert isinstance(r.exception, SystemExit)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], r.output
+
+
+def test_verify_bad_input_subprocess_has_no_traceback(corrupt_run):
+    p = subprocess.run([PY, "-m", "sentinel", "verify-resume", str(corrupt_run), "--from-step", "10", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0 and "sha256" in p.stderr
+
+
+# ------------------------------------------------------------------------------------ 2 ranks
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_is_equivalent(ddp_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(ddp_run, run)
+    p = subprocess.run([PY, "-m", "sentinel", "verify-resume", str(run), "--from-step", "5", "--steps", "4", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(p.stdout)
+    assert res["world_size"] == 2 and res["equivalent"] and res["ok"] and res["steps"] == 4
+    assert set(res["round_trip"]["components"]) == {"model.pt", "optim.pt", "train_state.json", "rng-rank0.pt", "rng-rank1.pt"}
+    assert verified(run)["5"]["verified"] == "resume_verified"
+
+
+@pytest.mark.slow
+def test_two_ranks_tampered_cursor_is_caught(ddp_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(ddp_run, run)
+    tamper_cursor(_ckpt(run, 5))
+    _rewrite_manifest(_ckpt(run, 5))
+    r = invoke("verify-resume", run, "--from-step", "5", "--steps", "2", "--json")
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)["first_divergence"]["component"] == "data_cursor"
