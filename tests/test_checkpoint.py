@@ -1,0 +1,261 @@
+"""Acceptance: checkpoint layout, retention, corruption fallback, weights_only loading, disk-full safety, async.
+
+All through the real trainer CLI (subprocesses), plus a few direct calls into ``trainer.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import resource
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
+from trainer_helpers import (  # noqa: F401  (fixtures)
+    BASE_ARGS,
+    REPO,
+    assert_same_trajectory,
+    checkpoint_steps,
+    copy_run,
+    dataset,
+    records,
+    refs,
+    run_trainer,
+)
+
+COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
+REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # checkpoints at 4, 8, 12
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _check_layout(ck: Path, step: int, world_size: int, *, dcp: bool = False) -> dict:
+    assert re.fullmatch(r"step-\d{8}", ck.name) and int(ck.name[5:]) == step
+    man = json.loads((ck / "manifest.json").read_text())
+    assert man["step"] == step and man["world_size"] == world_size and man["format"] == 1
+    on_disk = {p.relative_to(ck).as_posix() for p in ck.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(man["files"]) == on_disk, "manifest must list every file, and only those"
+    for name, digest in man["files"].items():
+        assert _sha(ck / name) == digest, f"{name}: sha256 mismatch"
+    assert man["bytes"] == sum((ck / n).stat().st_size for n in man["files"])
+    expect = {"train_state.json", *(f"rng-rank{r}.pt" for r in range(world_size))}
+    expect |= set() if dcp else {"model.pt", "optim.pt"}
+    assert expect <= on_disk, f"missing {expect - on_disk}"
+    ts = json.loads((ck / "train_state.json").read_text())
+    assert ts["step"] == step and ts["world_size"] == world_size and ts["grad_accum_pos"] == 0
+    for key in ("tokens", "timeline", "sampler", "skiplist", "guard", "scheduler", "dataset_fingerprint"):
+        assert key in ts, key
+    assert [3, 40] in ts["skiplist"]
+    for r in range(world_size):  # RNG state is plain tensors: loadable with weights_only
+        st = torch.load(ck / f"rng-rank{r}.pt", weights_only=True)
+        assert isinstance(st["torch"], torch.Tensor)
+    return man
+
+
+def test_layout_single_rank(refs):
+    run = refs(*REF12)
+    cks = list_checkpoints(run / "checkpoints")
+    assert [s for s, _ in cks] == [12, 8, 4]
+    for step, path in cks:
+        _check_layout(path, step, 1)
+        assert verify(path)["step"] == step
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    sd = load_torch(cks[0][1] / "model.pt")
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+
+
+@pytest.mark.slow
+def test_layout_two_ranks(refs):
+    """2-rank DDP: one rng-rank{r}.pt per rank, model/optim once (same reference run as test_resume_exact)."""
+    run = refs("--max-steps", "16", "--ckpt-every", "2", *COMMON, nproc=2)
+    cks = list_checkpoints(run / "checkpoints")
+    assert [s for s, _ in cks] == [16, 14, 12]  # default keep_last 3
+    for step, path in cks:
+        _check_layout(path, step, 2)
+    r0 = torch.load(cks[0][1] / "rng-rank0.pt", weights_only=True)["torch"]
+    r1 = torch.load(cks[0][1] / "rng-rank1.pt", weights_only=True)["torch"]
+    assert not torch.equal(r0, r1), "each rank has its own RNG stream"
+
+
+def test_retention_keep_last_and_every(tmp_path, dataset):
+    run = tmp_path / "run"
+    run_trainer(run, *BASE_ARGS, "--data", str(dataset), "--max-steps", "20", "--ckpt-every", "1",
+                "--keep-last", "3", "--keep-every", "5", data_dir=dataset, check=True)
+    assert checkpoint_steps(run) == [5, 10, 15, 18, 19, 20]
+    for step, path in list_checkpoints(run / "checkpoints"):
+        verify(path)
+
+
+def test_async_checkpoints_valid_and_retained(tmp_path, dataset, refs):
+    """--async-ckpt: every kept checkpoint verifies and holds the same state as a synchronous save."""
+    run = tmp_path / "run"
+    run_trainer(run, *BASE_ARGS, "--data", str(dataset), *REF12, "--async-ckpt", "--keep-last", "2",
+                "--keep-every", "8", data_dir=dataset, check=True)
+    # the async run's trajectory is the synchronous one; its checkpoints hold the same tensors
+    ref = refs(*REF12)
+    assert_same_trajectory(ref, run, 12)
+    assert checkpoint_steps(run) == [8, 12]
+    for step, path in list_checkpoints(run / "checkpoints"):
+        _check_layout(path, step, 1)
+        for name in ("model.pt", "optim.pt"):
+            a = load_torch(path / name)
+            b = load_torch(ref / "checkpoints" / path.name / name)
+            assert repr(_flat(a)) == repr(_flat(b)), f"{path.name}/{name} differs from the synchronous save"
+
+
+def _flat(obj):
+    if isinstance(obj, torch.Tensor):
+        return (str(obj.dtype), tuple(obj.shape), hashlib.sha256(obj.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+    if isinstance(obj, dict):
+        return {k: _flat(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_flat(v) for v in obj]
+    return obj
+
+
+def _flip_byte(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def _truncate(p: Path) -> None:
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size // 2)
+
+
+CORRUPTIONS = {
+    "flip-model": (lambda ck: _flip_byte(ck / "model.pt"), "model.pt"),
+    "truncate-optim": (lambda ck: _truncate(ck / "optim.pt"), "optim.pt"),
+    "delete-manifest": (lambda ck: (ck / "manifest.json").unlink(), "manifest"),
+    "flip-rng": (lambda ck: _flip_byte(ck / "rng-rank0.pt"), "rng-rank0.pt"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_newest_checkpoint_falls_back_and_stays_exact(tmp_path, dataset, refs, kind):
+    ref = refs(*REF12)
+    run = copy_run(ref, tmp_path / "run")
+    corrupt, what = CORRUPTIONS[kind]
+    corrupt(run / "checkpoints" / "step-00000012")
+    with pytest.raises(CheckpointError):
+        verify(run / "checkpoints" / "step-00000012")
+    p = run_trainer(run, data_dir=dataset, check=True)
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out
+    warn = [ln for ln in out.splitlines() if "step-00000012" in ln]
+    assert len(warn) == 1, f"the corrupt checkpoint must be reported in exactly one line:\n{out}"
+    assert what in warn[0] and "falling back" in warn[0], warn[0]
+    assert "resumed from checkpoint step 8" in out
+    marks = [r for r in records(run) if getattr(r, "kind", "") == "resume"]
+    assert [m.from_step for m in marks] == [8]
+    assert_same_trajectory(ref, run, 12)  # steps 9..12 re-run from step 8, bitwise as before
+    verify(run / "checkpoints" / "step-00000012")  # re-saved (the corrupt dir swapped out)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith((".tmp", ".trash"))]
+
+
+class _Evil:
+    """Unpickling this runs ``touch MARKER`` — unless the loader refuses arbitrary globals."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_uses_weights_only_after_verify():
+    """Every torch.load in the trainer passes weights_only=True; load_torch is the only loader used on checkpoints."""
+    srcs = {p: p.read_text() for p in (REPO / "trainer").rglob("*.py")}
+    calls = [(p, m) for p, s in srcs.items() for m in re.finditer(r"torch\.load\(([^)]*)\)", s)]
+    assert calls
+    for p, m in calls:
+        assert "weights_only=True" in m.group(1), f"{p}: torch.load without weights_only=True: {m.group(0)}"
+    train = srcs[REPO / "trainer" / "train.py"]
+    assert "load_torch(" in train and "torch.load(" not in train
+
+
+def test_load_torch_refuses_pickled_object(tmp_path):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "model.pt"
+    torch.save({"w": _Evil(marker)}, evil)
+    with pytest.raises((CheckpointError, Exception)) as ei:
+        load_torch(evil)
+    assert not marker.exists(), "weights_only must not execute pickled code"
+    assert isinstance(ei.value, CheckpointError), f"expected a one-line CheckpointError, got {ei.value!r}"
+
+
+def test_planted_pickle_with_matching_manifest_is_refused(tmp_path, dataset, refs):
+    """A malicious model.pt whose sha256 IS in the manifest passes verification but not weights_only:
+    the trainer refuses it with one line and no code runs."""
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    ck = run / "checkpoints" / "step-00000012"
+    marker = tmp_path / "PWNED"
+    torch.save({"w": _Evil(marker)}, ck / "model.pt")
+    man = json.loads((ck / "manifest.json").read_text())
+    man["files"]["model.pt"] = _sha(ck / "model.pt")
+    (ck / "manifest.json").write_text(json.dumps(man))
+    verify(ck)  # the checksum matches: only weights_only stands between the file and code execution
+    p = run_trainer(run, data_dir=dataset)
+    assert not marker.exists(), "pickled code ran while loading a checkpoint"
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and "weights_only" in err[0], p.stderr
+
+
+def _limit_file_size(limit: int):
+    def pre():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return pre
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_checkpoint_write_never_damages_previous(tmp_path, dataset, mode):
+    """Disk full, simulated with RLIMIT_FSIZE: model.pt/optim.pt (~0.5/1 MB) fail with EFBIG while the
+    step log and small files still write. Training goes on, each failed save is one line, and the
+    previous checkpoints still verify; a later normal restart resumes from them."""
+    run = tmp_path / "run"
+    extra = ["--async-ckpt"] if mode == "async" else []
+    run_trainer(run, *BASE_ARGS, "--data", str(dataset), "--max-steps", "8", "--ckpt-every", "4", *extra,
+                data_dir=dataset, check=True)
+    before = {s: verify(p) for s, p in list_checkpoints(run / "checkpoints")}
+    assert sorted(before) == [4, 8]
+    digests = {s: {n: _sha(run / "checkpoints" / f"step-{s:08d}" / n) for n in m["files"]} for s, m in before.items()}
+
+    p = run_trainer(run, "--max-steps", "16", data_dir=dataset, preexec_fn=_limit_file_size(200_000))
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out, out[-4000:]
+    assert p.returncode in (0, 2), f"rc {p.returncode}: {out[-3000:]}"
+    errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+    assert errors, "the failed checkpoint write must be reported"
+    for ln in errors:
+        assert ln.startswith(("error: ", "warning: ")) and "File too large" in ln, ln
+    if p.returncode == 0:  # training went on past the failed saves
+        assert max(s for s, r in _steps(run).items()) == 16
+        assert len(errors) == 2  # steps 12 and 16: one line each
+    # the previous checkpoints are intact, byte for byte, and nothing half-written is left
+    assert checkpoint_steps(run) == [4, 8]
+    for s, m in before.items():
+        ck = run / "checkpoints" / f"step-{s:08d}"
+        assert verify(ck)["files"] == m["files"]
+        assert {n: _sha(ck / n) for n in m["files"]} == digests[s]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    if mode == "sync":  # and a normal restart resumes from the newest one
+        p = run_trainer(run, data_dir=dataset, check=True)
+        assert "resumed from checkpoint step 8" in p.stdout
+
+
+def _steps(run):
+    from trainer.steplog import authoritative
+
+    return authoritative(run / "steps.jsonl")
