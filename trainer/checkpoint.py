@@ -270,8 +270,9 @@ class Checkpointer:
         if ok and dcp_writer is not None:
             try:
                 dcp_writer(tmp / "dcp")
-            except OSError as e:
-                self.log(f"error: checkpoint step {step}: {e.strerror or e}")
+            except Exception as e:  # DCP wraps rank failures (disk full included) in CheckpointException
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.log(f"error: checkpoint step {step} (torch.distributed.checkpoint): {getattr(e, 'strerror', None) or first}")
                 ok = False
         ok = self.all_ok(ok)
         result = None
