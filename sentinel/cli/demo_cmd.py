@@ -44,9 +44,10 @@ def _live_view(spec, state):
 @click.option("--fault", type=click.Choice(["lr", "garbage", "nan"]), default="lr", show_default=True,
               help="lr: a x100 learning rate on that sample; garbage: corrupt tokens; nan: NaN loss.")
 @click.option("--no-sentinel", is_flag=True, help="Run the same drill without the sentinel, to see the damage stay.")
+@click.option("--compare", is_flag=True, help="Also run a clean baseline and the drill without the sentinel, and compare final losses.")
 @json_option
 @friendly_errors
-def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, as_json):
+def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json):
     """Run a live drill: a 2-rank GPT trains on Shakespeare, a bad sample blows up the weights at
     step 100, and the sentinel detects it, rolls back to a checkpoint from before the spike, skips
     the data that caused it, and verifies the recovery. Everything is embedded: no Redis or GPU."""
@@ -86,6 +87,8 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, as_json):
             from sentinel.embedded import stop_embedded
 
             stop_embedded(run_dir)
+    if compare and res.returncode == 0:
+        out["compare"] = _compare(spec, res, console, as_json)
     if as_json:
         emit_json(out)
     else:
@@ -105,3 +108,36 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, as_json):
                       f"sentinel verify-resume {run_dir} --from-step {spec.ckpt_every * 2}   |   sentinel checkpoints {run_dir}")
     if res.returncode != 0:
         raise click.ClickException(f"the trainer exited with {res.returncode}; see {run_dir / 'trainer.log'}")
+    if "compare" in out and not as_json:
+        _print_compare(out["compare"], console)
+
+
+def _compare(spec, res, console, as_json: bool) -> dict:
+    """The same drill without the sentinel, and a clean run: what the rollback saved."""
+    import dataclasses
+
+    from sentinel.drill import run_drill
+
+    runs = {"drill + sentinel" if spec.sentinel else "drill, no sentinel": res.final_val_loss}
+    variants = [("clean (no drill)", dict(fault=None, sentinel=False))]
+    if spec.sentinel:
+        variants.append(("drill, no sentinel", dict(sentinel=False)))
+    for label, over in variants:
+        d = spec.run_dir.with_name(spec.run_dir.name + "-" + label.split()[0].strip(",").lower() + ("-nosentinel" if "no sentinel" in label else ""))
+        with console.status(f"running {label} for comparison..."):
+            runs[label] = run_drill(dataclasses.replace(spec, run_dir=d, **over)).final_val_loss
+    return runs
+
+
+def _print_compare(runs: dict, console) -> None:
+    from rich.table import Table
+
+    clean = runs["clean (no drill)"]
+    t = Table(title="final validation loss")
+    t.add_column("run")
+    t.add_column("val loss", justify="right")
+    t.add_column("vs clean", justify="right")
+    for label, v in runs.items():
+        rel = f"{(v / clean - 1) * 100:+.1f}%" if (v is not None and clean) else "n/a"
+        t.add_row(label, f"{v:.4f}" if v is not None else "n/a", rel)
+    console.print(t)
