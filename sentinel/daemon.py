@@ -121,10 +121,23 @@ class RunWatcher:
         self.acks_id = st.get("acks_id", "0-0")
         self.approvals_id = st.get("approvals_id", "0-0")
         self.checkpoints_seen = set(st.get("checkpoints_seen", []))
+        if st["policy"].get("samples") is None:
+            self._restore_samples()
         self.log(f"[{self.run}] resumed policy state at stream id {self.last_id} (state {self.policy.state})")
 
+    def _restore_samples(self) -> None:
+        """Refill the policy's sample-id history from the stream itself (newest entries up to last_id)."""
+        n = 2 * self.opts.rules.policy.sample_history_steps
+        recent = []
+        for _eid, fields in reversed(self.r.xrevrange(self.keys.steps, max=self.last_id, count=n)):
+            try:
+                recent.append(bus.decode(fields, StepRecord))
+            except SchemaError:
+                continue
+        self.policy.restore_samples(recent)
+
     def _save_state(self) -> None:
-        st = {"policy": self.policy.state_dict(), "last_id": self.last_id, "acks_id": self.acks_id,
+        st = {"policy": self.policy.state_dict(include_samples=False), "last_id": self.last_id, "acks_id": self.acks_id,
               "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen), "saved": time.time()}
         self.r.set(self.keys.policy, json.dumps(st))
 
@@ -133,6 +146,7 @@ class RunWatcher:
         """Process step entries already read for this run (plus recovery reads); returns how many."""
         if not self.leader:
             return 0
+        marks = (self.last_id, self.acks_id, self.approvals_id, len(self.checkpoints_seen))
         self._refresh_checkpoints()
         todo = list(entries)
         if not self._recovered:  # own pending (crash mid-batch) and entries a dead consumer left behind
@@ -166,8 +180,11 @@ class RunWatcher:
         self._read_approvals()
         hb = self._heartbeat_time()
         self._execute(self.policy.on_tick(time.time(), hb), None)
-        self._flush_events()
-        self._save_state()
+        n_events = self._flush_events()
+        # an idle poll (nothing read, nothing decided) leaves the state as it was; serialising it costs
+        # O(sample history x batch size), and idle polls come every 100 ms: save only what changed
+        if done or n_events or marks != (self.last_id, self.acks_id, self.approvals_id, len(self.checkpoints_seen)):
+            self._save_state()
         if done:
             bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
         self.m.incidents_open.labels(self.run).set(
@@ -224,7 +241,7 @@ class RunWatcher:
         except (ValueError, TypeError, AttributeError):
             return None
 
-    def _flush_events(self) -> None:
+    def _flush_events(self) -> int:
         events = self.policy.drain_events()
         for ev in events:
             if ev.kind == "rule_fired" and ev.data.get("rule"):
@@ -238,6 +255,7 @@ class RunWatcher:
         incidents = {i.id: i.to_json() for i in self.policy.incidents}
         if events and incidents:
             self.r.hset(self.keys.incidents, mapping=incidents)
+        return len(events)
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions: list[Action], published_at: float | None) -> None:

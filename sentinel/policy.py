@@ -402,8 +402,23 @@ class RunPolicy:
 
     # ------------------------------------------------------------------ persistence
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly where this policy is, as plain JSON."""
+    def restore_samples(self, records) -> None:
+        """Rebuild the sample-id history from step-stream records (oldest first), so ``state_dict``
+        need not carry it: the daemon persists state on every poll, and the ids are already in the
+        stream. Timeline markers drop the samples of the steps they abandoned."""
+        self._samples.clear()
+        for r in records:
+            if isinstance(r, TimelineRecord):
+                while self._samples and self._samples[-1][0] > r.from_step:
+                    self._samples.pop()
+            elif r.sample_ids:
+                self._samples.append((r.step, r.sample_ids))
+
+    def state_dict(self, include_samples: bool = True) -> dict[str, Any]:
+        """Everything needed to continue exactly where this policy is, as plain JSON.
+
+        ``include_samples=False`` leaves out the sample-id history (up to ``sample_history_steps``
+        steps x batch ids: the bulk of the state); restore it with ``restore_samples``."""
         return {
             "version": 1,
             "run": self.run,
@@ -416,7 +431,7 @@ class RunPolicy:
             "episode": self._ep,
             "pending": self._pending,
             "checkpoints": [c.model_dump(mode="json") for c in self._checkpoints.values()],
-            "samples": [[s, [list(r) for r in ids_to_ranges(ids)]] for s, ids in self._samples],
+            "samples": [[s, [list(r) for r in ids_to_ranges(ids)]] for s, ids in self._samples] if include_samples else None,
             "rollback_times": self._rollback_times,
             "last_fire": self._last_fire,
             "engine": self.engine.state_dict(),
@@ -433,7 +448,7 @@ class RunPolicy:
         self._ep = dict(d["episode"])
         self._pending = dict(d["pending"])
         self._checkpoints = {c["step"]: CheckpointInfo.model_validate(c) for c in d["checkpoints"]}
-        for s, ranges in d["samples"]:
+        for s, ranges in d.get("samples") or []:
             self._samples.append((int(s), [i for lo, hi in ranges for i in range(lo, hi)]))
         self._rollback_times = [float(t) for t in d["rollback_times"]]
         self._last_fire = {k: list(v) for k, v in d["last_fire"].items()}

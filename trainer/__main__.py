@@ -124,6 +124,11 @@ def main(argv=None) -> int:
     except (DataError, CheckpointError, TrainingError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:  # our own one-line errors from other layers (e.g. sentinel.bus.BusError: no secret)
+        if type(e).__module__.startswith(("sentinel.", "trainer.")) and type(e).__name__.endswith("Error"):
+            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
+            return 2
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
