@@ -18,7 +18,7 @@ required by the protocol, and a true zero norm carries no spike information eith
 
 from __future__ import annotations
 
-from collections import deque
+from itertools import islice
 
 import math
 import operator
@@ -429,32 +429,30 @@ class _GradEval(_Eval):
 class _ValEval(_Eval):
     """Validation loss pulling away from train loss: the gap (val - train level) exceeds its best
     value so far by ``max_gap_increase`` on ``consecutive`` evaluations. Uses ``val_loss``, else
-    ``log(val_ppl)``. The train level is the median of the last ``RECENT`` finite train losses: an
-    EMA lags a fast descent by ~1/alpha steps, which would make the early gap look falsely good and
-    page later for nothing; a short median lags ~RECENT/2 steps and shrugs off single spikes."""
+    ``log(val_ppl)``. The train level is the median of the last ``RECENT`` losses the loss detector
+    admitted (spikes never enter): an EMA lags a fast descent by ~1/alpha steps, which would make
+    the early gap look falsely good and page later for nothing; a short median lags ~RECENT/2 steps.
+    Read only at evaluation steps, so the rule costs nothing on the other steps."""
 
     RECENT = 16
 
-    def __init__(self, cfg: ValDivergenceRule, train_level: d.Ema):
+    def __init__(self, cfg: ValDivergenceRule, loss_detector: d.SpikeDetector):
         super().__init__(cfg, "val_divergence")
-        self.recent: deque[float] = deque(maxlen=self.RECENT)
+        self.fifo = loss_detector.window._fifo  # (step, loss) of admitted losses, oldest first
         self.best_gap: float | None = None
         self.run = 0
         self.evals = 0
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
-        loss = rec.loss
-        if loss == loss and loss not in (math.inf, -math.inf):  # finite, without a function call
-            self.recent.append(loss)
         v = rec.val_loss
         if v is None:
             p = rec.val_ppl
             if p is None or not p > 0:
                 return
             v = math.log(p)
-        if not self.recent or not math.isfinite(v):
+        if not self.fifo or not math.isfinite(v):
             return
-        srt = sorted(self.recent)
+        srt = sorted(x for _, x in islice(reversed(self.fifo), self.RECENT))
         t = srt[len(srt) // 2]
         gap = v - t
         self.evals += 1
@@ -473,11 +471,10 @@ class _ValEval(_Eval):
         self.run = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_gap": self.best_gap, "run": self.run, "evals": self.evals, "recent": list(self.recent)}
+        return {"best_gap": self.best_gap, "run": self.run, "evals": self.evals}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.best_gap, self.run, self.evals = st["best_gap"], int(st["run"]), int(st.get("evals", 0))
-        self.recent = deque(st.get("recent", []), maxlen=self.RECENT)
 
 
 class _BandEval(_Eval):
@@ -554,6 +551,7 @@ class _DataWaitEval(_Eval):
     def __init__(self, cfg: DataWaitRule):
         super().__init__(cfg, "data_wait_high")
         self.ema = d.Ema(cfg.ema_alpha)
+        self.alpha, self.max_fraction, self.min_steps = cfg.ema_alpha, cfg.max_fraction, cfg.min_steps
         self.n = 0
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
@@ -564,11 +562,15 @@ class _DataWaitEval(_Eval):
         if w is None:
             return
         e = self.ema
-        frac = w / st if e.value is None else e.value + e.alpha * (w / st - e.value)
+        v = e.value
+        frac = w / st if v is None else v + self.alpha * (w / st - v)
         e.value = frac
-        self.n += 1
-        if self.n >= self.cfg.min_steps and frac > self.cfg.max_fraction:
-            out.append(self.finding(rec.step, f"data wait {frac:.0%} of step time (max {self.cfg.max_fraction:.0%})", value=frac))
+        if self.n < self.min_steps:  # warm-up count stops mattering (and costing) once it is reached
+            self.n += 1
+            if self.n < self.min_steps:
+                return
+        if frac > self.max_fraction:
+            out.append(self.finding(rec.step, f"data wait {frac:.0%} of step time (max {self.max_fraction:.0%})", value=frac))
 
     def rewind(self, keep_through_step: int) -> None:
         self.ema.value, self.n = None, 0
@@ -629,7 +631,8 @@ class _RankLossEval(_StragglerEval):
             return
         if not self.hold.count:
             lo, hi = min(rl), max(rl)
-            if lo > 0 and hi - lo <= self.max_dev * lo and math.isfinite(sum(rl)):
+            t = sum(rl)
+            if lo > 0 and hi - lo <= self.max_dev * lo and t - t == 0.0:  # t - t: NaN unless all finite
                 self.rank = None  # every median-of-others lies in [lo, hi]: no deviation can exceed the bar
                 return
         r = d.rank_outlier(rl)
@@ -655,7 +658,7 @@ class RuleEngine:
         self._evals: dict[str, _Eval] = {
             "loss": self.loss,
             "grad_norm": self._grad,
-            "val_divergence": _ValEval(r.val_divergence, self.loss.det.ema),
+            "val_divergence": _ValEval(r.val_divergence, self.loss.det),
             "throughput_low": _BandEval(r.throughput_low, "throughput_low", "tokens_per_second", " tok/s"),
             "mfu_low": _BandEval(r.mfu_low, "mfu_low", "mfu"),
             "checkpoint_age": _CheckpointAgeEval(r.checkpoint_age, "checkpoint_age"),
