@@ -312,3 +312,43 @@ def ids_to_ranges(ids) -> list[tuple[int, int]]:
 
 def is_finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Run-directory files both sides read and write (formats are part of the contract)
+# --------------------------------------------------------------------------------------------
+
+CHECKPOINT_MANIFEST = "manifest.json"  # written last; sha256 per file under "files"
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """``checkpoints/step-NNNNNNNN``: zero-padded so names sort by step."""
+    return f"step-{int(step):08d}"
+
+
+def sha256_file(path, bufsize: int = 1 << 20) -> str:
+    """Checksum of one file, as recorded in checkpoint manifests and dataset metadata."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_text(path, text: str) -> None:
+    """tmp + fsync + rename + fsync(dir): a crash leaves the old content or the new, never half."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -19,7 +19,6 @@ this module does not import them (``trainer.checkpoint`` imports torch).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -28,7 +27,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from sentinel.protocol import SchemaError, StepRecord, TimelineRecord, merge_ranges, parse_step_line
+from sentinel.protocol import (
+    SchemaError,
+    StepRecord,
+    TimelineRecord,
+    atomic_write_text,
+    authoritative_steps,
+    checkpoint_dir_name,
+    merge_ranges,
+    parse_step_line,
+    sha256_file,
+)
 
 STEPS = "steps.jsonl"
 SKIPLIST = "skiplist.json"
@@ -151,14 +160,7 @@ def read_records(run_dir: str | os.PathLike):
 
 def effective_steps(records: Iterable) -> list[StepRecord]:
     """The authoritative step records of a record sequence (a rollback supersedes later steps)."""
-    out: dict[int, StepRecord] = {}
-    for r in records:
-        if isinstance(r, StepRecord):
-            out[r.step] = r
-        elif isinstance(r, TimelineRecord):
-            for s in [s for s in out if s > r.from_step]:
-                del out[s]
-    return [out[s] for s in sorted(out)]
+    return list(authoritative_steps(records).values())
 
 
 def steps_mtime(run_dir: str | os.PathLike) -> float | None:
@@ -173,16 +175,7 @@ def steps_mtime(run_dir: str | os.PathLike) -> float | None:
 # --------------------------------------------------------------------------------------------
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{int(step):08d}"
-
-
-def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
+step_dir_name = checkpoint_dir_name
 
 
 @dataclass
@@ -347,18 +340,7 @@ def read_skiplist(run_dir: str | os.PathLike) -> list[tuple[int, int]]:
         raise RunDirError(f"skip list {p} is malformed: expected [[lo, hi], ...]") from None
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_atomic_write = atomic_write_text
 
 
 def write_skiplist(run_dir: str | os.PathLike, ranges) -> list[tuple[int, int]]:

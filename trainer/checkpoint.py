@@ -28,7 +28,9 @@ from typing import Any, Callable
 
 import torch
 
-MANIFEST = "manifest.json"
+from sentinel.protocol import CHECKPOINT_MANIFEST as MANIFEST
+from sentinel.protocol import checkpoint_dir_name, sha256_file  # noqa: F401  (re-exported)
+
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
@@ -37,16 +39,7 @@ class CheckpointError(Exception):
     """One-line problem with a checkpoint (corrupt, missing, incompatible)."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
+step_dir_name = checkpoint_dir_name
 
 
 def _fsync_dir(path: Path) -> None:

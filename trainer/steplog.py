@@ -8,7 +8,6 @@ TimelineRecord; the last record for a step number is the authoritative one
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 

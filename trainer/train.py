@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, StepRecord, TimelineRecord, merge_ranges
+from sentinel.protocol import Ack, CheckpointInfo, Directive, StepRecord, TimelineRecord, merge_ranges
 from trainer import faults as drills
 from trainer import rng
 from trainer.checkpoint import Checkpointer, CheckpointError, load_torch, manifest_digest
@@ -659,7 +659,7 @@ class Trainer:
             self.bus.close()
 
     def _one_step(self, t_control: float) -> None:
-        cfg, env = self.cfg, self.env
+        cfg = self.cfg
         t0 = time.perf_counter()
         ids, n_skipped, micro, micro_ids = self._batch()
         t1 = time.perf_counter()

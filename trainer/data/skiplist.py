@@ -9,14 +9,13 @@ File format (``RUN_DIR/skiplist.json``): a JSON list ``[[lo, hi], ...]``.
 from __future__ import annotations
 
 import json
-import os
 from bisect import bisect_right
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-from sentinel.protocol import merge_ranges
+from sentinel.protocol import atomic_write_text, merge_ranges
 
 from .dataset import DataError
 
@@ -66,18 +65,7 @@ class SkipList:
 
     def save(self, path: Path | str) -> None:
         """Write atomically (tmp + fsync + rename): a crash leaves the old or the new list, never half."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump([[lo, hi] for lo, hi in self._ranges], f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write_text(path, json.dumps([[lo, hi] for lo, hi in self._ranges]))
 
     @classmethod
     def load(cls, path: Path | str) -> "SkipList":
