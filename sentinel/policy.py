@@ -239,6 +239,10 @@ class RunPolicy:
     def _episode(self, rec: StepRecord, anomalies: list[Finding], out: list[Action]) -> None:
         f = min(anomalies, key=lambda a: _PRIORITY.get(a.rule, 9))
         onset = f.onset_step if f.onset_step is not None else rec.step
+        if self._state == "suspect" and rec.step - self._ep["last"] > self.cfg.episode_gap_steps:
+            # an unrelated, already-handled blip must not drag this episode's onset (and so the
+            # rollback target and the skip window) back to itself
+            self._close("healthy", self._ep["last"], f"the guard handled it; a new episode starts at step {rec.step}")
         if self._state == "healthy":
             iid = f"{self.run}-t{self.timeline}-s{onset}"
             n = 1

@@ -190,6 +190,7 @@ class PolicyConfig(_Strict):
     verify_recent_steps: int = Field(5, ge=1)
     suspect_max_skipped: int = Field(3, ge=1)  # more skipped anomalies than this in one episode -> incident
     suspect_clear_steps: int = Field(100, ge=1)  # quiet steps before a suspect episode closes
+    episode_gap_steps: int = Field(20, ge=1)  # an anomaly this long after the previous one starts a new episode
     sample_history_steps: int = Field(2048, ge=1)  # sample ids kept for skip lists
     require_approval: bool = False
     dry_run: bool = False

@@ -8,7 +8,7 @@ Slow end-to-end check (``test_every_panel_query_returns_data``): Debian ``promet
 scrapes (1 s) a 2-rank ``torchrun`` training run through the scrape config of docs/metrics.md
 (``honor_labels``, file SD on ``RUN_DIR/metrics_targets.json``) and a ``sentinel run`` daemon on the
 run's embedded bus. The run carries the sentinel demo's drill (an ``lr`` x100 fault on one sample of
-step 120), so the sentinel really detects a spike, rolls back and skips the data: rollback, action
+step 150, plus a NaN on one sample of step 200), so the sentinel really detects a spike, rolls back and skips the data: rollback, action
 and latency panels have data too. Every panel target and annotation, with ``$run`` and
 ``$__rate_interval`` substituted, must parse and return at least one series, except the few
 listed in ``EMPTY_OK`` with the reason a healthy CPU run leaves them empty (then the query must
@@ -42,7 +42,7 @@ DASH_DIR = ROOT / "dashboards"
 NAMES = ("training.json", "sentinel.json")
 
 STEPS = 300
-DRILL_STEP = 120  # a checkpoint at 100 is >= 20 steps (the drill's rollback margin) before the onset
+DRILL_STEP = 150  # a checkpoint at 100 is >= 20 steps (the drill rollback margin) before the onset
 RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape at high resolution: >= 4 scrapes
 # Targets a healthy CPU run legitimately leaves empty: (substring of the expr) -> why.
 EMPTY_OK = {
@@ -167,15 +167,23 @@ def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
             proc.wait(10)
 
 
-def _drill_fault(seed: int) -> str:
+NAN_STEP = 200  # a one-step NaN the guard must skip (the "skipped steps" panels); after the first scrapes, as
+# changes()/increase() only see a counter move that happened between two scrapes
+
+
+def _drill_faults(seed: int) -> list[str]:
+    """The demo's lr drill, plus a NaN on one sample of an early step. The lr drill's damage may stay
+    under the guard's conservative threshold (the sentinel's rollback handles it), so the NaN is what
+    guarantees a guard skip."""
     from sentinel.drill import batch_ids_at
     from trainer.config import PRESETS
     from trainer.data import ensure_prepared
 
     preset = PRESETS["tiny"]
     gb = preset["data"]["micro_batch_size"] * preset["data"].get("grad_accum", 1) * 2
-    ids = batch_ids_at(ensure_prepared(), seq_len=preset["model"]["seq_len"], seed=seed, global_batch=gb, step=DRILL_STEP)
-    return f"lr@{min(ids)}:100"
+    at = lambda step: batch_ids_at(ensure_prepared(), seq_len=preset["model"]["seq_len"], seed=seed,  # noqa: E731
+                                   global_batch=gb, step=step)
+    return ["--inject-fault", f"lr@{min(at(DRILL_STEP))}:100", "--inject-fault", f"nan@{min(at(NAN_STEP))}"]
 
 
 def _concrete(expr: str, run: str) -> str:
@@ -212,7 +220,7 @@ def test_every_panel_query_returns_data(tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer",
              "--preset", "tiny", "--run-dir", str(run_dir), "--max-steps", str(STEPS), "--eval-every", "20",
              "--ckpt-every", "50", "--keep-last", "30", "--seed", "1337", "--peak-flops", "1e12",
-             "--inject-fault", _drill_fault(1337), "--redis-url", "embedded",
+             *_drill_faults(1337), "--redis-url", "embedded",
              "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu"],
             cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=open(train_log, "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)  # fmt: skip

@@ -263,3 +263,26 @@ def test_tick_checkpoint_age_requests_checkpoint():
     p.on_checkpoint(ckpt(100))
     acts = p.on_tick(now=1100.0 + 8000, heartbeat_time=1100.0 + 7990)
     assert [a.kind for a in acts] == ["checkpoint-now"]
+
+
+def test_an_old_guard_handled_blip_does_not_drag_a_later_onset_back():
+    """A NaN the guard skipped at step 300, then real damage at 360: the rollback must be planned
+    from onset 360 (target <= 260, skip window from 350), not from 300 (which would lose 60 more steps
+    of data and skip samples that did nothing wrong)."""
+    p, _ = policy()
+    warm(p, upto=300)
+    for s in (300, 350):  # checkpoints around the blip
+        p.on_checkpoint(ckpt(s))
+    p.on_step(rec(300, float("nan"), skipped=True))
+    assert p.state == "suspect"
+    x = noise(2)
+    for s in range(301, 360):
+        p.on_step(rec(s, x()))
+    acts = []
+    for s in range(360, 366):
+        acts += p.on_step(rec(s, 6.0))
+    (rb,) = [a for a in acts if a.kind == "rollback"]
+    inc = p.incidents[-1]
+    assert inc.onset_step == 360 and rb.to_step == 250  # newest checkpoint <= 360 - 100
+    assert min(lo for lo, _ in rb.ranges) == (360 - 10) * IDS_PER_STEP  # skip window starts at onset - margin
+    assert p.incidents[0].state == "healthy"  # the blip's episode was closed, not merged
