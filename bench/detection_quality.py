@@ -207,11 +207,28 @@ def load_curves(folder: Path) -> list[Trace]:
     return out
 
 
+def load_drills(folder: Path) -> list[Trace]:
+    """Our own drill runs (bench/make_drill_traces.py): labels come from the drill, not the curve."""
+    labels = json.loads((folder / "labels.json").read_text())
+    out = []
+    for name, lab in sorted(labels.items()):
+        losses = [json.loads(line)["loss"] for line in (folder / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        out.append(Trace(name, losses, [(a - 1, b - 1) for a, b in lab["events"]]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--curves", default="/work/shared/curves")
+    ap.add_argument("--drills", default=str(Path(__file__).resolve().parent / "traces"))
     ap.add_argument("--seeds", type=int, default=20)
     a = ap.parse_args()
+    drills = Path(a.drills)
+    if (drills / "labels.json").is_file():
+        dtr = load_drills(drills)
+        print(f"drill runs: {len(dtr)} traces, {sum(len(t.events) for t in dtr)} drilled events\n")
+        print(table("Our own drill runs (tiny GPT, guard off; labels from the drills)", evaluate(dtr)))
+        print()
     folder = Path(a.curves)
     if folder.is_dir() and any(folder.glob("*.jsonl")):
         real = load_curves(folder)
