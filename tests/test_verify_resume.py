@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,28 +19,10 @@ from click.testing import CliRunner
 
 from sentinel.cli import main as cli
 from trainer.checkpoint import sha256_file, verify
+from offline_helpers import PY, make_run  # noqa: F401
 from trainer.steplog import authoritative
 
-PY = sys.executable
 C = 10  # the checkpoint under test (the run has 10 and 20)
-
-
-def make_run(factory, name: str, *extra: str, ranks: int = 1, steps: int = 20, every: int = 10) -> Path:
-    """A real run, built once per session (same name/recipe as in test_replay.py)."""
-    run = factory.getbasetemp() / "offline-runs" / name
-    if (run / "steps.jsonl").is_file():
-        return run
-    from trainer.data import ensure_prepared
-
-    data = ensure_prepared(factory.getbasetemp() / "offline-data")
-    shutil.rmtree(run, ignore_errors=True)
-    run.parent.mkdir(parents=True, exist_ok=True)
-    launcher = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [PY]
-    cmd = [*launcher, "-m", "trainer", "--preset", "tiny", "--run-dir", str(run), "--max-steps", str(steps),
-           "--ckpt-every", str(every), "--telemetry", "off", "--data", str(data), *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    return run
 
 
 @pytest.fixture(scope="module")
