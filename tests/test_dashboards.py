@@ -200,7 +200,15 @@ def test_every_panel_query_returns_data(tmp_path):
     run_dir = tmp_path / f"dash-{uuid.uuid4().hex[:8]}"  # run id = dir name: unique per test
     run_dir.mkdir()
     run = run_dir.name
-    ensure_embedded(run_dir)
+    url = ensure_embedded(run_dir)
+    # The trainer starts paused (a signed `pause` waits on its directive stream) and is resumed once
+    # Prometheus has scraped both ranks: every counter is then seen at 0 before the drills move it,
+    # however fast the run is (changes()/increase() need a sample before the change).
+    from sentinel import bus
+    from sentinel.protocol import Directive, Keys
+
+    r, secret, keys = bus.connect(url), bus.load_secret(run_dir), Keys(run)
+    bus.publish(r, keys.directives, Directive(run=run, kind="pause", reason="test: wait for scrapes").signed(secret))
     rules = tmp_path / "rules.yaml"
     rules.write_text(DEMO_RULES)
     (tmp_path / "prom").mkdir()
@@ -224,6 +232,16 @@ def test_every_panel_query_returns_data(tmp_path):
              "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu"],
             cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=open(train_log, "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert trainer.poll() is None, f"trainer exited early ({trainer.returncode}): {train_log.read_text()[-3000:]}"
+            ups = prom.query(f'sum_over_time(up{{run="{run}"}}[5m])')
+            if len(ups) == 2 and all(float(u["value"][1]) >= 2 for u in ups):
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError("Prometheus never scraped both (paused) ranks")
+        bus.publish(r, keys.directives, Directive(run=run, kind="resume", reason="test: scraped").signed(secret))
         # Evaluate at a moment while everything is live: after the run ends its series go stale.
         at = None
         deadline = time.monotonic() + 120

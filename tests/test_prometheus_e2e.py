@@ -44,7 +44,7 @@ from trainer.telemetry.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 420  # ~10 s of tiny-preset DDP on 2 CPU cores: ~10 scrapes at 1 s
+STEPS = 100_000  # open-ended: the test stops the run (SIGTERM, a graceful stop) once Prometheus has scraped enough
 EVAL_EVERY = 20
 CKPT_EVERY = 100
 PROBE_AT_STEP = 130  # live endpoints are checked once a validation and a checkpoint have happened
@@ -191,6 +191,38 @@ def _probe_live_endpoints(proc: subprocess.Popen, run_dir: Path, log: Path) -> d
     raise AssertionError(f"run did not reach step {PROBE_AT_STEP}: {log.read_text()[-3000:]}")
 
 
+def _worker_pids(torchrun: subprocess.Popen, run_dir: Path) -> list[int]:
+    """The trainer ranks torchrun started for ``run_dir`` (they run in sessions of their own)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == torchrun.pid:
+            continue
+        with contextlib.suppress(OSError):
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            if b"trainer" in argv and str(run_dir).encode() in argv and b"torch.distributed.run" not in argv:
+                pids.append(int(d.name))
+    return pids
+
+
+def _stop_after_scrapes(proc: subprocess.Popen, run_dir: Path, prom, log: Path, scrapes: int) -> None:
+    """Wait until Prometheus scraped both ranks ``scrapes`` times, then SIGTERM the ranks: each finishes
+    its step, the run checkpoints and every process exits 0 (the trainer's graceful stop)."""
+    run = run_dir.name
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"trainer exited early ({proc.returncode}): {log.read_text()[-3000:]}"
+        ups = prom.query(f'sum_over_time(up{{run="{run}"}}[5m])')
+        if len(ups) == 2 and all(float(u["value"][1]) >= scrapes for u in ups):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"Prometheus did not scrape both ranks {scrapes} times: {prom.log_tail()}")
+    pids = _worker_pids(proc, run_dir)
+    assert len(pids) == 2, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+
+
 def _labels(series: dict) -> dict[str, str]:
     return {k: v for k, v in series["metric"].items() if k not in ADDED_LABELS}
 
@@ -202,7 +234,8 @@ def test_prometheus_scrapes_every_documented_metric_with_documented_labels(prome
     proc = _start_training(run_dir, log)
     try:
         live = _probe_live_endpoints(proc, run_dir, log)
-        rc = proc.wait(180)
+        _stop_after_scrapes(proc, run_dir, prometheus, log, MIN_SCRAPES + 2)
+        rc = proc.wait(120)
     finally:
         _kill_group(proc)
     assert rc == 0, log.read_text()[-3000:]
