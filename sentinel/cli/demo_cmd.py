@@ -104,8 +104,10 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
             t.add_row(f"incident {inc['id']}", f"{inc['rule']}: onset step {inc['onset_step']}, detected at {inc['detect_step']}, now {inc['state']}")
         t.add_row("wall time", f"{res.wall_seconds:.0f} s")
         console.print(t)
-        console.print(f"Look closer:  sentinel replay-batch {run_dir} --step {drill_step + 1}   |   "
-                      f"sentinel verify-resume {run_dir} --from-step {spec.ckpt_every * 2}   |   sentinel checkpoints {run_dir}")
+        console.print(f"Look closer:  sentinel incidents {run_dir}   |   sentinel checkpoints {run_dir}   |   "
+                      f"sentinel verify-resume {run_dir} --from-step {spec.ckpt_every * 2}")
+        console.print("Culprits: run `sentinel demo --fault garbage --no-sentinel`, then `sentinel replay-batch RUN_DIR "
+                      f"--step {drill_step}` names the corrupted samples.")
     if res.returncode != 0:
         raise click.ClickException(f"the trainer exited with {res.returncode}; see {run_dir / 'trainer.log'}")
     if "compare" in out and not as_json:
