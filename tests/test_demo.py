@@ -1,0 +1,35 @@
+"""`sentinel demo`, the main job, run as a user runs it: real 2-rank trainer, embedded bus, sentinel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_detects_rolls_back_and_recovers(tmp_path):
+    run_dir = tmp_path / "demo"
+    p = subprocess.run([sys.executable, "-m", "sentinel", "demo", "--run-dir", str(run_dir), "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert out["returncode"] == 0 and out["steps"] == 200
+    (rb,) = out["rollbacks"]
+    fault = out["fault_sample_ids"][0]
+    assert rb["to_step"] <= 100 - 20  # from before the drill, by the demo's margin
+    assert any(lo <= fault < hi for lo, hi in rb["skip_ranges"])  # the data that caused it is skipped
+    assert [i["state"] for i in out["incidents"]] == ["healthy"]  # recovery verified
+    assert "Traceback" not in p.stderr
+
+
+def test_demo_bad_input_is_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "sentinel", "demo", "--run-dir", str(tmp_path / "d"), "--steps", "50",
+                        "--drill-step", "60"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "--drill-step" in p.stderr
