@@ -69,7 +69,6 @@ class Options:
     dry_run: bool = False
     require_approval: bool | None = None
     lease_ms: int = 10_000
-    claim_idle_ms: int = 15_000  # unused: a new leader claims every pending entry (it holds the lease)
     batch: int = 500
     alertmanager_url: str | None = None
 
@@ -152,7 +151,7 @@ class RunWatcher:
         if not self._recovered:  # own pending (crash mid-batch) and entries a dead consumer left behind
             todo = bus.read_group(self.r, self.keys.steps, STEP_CONSUMER_GROUP, self.opts.consumer, count=10_000, pending=True) + todo
             # we hold the lease, so whoever left entries pending is no longer acting on them: claim them
-            # however briefly they have been idle (a dead leader's batch is younger than claim_idle_ms
+            # however briefly they have been idle (a dead leader's batch can be younger than any idle bound
             # when a short lease expires, and recovery runs only once per lease acquisition)
             _, claimed = bus.autoclaim(self.r, self.keys.steps, STEP_CONSUMER_GROUP, self.opts.consumer,
                                        min_idle_ms=0, count=10_000)

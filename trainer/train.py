@@ -106,7 +106,6 @@ class Trainer:
         self.ctl = Directives()
         self._last_ckpt_time: float | None = None
         self._throughput: deque = deque(maxlen=20)
-        self._val_loss: float | None = None
         self._rejected_seen = 0
         self._ckpt_group = None  # lazily created gloo group for FSDP2 async checkpoints
 
@@ -239,7 +238,8 @@ class Trainer:
 
             url = ensure_embedded(self.run_dir)
         self.secret = load_secret(self.run_dir)
-        self.bus = BusClient(url, self.run_id, self.secret, start_after_id=self._last_directive_stream_id())
+        # from the stream start: directives are deduplicated by id against directives.jsonl
+        self.bus = BusClient(url, self.run_id, self.secret, start_after_id="0-0")
         self.bus_url = url
         try:
             from sentinel.bus import connect
@@ -250,9 +250,6 @@ class Trainer:
             })
         except Exception as e:  # the bus is optional for training: never fail a run for it
             print(f"warning: could not register run on the bus: {e.__class__.__name__}", flush=True)
-
-    def _last_directive_stream_id(self) -> str:
-        return "0-0"  # directives are deduplicated by id against directives.jsonl
 
     # ================================================================== state
     def _train_state(self) -> dict:
@@ -567,8 +564,6 @@ class Trainer:
         if self.env.distributed:
             gathered = torch.empty(self.env.world_size, device=self.env.device)
             dist.all_gather_into_tensor(gathered, local.reshape(1).float())
-            if self.cfg.parallelism == "fsdp":
-                pass  # FSDP reduce-scatters gradients itself; the loss gather is telemetry only
         else:
             gathered = local.reshape(1).float()
         loss = gathered.mean()
