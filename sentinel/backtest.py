@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sentinel.policy import RunPolicy
-from sentinel.protocol import CheckpointInfo, SchemaError, StepRecord, TimelineRecord
+from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet, default_rules
 
 
@@ -47,7 +47,7 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
     obj.setdefault("run", default_run)
     if kind != "step":
         try:
-            return TimelineRecord.from_json(obj)
+            return MarkerRecord.from_json(obj) if kind == "marker" else TimelineRecord.from_json(obj)
         except SchemaError as e:
             raise SchemaError(f"{where}: {e}") from None
     for k in ("step", "loss"):
@@ -99,6 +99,8 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
             for c in checkpoints:
                 policy.on_checkpoint(c)
         now[0] = rec.time
+        if isinstance(rec, MarkerRecord):
+            continue  # a condition change on the timeline: nothing for the rules to judge
         if isinstance(rec, TimelineRecord):
             policy.on_timeline(rec)
         else:

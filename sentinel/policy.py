@@ -415,7 +415,7 @@ class RunPolicy:
             if isinstance(r, TimelineRecord):
                 while self._samples and self._samples[-1][0] > r.from_step:
                     self._samples.pop()
-            elif r.sample_ids:
+            elif isinstance(r, StepRecord) and r.sample_ids:
                 self._samples.append((r.step, r.sample_ids))
 
     def state_dict(self, include_samples: bool = True) -> dict[str, Any]:

@@ -15,11 +15,12 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SCHEMA_VERSION = 1
 
@@ -61,6 +62,20 @@ class _Record(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 PHASES = ("data_wait", "forward_backward", "optimizer", "telemetry")
+# data-mixture slice (source) names: also Prometheus label values, so short and bounded
+SLICE_NAME_RE = r"[a-z0-9_]{1,32}"
+MAX_SLICES = 16
+
+
+def _check_slices(v: dict[str, float] | None) -> dict[str, float] | None:
+    if v is None:
+        return v
+    if len(v) > MAX_SLICES:
+        raise ValueError(f"at most {MAX_SLICES} slices (got {len(v)})")
+    for name in v:
+        if not re.fullmatch(SLICE_NAME_RE, name):
+            raise ValueError(f"slice name {name[:40]!r} does not match {SLICE_NAME_RE}")
+    return v
 
 
 class StepRecord(_Record):
@@ -100,6 +115,12 @@ class StepRecord(_Record):
     checkpoint_age_seconds: float | None = None
     effective_token_ratio: float | None = None
     world_size: int = 1
+    # data mixture slices (names match ``SLICE_NAME_RE``; absent sources are omitted)
+    source_loss: dict[str, float] | None = None  # mean training loss per source over this step's global batch
+    val_slice_loss: dict[str, float] | None = None  # eval steps: held-out loss per slice
+    probe_loss: dict[str, float] | None = None  # eval steps: loss on each slice's fixed probe set
+
+    _slices_ok = field_validator("source_loss", "val_slice_loss", "probe_loss")(_check_slices)
 
 
 class TimelineRecord(_Record):
@@ -120,21 +141,49 @@ class TimelineRecord(_Record):
     skip_ranges: list[tuple[int, int]] = Field(default_factory=list)
 
 
-def parse_step_line(line: str | bytes) -> StepRecord | TimelineRecord:
-    """Parse one line of steps.jsonl (either a step or a timeline marker)."""
+MarkerKind = Literal["warmup_end", "decay_start", "mixture_change", "seq_len_change"]
+MARKER_KINDS: tuple[str, ...] = ("warmup_end", "decay_start", "mixture_change", "seq_len_change")
+
+
+class MarkerRecord(_Record):
+    """A change of training conditions at a step boundary, for the timeline ("did the spike come
+    right after X?"). Written to steps.jsonl and the step stream; it supersedes nothing.
+
+    ``step`` is the number of optimizer steps completed when the change took effect: the step
+    ``step + 1`` is the first one trained under the new condition.
+    """
+
+    kind: Literal["marker"] = "marker"
+    run: str
+    step: int
+    timeline: int = 0
+    marker: MarkerKind
+    detail: str | None = None
+    time: float
+
+
+StepLine = StepRecord | TimelineRecord | MarkerRecord
+
+
+def parse_step_line(line: str | bytes) -> StepRecord | TimelineRecord | MarkerRecord:
+    """Parse one line of steps.jsonl (a step, a resume/rollback timeline record, or a marker)."""
     try:
         obj = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise SchemaError("steps.jsonl: a line is not valid JSON") from None
     if not isinstance(obj, dict):
         raise SchemaError("steps.jsonl: a line is not a JSON object")
-    if obj.get("kind", "step") == "step":
+    kind = obj.get("kind", "step")
+    if kind == "step":
         return StepRecord.from_json(obj)
+    if kind == "marker":
+        return MarkerRecord.from_json(obj)
     return TimelineRecord.from_json(obj)
 
 
 def authoritative_steps(records) -> dict[int, StepRecord]:
-    """Reduce a steps.jsonl sequence to the authoritative record per step (last one wins)."""
+    """Reduce a steps.jsonl sequence to the authoritative record per step (last one wins).
+    Markers are ignored: they describe conditions, not steps."""
     out: dict[int, StepRecord] = {}
     for r in records:
         if isinstance(r, StepRecord):
@@ -270,7 +319,7 @@ class Keys:
             raise ValueError(f"invalid run id {run!r}: use letters, digits, '-', '_' or '.'")
         self.run = run
         p = f"{self.PREFIX}:run:{run}"
-        self.steps = f"{p}:steps"  # stream of StepRecord / TimelineRecord
+        self.steps = f"{p}:steps"  # stream of StepRecord / TimelineRecord / MarkerRecord
         self.directives = f"{p}:directives"  # stream of Directive
         self.acks = f"{p}:acks"  # stream of Ack
         self.events = f"{p}:events"  # stream of Event

@@ -45,6 +45,10 @@ def populated(rank: int = 0) -> TrainerMetrics:
     step(m)
     m.on_checkpoint(ok=True, seconds=3.0, size_bytes=123_456_789, timestamp=time.time())
     m.on_validation(2.0)
+    m.set_slices(["shakespeare", "pydoc"])
+    m.on_slice_losses({"shakespeare": 2.4, "pydoc": 2.7})
+    m.on_slice_validation({"shakespeare": 2.1, "pydoc": 2.9}, {"shakespeare": 2.0, "pydoc": 3.0})
+    m.set_mixture_weights({"shakespeare": 0.6, "pydoc": 0.4})
     return m
 
 

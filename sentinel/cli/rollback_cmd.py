@@ -47,7 +47,7 @@ def _parse_checkpoint_id(text: str) -> int:
 def _current(ref) -> tuple[int | None, int | None]:
     """(current step, current timeline) of the run: heartbeat > step stream > steps.jsonl."""
     from sentinel import bus, rundir
-    from sentinel.protocol import SchemaError, StepRecord
+    from sentinel.protocol import SchemaError, TimelineRecord
 
     step = timeline = None
     hb = ref.heartbeat() if ref.r is not None else None
@@ -67,7 +67,7 @@ def _current(ref) -> tuple[int | None, int | None]:
     if recs:
         last = recs[-1]
         timeline = last.timeline
-        s = last.step if isinstance(last, StepRecord) else last.from_step
+        s = last.from_step if isinstance(last, TimelineRecord) else last.step  # a step or a marker
         step = max(step, s) if step is not None else s
     return step, timeline
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -37,7 +38,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from sentinel.protocol import DirectiveKind
+from sentinel.protocol import MARKER_KINDS, MAX_SLICES, SLICE_NAME_RE, DirectiveKind
 
 # 10 ms .. 60 s: from a tiny CPU smoke model to a large model with heavy grad accumulation.
 STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -47,6 +48,9 @@ CHECKPOINT_SECONDS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
 PHASES = ("data_wait", "forward_backward", "optimizer", "telemetry", "control")
 SKIP_REASONS = ("nonfinite", "loss_spike", "grad_spike", "directive", "fault")
 DIRECTIVE_KINDS: tuple[str, ...] = typing.get_args(DirectiveKind)
+
+# timeline events counted by training_timeline_events_total{event}: the schedule/data markers plus restarts
+TIMELINE_EVENTS: tuple[str, ...] = MARKER_KINDS + ("resume", "rollback")
 
 RUN = ("run",)
 RUN_RANK = ("run", "rank")
@@ -250,6 +254,33 @@ class TrainerMetrics:
         self._applied_family = applied
         self._applied = {kind: applied.labels(self.run, kind) for kind in DIRECTIVE_KINDS}
 
+        events = Counter(
+            "training_timeline_events",
+            "Changes of training conditions (LR phase, mixture, seq len) and restarts, by event.",
+            RUN + ("event",), registry=r,
+        )
+        self._timeline_events = {e: events.labels(self.run, e) for e in TIMELINE_EVENTS}
+        self._build_slices()
+
+    def _build_slices(self) -> None:
+        """Per-slice (data source) families. ``slice`` is bounded: at most ``MAX_SLICES`` names
+        matching ``SLICE_NAME_RE``, fixed when the dataset is prepared (``set_slices``)."""
+        r = self.registry
+
+        def family(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, RUN + ("slice",), registry=r)
+
+        self._slice_families = {
+            "train": family("training_slice_loss", "Mean training loss of the last step over the samples of each slice."),
+            "val": family("training_validation_slice_loss", "Held-out validation loss of each slice at the last eval."),
+            "val_ppl": family("training_validation_slice_perplexity", "exp(training_validation_slice_loss)."),
+            "probe": family("training_probe_loss", "Loss on each slice's small fixed probe set at the last eval."),
+            "weight": family(
+                "training_mixture_weight_ratio", "Sampling weight of each slice in the data mixture (weights sum to 1)."
+            ),
+        }
+        self._slices: dict[str, dict[str, Gauge]] = {}
+
     # ------------------------------------------------------------------------------------------
     # serving
     # ------------------------------------------------------------------------------------------
@@ -370,6 +401,47 @@ class TrainerMetrics:
         self._val_loss.set(loss)
         self._val_ppl.set(_perplexity(loss))
 
+    def set_slices(self, names: typing.Sequence[str]) -> None:
+        """Declare the run's slices (data sources); only these ever become ``slice`` label values.
+        Raises ValueError for more than ``MAX_SLICES`` or a name outside ``SLICE_NAME_RE``."""
+        if len(names) > MAX_SLICES:
+            raise ValueError(f"at most {MAX_SLICES} slices (got {len(names)})")
+        for name in names:
+            if not re.fullmatch(SLICE_NAME_RE, name):
+                raise ValueError(f"slice name {name!r} does not match {SLICE_NAME_RE}")
+        if not self.is_global_exporter:
+            return
+        self._slices = {
+            name: {key: fam.labels(self.run, name) for key, fam in self._slice_families.items()} for name in names
+        }
+
+    def _set_slice_values(self, key: str, values: dict[str, float] | None) -> None:
+        if not self.is_global_exporter or not values:
+            return
+        for name, value in values.items():
+            children = self._slices.get(name)  # undeclared names are dropped: cardinality stays bounded
+            if children is not None:
+                children[key].set(value)
+
+    def on_slice_losses(self, losses: dict[str, float] | None) -> None:
+        """Per-slice mean training loss of the last step (slices absent from the batch keep their last value)."""
+        self._set_slice_values("train", losses)
+
+    def on_slice_validation(self, val: dict[str, float] | None, probe: dict[str, float] | None) -> None:
+        """Per-slice held-out loss (and its perplexity) and probe loss of one eval."""
+        self._set_slice_values("val", val)
+        self._set_slice_values("val_ppl", {k: _perplexity(v) for k, v in (val or {}).items()})
+        self._set_slice_values("probe", probe)
+
+    def set_mixture_weights(self, weights: dict[str, float]) -> None:
+        """The sampling weight of each slice now in effect (normalised to sum to 1)."""
+        self._set_slice_values("weight", weights)
+
+    def on_timeline_event(self, event: str) -> None:
+        """Count one timeline event (``TIMELINE_EVENTS``; others are ignored, to bound cardinality)."""
+        if self.is_global_exporter and event in TIMELINE_EVENTS:
+            self._timeline_events[event].inc()
+
     def on_checkpoint(self, *, ok: bool, seconds: float, size_bytes: int, timestamp: float) -> None:
         """Record a checkpoint save attempt. ``timestamp`` is the Unix time the save completed.
 
@@ -389,11 +461,13 @@ class TrainerMetrics:
         """The run resumed from a checkpoint (at process start)."""
         if self.is_global_exporter:
             self._resumes.inc()
+            self._timeline_events["resume"].inc()
 
     def on_rollback(self) -> None:
         """The trainer rolled back to an earlier checkpoint without restarting."""
         if self.is_global_exporter:
             self._rollbacks.inc()
+            self._timeline_events["rollback"].inc()
 
     def on_directive(self, kind: str, applied: bool) -> None:
         """A directive from the sentinel was applied (counted by kind) or rejected."""
