@@ -431,3 +431,49 @@ def test_bad_input_is_one_line_everywhere(run_copy, redis_server, tmp_path):
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], (args, res.stderr)
     assert not (run_copy / "pending_rollback.json").exists()
+
+
+# ------------------------------------------------------------------ range syntax and rules files (issue 10 item 9)
+def test_sample_ranges_are_half_open_everywhere():
+    """--inject-fault, --skip, skip-list and rollback --skip all read LO:HI as [LO, HI)."""
+    import warnings
+
+    from sentinel.rundir import parse_range
+    from trainer.config import ConfigError, Fault
+
+    lo, hi = parse_range("5:8")
+    for spec in ("garbage@5:8", "nan@5:8", "lr@5:8:100"):
+        f = Fault.parse(spec)
+        assert (f.lo, f.hi) == (lo, hi) == (5, 8), spec
+        assert [i for i in range(20) if f.hits([i])] == [5, 6, 7]
+    assert (Fault.parse("garbage@5").lo, Fault.parse("garbage@5").hi) == parse_range("5") == (5, 6)
+    lr = Fault.parse("lr@151:100")  # the documented id + factor form keeps its meaning
+    assert (lr.lo, lr.hi, lr.factor) == (151, 152, 100.0)
+    with warnings.catch_warnings(record=True) as w:  # the old inclusive form: same ids, and it says so
+        warnings.simplefilter("always")
+        old = Fault.parse("garbage@5-7")
+    assert (old.lo, old.hi) == (5, 8)
+    assert any(issubclass(x.category, FutureWarning) and "garbage@5:8" in str(x.message) for x in w)
+    for bad in ("garbage@8:8", "garbage@9:8", "garbage@5:8:2", "lr@x"):
+        with pytest.raises(ConfigError):
+            Fault.parse(bad)
+    readme = (REPO / "README.md").read_text()
+    assert "half-open" in readme and "LO:HI" in readme
+
+
+def test_trainer_help_documents_the_range_convention():
+    p = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=REPO, env=trainer_env(), capture_output=True,
+                       text=True, timeout=120)
+    help_text = " ".join(p.stdout.split())
+    assert p.returncode == 0 and "KIND@LO[:HI]" in help_text and "HI exclusive" in help_text
+
+
+def test_rules_check_refuses_an_empty_file(tmp_path):
+    for name, text in (("empty.yaml", ""), ("blank.yaml", "\n\n"), ("comments.yaml", "# nothing yet\n"), ("map.yaml", "{}\n")):
+        f = tmp_path / name
+        f.write_text(text)
+        res = cli("rules", "check", str(f))
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and "rules file is empty" in lines[0], (name, res.output)
+    good = cli("rules", "check", str(REPO / "sentinel" / "default_rules.yaml"))
+    assert good.exit_code == 0

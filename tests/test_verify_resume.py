@@ -153,6 +153,42 @@ def test_tampered_checkpoint_is_caught_and_named(component, drop_run, tmp_path):
     assert r.exit_code == 1 and "NOT equivalent" in r.stdout and "suspect:" in r.stdout
 
 
+def tamper_scheduler_block(ck: Path) -> None:
+    """Only the checkpoint's scheduler record: the trainer derives the LR from the step counter and
+    rewrites this block on save, so the resumed steps match and only the round trip can tell."""
+    ts = json.loads((ck / "train_state.json").read_text())
+    ts["scheduler"]["step"] += 3
+    (ck / "train_state.json").write_text(json.dumps(ts))
+
+
+def test_tampered_scheduler_record_is_not_equivalent_and_named(drop_run, tmp_path):
+    """Issue 10 item 6: it used to print "equivalent" and exit 1. Never both."""
+    run = tmp_path / "run"
+    shutil.copytree(drop_run, run)
+    tamper_scheduler_block(_ckpt(run))
+    _rewrite_manifest(_ckpt(run))
+    res = verify_json(run, "--from-step", C, "--steps", "2", code=1)
+    assert res["equivalent"] is False and res["ok"] is False
+    assert res["first_divergence"]["component"] == "scheduler", res["first_divergence"]
+    assert "scheduler" in res["first_divergence"]["fields"][0]
+    r = invoke("verify-resume", run, "--from-step", C, "--steps", "2")
+    assert r.exit_code == 1
+    out = " ".join(r.stdout.split())
+    assert "NOT equivalent" in out and "scheduler" in out
+    assert "equivalent: the resumed run" not in out
+
+
+def test_verify_table_fits_80_columns(drop_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(drop_run, run)
+    r = CliRunner(env={"COLUMNS": "80"}).invoke(cli, ["verify-resume", str(run), "--from-step", str(C), "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert max(len(ln) for ln in r.stdout.splitlines()) <= 80
+    assert "…" not in r.stdout  # nothing cut off
+    for col in ("step", "loss", "grad norm", "match"):
+        assert col in r.stdout
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 

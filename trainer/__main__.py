@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=int, metavar="K")
     p.add_argument("--eval-every", type=int, metavar="N")
     p.add_argument("--skip", action="append", default=[], metavar="LO:HI", help="skip sample ids [LO, HI) (repeatable)")
-    p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@LO[-HI][:F]",
-                   help="drill: garbage|lr|nan on those sample ids (recorded in the run config)")
+    p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@LO[:HI]",
+                   help="drill: garbage|lr|nan on sample ids [LO, HI) (HI exclusive, like --skip); "
+                        "lr takes a factor: lr@ID:F or lr@LO:HI:F; the old inclusive LO-HI form is deprecated")
     p.add_argument("--telemetry", choices=["on", "off"], help="Prometheus endpoints and the bus (default on)")
     p.add_argument("--redis-url", metavar="URL", help="control bus: redis[s]://..., or 'embedded' for one in the run dir")
     p.add_argument("--metrics-host", metavar="ADDR")

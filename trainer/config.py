@@ -7,6 +7,7 @@ no ``--config``/``--preset`` reuses it, so ``python -m trainer --run-dir X`` is 
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -90,7 +91,12 @@ class TelemetryConfig(_Strict):
     peak_flops: float | None = Field(None, gt=0, description="override the device peak FLOP/s for MFU")
 
 
-FAULT_RE = re.compile(r"^(garbage|lr|nan)@(\d+)(?:-(\d+))?(?::([0-9.eE+-]+))?$")
+# sample-id ranges are half-open LO:HI everywhere (--inject-fault, --skip, skip-list, directives)
+FAULT_RE = re.compile(r"^(garbage|lr|nan)@(\d+)(?::(\d+))?(?::([0-9.eE+-]+))?$")
+# the old inclusive LO-HI form: still accepted, with a warning that spells out its half-open equivalent
+LEGACY_FAULT_RE = re.compile(r"^(garbage|lr|nan)@(\d+)-(\d+)(?::([0-9.eE+-]+))?$")
+FAULT_SYNTAX = ("KIND@ID or KIND@LO:HI (sample ids, HI exclusive); lr takes a factor: lr@ID:FACTOR or "
+                "lr@LO:HI:FACTOR; KIND one of garbage, lr, nan")
 
 
 class Fault(_Strict):
@@ -103,12 +109,32 @@ class Fault(_Strict):
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
-        m = FAULT_RE.match(text.strip())
-        if not m:
-            raise ConfigError(f"--inject-fault {text!r}: expected KIND@LO[-HI][:FACTOR], KIND one of garbage, lr, nan")
-        kind, lo, hi, factor = m.groups()
-        lo_i = int(lo)
-        hi_i = int(hi) + 1 if hi else lo_i + 1  # the CLI range is inclusive
+        """``KIND@ID``, ``KIND@LO:HI`` (half-open, like ``--skip``), ``lr@ID:F`` or ``lr@LO:HI:F``.
+
+        ``lr@A:B`` is an id and a factor (the long-standing form), never a range: an lr range always
+        carries its factor. The deprecated ``KIND@LO-HI`` means LO..HI *inclusive* and warns."""
+        t = text.strip()
+        legacy = LEGACY_FAULT_RE.match(t)
+        if legacy:
+            kind, lo, hi, factor = legacy.groups()
+            lo_i, hi_i = int(lo), int(hi) + 1
+            fac = f":{factor}" if factor else ""
+            warnings.warn(f"--inject-fault {text!r}: LO-HI is deprecated and inclusive (ids {lo_i}..{hi_i - 1}); "
+                          f"write {kind}@{lo_i}:{hi_i}{fac} (half-open LO:HI, like --skip)", FutureWarning, stacklevel=2)
+        else:
+            m = FAULT_RE.match(t)
+            if not m:
+                raise ConfigError(f"--inject-fault {text!r}: expected {FAULT_SYNTAX}")
+            kind, lo, second, third = m.groups()
+            lo_i = int(lo)
+            if kind == "lr" and second is not None and third is None:
+                hi_i, factor = lo_i + 1, second  # lr@ID:FACTOR
+            elif kind != "lr" and third is not None:
+                raise ConfigError(f"--inject-fault {text!r}: only lr takes a factor; expected {FAULT_SYNTAX}")
+            else:
+                hi_i, factor = (int(second) if second is not None else lo_i + 1), third
+        if hi_i <= lo_i:
+            raise ConfigError(f"--inject-fault {text!r}: empty range; need LO < HI (HI exclusive)")
         f = float(factor) if factor else (30.0 if kind == "lr" else 1.0)
         return cls(kind=kind, lo=lo_i, hi=hi_i, factor=f)
 

@@ -1,4 +1,5 @@
-"""Fault drills keyed to sample ids (``--inject-fault KIND@LO-HI[:FACTOR]``).
+"""Fault drills keyed to sample ids (``--inject-fault KIND@LO:HI``, half-open like ``--skip``;
+``lr@ID:FACTOR`` or ``lr@LO:HI:FACTOR``; parsed by ``trainer.config.Fault.parse``).
 
 Each drill reproduces a real failure mode, and because it is keyed to data positions, skipping the
 samples removes it exactly as skipping real bad data would:

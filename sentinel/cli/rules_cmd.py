@@ -12,6 +12,22 @@ _KEY_PARAMS = ("threshold", "min_ratio", "window", "min_history", "k", "n", "per
                "max_skew", "max_deviation", "min_steps")
 
 
+def _require_content(file: str) -> None:
+    """An empty rules file is almost always a mistake (a truncated copy, a wrong path in a
+    ConfigMap): refuse it rather than report the built-in defaults as "valid"."""
+    import yaml
+
+    from pathlib import Path
+
+    try:
+        doc = yaml.safe_load(Path(file).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return  # malformed: load_rules gives the precise one-line error
+    if doc is None or doc == {}:
+        raise SentinelError(f"{file}: the rules file is empty (no rules, no policy); "
+                            "start from sentinel/default_rules.yaml")
+
+
 @click.group("rules")
 def rules() -> None:
     """Rules files: validate them (`sentinel rules check FILE`)."""
@@ -25,6 +41,7 @@ def check(file: str, as_json: bool) -> None:
     """Validate FILE and print a summary of its rules. Exit 2 with a one-line error when invalid."""
     from sentinel.rules import RulesError, load_rules
 
+    _require_content(file)
     try:
         rs = load_rules(file)
     except RulesError as e:

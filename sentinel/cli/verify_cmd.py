@@ -113,11 +113,14 @@ def _render(res: dict) -> None:
         parts.append(f"{name} {'identical' if row['identical'] else 'DIFFERS' + (' in ' + ', '.join(row['differs']) if row.get('differs') else '')}")
     con.print(Text("save->load->save: " + "; ".join(parts), style="" if rt["identical"] else "bold red"))
     d = res["first_divergence"]
-    if d is None:
+    if d is None and res["ok"]:
         con.print(Text(f"equivalent: the resumed run matches the reference {res['tolerance']} "
                        f"in batch, loss, grad norm and update", style="bold green"))
+    elif d is None:  # never say "equivalent" on a failure
+        con.print(Text("NOT equivalent: the check failed without a named divergence (see --json)", style="bold red"))
     else:
-        con.print(Text(f"NOT equivalent: first divergence at step {d['step']} ({', '.join(d['fields'])})", style="bold red"))
+        con.print(Text(f"NOT equivalent: first divergence at step {d['step']} ({', '.join(d['fields'])}): "
+                       f"{d['component']}", style="bold red"))
         con.print(Text(f"suspect: {d['suspect']} - {d['reason']}", style="bold red"))
     con.print(Text(f"checkpoint {res['from_step']} marked "
                    f"{'resume_verified' if res['ok'] else 'failed'} in {res['verified_file']}"))

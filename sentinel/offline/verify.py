@@ -194,6 +194,35 @@ def _compare(got: dict, ref: dict, dev: str) -> list[str]:
     return bad
 
 
+# which component a differing key of a re-saved file points at (see round_trip)
+_ROUND_TRIP_COMPONENT = {"scheduler": "scheduler", "step": "scheduler", "sampler": "data_cursor",
+                         "skiplist": "data_cursor", "grad_accum_pos": "data_cursor", "guard": "guard",
+                         "tokens": "data_cursor"}
+
+
+def round_trip_divergence(rt: dict, c: int) -> dict:
+    """The steps matched, but some saved state does not survive save->load->save: the checkpoint
+    holds something the trainer ignores or rewrites on load (a tampered or inconsistent field).
+    Name the component it belongs to."""
+    for name, row in rt["components"].items():
+        if row["identical"]:
+            continue
+        keys = row.get("differs") or []
+        if name == "train_state.json":
+            comp = next((_ROUND_TRIP_COMPONENT[k] for k in keys if k in _ROUND_TRIP_COMPONENT), "data_cursor")
+        elif name == "optim.pt":
+            comp = "optimizer"
+        elif name.startswith("rng-"):
+            comp = "rng"
+        else:
+            comp = "params"
+        where = f" ({', '.join(keys)})" if keys else ""
+        return {"step": c, "fields": [f"{name}{where}"], "component": comp, "suspect": COMPONENTS[comp],
+                "reason": f"{name}{where} of checkpoint {c} does not survive save->load->save: the trainer "
+                          "ignores or rewrites what the file says, so a resume would not continue the run it recorded"}
+    raise AssertionError("round_trip_divergence called on an identical round trip")
+
+
 def diagnose(rows: list[dict], c: int, *, params_ok: bool | None, opt_step_ok: bool | None, dropout: float,
              sched_step: int | None = None) -> dict | None:
     """Name the state component behind the first divergence (None when every step matched)."""
@@ -339,6 +368,13 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
     if first is None and params_ok is False:
         first = {"step": c, "fields": ["param_digest"], "component": "params", "suspect": COMPONENTS["params"],
                  "reason": f"the loaded parameters differ from the digest recorded at step {c}"}
+    if first is None and not sched_ok:
+        # e.g. in a constant-LR phase a wrong step counter gives the same LRs for a while: still not a resume
+        first = {"step": c, "fields": ["step"], "component": "scheduler", "suspect": COMPONENTS["scheduler"],
+                 "reason": f"the checkpoint's step counter says {loaded_step}, not {c} (LRs and step numbers "
+                           "after the resume would be off)"}
+    if first is None and not rt["identical"]:
+        first = round_trip_divergence(rt, c)
     equivalent = first is None
     return {
         "run": tr.run_id,
@@ -351,7 +387,7 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
         "drill": drill,
         "equivalent": equivalent,
         "round_trip": rt,
-        "ok": bool(equivalent and rt["identical"]),
+        "ok": equivalent,
         "first_divergence": first,
         "checks": {"params_match_log_at_checkpoint": params_ok, "optimizer_step_count_ok": opt_step_ok,
                    "scheduler_step_ok": sched_ok, "model_dropout": dropout},
