@@ -22,28 +22,12 @@ import pytest
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys, TimelineRecord
-from trainer_helpers import dataset, trainer_cmd, trainer_env  # noqa: F401  (dataset is a fixture)
+from trainer_helpers import dataset, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.slow
 
 
-def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"trainer exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _steps(run_dir: Path) -> list[dict]:
-    p = run_dir / "steps.jsonl"
-    if not p.is_file():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip() and line.endswith("}")]
+_wait, _steps = wait_for, read_steps
 
 
 class Control:

@@ -302,3 +302,25 @@ def assert_one_line_error(p: subprocess.CompletedProcess, *, rc: int = 2, contai
     if contains:
         assert contains in lines[0], lines[0]
     return lines[0]
+
+
+# ------------------------------------------------------------------ live runs
+def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    """Poll ``cond()`` until it is truthy (returned), failing on timeout or when ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    """Every complete record of a live run's steps.jsonl (a line being written is left out)."""
+    p = run_dir / "steps.jsonl"
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip() and line.endswith("}")]

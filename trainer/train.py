@@ -98,7 +98,7 @@ class Trainer:
         effects on the run dir: no config write, no step log, no telemetry, no bus."""
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
         self.offline = offline
-        self._stop_signal = False
+        self._stop_signal: str | bool = False  # the signal's name once SIGTERM/SIGINT arrived
         if not offline:  # from the start: a SIGTERM during setup still ends in a checkpoint, not a kill
             self._install_signals()
         self.run_id = cfg.run_id or self.run_dir.resolve().name
@@ -611,10 +611,18 @@ class Trainer:
 
     # ================================================================== loop
     def _install_signals(self) -> None:
+        # SIGTERM (preemption: Kubernetes, Slurm, torchrun forwarding it) and SIGINT (Ctrl-C) both mean
+        # "checkpoint, then exit 0" at the next step boundary, paused or not. A repeated signal changes
+        # nothing: torchrun re-sends the signal to its ranks, and that must not abort the checkpoint.
         def handler(signum, frame):
-            self._stop_signal = True
-        with contextlib.suppress(ValueError):
+            self._stop_signal = signal.Signals(signum).name
+        with contextlib.suppress(ValueError):  # not the main thread (embedded use): no signal handling
             signal.signal(signal.SIGTERM, handler)
+            signal.signal(signal.SIGINT, handler)
+
+    def _any_rank_signalled(self) -> bool:
+        """True on every rank when any rank got SIGTERM/SIGINT (a host-side vote, off the hot path)."""
+        return not self.env.all_ok(not self._stop_signal)
 
     def fit(self) -> None:
         cfg, env = self.cfg, self.env
@@ -627,16 +635,19 @@ class Trainer:
             for item in self._poll_control():
                 self._apply(Directive.model_validate(item))
             while self.ctl.paused and not self.ctl.stop:
+                if self._any_rank_signalled():  # paused still obeys preemption: checkpoint, then exit
+                    break
                 if self.metrics:
                     self.metrics.heartbeat()
                 time.sleep(0.2)
                 for item in self._poll_control():
                     self._apply(Directive.model_validate(item))
-            stop = self.ctl.stop or self._stop_signal
+            stop = bool(self.ctl.stop or self._stop_signal)
             if env.distributed:
                 stop = not env.all_ok(not stop)
             if stop:
-                _log(env, f"stopping at step {self.state.step} (checkpointing first)")
+                why = self._stop_signal or ("stop directive" if self.ctl.stop else "a signal on another rank")
+                _log(env, f"stopping at step {self.state.step} ({why}{', paused' if self.ctl.paused else ''}; checkpointing first)")
                 self.save_checkpoint()
                 break
             t_control = time.perf_counter() - t_ctl
