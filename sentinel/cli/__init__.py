@@ -19,12 +19,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("sentinel.cli.status_cmd", "status", "One row per run: loss, PPL, grad norm, tokens/s, MFU, incidents."),
     "incidents": ("sentinel.cli.incidents_cmd", "incidents", "Incident timelines with evidence, actions and outcomes."),
     "approve": ("sentinel.cli.incidents_cmd", "approve", "Approve the pending action of an incident (require_approval mode)."),
+    "pause": ("sentinel.cli.control_cmd", "pause", "Pause a live run at the next step (signed directive, waits for the ack)."),
+    "resume": ("sentinel.cli.control_cmd", "resume", "Resume a paused run, also one the sentinel paused on escalation."),
+    "stop": ("sentinel.cli.control_cmd", "stop", "Stop a live run cleanly: checkpoint, then exit."),
     "rollback": ("sentinel.cli.rollback_cmd", "rollback", "Roll a run back to a checkpoint and skip the data that hurt it."),
     "skip-list": ("sentinel.cli.skiplist_cmd", "skip_list", "Show or edit a run's skip list of sample-id ranges."),
     "checkpoints": ("sentinel.cli.checkpoints_cmd", "checkpoints", "List a run's checkpoints: step, age, size, verification."),
     "replay-batch": ("sentinel.cli.replay_cmd", "replay_batch", "Replay the exact batch of one step offline and name the culprit samples."),
     "verify-resume": ("sentinel.cli.verify_cmd", "verify_resume", "Prove that resuming from a checkpoint reproduces the run bitwise."),
     "backtest": ("sentinel.cli.backtest_cmd", "backtest", "Run the rules offline over a recorded step log."),
+    "report": ("sentinel.cli.report_cmd", "report", "Write a PNG of a run: loss, grad norm, val PPL, incidents, rollbacks, LR phases."),
     "rules": ("sentinel.cli.rules_cmd", "rules", "Validate a rules file (`sentinel rules check FILE`)."),
 }
 

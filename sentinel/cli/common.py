@@ -81,3 +81,31 @@ def looks_like_run_dir(run: str) -> bool:
 
 def is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+# --------------------------------------------------------------------------------------------
+# A signed directive by hand: publish it and wait for the trainer's ack (rollback, pause, ...)
+# --------------------------------------------------------------------------------------------
+
+
+def send_and_wait(ref, d, timeout: float, *, console, as_json: bool, doing: str):
+    """Publish the signed directive ``d`` on the run's directives stream and wait up to ``timeout``
+    seconds for the trainer's Ack (returned; None on timeout), with a spinner for a person."""
+    from sentinel import bus
+    from sentinel.runref import last_ack_id, wait_ack
+
+    after = last_ack_id(ref)  # before publishing, so a fast ack is not missed
+    bus.publish(ref.r, ref.keys.directives, d)
+    if as_json:
+        return wait_ack(ref, d.id, after, timeout)
+    with console.status(f"{doing}: waiting for the trainer's ack...") as st:
+        return wait_ack(ref, d.id, after, timeout, on_tick=lambda el: st.update(
+            f"{doing}: waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
+
+
+def no_ack_error(ref, d, timeout: float) -> SentinelError:
+    import time
+
+    return SentinelError(f"no ack from the trainer of {ref.run} within {timeout:.0f}s; directive {d.id[:8]} expires "
+                         f"unapplied at {time.strftime('%H:%M:%S', time.localtime(d.expires_at))} "
+                         f"(check `sentinel status {ref.run}`)", exit_code=1)

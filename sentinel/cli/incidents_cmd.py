@@ -218,6 +218,22 @@ def find_incident(incident_id: str, run: str | None, redis_url: str | None):
     raise SentinelError(f"incident {incident_id} not found in {where}")
 
 
+def publish_approval(ref, inc, secret: bytes, who: str, reason: str | None):
+    """A signed approval of ``inc`` on the run's approvals stream (the leader daemon acts on it), and
+    an audit line; returns (directive, stream id). Used by ``approve`` and by ``resume``."""
+    from sentinel import bus, rundir
+    from sentinel.protocol import Directive
+
+    d = Directive(run=ref.run, kind="resume", incident_id=inc.id, issuer=who,
+                  reason=reason or f"approved by {who}").signed(secret)
+    sid = bus.publish(ref.r, ref.keys.approvals, d)
+    if ref.run_dir is not None:
+        rundir.append_audit(ref.run_dir, {"action": "approve", "who": who, "run": ref.run, "incident_id": inc.id,
+                                          "incident_state": inc.state, "reason": reason, "directive_id": d.id,
+                                          "stream_id": sid})
+    return d, sid
+
+
 @click.command("approve")
 @click.argument("incident_id", metavar="INCIDENT")
 @click.option("--run", "run", metavar="RUN", help="The incident's run (a run dir or id); default: search every run on the bus.")
@@ -241,8 +257,8 @@ def approve(incident_id, run, reason, force, wait_s, secret_file, redis_url, as_
 
 
 def _approve(incident_id, run, reason, force, wait_s, secret_file, redis_url, as_json):
-    from sentinel import bus, rundir
-    from sentinel.protocol import Directive, Event, SchemaError
+    from sentinel import bus
+    from sentinel.protocol import Event, SchemaError
     from sentinel.runref import issuer
 
     ref, inc = find_incident(incident_id, run, redis_url)
@@ -251,16 +267,10 @@ def _approve(incident_id, run, reason, force, wait_s, secret_file, redis_url, as
                             f"(only {' / '.join(APPROVABLE)} incidents wait for one; --force sends it anyway)")
     secret = ref.secret(secret_file)
     who = issuer()
-    d = Directive(run=ref.run, kind="resume", incident_id=inc.id, issuer=who,
-                  reason=reason or f"approved by {who}").signed(secret)
     with bus.bus_errors(ref.r):
         tail = ref.r.xrevrange(ref.keys.events, count=1)
     ev_cursor = tail[0][0] if tail else "0-0"
-    sid = bus.publish(ref.r, ref.keys.approvals, d)
-    if ref.run_dir is not None:
-        rundir.append_audit(ref.run_dir, {"action": "approve", "who": who, "run": ref.run, "incident_id": inc.id,
-                                          "incident_state": inc.state, "reason": reason, "directive_id": d.id,
-                                          "stream_id": sid})
+    d, sid = publish_approval(ref, inc, secret, who, reason)
     acted = None
     if wait_s > 0:
         deadline = time.monotonic() + wait_s

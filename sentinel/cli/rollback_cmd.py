@@ -18,7 +18,15 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import (
+    SentinelError,
+    emit_json,
+    friendly_errors,
+    json_option,
+    no_ack_error,
+    redis_url_option,
+    send_and_wait,
+)
 
 DEFAULT_TIMEOUT = 120.0
 WRITING_RECENTLY_S = 60.0
@@ -310,9 +318,8 @@ def _audit(ref, record) -> None:
 
 
 def _live(ref, plan, ranges, reason, timeout, secret, console, as_json):
-    from sentinel import bus
     from sentinel.protocol import Directive
-    from sentinel.runref import issuer, last_ack_id, wait_ack
+    from sentinel.runref import issuer
 
     who = issuer()
     now = time.time()
@@ -329,14 +336,7 @@ def _live(ref, plan, ranges, reason, timeout, secret, console, as_json):
                            message=f"{who} rolled back to step {to}" + (f": {reason}" if reason else ""),
                            data={"phase": "issued", "directive_id": d.id, "to_step": to, "ranges": plan["skip_ranges"],
                                  "issuer": who, "reason": reason, "mode": "live"}))
-    after = last_ack_id(ref)
-    bus.publish(ref.r, ref.keys.directives, d)
-    if as_json:
-        ack = wait_ack(ref, d.id, after, timeout)
-    else:
-        with console.status(f"rolling back to step {to}: waiting for the trainer's ack...") as st:
-            ack = wait_ack(ref, d.id, after, timeout, on_tick=lambda el: st.update(
-                f"rolling back to step {to}: waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
+    ack = send_and_wait(ref, d, timeout, console=console, as_json=as_json, doing=f"rolling back to step {to}")
     outcome = ack.status if ack else "timeout"
     done = time.time()
     inc.actions[0]["outcome"] = outcome
@@ -357,9 +357,7 @@ def _live(ref, plan, ranges, reason, timeout, secret, console, as_json):
     if as_json:
         emit_json(res)
     if ack is None:
-        raise SentinelError(f"no ack from the trainer of {ref.run} within {timeout:.0f}s; directive {d.id[:8]} expires "
-                            f"unapplied at {time.strftime('%H:%M:%S', time.localtime(d.expires_at))} "
-                            f"(check `sentinel status {ref.run}`)", exit_code=1)
+        raise no_ack_error(ref, d, timeout)
     if ack.status not in ("applied", "duplicate"):
         raise SentinelError(f"the trainer {ack.status} the rollback: {ack.detail or 'no detail'}", exit_code=1)
     if not as_json:
