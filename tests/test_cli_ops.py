@@ -171,8 +171,8 @@ def test_checkpoints_verification_states(run_copy):
     assert bad.exit_code == 2 and "corrupt" in bad.stderr
     assert not (run_copy / "pending_rollback.json").exists()
     # --before-step passes over the bad ones
-    assert cli("rollback", str(run_copy), "--before-step", "21", "--dry-run").exit_code == 2  # 20 corrupt, 10 incomplete
-    plan = cli_json("rollback", str(run_copy), "--before-step", "31", "--dry-run")["plan"]
+    assert cli("rollback", str(run_copy), "--before-step", "22", "--dry-run").exit_code == 2  # 20 corrupt, 10 incomplete
+    plan = cli_json("rollback", str(run_copy), "--before-step", "32", "--dry-run")["plan"]
     assert plan["target"]["step"] == 30 and plan["target"]["verified"] == "resume_verified"
 
 
@@ -477,3 +477,16 @@ def test_rules_check_refuses_an_empty_file(tmp_path):
         assert res.exit_code == 2 and len(lines) == 1 and "rules file is empty" in lines[0], (name, res.output)
     good = cli("rules", "check", str(REPO / "sentinel" / "default_rules.yaml"))
     assert good.exit_code == 0
+
+
+def test_rollback_before_onset_never_picks_a_checkpoint_that_holds_the_damage(run_copy):
+    """Issue 10 item 6. Checkpoints at 10, 20, 30. A bad batch at onset 21 damages update 21; a bad
+    update at 20 (an LR spike) first shows in the loss of step 21: checkpoint 20 holds that damage.
+    So --before-step 21 must pick 10, and --before-step 22 (checkpoint 20 gave a normal step 21) 20."""
+    assert cli_json("rollback", str(run_copy), "--before-step", "21", "--dry-run")["plan"]["target"]["step"] == 10
+    assert cli_json("rollback", str(run_copy), "--before-step", "20", "--dry-run")["plan"]["target"]["step"] == 10
+    assert cli_json("rollback", str(run_copy), "--before-step", "22", "--dry-run")["plan"]["target"]["step"] == 20
+    help_text = " ".join(cli("rollback", "--help").stdout.split())
+    assert "ONSET-2" in help_text and "after N updates" in help_text
+    res = cli("rollback", str(run_copy), "--before-step", "11", "--dry-run")
+    assert res.exit_code == 2 and "no usable checkpoint at or before step 9" in res.stderr

@@ -91,6 +91,17 @@ def _candidates(ref):
     return rows
 
 
+def last_clean_checkpoint_step(onset: int) -> int:
+    """The newest checkpoint step that can hold no damage from an anomaly first seen at ``onset``.
+
+    Checkpoint N holds the weights after N updates, and step S's loss is computed on checkpoint
+    S-1's weights before update S. A bad batch at S does its damage in update S (checkpoints >= S
+    hold it); a bad update at S-1 (an LR spike, a corrupt optimizer step) first shows in step S's
+    loss, so checkpoint S-1 holds it. Either way only checkpoints <= S-2 are vouched for: the loss
+    computed on their weights (step N+1 < S) was normal."""
+    return onset - 2
+
+
 def _pick(ref, to_step, before_step, checkpoint, current):
     from sentinel import rundir
 
@@ -107,7 +118,8 @@ def _pick(ref, to_step, before_step, checkpoint, current):
             raise SentinelError(f"checkpoint step {to_step} is ahead of the run (step {current}); "
                                 "it belongs to an abandoned timeline")
     else:
-        ok = [c for c in cands if c["step"] < before_step and c["verified"] in ("checksum_ok", "unverified", "resume_verified")
+        bound = last_clean_checkpoint_step(before_step)
+        ok = [c for c in cands if c["step"] <= bound and c["verified"] in ("checksum_ok", "unverified", "resume_verified")
               and (current is None or c["step"] <= current)]
         if ref.run_dir is not None:  # re-hash newest-first until one passes
             for c in ok:
@@ -120,7 +132,8 @@ def _pick(ref, to_step, before_step, checkpoint, current):
         else:
             match = ok[0] if ok else None
         if match is None:
-            raise SentinelError(f"no usable checkpoint before step {before_step} for run {ref.run} (checkpoints: {listing})")
+            raise SentinelError(f"no usable checkpoint at or before step {bound} (onset {before_step} - 2) for run "
+                                f"{ref.run} (checkpoints: {listing})")
     if ref.run_dir is not None:
         ck = rundir.find_checkpoint(ref.run_dir, match["step"], rehash=True)
         if ck is None:
@@ -215,7 +228,11 @@ def _print_plan(console, plan: dict) -> None:
 @click.command("rollback")
 @click.argument("run", metavar="RUN")
 @click.option("--to-step", type=click.IntRange(min=0), help="Roll back to the checkpoint at exactly this step.")
-@click.option("--before-step", type=click.IntRange(min=1), help="Roll back to the newest good checkpoint before this step.")
+@click.option("--before-step", type=click.IntRange(min=2), metavar="ONSET",
+              help="ONSET is the first bad step (an incident's onset): roll back to the newest good checkpoint at "
+                   "step <= ONSET-2. Checkpoint N holds the weights after N updates, and step ONSET's loss was "
+                   "computed on checkpoint ONSET-1's weights: a bad batch damages update ONSET, a bad update "
+                   "(LR spike) at ONSET-1 shows only in step ONSET, so neither ONSET nor ONSET-1 is safe.")
 @click.option("--checkpoint", "checkpoint", metavar="ID", help="Roll back to this checkpoint (step-NNNNNNNN, a step, or its directory).")
 @click.option("--skip", "skips", multiple=True, metavar="LO:HI", help="Also skip sample ids [LO, HI) from now on (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
