@@ -490,3 +490,79 @@ def test_rollback_before_onset_never_picks_a_checkpoint_that_holds_the_damage(ru
     assert "ONSET-2" in help_text and "after N updates" in help_text
     res = cli("rollback", str(run_copy), "--before-step", "11", "--dry-run")
     assert res.exit_code == 2 and "no usable checkpoint at or before step 9" in res.stderr
+
+
+# ------------------------------------------------------------------ incident actions: only what was sent (issue 10 item 6)
+def _action(run: str, inc: str, kind: str, n: int, t: float, **kw) -> dict:
+    return {"kind": kind, "run": run, "incident_id": inc, "reason": f"{kind} because", "ranges": [], "to_step": None,
+            "idempotency_key": f"{run}:{inc}:{kind}:{n}", "time": t, "dry_run": False, **kw}
+
+
+def narrow(*args: str):
+    """The command as a person sees it in an 80-column terminal."""
+    res = CliRunner(env={"COLUMNS": "80"}).invoke(main, list(args), catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    too_wide = [ln for ln in res.stdout.splitlines() if len(ln) > 80]
+    assert not too_wide, too_wide
+    return res.stdout
+
+
+def test_incident_actions_show_only_what_was_sent_with_outcomes(embedded_bus):
+    run_dir = embedded_bus.run_dir
+    r = bus.connect(embedded_bus.url)
+    bus.register_run(r, "run", {"run_dir": str(run_dir)})
+    k = Keys("run")
+    now = time.time()
+    iid = "run-t0-s151"
+    acts = [
+        _action("run", iid, "rollback", 1, now - 30, to_step=140, ranges=[[10, 20]]),  # sent, acked
+        _action("run", iid, "rollback", 2, now - 20, to_step=130),  # decided, never sent (rate limit)
+        _action("run", iid, "skip-samples", 1, now - 900, ranges=[[5, 6]]),  # sent, nobody answered: timed out
+        _action("run", iid, "pause", 1, now - 10),  # sent, rejected
+        _action("run", iid, "page", 1, now - 5),  # paged
+    ]
+    inc = Incident(id=iid, run="run", state="verifying", rule="loss_spike", onset_step=151, detect_step=154,
+                   opened_at=now - 40, actions=acts)
+    dry = Incident(id="run-t0-s300", run="run", state="healthy", rule="loss_spike", onset_step=300, detect_step=302,
+                   opened_at=now - 3, closed_at=now - 2,
+                   actions=[_action("run", "run-t0-s300", "rollback", 1, now - 2, to_step=290, dry_run=True)])
+    r.hset(k.incidents, mapping={inc.id: inc.to_json(), dry.id: dry.to_json()})
+    r.hset(k.applied, mapping={f"run:{iid}:rollback:1": "d-roll", f"run:{iid}:skip-samples:1": "d-skip",
+                               f"run:{iid}:pause:1": "d-pause", f"run:{iid}:page:1": "page"})
+    bus.publish(r, k.acks, Ack(run="run", directive_id="d-roll", kind="rollback", status="applied", step=140, timeline=1))
+    bus.publish(r, k.acks, Ack(run="run", directive_id="d-pause", kind="pause", status="rejected", step=150,
+                               detail="expired"))
+
+    out = cli_json("incidents", str(run_dir))
+    (run,) = out["runs"]
+    got = {(a["kind"], a.get("to_step")): (a["sent"], a["outcome"]) for a in run["incidents"][0]["actions"]}
+    assert got == {("rollback", 140): (True, "acked"), ("rollback", 130): (False, "not sent"),
+                   ("skip-samples", None): (True, "timed out"), ("pause", None): (True, "rejected"),
+                   ("page", None): (True, "paged")}
+    assert run["incidents"][1]["actions"][0]["outcome"] == "would send (dry run)"
+    assert run["incidents"][1]["actions"][0]["sent"] is False
+
+    text = narrow("incidents", str(run_dir))
+    assert "rollback to 140" in text and "acked" in text and "timed out" in text and "rejected" in text
+    assert "rollback to 130" not in text  # never sent: not in the action table
+    assert "1 more decided but not sent" in " ".join(text.split())
+    assert "would-be actions (dry run: nothing was sent)" in text and "would send (dry run)" in text
+    assert iid in text and "onset step 151" in text  # the heading is not cut at 80 columns
+
+    # the bus goes away: the run dir's mirror still tells the story (last line per id wins)
+    stale = inc.model_copy(update={"state": "rollback"})
+    with open(run_dir / "incidents.jsonl", "w") as f:
+        f.write(stale.to_json() + "\n" + inc.to_json() + "\n" + "{torn\n")
+    (run_dir / "directives.jsonl").write_text(json.dumps({"id": "d-roll", "kind": "rollback", "status": "applied",
+                                                          "step": 140, "incident_id": iid, "time": now - 29}) + "\n")
+    from sentinel.embedded import stop_embedded
+
+    stop_embedded(run_dir)
+    off = cli_json("incidents", str(run_dir))
+    (run,) = off["runs"]
+    assert run["source"] == "files" and [i["id"] for i in run["incidents"]] == [iid]
+    assert run["incidents"][0]["state"] == "verifying"
+    first = run["incidents"][0]["actions"][0]
+    assert (first["sent"], first["outcome"]) == (True, "acked")
+    text = narrow("incidents", str(run_dir))
+    assert iid in text and "rollback to 140" in text and "acked" in text

@@ -21,24 +21,40 @@ APPROVABLE = ("awaiting_approval", "escalated")
 def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = None) -> dict:
     """{"run", "incidents": [incident + "timeline" + "outcome"], "orphan_events": [...]} for one run."""
     from sentinel import bus, rundir
-    from sentinel.protocol import Event, Incident, SchemaError
+    from sentinel.incidents_view import annotate_actions, read_incidents_log
+    from sentinel.protocol import Ack, Event, Incident, SchemaError
 
     out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "incidents": []}
+    trainer_log = rundir.read_directives_log(ref.run_dir, tail=2000) if ref.run_dir else []
     if ref.r is None:
-        # no bus: what the run directory remembers (manual actions and the trainer's applied directives)
+        # no bus: what the run directory remembers (the incidents mirror, manual actions, applied directives)
         out["note"] = ref.bus_note
         out["audit"] = rundir.read_audit(ref.run_dir, tail=200) if ref.run_dir else []
-        out["directives"] = rundir.read_directives_log(ref.run_dir, tail=200) if ref.run_dir else []
-        return out
-    with bus.bus_errors(ref.r):
-        raw = ref.r.hgetall(ref.keys.incidents)
-        entries = ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN)
-    incs: list[Incident] = []
-    for v in raw.values():
-        try:
-            incs.append(Incident.from_json(v))
-        except SchemaError:
-            continue
+        out["directives"] = trainer_log[-200:]
+        incs = read_incidents_log(ref.run_dir) if ref.run_dir else []
+        entries, applied, acks = [], None, {}
+    else:
+        with bus.bus_errors(ref.r):
+            raw = ref.r.hgetall(ref.keys.incidents)
+            entries = ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN)
+            applied = ref.r.hgetall(ref.keys.applied)
+            ack_entries = ref.r.xrevrange(ref.keys.acks, count=EVENTS_SCAN)
+        incs = []
+        for v in raw.values():
+            try:
+                incs.append(Incident.from_json(v))
+            except SchemaError:
+                continue
+        acks = {}
+        for _eid, fields in ack_entries:
+            try:
+                a = Ack.from_json((fields or {}).get(bus.FIELD, "{}"))
+            except SchemaError:
+                continue
+            acks.setdefault(a.directive_id, a.model_dump(mode="json"))
+        if ref.run_dir is not None:  # a restarted bus forgot what the run dir's mirror remembers
+            known = {i.id for i in incs}
+            incs += [i for i in read_incidents_log(ref.run_dir) if i.id not in known]
     by_id: dict[str, list[dict]] = {}
     for eid, fields in reversed(entries):
         try:
@@ -57,6 +73,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
         d["open"] = inc.closed_at is None
         d["timeline"] = by_id.get(inc.id, [])
         d["outcome"] = _outcome(inc, d["timeline"])
+        annotate_actions(d, applied=applied, acks=acks, trainer_log=trainer_log)
         out["incidents"].append(d)
     return out
 
@@ -73,80 +90,133 @@ def _outcome(inc, timeline: list[dict]) -> str:
 
 
 def _render(runs: list[dict]):
+    """Rich renderables for people; every table fits 80 columns (long text wraps, never truncates)."""
     from rich.console import Group
-    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
 
-    from sentinel import rundir
     from sentinel.runref import fmt_duration
-
-    def ts(t):
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
     parts = []
     for run in runs:
         if run["source"] == "files":
-            parts.append(Text(f"{run['run']}: no control bus ({run.get('note') or 'offline'}); from the run directory:", style="yellow"))
-            t = Table(title="manual actions (audit.jsonl) and applied directives (directives.jsonl)", title_justify="left")
-            for c in ("time", "what", "who", "step", "detail"):
-                t.add_column(c)
-            rows = [(a.get("time"), f"{a.get('action')} {a.get('phase', '')}".strip(), a.get("who", ""),
-                     a.get("to_step", ""), a.get("reason") or a.get("outcome") or "") for a in run.get("audit", [])]
-            rows += [(d.get("time"), f"{d.get('kind')} {d.get('status')}", d.get("issuer", ""), d.get("step", ""),
-                      d.get("reason") or "") for d in run.get("directives", [])]
-            for r in sorted(rows, key=lambda x: x[0] or 0):
-                t.add_row(ts(r[0]), *(Text(str(x)) for x in r[1:]))
-            parts.append(t)
-            continue
+            parts.append(Text(f"{run['run']}: no control bus ({run.get('note') or 'offline'}); "
+                              "from the run directory:", style="yellow"))
+            if not run["incidents"]:
+                parts.append(_files_table(run))
         if not run["incidents"]:
-            parts.append(Text(f"{run['run']}: no incidents", style="green"))
+            if run["source"] != "files":
+                parts.append(Text(f"{run['run']}: no incidents", style="green"))
             continue
         for inc in run["incidents"]:
             style = "red" if inc["open"] else "green"
             dur = fmt_duration((inc["closed_at"] or time.time()) - inc["opened_at"])
-            head = (f"[bold]{escape(inc['id'])}[/]  rule [bold]{escape(inc['rule'])}[/]  state [{style}]{inc['state']}[/]  "
-                    f"onset step {inc['onset_step']}, detected {inc['detect_step']}  opened {ts(inc['opened_at'])}  "
-                    + (f"closed after {dur}" if not inc["open"] else f"[red]open for {dur}[/]"))
-            body = []
+            head = Text.assemble(("rule ", "dim"), (inc["rule"], "bold"), ("  state ", "dim"), (inc["state"], style),
+                                 ("  onset step ", "dim"), str(inc["onset_step"]), (", detected ", "dim"),
+                                 str(inc["detect_step"]), ("\nopened ", "dim"), _ts(inc["opened_at"]), "  ",
+                                 (f"closed after {dur}" if not inc["open"] else f"open for {dur}", style))
+            body = [head]
             ev = inc.get("evidence") or []
             if ev:
-                et = Table(title="evidence", title_justify="left", show_edge=False)
-                for c in ("step", "loss", "grad norm", "skipped", "detail"):
-                    et.add_column(c, justify="right" if c in ("step", "loss", "grad norm") else "left")
+                et = Table(title="evidence", title_justify="left", show_edge=False, pad_edge=False)
+                et.add_column("step", justify="right", no_wrap=True)
+                et.add_column("loss", justify="right", no_wrap=True)
+                et.add_column("grad norm", justify="right", no_wrap=True)
+                et.add_column("detail", ratio=1)
                 for e in ev[:12]:
+                    skip = e.get("skip_reason") or ("skipped" if e.get("skipped") else "")
                     et.add_row(str(e.get("step", "")), _num(e.get("loss"), ".4f"), _num(e.get("grad_norm"), ".3f"),
-                               Text(str(e.get("skip_reason") or ("yes" if e.get("skipped") else ""))), Text(str(e.get("detail", ""))))
+                               Text(" ".join(x for x in (f"[{skip}]" if skip else "", str(e.get("detail", ""))) if x)))
                 if len(ev) > 12:
                     et.caption = f"... {len(ev) - 12} more (--json)"
                 body.append(et)
-            acts = inc.get("actions") or []
-            if acts:
-                at = Table(title="actions", title_justify="left", show_edge=False)
-                for c in ("time", "action", "to step", "skip samples", "by", "outcome", "reason"):
-                    at.add_column(c)
-                for a in acts:
-                    rs = [tuple(r) for r in a.get("ranges") or []]
-                    at.add_row(ts(a.get("time")), str(a.get("kind")) + (" (dry run)" if a.get("dry_run") else ""),
-                               str(a.get("to_step", "") if a.get("to_step") is not None else ""),
-                               f"{rundir.count(rs)}" if rs else "", str(a.get("issuer", "sentinel")),
-                               Text(str(a.get("outcome", ""))), Text(str(a.get("reason", ""))))
-                body.append(at)
+            body.extend(_actions_table(inc))
             tl = inc.get("timeline") or []
             if tl:
-                tt = Table(title="timeline", title_justify="left", show_edge=False)
-                for c in ("time", "event", "step", "message"):
-                    tt.add_column(c)
+                tt = Table(title="timeline", title_justify="left", show_edge=False, pad_edge=False)
+                tt.add_column("time", no_wrap=True)
+                tt.add_column("step", justify="right", no_wrap=True)
+                tt.add_column("event", ratio=1)
                 sev = {"critical": "red", "warning": "yellow"}
                 for e in tl[-30:]:
                     tt.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])),
-                               Text(e["kind"], style=sev.get(e["severity"], "")), "" if e.get("step") is None else str(e["step"]),
-                               Text(e["message"]))
+                               "" if e.get("step") is None else str(e["step"]),
+                               Text.assemble((e["kind"], sev.get(e["severity"], "bold")), " ", e["message"]))
                 body.append(tt)
             body.append(Text.assemble("outcome: ", (inc["outcome"], style)))
-            parts.append(Panel(Group(*body), title=head, title_align="left", border_style=style))
+            parts.append(Panel(Group(*body), title=Text(inc["id"], style="bold"), title_align="left",
+                               border_style=style))
+        if run.get("report"):
+            parts.append(Text(f"report: {run['report']}", style="bold"))
+        elif run.get("report_error"):
+            parts.append(Text(f"report: not written ({run['report_error']})", style="yellow"))
     return Group(*parts)
+
+
+def _ts(t):
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+_OUTCOME_STYLE = {"acked": "green", "acked (duplicate)": "green", "rejected": "bold red", "failed": "bold red",
+                  "timed out": "bold red", "waiting for ack": "yellow", "paged": "yellow",
+                  "would send (dry run)": "cyan"}
+
+
+def _actions_table(inc: dict) -> list:
+    """Only what was actually sent (with the trainer's answer) and what a dry run would have sent."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from sentinel import rundir
+
+    acts = inc.get("actions") or []
+    shown = [a for a in acts if a.get("sent") or a.get("dry_run")]
+    hidden = len(acts) - len(shown)
+    if not shown:
+        return [Text(f"actions: none sent ({hidden} decided, not sent; --json lists them)", style="dim")] if hidden else []
+    dry = all(a.get("dry_run") for a in shown)
+    at = Table(title="would-be actions (dry run: nothing was sent)" if dry else "actions sent", title_justify="left",
+               show_edge=False, pad_edge=False)
+    at.add_column("time", no_wrap=True)
+    at.add_column("action", no_wrap=True)
+    at.add_column("outcome", no_wrap=True)
+    at.add_column("why", ratio=1)
+    for a in shown:
+        what = str(a.get("kind"))
+        if a.get("to_step") is not None:
+            what += f" to {a['to_step']}"
+        rs = [tuple(r) for r in a.get("ranges") or []]
+        if rs:
+            what += f", skip {rundir.count(rs)}"
+        who = str(a.get("issuer") or "")
+        why = str(a.get("reason") or "") + (f" (by {who})" if who.startswith("cli:") else "")
+        outcome = a.get("outcome") or ""
+        at.add_row(time.strftime("%H:%M:%S", time.localtime(a["time"])) if a.get("time") else "-", what,
+                   Text(outcome, style=_OUTCOME_STYLE.get(outcome, "")), Text(why))
+    if hidden:
+        at.caption = f"{hidden} more decided but not sent (rate limit, duplicate, hands off); --json lists them"
+    return [at]
+
+
+def _files_table(run: dict):
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="manual actions (audit.jsonl) and applied directives (directives.jsonl)", title_justify="left",
+              show_edge=False, pad_edge=False)
+    t.add_column("time", no_wrap=True)
+    t.add_column("step", justify="right", no_wrap=True)
+    t.add_column("what", ratio=1)
+    rows = [(a.get("time"), a.get("to_step", a.get("step", "")),
+             f"{a.get('action')} {a.get('phase', '')} by {a.get('who', '?')}: {a.get('reason') or a.get('outcome') or ''}")
+            for a in run.get("audit", [])]
+    rows += [(d.get("time"), d.get("step", ""),
+              f"{d.get('kind')} {d.get('status')} by {d.get('issuer', '?')}: {d.get('reason') or ''}")
+             for d in run.get("directives", [])]
+    for r in sorted(rows, key=lambda x: x[0] or 0):
+        t.add_row(_ts(r[0]), "" if r[1] is None else str(r[1]), Text(r[2].rstrip(": ")))
+    return t
 
 
 def _num(x, fmt):

@@ -210,8 +210,11 @@ def console_for_output(stderr: bool = False):
     """A rich console; when output is piped, wide enough that rows are not cut to 80 columns."""
     from rich.console import Console
 
+    import os
+
     c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, width=200)
+    # an explicit COLUMNS (a narrow pager, a test of the 80-column layout) wins over the pipe default
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(stderr=stderr, width=200)
 
 
 def collect(runs, redis_url) -> tuple[list[dict], list[str]]:

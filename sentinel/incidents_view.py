@@ -1,0 +1,106 @@
+"""What an operator is shown of incidents: the run directory's mirror, and what each action became.
+
+Incidents live in the run's ``incidents`` hash on the bus while the daemon runs, and are mirrored to
+``RUN_DIR/incidents.jsonl`` (one Incident JSON per line, appended on every state change; the last
+line per id wins) so that history survives the bus. This module reads that mirror and works out,
+for every action the policy decided, whether it was actually sent and what came of it:
+
+* a directive is *sent* when the daemon recorded it in the run's ``applied`` hash (idempotency key
+  -> directive id); its outcome is the trainer's Ack (``acked`` / ``rejected`` / ``failed`` /
+  ``duplicate``), ``timed out`` once the directive expired unanswered, else ``waiting for ack``;
+* without a bus, the trainer's own ``directives.jsonl`` says what it applied (matched by id, else by
+  incident and kind);
+* a dry-run decision is shown as ``would send (dry run)`` and never as sent;
+* anything else (rate-limited, duplicate, a hands-off escalation) was *not sent* and is left out of
+  the action table (counted in its caption; ``--json`` keeps every action with its outcome).
+
+Torch-free and Redis-free: the caller passes what it read from the bus.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sentinel.protocol import Incident, SchemaError
+
+INCIDENTS_LOG = "incidents.jsonl"
+DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
+DIRECTIVE_TTL_S = 600.0  # the daemon's directive lifetime (sentinel.daemon.DIRECTIVE_TTL_S)
+ACK_WORDS = {"applied": "acked", "duplicate": "acked (duplicate)", "rejected": "rejected", "failed": "failed"}
+NOT_SENT = "not sent"
+DRY_RUN = "would send (dry run)"
+
+
+def read_incidents_log(run_dir: str | Path) -> list[Incident]:
+    """Every incident in ``RUN_DIR/incidents.jsonl`` (last line per id wins), oldest first; [] when
+    the file is absent. Malformed or torn lines are skipped."""
+    path = Path(run_dir) / INCIDENTS_LOG
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return []
+    latest: dict[str, Incident] = {}
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            inc = Incident.from_json(line)
+        except SchemaError:
+            continue
+        latest[inc.id] = inc
+    return sorted(latest.values(), key=lambda i: i.opened_at)
+
+
+def action_outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks: dict[str, dict],
+                   trainer_log: list[dict], now: float | None = None) -> dict[str, Any]:
+    """``{"sent": bool, "outcome": str, "directive_id": str | None}`` for one incident action.
+
+    ``applied``: the bus's idempotency hash (None without a bus); ``acks``: directive id -> Ack dict;
+    ``trainer_log``: the trainer's ``directives.jsonl`` entries."""
+    now = time.time() if now is None else now
+    kind = act.get("kind")
+    if act.get("dry_run"):
+        return {"sent": False, "outcome": DRY_RUN, "directive_id": None}
+    did = act.get("directive_id")
+    if kind == "page":
+        sent = bool(applied and applied.get(act.get("idempotency_key", ""))) or act.get("outcome") == "paged"
+        return {"sent": sent, "outcome": "paged" if sent else NOT_SENT, "directive_id": None}
+    if kind not in DIRECTIVE_KINDS:
+        return {"sent": False, "outcome": str(act.get("outcome") or NOT_SENT), "directive_id": did}
+    if did is None and applied is not None:
+        did = applied.get(act.get("idempotency_key", ""))
+    if did is None and applied is None:  # no bus: the trainer's own log, by incident and kind
+        hit = next((d for d in trainer_log if d.get("incident_id") == act.get("incident_id") and d.get("kind") == kind
+                    and d.get("time", 0) >= act.get("time", 0) - 1), None)
+        if hit is not None:
+            return {"sent": True, "outcome": ACK_WORDS.get(hit.get("status"), str(hit.get("status"))),
+                    "directive_id": hit.get("id")}
+    if did is None:
+        recorded = act.get("outcome")
+        if recorded == "prepared":  # a manual offline rollback: written to the run dir, applied at the next start
+            return {"sent": True, "outcome": "prepared (next start)", "directive_id": None}
+        return {"sent": False, "outcome": NOT_SENT, "directive_id": None}
+    ack = acks.get(did)
+    if ack is None:
+        hit = next((d for d in trainer_log if d.get("id") == did), None)
+        if hit is not None:
+            ack = {"status": hit.get("status")}
+    if ack is not None:
+        return {"sent": True, "outcome": ACK_WORDS.get(ack.get("status"), str(ack.get("status"))), "directive_id": did}
+    recorded = act.get("outcome")
+    if recorded in ("timeout", "timed out"):
+        return {"sent": True, "outcome": "timed out", "directive_id": did}
+    if recorded in ACK_WORDS:
+        return {"sent": True, "outcome": ACK_WORDS[recorded], "directive_id": did}
+    issued = act.get("time") or now
+    expired = now - issued > DIRECTIVE_TTL_S
+    return {"sent": True, "outcome": "timed out" if expired else "waiting for ack", "directive_id": did}
+
+
+def annotate_actions(inc: dict[str, Any], **kw) -> None:
+    """Add ``sent``/``outcome``/``directive_id`` to every action of an incident dict, in place."""
+    for a in inc.get("actions") or []:
+        a.update(action_outcome(a, **kw))
+
