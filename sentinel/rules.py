@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sentinel import detectors as d
 from sentinel.protocol import StepRecord
@@ -163,6 +163,33 @@ class RankLossRule(RuleBase):
     min_steps: int = Field(3, ge=1)
 
 
+SliceField = Literal["val_slice_loss", "probe_loss"]
+MAX_SLICES = 16  # the protocol bounds slice names to 16 per run; more are ignored (never crash, never grow)
+
+
+class SliceRegressionRule(RuleBase):
+    """One slice keeps regressing while the others improve (seed 003 §5.4 "slice eval": a mixture,
+    tokenizer or contamination problem; first move "localize to bucket first"). Aggregate val PPL
+    hides it. A page, never a rollback: the weights are not damaged, the data mixture is in question,
+    and only a human can decide what to do with a domain."""
+
+    severity: Severity = "warning"
+    action: Literal["page", "none"] = "page"
+    fields: list[SliceField] = Field(default_factory=lambda: ["val_slice_loss", "probe_loss"], min_length=1)
+    consecutive: int = Field(3, ge=2)  # evaluations in a row; 1 would page on one noisy eval
+    min_rise: float = Field(0.05, gt=0)  # nats above the slice's best of its last HISTORY evaluations ...
+    noise_factor: float = Field(4.0, ge=0)  # ... and above this many sigmas of its eval-to-eval noise
+    noise_window: int = Field(32, ge=3)  # evaluations in that noise estimate
+    warmup_evals: int = Field(2, ge=0)  # evaluations of a slice before it can count as regressing
+
+    @field_validator("fields")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("fields must not repeat")
+        return v
+
+
 class Rules(_Strict):
     nonfinite: NonFiniteRule = NonFiniteRule()
     loss_spike: LossSpikeRule = LossSpikeRule()
@@ -176,6 +203,7 @@ class Rules(_Strict):
     data_wait_high: DataWaitRule = DataWaitRule()
     rank_straggler: StragglerRule = StragglerRule()
     rank_loss_outlier: RankLossRule = RankLossRule()
+    slice_regression: SliceRegressionRule = SliceRegressionRule()
 
     def items(self) -> list[tuple[str, RuleBase]]:
         return [(name, getattr(self, name)) for name in type(self).model_fields]
@@ -648,6 +676,136 @@ class _RankLossEval(_StragglerEval):
                                     f"for {self.hold.count} steps", value=rl[rank], rank=rank, onset_step=self.hold.since_step))
 
 
+class _SliceRegressionEval(_Eval):
+    """``slice_regression``: per slice of ``val_slice_loss`` / ``probe_loss``, evaluated on
+    evaluation steps only (other records carry neither field, so the rule costs two attribute reads).
+
+    A slice *regresses* at an evaluation when both hold:
+
+    * its level (the median of its last three evaluations, so one noisy eval cannot move it) is
+      above its best level of its last ``HISTORY`` evaluations by more than
+      ``max(min_rise, noise_factor * sigma)``; sigma is its eval-to-eval noise, estimated robustly
+      from second differences over its last ``noise_window`` values (they cancel a steady descent,
+      so a fast early drop does not pass for noise);
+    * over the last ``consecutive`` evaluations its own loss rose while the median change of the
+      *other* slices was negative: they improve. When every slice gets worse the problem is global
+      (the loss rules' business); on a noisy plateau the two directions agree only by chance.
+
+    ``consecutive`` regressing evaluations in a row name the slice once; it is named again only after
+    it came back within the margin. One finding per evaluation lists every slice named then (the
+    policy keys actions by rule and step, so two findings of one step would collapse into one).
+    """
+
+    HISTORY = 64
+
+    def __init__(self, cfg: SliceRegressionRule):
+        super().__init__(cfg, "slice_regression")
+        self.fields = tuple(cfg.fields)
+        # field -> slice -> {"hist": [[step, loss], ...] oldest first, "streak": n, "since": step, "fired": bool}
+        self.tracks: dict[str, dict[str, dict[str, Any]]] = {f: {} for f in self.fields}
+
+    def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
+        hits: list[tuple[str, float, int, str]] = []
+        for field in self.fields:
+            cur = getattr(rec, field, None)
+            if cur:
+                hits += self._update(field, cur, rec.step)
+        if hits:
+            out.append(self.finding(rec.step, "; ".join(h[3] for h in hits), value=hits[0][1],
+                                    onset_step=min(h[2] for h in hits)))
+
+    def _update(self, field: str, cur: dict, step: int) -> list[tuple[str, float, int, str]]:
+        """Take one evaluation of ``field``; return (slice, loss, streak start, detail) per slice named now."""
+        tracks = self.tracks[field]
+        vals: dict[str, float] = {}
+        for name, x in cur.items():
+            if (isinstance(name, str) and isinstance(x, (int, float)) and math.isfinite(x)
+                    and (name in tracks or len(tracks) < MAX_SLICES)):
+                vals[name] = float(x)
+                t = tracks.setdefault(name, {"hist": [], "streak": 0, "since": None, "fired": False})
+                h = t["hist"]
+                while h and h[-1][0] >= step:  # a re-run of this step (resume): the new record wins
+                    h.pop()
+        c = self.cfg
+        k = c.consecutive
+        change = {n: x - tracks[n]["hist"][-k][1] for n, x in vals.items() if len(tracks[n]["hist"]) >= k}
+        hits: list[tuple[str, float, int, str]] = []
+        label = "val" if field == "val_slice_loss" else "probe"
+        for name, x in vals.items():
+            t = tracks[name]
+            h = t["hist"]
+            others = sorted(v for n, v in change.items() if n != name)
+            above = apart = False
+            if len(h) >= max(3, c.warmup_evals) and others:
+                vs = [v for _, v in h]
+                level = _median3(vs[-2], vs[-1], x)  # one noisy eval cannot move a median of three
+                best, best_i = min((_median3(*vs[i - 2:i + 1]), i) for i in range(2, len(vs)))
+                best_step = h[best_i][0]
+                margin = max(c.min_rise, c.noise_factor * _noise_sigma(vs[-c.noise_window:] + [x]))
+                gap = level - best
+                above = gap > margin
+                mid = len(others) // 2
+                others_med = (others[mid] + others[~mid]) / 2
+                apart = others_med < 0 < change.get(name, 0.0)  # it rose, they fell, over the same evals
+            if above and apart:
+                t["streak"] += 1
+                t["since"] = step if t["streak"] == 1 else t["since"]
+            else:
+                t["streak"], t["since"] = 0, None
+            if not above:
+                t["fired"] = False  # came back within the margin: may be named again
+            if t["streak"] >= k and not t["fired"]:
+                t["fired"] = True
+                hits.append((name, x, t["since"],
+                             f"slice {_printable(name)} {label} loss {_f(level)} (median of 3 evals) is {gap:.3f} nats "
+                             f"above its best {_f(best)} (step {best_step}) for {t['streak']} evals while the other slices improved "
+                             f"(median {others_med:+.3f} over {k} evals)"))
+            h.append([step, x])
+            if len(h) > self.HISTORY:
+                del h[0]
+        return hits
+
+    def rewind(self, keep_through_step: int) -> None:
+        for tracks in self.tracks.values():
+            for t in tracks.values():
+                h = t["hist"]
+                while h and h[-1][0] > keep_through_step:
+                    h.pop()
+                t.update(streak=0, since=None, fired=False)
+
+    def reset(self) -> None:
+        self.tracks = {f: {} for f in self.fields}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tracks": self.tracks}
+
+    def load_state_dict(self, st: dict[str, Any]) -> None:
+        saved = st.get("tracks", {})
+        self.tracks = {f: {n: {"hist": [list(sv) for sv in t["hist"]], "streak": int(t["streak"]), "since": t["since"],
+                               "fired": bool(t["fired"])} for n, t in saved.get(f, {}).items()} for f in self.fields}
+
+
+def _printable(name: str, limit: int = 40) -> str:
+    """A slice name as it may appear in a one-line page (names come from records: never trust them)."""
+    s = "".join(ch if ch.isprintable() else "?" for ch in name)
+    return s[:limit] + ("..." if len(s) > limit else "")
+
+
+def _median3(a: float, b: float, c: float) -> float:
+    return max(min(a, b), min(max(a, b), c))
+
+
+def _noise_sigma(v: list[float]) -> float:
+    """Robust standard deviation of one evaluation's noise, from second differences
+    ``x[i] - 2 x[i-1] + x[i-2]``: they cancel a steady trend (a fast early descent is not noise),
+    and for white noise their median absolute value is ~1.65 sigma."""
+    d = sorted(abs(v[i] - 2 * v[i - 1] + v[i - 2]) for i in range(2, len(v)))
+    if not d:
+        return 0.0
+    mid = len(d) // 2
+    return (d[mid] + d[~mid]) / 2 / 1.65
+
+
 class RuleEngine:
     """All enabled rules of a RuleSet, evaluated in a fixed order. Pure: no clock, no I/O."""
 
@@ -666,6 +824,7 @@ class RuleEngine:
             "data_wait_high": _DataWaitEval(r.data_wait_high),
             "rank_straggler": _StragglerEval(r.rank_straggler),
             "rank_loss_outlier": _RankLossEval(r.rank_loss_outlier),
+            "slice_regression": _SliceRegressionEval(r.slice_regression),
         }
         enabled = {n for n, c in r.items() if c.enabled}
         need = {
