@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sentinel import detectors as d
-from sentinel.protocol import StepRecord
+from sentinel.protocol import MAX_SLICES, StepRecord
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
 
@@ -164,7 +164,6 @@ class RankLossRule(RuleBase):
 
 
 SliceField = Literal["val_slice_loss", "probe_loss"]
-MAX_SLICES = 16  # the protocol bounds slice names to 16 per run; more are ignored (never crash, never grow)
 
 
 class SliceRegressionRule(RuleBase):
@@ -720,7 +719,7 @@ class _SliceRegressionEval(_Eval):
         vals: dict[str, float] = {}
         for name, x in cur.items():
             if (isinstance(name, str) and isinstance(x, (int, float)) and math.isfinite(x)
-                    and (name in tracks or len(tracks) < MAX_SLICES)):
+                    and (name in tracks or len(tracks) < MAX_SLICES)):  # the protocol bounds them; never grow anyway
                 vals[name] = float(x)
                 t = tracks.setdefault(name, {"hist": [], "streak": 0, "since": None, "fired": False})
                 h = t["hist"]

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from sentinel.policy import RunPolicy
-from sentinel.protocol import StepRecord
-from sentinel.rules import MAX_SLICES, RuleEngine, RulesError, RuleSet, default_rules, parse_rules
+from sentinel.protocol import MAX_SLICES, SchemaError, StepRecord
+from sentinel.rules import RuleEngine, RulesError, RuleSet, default_rules, parse_rules
 
 EVAL_EVERY = 50
 SLICES = ("shakespeare", "python_docs", "prose")
@@ -170,25 +170,28 @@ def test_a_rerun_step_replaces_its_earlier_evaluation():
     assert [s for s, _ in hist] == [e * EVAL_EVERY for e in range(1, 21)]
 
 
-def test_hostile_slice_entries_are_ignored_and_bounded():
-    eng = RuleEngine(default_rules())
-    many = {f"s{i}": 3.0 for i in range(100)}
+def test_hostile_slice_entries_are_rejected_or_ignored():
     raw = {"run": "r", "step": 50, "loss": 3.0, "loss_max_rank": 3.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 1,
-           "batch_fingerprint": "f", "time": 1.0,
-           "val_slice_loss": {**many, "nan": float("nan"), "inf": float("inf"), "x\n\x1b[31m" * 30: 2.0}}
-    for step in range(50, 2000, 50):
-        eng.evaluate(StepRecord.from_json(json.dumps({**raw, "step": step}, allow_nan=True)))
-    tracks = eng._evals["slice_regression"].tracks["val_slice_loss"]
-    assert len(tracks) == MAX_SLICES and "nan" not in tracks and "inf" not in tracks
-    # a hostile name that is admitted never reaches a page unprintable
-    eng2 = RuleEngine(default_rules())
-    evil = "x\n\x1b[31m" * 30
+           "batch_fingerprint": "f", "time": 1.0}
+    # the protocol refuses unbounded or unprintable slice names: they never reach a rule or a label
+    for bad in ({f"s{i}": 3.0 for i in range(MAX_SLICES + 1)}, {"x\n\x1b[31m": 2.0}, {"a" * 200: 2.0}):
+        with pytest.raises(SchemaError):
+            StepRecord.from_json(json.dumps({**raw, "val_slice_loss": bad}))
+    # non-finite losses are skipped, the rest of the evaluation still counts
+    eng = RuleEngine(default_rules())
     found = []
     for e, row in enumerate(curves(36, regress="python_docs", from_eval=18), start=1):
-        row = {(evil if k == "python_docs" else k): v for k, v in row.items()}
-        found += [f for f in eng2.evaluate(rec(e * EVAL_EVERY, row)) if f.rule == "slice_regression"]
-    assert len(found) == 1 and "\n" not in found[0].detail and "\x1b" not in found[0].detail
-    assert len(found[0].detail) < 300
+        row = {**row, "prose": float("nan") if e % 5 == 0 else row["prose"], "extra": float("inf")}
+        r = StepRecord.from_json(json.dumps({**raw, "step": e * EVAL_EVERY, "val_slice_loss": row}, allow_nan=True))
+        found += [f for f in eng.evaluate(r) if f.rule == "slice_regression"]
+    tracks = eng._evals["slice_regression"].tracks["val_slice_loss"]
+    assert "extra" not in tracks and len(found) == 1 and "python_docs" in found[0].detail
+    # more slices than the bound (records built in-process skip validation): the rule never grows past it
+    eng = RuleEngine(default_rules())
+    for step in range(50, 1000, 50):
+        eng.evaluate(StepRecord.model_construct(**{**raw, "step": step, "timeline": 0, "sample_ids": [],
+                                                   "val_slice_loss": {f"s{i}": 3.0 for i in range(100)}}))
+    assert len(eng._evals["slice_regression"].tracks["val_slice_loss"]) == MAX_SLICES
 
 
 def test_disabled_rule_is_silent():
