@@ -62,6 +62,10 @@ class _Record(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 PHASES = ("data_wait", "forward_backward", "optimizer", "telemetry")
+# per-rank phases on ``StepRecord.rank_phases``; a rank's busy time is everything but waiting for the
+# others (allreduce_wait): in synchronous data parallelism it, not wall time, names a straggler
+RANK_PHASES = ("data_wait", "forward_backward", "allreduce_wait", "optimizer")
+BUSY_PHASES = ("data_wait", "forward_backward", "optimizer")
 # data-mixture slice (source) names: also Prometheus label values, so short and bounded
 SLICE_NAME_RE = r"[a-z0-9_]{1,32}"
 MAX_SLICES = 16
@@ -108,6 +112,8 @@ class StepRecord(_Record):
     step_seconds: float | None = None
     phases: dict[str, float] | None = None
     rank_step_seconds: list[float] | None = None
+    # per rank r: seconds in each of RANK_PHASES (docs/metrics.md, "Per-rank phase times")
+    rank_phases: list[dict[str, float]] | None = None
     tokens_per_second: float | None = None
     mfu: float | None = None
     val_loss: float | None = None

@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sentinel import detectors as d
-from sentinel.protocol import MAX_SLICES, StepRecord
+from sentinel.protocol import BUSY_PHASES, MAX_SLICES, StepRecord
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.yaml")
 
@@ -151,7 +151,7 @@ class StragglerRule(RuleBase):
     severity: Severity = "warning"
     action: RuleAction = "page"
     cooldown_seconds: float = Field(1800.0, ge=0)
-    max_skew: float = Field(1.3, gt=1)  # slowest rank / median rank step time
+    max_skew: float = Field(1.3, gt=1)  # slowest rank / median rank busy time (step time minus all-reduce wait)
     min_steps: int = Field(10, ge=1)
 
 
@@ -296,6 +296,7 @@ class Finding:
     onset_step: int | None = None
     anomaly: bool = False
     rank: int | None = None
+    phase: str | None = None  # the step phase at fault (straggler: where the slow rank loses its time)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -610,7 +611,39 @@ class _DataWaitEval(_Eval):
         self.ema.value, self.n = st["ema"], int(st["n"])
 
 
+def _rank_busy(rec: StepRecord) -> list[float] | None:
+    """Each rank's own work in the step: the sum of its BUSY_PHASES (wall time minus waiting for the
+    other ranks), or the older ``rank_step_seconds`` when a record has no per-rank phases."""
+    rp = rec.rank_phases
+    if rp and len(rp) > 1:
+        out = []
+        for ph in rp:
+            if "forward_backward" not in ph:
+                return None  # not measured yet on some rank (the first step)
+            out.append(sum(ph.get(p, 0.0) for p in BUSY_PHASES))
+        return out
+    return rec.rank_step_seconds
+
+
+def _slow_phase(rec: StepRecord, rank: int) -> tuple[str, float] | None:
+    """(phase, seconds over the median of the other ranks) where ``rank`` loses the most time."""
+    rp = rec.rank_phases
+    if not rp or len(rp) < 2 or rank >= len(rp):
+        return None
+    best = None
+    for p in BUSY_PHASES:
+        others = [ph.get(p, 0.0) for r, ph in enumerate(rp) if r != rank]
+        extra = rp[rank].get(p, 0.0) - d.median_of(others)
+        if best is None or extra > best[1]:
+            best = (p, extra)
+    return best
+
+
 class _StragglerEval(_Eval):
+    """One rank persistently busier than the median rank. Synchronous data parallelism makes every
+    rank's wall step time equal (the others wait for the slow one in the all-reduce), so the skew is
+    measured on busy time, and the finding names the rank and the phase it loses its time in."""
+
     def __init__(self, cfg: StragglerRule):
         super().__init__(cfg, "rank_straggler")
         self.max_skew = cfg.max_skew
@@ -618,7 +651,7 @@ class _StragglerEval(_Eval):
         self.rank: int | None = None
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
-        rs = rec.rank_step_seconds
+        rs = _rank_busy(rec)
         if not rs:
             return
         if not self.hold.count and max(rs) <= self.max_skew * min(rs):
@@ -631,8 +664,11 @@ class _StragglerEval(_Eval):
         bad = skew > self.cfg.max_skew and (self.rank is None or rank == self.rank)
         self.rank = rank if skew > self.cfg.max_skew else None
         if self.hold.update(rec.step, rec.time, bad):
-            out.append(self.finding(rec.step, f"rank {rank} step time x{skew:.2f} of the median rank for {self.hold.count} steps",
-                                    value=skew, rank=rank, onset_step=self.hold.since_step))
+            slow = _slow_phase(rec, rank)
+            where = f", mostly in {slow[0]} (+{slow[1]:.3g}s/step); the other ranks wait for it in the all-reduce" if slow else ""
+            out.append(self.finding(rec.step, f"rank {rank} straggles: busy x{skew:.2f} of the median rank for "
+                                    f"{self.hold.count} steps{where}", value=skew, rank=rank,
+                                    onset_step=self.hold.since_step, phase=slow[0] if slow else None))
 
     def rewind(self, keep_through_step: int) -> None:
         self.hold.reset()

@@ -100,3 +100,63 @@ def test_paused_trainer_checkpoints_and_exits_on_signal(tmp_path, dataset, nproc
         print(f"{nproc} rank(s): paused, {signame} -> checkpoint of step {paused_at} and exit rc {rc} in {took:.1f}s")
     finally:
         _cleanup(run_dir, proc)
+
+
+def _sentinel(run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
+    import sys
+
+    env = trainer_env()
+    env["COLUMNS"] = "200"
+    return subprocess.Popen([sys.executable, "-m", "sentinel", "run", str(run_dir), "--metrics-port", "0", *extra],
+                            env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _events(r, keys: Keys) -> list[dict]:
+    return [json.loads(f["json"]) for _, f in r.xrange(keys.events)]
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+# ================================================================== item 5: per-rank phases, straggler
+@pytest.mark.slow
+def test_straggler_drill_names_the_slow_rank_and_phase(tmp_path, dataset):  # noqa: F811
+    """``--inject-fault slow@1:SECONDS`` on a real 2-rank run: every step record carries per-rank phase
+    times in which rank 1 is busy in forward_backward while rank 0 waits in the all-reduce, and the
+    sentinel's rank_straggler rule fires naming rank 1 and forward_backward (wall step times alone
+    are equal on both ranks and could never show it)."""
+    run_dir, proc = _start(tmp_path, dataset, "slow", "--inject-fault", "slow@1:0.25", nproc=2)
+    sentinel = None
+    try:
+        _wait(lambda: _last_step(run_dir) >= 1 and (run_dir / "bus" / "secret").is_file(), 120, "first steps", proc)
+        sentinel = _sentinel(run_dir, tmp_path / "sentinel.log")
+        r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        keys = Keys(run_dir.name)
+
+        def fired():
+            return [e for e in _events(r, keys) if e["kind"] == "rule_fired" and e["data"].get("rule") == "rank_straggler"]
+
+        ev = _wait(fired, 120, "rank_straggler to fire", proc)[0]
+        assert ev["data"]["rank"] == 1 and ev["data"]["phase"] == "forward_backward", ev
+        assert "rank 1 straggles" in ev["message"] and "forward_backward" in ev["message"]
+        page = _wait(lambda: [e for e in _events(r, keys) if e["kind"] == "page" and "rank_straggler" in e["message"]],
+                     30, "the straggler page", sentinel)
+        assert "rank 1" in page[0]["message"]
+        recs = [x for x in _steps(run_dir) if x.get("kind") == "step" and x["step"] >= 3]
+        assert recs and all(len(x["rank_phases"]) == 2 for x in recs)
+        for x in recs:
+            fast, slow = x["rank_phases"]
+            # the drill's 0.25 s lands in rank 1's forward_backward and in rank 0's all-reduce wait
+            assert slow["forward_backward"] > 0.2 and fast["allreduce_wait"] > 0.2, x["rank_phases"]
+            assert slow["forward_backward"] > fast["forward_backward"] + 0.2
+            assert set(fast) == {"data_wait", "forward_backward", "allreduce_wait", "optimizer"}
+    finally:
+        _stop(sentinel)
+        _cleanup(run_dir, proc)

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", action="append", default=[], metavar="LO:HI", help="skip sample ids [LO, HI) (repeatable)")
     p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@LO[:HI]",
                    help="drill: garbage|lr|nan on sample ids [LO, HI) (HI exclusive, like --skip); "
-                        "lr takes a factor: lr@ID:F or lr@LO:HI:F; the old inclusive LO-HI form is deprecated")
+                        "lr takes a factor: lr@ID:F or lr@LO:HI:F; the old inclusive LO-HI form is deprecated; "
+                        "slow@RANK:SECONDS makes one rank sleep in every step (a straggler)")
     p.add_argument("--telemetry", choices=["on", "off"], help="Prometheus endpoints and the bus (default on)")
     p.add_argument("--redis-url", metavar="URL", help="control bus: redis[s]://..., or 'embedded' for one in the run dir")
     p.add_argument("--metrics-host", metavar="ADDR")

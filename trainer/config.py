@@ -96,13 +96,17 @@ FAULT_RE = re.compile(r"^(garbage|lr|nan)@(\d+)(?::(\d+))?(?::([0-9.eE+-]+))?$")
 # the old inclusive LO-HI form: still accepted, with a warning that spells out its half-open equivalent
 LEGACY_FAULT_RE = re.compile(r"^(garbage|lr|nan)@(\d+)-(\d+)(?::([0-9.eE+-]+))?$")
 FAULT_SYNTAX = ("KIND@ID or KIND@LO:HI (sample ids, HI exclusive); lr takes a factor: lr@ID:FACTOR or "
-                "lr@LO:HI:FACTOR; KIND one of garbage, lr, nan")
+                "lr@LO:HI:FACTOR; KIND one of garbage, lr, nan; or slow@RANK:SECONDS")
+# the one drill keyed to a rank, not to samples: that rank sleeps SECONDS in every step (a straggler)
+SLOW_RE = re.compile(r"^slow@(\d+):([0-9.eE+-]+)$")
 
 
 class Fault(_Strict):
-    """A drill keyed to data positions: skipping those samples removes the fault, like real bad data."""
+    """A drill keyed to data positions: skipping those samples removes the fault, like real bad data.
 
-    kind: Literal["garbage", "lr", "nan"]
+    ``slow`` is keyed to a rank instead: ``lo`` is the rank, ``factor`` the seconds it sleeps per step."""
+
+    kind: Literal["garbage", "lr", "nan", "slow"]
     lo: int = Field(ge=0)
     hi: int = Field(description="exclusive")
     factor: float = 1.0
@@ -114,6 +118,12 @@ class Fault(_Strict):
         ``lr@A:B`` is an id and a factor (the long-standing form), never a range: an lr range always
         carries its factor. The deprecated ``KIND@LO-HI`` means LO..HI *inclusive* and warns."""
         t = text.strip()
+        slow = SLOW_RE.match(t)
+        if slow:
+            seconds = float(slow.group(2))
+            if not 0 < seconds <= 3600:
+                raise ConfigError(f"--inject-fault {text!r}: SECONDS must be in (0, 3600]")
+            return cls(kind="slow", lo=int(slow.group(1)), hi=int(slow.group(1)) + 1, factor=seconds)
         legacy = LEGACY_FAULT_RE.match(t)
         if legacy:
             kind, lo, hi, factor = legacy.groups()
@@ -139,7 +149,7 @@ class Fault(_Strict):
         return cls(kind=kind, lo=lo_i, hi=hi_i, factor=f)
 
     def hits(self, ids) -> bool:
-        return any(self.lo <= i < self.hi for i in ids)
+        return self.kind != "slow" and any(self.lo <= i < self.hi for i in ids)
 
 
 class TrainConfig(_Strict):

@@ -6,9 +6,15 @@ samples removes it exactly as skipping real bad data would:
 - ``garbage``: the samples' tokens are replaced by uniform noise (seeded by the sample id);
 - ``lr``: the learning rate is multiplied by FACTOR on steps that train those samples;
 - ``nan``: the loss of a micro-batch holding those samples becomes NaN.
+
+``slow@RANK:SECONDS`` is the exception, keyed to a rank: that rank sleeps SECONDS inside its
+forward/backward phase every step, like a throttled GPU or a noisy neighbour, so the other ranks
+wait for it in the gradient all-reduce (a straggler drill).
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -39,3 +45,11 @@ def lr_multiplier(faults: list[Fault], ids: list[int]) -> float:
 
 def poisons_loss(faults: list[Fault], ids: list[int]) -> bool:
     return any(f.kind == "nan" and f.hits(ids) for f in faults)
+
+
+def straggle(faults: list[Fault], rank: int) -> float:
+    """Sleep as a ``slow`` drill on ``rank`` says; return the seconds slept (0.0 when not drilled)."""
+    seconds = sum(f.factor for f in faults if f.kind == "slow" and f.lo == rank)
+    if seconds > 0:
+        time.sleep(seconds)
+    return seconds

@@ -36,6 +36,7 @@ from trainer.dist import DistEnv
 from trainer.guard import REASONS, StepGuard
 from trainer.model import GPT
 from trainer.optim import build_optimizer, lr_at
+from trainer.phases import RANK_PHASES, PhaseClock, as_dict
 from trainer.readback import StepReadback
 from trainer.steplog import StepLog
 
@@ -87,6 +88,15 @@ def param_digest_tensor(params) -> torch.Tensor:
     return torch.stack(out).reshape(-1) if out else torch.zeros(2, dtype=torch.int64)
 
 
+def _timed_allreduce(clock: PhaseClock, bucket):
+    """DDP's default gradient all-reduce (average over ranks), stamping when each bucket is ready: the
+    last stamp ends this rank's forward/backward, what follows until backward returns is waiting."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    clock.grads_ready()
+    return allreduce_hook(None, bucket)
+
+
 def digest_hex(values) -> str:
     arr = np.asarray(values if isinstance(values, list) else [values], dtype=np.int64)
     return hashlib.sha256(arr.tobytes()).hexdigest()[:16]
@@ -111,6 +121,7 @@ class Trainer:
 
         self._setup_run_dir()
         self._setup_data()
+        self.clock = PhaseClock(env.device)  # before the model: DDP's comm hook stamps gradient readiness
         self._setup_model()
         self.guard = StepGuard(cfg.guard, env.device)
         self.readback = StepReadback(env.device)
@@ -184,6 +195,7 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+            self.model.register_comm_hook(self.clock, _timed_allreduce)
         else:
             self.model = model
         rng.seed_all(cfg.seed, env.rank)
@@ -547,6 +559,8 @@ class Trainer:
         """
         accum = len(micro)
         loss_sum = torch.zeros((), device=self.env.device)
+        if apply and not self.offline:  # the straggler drill: this rank's compute is slow
+            drills.straggle(self.cfg.faults, self.env.rank)
         for i, toks in enumerate(micro):
             self.state.accum_pos = i
             x, y = toks[:, :-1], toks[:, 1:]
@@ -560,12 +574,23 @@ class Trainer:
                 (loss / accum).backward()
             loss_sum += loss.detach()
         self.state.accum_pos = 0
+        self.clock.backward_done()
         local = loss_sum / accum
         if self.env.distributed:
-            gathered = torch.empty(self.env.world_size, device=self.env.device)
-            dist.all_gather_into_tensor(gathered, local.reshape(1).float())
+            # the per-rank phase times ride the loss all-gather that every step already does: no new
+            # collective, and (CUDA) a non-blocking copy from pinned memory, so no host sync either
+            pay = torch.tensor(self.clock.payload(), dtype=torch.float32)
+            if self.env.device.type == "cuda":
+                pay = pay.pin_memory().to(self.env.device, non_blocking=True)
+            width = 1 + len(RANK_PHASES)
+            both = torch.empty(self.env.world_size * width, device=self.env.device)
+            dist.all_gather_into_tensor(both, torch.cat([local.reshape(1).float(), pay]))
+            both = both.view(self.env.world_size, width)
+            gathered = both[:, 0].contiguous()
+            self._rank_phases = both[:, 1:]
         else:
             gathered = local.reshape(1).float()
+            self._rank_phases = None
         loss = gathered.mean()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
@@ -667,23 +692,25 @@ class Trainer:
     def _one_step(self, t_control: float) -> None:
         cfg = self.cfg
         t0 = time.perf_counter()
+        self.clock.begin()
         ids, n_skipped, micro, micro_ids = self._batch()
-        t1 = time.perf_counter()
+        self.clock.data_ready()
         lr = self.lr_for(self.state.step, ids)
         loss, ranks, gnorm, factor, reason = self.train_step(micro, micro_ids, lr)
-        t2 = time.perf_counter()
         self.state.step += 1
         tensors = {"loss": loss, "ranks": ranks, "grad_norm": gnorm, "factor": factor, "reason": reason}
+        if self._rank_phases is not None:
+            tensors["rank_phases"] = self._rank_phases
         digest = self._digest()
         if digest is not None:
             tensors["digest"] = digest
-        t3 = time.perf_counter()
+        self.clock.end()
         val = None
         if cfg.eval.every and self.state.step % cfg.eval.every == 0:
             val = self._evaluate()
         meta = {
             "step": self.state.step, "lr": lr, "ids": ids, "n_skipped": n_skipped, "time": time.time(),
-            "phases": {"data_wait": t1 - t0, "forward_backward": t2 - t1, "optimizer": t3 - t2, "control": t_control},
+            "phases": {**self.clock.latest(), "control": t_control},
             "val": val, "t_start": t0,
         }
         for values, m in self.readback.submit(tensors, meta):
@@ -718,6 +745,11 @@ class Trainer:
         loaded = (len(m["ids"]) + m["n_skipped"]) * seq
         useful = 0 if skipped else step_tokens
         phases = dict(m["phases"])
+        if "rank_phases" in v:  # flat (world x RANK_PHASES), from the loss all-gather
+            flat, k = v["rank_phases"], len(RANK_PHASES)
+            rank_phases = [as_dict(flat[r * k:(r + 1) * k]) for r in range(env.world_size)]
+        else:
+            rank_phases = [{p: phases[p] for p in RANK_PHASES if p in phases}]
         step_seconds = time.perf_counter() - m["t_start"]
         reason = REASONS.get(int(v["reason"])) if skipped else None
         if env.is_main:
@@ -726,7 +758,7 @@ class Trainer:
                 rank_losses=ranks, grad_norm=v["grad_norm"], lr=m["lr"], tokens=self.state.tokens, batch_tokens=step_tokens,
                 batch_fingerprint=batch_fingerprint(m["ids"]), sample_ids=m["ids"], skipped=skipped, skip_reason=reason,
                 time=m["time"], param_digest=digest_hex(v["digest"]) if "digest" in v else None,
-                step_seconds=step_seconds, phases=phases, tokens_per_second=tps, mfu=mfu,
+                step_seconds=step_seconds, phases=phases, rank_phases=rank_phases, tokens_per_second=tps, mfu=mfu,
                 val_loss=val, val_ppl=(math.exp(val) if val is not None and val < 700 else None),
                 checkpoint_age_seconds=(now - self._last_ckpt_time) if self._last_ckpt_time else None,
                 effective_token_ratio=useful / loaded if loaded else None, world_size=env.world_size,

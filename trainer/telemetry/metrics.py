@@ -45,7 +45,7 @@ STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 # checkpoint saves: sub-second (small model, local disk) .. 20 min (sharded, network storage).
 CHECKPOINT_SECONDS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 
-PHASES = ("data_wait", "forward_backward", "optimizer", "telemetry", "control")
+PHASES = ("data_wait", "forward_backward", "allreduce_wait", "optimizer", "telemetry", "control")
 SKIP_REASONS = ("nonfinite", "loss_spike", "grad_spike", "directive", "fault")
 DIRECTIVE_KINDS: tuple[str, ...] = typing.get_args(DirectiveKind)
 
