@@ -64,22 +64,23 @@ def replay_json(*args: str) -> dict:
 
 
 def test_replay_normal_step_is_bitwise(drop_run):
-    rec = records(drop_run)[15]
-    res = replay_json(drop_run, "--step", "15", "--top", "3")
+    rec = records(drop_run)[14]
+    res = replay_json(drop_run, "--step", "14", "--top", "3")
     assert res["checkpoint"] == 10
     assert res["reproduced"] is True
     assert res["device"] == "cpu" and res["tolerance"] == "bitwise (==)"
     # bitwise: the floats themselves are equal, no tolerance
     assert res["replayed"]["loss"] == rec.loss == res["recorded"]["loss"]
     assert res["replayed"]["grad_norm"] == rec.grad_norm
-    assert res["fast_forward"] == {"steps": 4, "matched": True, "first_mismatch": None, "checkpoint_matches_log": True}
-    assert len(res["culprits"]) == 3
-    c = res["culprits"][0]
-    assert set(c) >= {"id", "loss", "grad_norm", "shard", "offset", "text"}
-    assert c["id"] in rec.sample_ids and c["shard"].endswith(".bin") and c["offset"] >= 0
-    assert 0 < len(c["text"]) <= 81 and "\n" not in c["text"]
-    losses = [x["loss"] for x in res["culprits"]]
-    assert losses == sorted(losses, reverse=True)
+    assert res["fast_forward"] == {"steps": 3, "matched": True, "first_mismatch": None, "checkpoint_matches_log": True}
+    # a normal step has no culprits (issue 10 item 6): it says so instead of blaming the top samples
+    assert res["batch"]["normal"] is True and res["culprits"] == []
+    assert "batch is normal, no culprits" in res["verdict"]
+    lo, hi = res["batch"]["band"]
+    assert lo < rec.loss <= hi
+    r = CliRunner(env={"COLUMNS": "80"}).invoke(cli, ["replay-batch", str(drop_run), "--step", "14"])
+    assert r.exit_code == 0 and "batch is normal, no culprits" in " ".join(r.stdout.split())
+    assert "culprits (by" not in r.stdout and max(len(ln) for ln in r.stdout.splitlines()) <= 80
 
 
 def test_replay_from_an_explicit_checkpoint_right_before_the_step(drop_run):
@@ -99,6 +100,44 @@ def test_replay_garbage_drill_names_the_drilled_samples(garbage_run, drop_run):
     assert res["replayed"]["loss"] == rec.loss and res["replayed"]["grad_norm"] == rec.grad_norm
     assert sorted(c["id"] for c in res["culprits"]) == sorted(bad)
     assert all(c["loss"] > 5.0 for c in res["culprits"])
+    c = res["culprits"][0]
+    assert set(c) >= {"id", "loss", "grad_norm", "shard", "offset", "text"}
+    assert c["shard"].endswith(".bin") and c["offset"] >= 0 and 0 < len(c["text"]) <= 81 and "\n" not in c["text"]
+    # abnormal, and still abnormal on the pre-onset weights: the batch is the cause
+    b = res["batch"]
+    assert b["normal"] is False and b["onset"] == GARBAGE_STEP and b["is_cause"] is True
+    assert b["pre_onset_checkpoint"] == 10 and b["pre_onset_loss"] > b["pre_onset_band"][1]
+    r = CliRunner(env={"COLUMNS": "80"}).invoke(cli, ["replay-batch", str(run), "--step", str(GARBAGE_STEP), "--top", "2"])
+    assert r.exit_code == 0 and max(len(ln) for ln in r.stdout.splitlines()) <= 80
+    assert all(str(i) in r.stdout for i in bad)
+
+
+LR_STEP = 12  # the drill multiplies this step's LR by 100: its update wrecks the weights, step 13's loss spikes
+
+
+@pytest.fixture(scope="module")
+def lr_run(tmp_path_factory, drop_run) -> Path:
+    sid = records(drop_run)[LR_STEP].sample_ids[0]
+    return make_run(tmp_path_factory, "lr", "--set", "model.dropout=0.1", "--inject-fault", f"lr@{sid}:100")
+
+
+def test_replay_lr_spike_says_the_batch_is_not_the_cause(lr_run):
+    recs = records(lr_run)
+    spike = LR_STEP + 1
+    assert recs[spike].loss > recs[LR_STEP].loss + 1.0 or recs[spike].skipped  # the drill really hurt
+    res = replay_json(lr_run, "--step", str(spike), "--top", "3")
+    assert res["reproduced"] is True
+    b = res["batch"]
+    assert b["normal"] is False and b["onset"] == spike
+    assert b["pre_onset_checkpoint"] == 10 and b["is_cause"] is False
+    assert b["pre_onset_loss"] <= b["pre_onset_band"][1]
+    assert res["culprits"] == []  # innocent samples are not blamed
+    assert "batch is not the cause" in res["verdict"] and "pre-onset weights" in res["verdict"]
+    assert res["lr_note"] and f"step {LR_STEP}" in res["lr_note"]
+    # and --skip-culprits has nothing to skip
+    r = invoke("replay-batch", lr_run, "--step", str(spike), "--skip-culprits", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["skip"]["ids"] == []
+    assert not (lr_run / "skiplist.json").exists() or json.loads((lr_run / "skiplist.json").read_text()) == []
 
 
 def test_replay_skip_culprits_updates_the_skip_list(garbage_run, tmp_path):

@@ -161,12 +161,14 @@ def _render(res: dict) -> None:
     con.print(t)
     style = "bold green" if res["reproduced"] else "bold yellow"
     con.print(Text(res["verdict"], style=style))
+    if res.get("lr_note"):
+        con.print(Text("note: " + res["lr_note"], style="yellow"))
     if res["culprits"]:
         ct = Table(title=f"top {len(res['culprits'])} culprits (by per-sample {res['ranked_by']}; batch of {res['batch_size']})",
                    show_edge=False, title_justify="left")
         for col, just in (("id", "right"), ("loss", "right"), ("grad norm", "right"), ("shard:offset", "left")):
             ct.add_column(col, justify=just, no_wrap=True)
-        ct.add_column("text", no_wrap=True, overflow="ellipsis", max_width=max(16, con.width - 60))
+        ct.add_column("text", ratio=1, overflow="fold")  # the snippet wraps: it is the evidence
         for c in res["culprits"]:
             gn = "-" if c["grad_norm"] is None else f"{c['grad_norm']:.4g}"
             ct.add_row(str(c["id"]), f"{c['loss']:.4f}", gn, f"{c['shard']}:{c['offset']}", Text(c["text"]))

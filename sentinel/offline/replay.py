@@ -225,6 +225,85 @@ def describe_sample(tr, sid: int) -> dict:
     return {"shard": shard, "offset": int(offset), "text": sanitize(text)}
 
 
+# ------------------------------------------------------------------------------------ the run's loss band
+
+BAND_WINDOW = 10  # healthy steps the band is fitted on
+BAND_SIGMAS = 4.0  # how far above the trend a loss must be to count as abnormal
+BAND_MIN_REL = 0.10  # ... and never closer than 10% of the trend (a smooth stretch underestimates the noise)
+ONSET_LOOKBACK = 50
+
+
+def loss_band(records: dict, before: int, window: int = BAND_WINDOW) -> dict | None:
+    """The run's loss band just before step ``before``: a least-squares line through the last
+    ``window`` healthy losses (finite, not skipped; early training trends down) and a robust
+    residual scale (1.4826 MAD). High outliers (an earlier spike) are dropped and the line refitted,
+    so a spike does not widen the band it is judged by. None with fewer than 4 healthy steps."""
+    pool = [(s, records[s].loss) for s in range(max(1, before - 4 * window), before)
+            if s in records and not records[s].skipped and math.isfinite(records[s].loss)]
+    band = None
+    for _ in range(3):
+        pts = pool[-window:]
+        if len(pts) < 4:
+            return band
+        band = _fit(pts)
+        high = {s for s, v in pts if v > band_at(band, s)[1]}
+        if not high:
+            return band
+        pool = [p for p in pool if p[0] not in high]
+    return band
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _fit(pts: list[tuple[int, float]]) -> dict:
+    """Theil-Sen line (median of pairwise slopes, median intercept): one spike in the window moves
+    neither the trend nor the residual scale."""
+    slopes = [(v2 - v1) / (s2 - s1) for i, (s1, v1) in enumerate(pts) for s2, v2 in pts[i + 1:] if s2 != s1]
+    slope = _median(slopes) if slopes else 0.0
+    mx = _median([s for s, _ in pts])
+    my = _median([v - slope * (s - mx) for s, v in pts])
+    resid = [v - (my + slope * (s - mx)) for s, v in pts]
+    sigma = 1.4826 * _median([abs(r) for r in resid])
+    return {"first": pts[0][0], "last": pts[-1][0], "n": len(pts), "mean_step": mx, "mean_loss": my, "slope": slope,
+            "sigma": sigma}
+
+
+def band_at(band: dict, step: int) -> tuple[float, float]:
+    """(low, high) of the band at ``step`` (extrapolated at most one step past the fitted ones)."""
+    x = min(step, band["last"] + 1)
+    pred = band["mean_loss"] + band["slope"] * (x - band["mean_step"])
+    width = max(BAND_SIGMAS * band["sigma"], BAND_MIN_REL * abs(pred))
+    return pred - width, pred + width
+
+
+def abnormal(rec, band: dict | None) -> bool:
+    """Outside the band on the high side, non-finite, or dropped by the in-process guard."""
+    if rec.skipped or not math.isfinite(rec.loss):
+        return True
+    return band is not None and rec.loss > band_at(band, rec.step)[1]
+
+
+def find_onset(records: dict, step: int) -> int:
+    """The first step of the anomaly that ``step`` belongs to (``step`` itself if the one before is
+    normal): walk back while each earlier step is abnormal against the band before it."""
+    onset = step
+    while onset - 1 in records and step - onset < ONSET_LOOKBACK and \
+            abnormal(records[onset - 1], loss_band(records, onset - 1)):
+        onset -= 1
+    return onset
+
+
+def batch_on_weights(tr, ck_step: int, micro, micro_ids, lr) -> float:
+    """The loss of one recorded batch on the weights of checkpoint ``ck_step`` (no update)."""
+    restore(tr, ck_step)
+    loss, _r, _g, _f, _reason = tr.train_step(micro, micro_ids, lr, apply=False)
+    return float(loss.item())
+
+
 # ------------------------------------------------------------------------------------ replay
 
 
@@ -322,16 +401,46 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_
     gn_ok = same(replayed["grad_norm"], rec.grad_norm, dev)
     reproduced = bool(loss_ok and gn_ok and ff_first_bad is None)
 
-    # --- culprits (after the exact replay; same RNG state as the replay had)
-    mine = per_sample(tr, micro, micro_ids, rng_before)
-    samples = [s for part in gather(env, mine) for s in part]
-    ranked = rank_culprits(samples, rank_by)
+    # --- is the batch the cause? A normal step has no culprits; an abnormal one is replayed on the
+    # pre-onset weights: a normal loss there means the weights (an LR spike, a bad update) are to blame
+    band = loss_band(records, step)
+    batch = {"band": None, "normal": None, "onset": None, "pre_onset_checkpoint": None, "pre_onset_loss": None,
+             "pre_onset_band": None, "is_cause": None}
+    if band is not None:
+        batch["band"] = [*band_at(band, step)]
+        batch["normal"] = not abnormal(rec, band)
     culprits = []
-    for s in ranked[:max(0, top_k)]:
-        culprits.append({"id": s["id"], "loss": s["loss"], "grad_norm": s["grad_norm"], "score": s["score"],
-                         "rank": s["rank"], **describe_sample(tr, s["id"])})
+    if batch["normal"] is not True:
+        # culprits (after the exact replay; same RNG state as the replay had)
+        mine = per_sample(tr, micro, micro_ids, rng_before)
+        samples = [s for part in gather(env, mine) for s in part]
+        ranked = rank_culprits(samples, rank_by)
+        for s in ranked[:max(0, top_k)]:
+            culprits.append({"id": s["id"], "loss": s["loss"], "grad_norm": s["grad_norm"], "score": s["score"],
+                             "rank": s["rank"], **describe_sample(tr, s["id"])})
+    if batch["normal"] is False:
+        onset = find_onset(records, step)
+        batch["onset"] = onset
+        pre = tr.ckpt.newest_valid(at_or_before=onset - 2)  # the same convention as rollback --before-step
+        pre_band = loss_band(records, onset)
+        if pre is not None and pre_band is not None:
+            rng.restore(rng_before)
+            pre_loss = batch_on_weights(tr, pre.step, micro, micro_ids, lr)
+            lo, hi = band_at(pre_band, pre.step + 1)  # what a batch scored on those weights at the time
+            batch.update(pre_onset_checkpoint=pre.step, pre_onset_loss=pre_loss, pre_onset_band=[lo, hi],
+                         is_cause=bool(not math.isfinite(pre_loss) or pre_loss > hi))
+            if not batch["is_cause"]:
+                culprits = []
 
-    if reproduced:
+    if reproduced and batch["normal"] is True:
+        verdict = (f"reproduced, and the batch is normal, no culprits: loss {rec.loss:.4g} is within the run's band "
+                   f"(up to {batch['band'][1]:.4g})")
+    elif reproduced and batch["is_cause"] is False:
+        verdict = (f"reproduced, but the batch is not the cause: on the pre-onset weights (checkpoint "
+                   f"{batch['pre_onset_checkpoint']}, before onset step {batch['onset']}) it gives a normal loss "
+                   f"{batch['pre_onset_loss']:.4g} (band up to {batch['pre_onset_band'][1]:.4g}); the weights were "
+                   f"damaged earlier: look at the LR and updates from step {batch['onset'] - 1} on")
+    elif reproduced:
         verdict = ("reproduced: the recorded batch replayed from the checkpoint gives the same loss and grad norm; "
                    "the cause is in the data plus the training state (see the culprits)")
     elif ff_first_bad is not None:
@@ -360,9 +469,24 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_
         "reproduced": reproduced,
         "verdict": verdict,
         "ranked_by": rank_by,
+        "batch": batch,
+        "lr_note": lr_note(records, step),
         "culprits": culprits,
         "warnings": warnings,
     }
+
+
+def lr_note(records: dict, step: int) -> str | None:
+    """Say so when the LR of ``step`` or the step before jumps against its neighbours (an LR spike
+    damages the weights in its own update and shows in the loss one step later)."""
+    for s in (step - 1, step):
+        r, prev = records.get(s), records.get(s - 1)
+        if r is None or prev is None or not prev.lr:
+            continue
+        ratio = r.lr / prev.lr
+        if ratio > 1.5:
+            return f"the LR of step {s} was {ratio:.3g}x the step before ({r.lr:.3g} vs {prev.lr:.3g})"
+    return None
 
 
 def add_to_skiplist(run_dir: Path, ids: list[int]) -> tuple[list[tuple[int, int]], int]:
