@@ -1,13 +1,24 @@
 """Run the rules offline over a recorded step log: what would the sentinel have flagged and done?
 
-It drives the very ``RunPolicy`` the daemon uses, in dry-run mode (decisions are recorded, nothing is
-sent), with the policy's clock set to the records' own timestamps so cooldowns and rate limits
-replay as they would have live. Because a log rarely says which checkpoints existed, the backtest
-assumes one every ``checkpoint_every`` steps (as most trainers are configured) so that rollback
-decisions can be shown; pass ``None``/0 to assume none (every incident then escalates).
+Backtest = live. It drives the very ``RunPolicy`` the daemon uses, in the mode the daemon runs
+(``dry_run`` and ``require_approval`` as the rules say), with the policy's clock set to the records'
+own timestamps so cooldowns and rate limits replay as they would have live. What it assumes, and why:
 
-``load_trace`` is tolerant: a line needs only ``step`` and ``loss`` (e.g. the
-``{"step", "loss", "wall_ms"}`` curves of public training logs); missing StepRecord fields get
+- **Checkpoints.** A log rarely says which checkpoints existed, so one is assumed every
+  ``checkpoint_every`` steps (as most trainers are configured); ``None``/0 assumes none (every
+  incident then escalates).
+- **No guard information means no guard.** A loss-only trace (``{"step", "loss", "wall_ms"}``) has
+  ``skipped = false`` on every step: the backtest never assumes that an in-process guard would have
+  skipped a spike. (The policy judges a spike by the steps after it either way.)
+- **No judging of records that would never have existed.** Once the policy orders a rollback (or a
+  pause: an escalation, or a wait for approval), the live run would have restored a checkpoint (or
+  stopped), so the trace's later records on that timeline would not exist. The backtest stops
+  judging there and counts them as ``unjudged``; it resumes when the trace's own timeline moves on
+  (a rollback/resume marker with a higher timeline, as a real ``steps.jsonl`` has). A loss-only
+  curve has no such marker: its first rollback or pause is its last decision.
+- Findings (``flagged``) are reported for judged records only.
+
+``load_trace`` is tolerant: a line needs only ``step`` and ``loss``; missing StepRecord fields get
 neutral values (``grad_norm = 0`` means "not reported" to the rules).
 """
 
@@ -30,9 +41,15 @@ class BacktestResult:
     fired: list[dict[str, Any]] = field(default_factory=list)  # every finding: step, rule, severity, detail
     incidents: list[dict[str, Any]] = field(default_factory=list)
     records: int = 0
+    unjudged: int = 0  # records after a rollback/pause that the live run would not have produced
 
     def to_json(self) -> dict[str, Any]:
-        return {"flagged": self.flagged, "actions": self.actions}
+        return {"flagged": self.flagged, "actions": self.actions, "records": self.records, "unjudged": self.unjudged,
+                "incidents": [{k: i[k] for k in ("id", "state", "rule", "onset_step", "detect_step", "pattern")}
+                              for i in self.incidents]}
+
+
+STOPS_THE_TIMELINE = frozenset({"rollback", "pause", "stop"})
 
 
 def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "trace") -> StepRecord | TimelineRecord:
@@ -87,17 +104,23 @@ def _simulated_checkpoint(rec: StepRecord) -> CheckpointInfo:
 
 def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | None = None, *,
              checkpoint_every: int | None = 100, checkpoints: Iterable[CheckpointInfo] = ()) -> BacktestResult:
-    """Replay ``records`` through a dry-run RunPolicy; return flagged steps, findings and would-be actions."""
+    """Replay ``records`` through the live RunPolicy; return flagged steps, findings and actions."""
     rules = rules or default_rules()
     now = [0.0]
     policy: RunPolicy | None = None
     res = BacktestResult()
     flagged: set[int] = set()
+    stopped_at: int | None = None  # timeline on which the run was rolled back or paused
     for rec in records:
         if policy is None:
-            policy = RunPolicy(rec.run, rules, dry_run=True, clock=lambda: now[0])
+            policy = RunPolicy(rec.run, rules, clock=lambda: now[0])
             for c in checkpoints:
                 policy.on_checkpoint(c)
+        if stopped_at is not None:
+            if rec.timeline <= stopped_at:
+                res.unjudged += isinstance(rec, StepRecord)
+                continue
+            stopped_at = None  # the trace's own timeline moved on: judge again
         now[0] = rec.time
         if isinstance(rec, MarkerRecord):
             continue  # a condition change on the timeline: nothing for the rules to judge
@@ -113,7 +136,10 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
                 policy.on_checkpoint(_simulated_checkpoint(rec))
         for ev in policy.drain_events():
             if ev.kind == "action":
-                res.actions.append({"step": ev.step, **ev.data["action"]})
+                act = ev.data["action"]
+                res.actions.append({"step": ev.step, **act})
+                if act["kind"] in STOPS_THE_TIMELINE and not policy.dry_run:
+                    stopped_at = rec.timeline
     res.flagged = sorted(flagged)
     if policy is not None:
         res.incidents = [i.model_dump(mode="json") for i in policy.incidents]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import deque
+from itertools import islice
 from typing import Any
 
 # verdict codes returned by SpikeDetector.update (ints, not enums: this is the per-step hot path)
@@ -177,7 +178,7 @@ class SpikeDetector:
     __slots__ = (
         "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
         "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
-        "z", "ratio", "baseline", "scale", "_gate", "_s", "_fifo", "_size", "_alpha",
+        "z", "ratio", "baseline", "scale", "_gate", "_s", "_fifo", "_size", "_alpha", "recent", "_raw",
     )
 
     def __init__(
@@ -192,6 +193,7 @@ class SpikeDetector:
         scale_floor: float = 1e-3,
         readmit_window: int = 32,
         readmit_fraction: float = 0.75,
+        recent: int = 0,
     ):
         self.window = SortedWindow(window)
         self.ema = Ema(ema_alpha)
@@ -205,6 +207,8 @@ class SpikeDetector:
         self._refused: deque[bool] = deque(maxlen=readmit_window)
         self._refused_count = 0
         self._gate = min(ratio_spike, ratio_elevated)
+        self.recent = recent  # > 0: noise-aware verdicts (see update)
+        self._raw: deque[float] = deque(maxlen=2 * recent if recent else 1)  # every finite value, spikes too
         # details of the last verdict, for findings (only meaningful when it was not NORMAL)
         self.z = 0.0
         self.ratio = 1.0
@@ -227,6 +231,7 @@ class SpikeDetector:
         if x - x != 0.0:  # NaN or +-inf (inf - inf is NaN)
             self._note_refusal(True)
             return NONFINITE
+        self._raw.append(x)
         w = self.window
         s = self._s
         ema = self.ema
@@ -249,6 +254,17 @@ class SpikeDetector:
             return NORMAL
         med = w.median()
         scale = MAD_TO_SIGMA * w.mad()
+        if self.recent and len(s) >= self.recent:
+            # noise-aware: the level is the median of the most recent admitted values (the long
+            # median lags a falling loss, understating early spikes), and the spread is the larger
+            # of the long window's and the local one of every recent value, spikes included (a
+            # noisy stretch raises its own bar: the false flags sat at 4-5 sigma of local noise)
+            med = median_of([v for _, v in islice(reversed(self._fifo), self.recent)])
+            raw = self._raw
+            rm = median_of(list(raw))
+            local = MAD_TO_SIGMA * median_of([abs(v - rm) for v in raw])
+            if local > scale:
+                scale = local
         floor = self.scale_floor * abs(med)
         if scale < floor:
             scale = floor
@@ -424,80 +440,90 @@ def rank_outlier(rank_losses: list[float]) -> tuple[int, float] | None:
     return rank_losses.index(lo), dev_lo
 
 
-class RiseDetector:
-    """Slow divergence: a smoothed loss that has risen ``max_rise`` above its own running minimum.
+class LevelShift:
+    """Persistent damage: the median of the last ``window`` losses stands above the run's own best level.
 
-    A rolling baseline adapts to a slow climb (each step is only a little above the last ones), so
-    k-of-n counting against it misses a loss that creeps up 20% over a few hundred steps. Training
-    loss trends down; its smoothed value (an EMA, each input clipped to ``clip`` x the current
-    smoothed value so one spike cannot fake a trend) should not rise far above the lowest smoothed
-    value of the last ``horizon`` steps.
+    A loss spike is one bad batch; damage is loss that *stays* high on the following, different
+    batches (a level shift, a slow decay, a climb). The median of a short window ignores a spike of
+    a few steps but moves once most of the window is elevated. The reference is the run's best
+    level: the lowest such median over the last ``horizon`` steps, excluding the windows that
+    overlap the current one (a healthy run's loss only falls, so a rise above its own best is the
+    signal; a rolling baseline would follow a slow climb up). The bar is noise-aware:
+    ``max(min_rise x best, sigmas x noise)`` where noise is a robust per-step sigma supplied by the
+    caller (the spike detector's MAD), because a 0.1-nat move is nothing in a noisy run and a lot in
+    a quiet one.
 
-    The running minimum is kept per block of ``horizon // 10`` steps (the horizon is therefore
-    exact to one block): per step it costs two compares, and the minimum over the blocks is
-    recomputed once per block.
+    ``onset()`` estimates where the shift began: the first step of the current elevated stretch
+    (median above half the bar), less half a window (the median lags the shift by about that).
+
+    Cost per step: one sorted-window push (O(log window)), a sliding minimum (amortised O(1)).
     """
 
-    __slots__ = ("alpha", "max_rise", "horizon", "warmup", "clip", "smooth", "n", "block", "_blocks",
-                 "_cur", "_cur_step", "_hmin", "_hmin_step")
+    __slots__ = ("win", "window", "horizon", "sigmas", "min_rise", "warmup", "n", "_pending", "_mono",
+                 "_above_since", "_last_bar", "excess", "best", "bar")
 
-    def __init__(self, max_rise: float = 0.06, horizon: int = 500, alpha: float = 0.02, warmup: int = 150, clip: float = 1.2):
-        self.alpha, self.max_rise, self.horizon, self.warmup, self.clip = alpha, max_rise, horizon, warmup, clip
-        self.block = max(1, horizon // 10)
+    def __init__(self, window: int = 24, horizon: int = 500, sigmas: float = 2.5, min_rise: float = 0.02, warmup: int = 100):
+        self.window, self.horizon, self.sigmas, self.min_rise, self.warmup = window, horizon, sigmas, min_rise, warmup
+        self.win = SortedWindow(window)
         self.reset()
 
-    def update(self, step: int, x: float) -> bool:
-        s = self.smooth
-        if s is None:
-            s = x
-        else:
-            c = s * self.clip
-            s += self.alpha * ((x if x < c else c) - s)
-        self.smooth = s
+    def update(self, step: int, x: float, noise: float) -> bool:
+        """Admit a finite loss; ``noise`` is the current robust per-step sigma. True = shifted."""
+        w = self.win
+        w.push(step, x)
         self.n += 1
-        if s < self._cur:
-            self._cur, self._cur_step = s, step
-            if s < self._hmin:
-                self._hmin, self._hmin_step = s, step
-        if self.n % self.block == 0:
-            self._roll()
-        return self.n >= self.warmup and s > self._hmin * (1.0 + self.max_rise)
+        if len(w) < self.window:
+            return False
+        m = w.median()
+        pend, mono = self._pending, self._mono
+        pend.append((step, m))
+        while pend and pend[0][0] <= step - self.window:  # windows that no longer overlap this one
+            s, v = pend.popleft()
+            while mono and mono[-1][1] >= v:
+                mono.pop()
+            mono.append((s, v))
+        while mono and mono[0][0] < step - self.horizon:
+            mono.popleft()
+        if not mono or self.n < self.warmup:
+            return False
+        best = mono[0][1]
+        bar = max(self.min_rise * abs(best), self.sigmas * noise)
+        ex = m - best
+        self.excess, self.best, self.bar = ex, best, bar
+        if ex > 0.5 * bar:
+            if self._above_since is None:
+                self._above_since = step
+        else:
+            self._above_since = None
+        return ex > bar
 
-    def _roll(self) -> None:
-        """Close the current block; drop blocks older than the horizon; recompute the minimum."""
-        b = self._blocks
-        b.append((self._cur_step, self._cur))
-        while len(b) > self.horizon // self.block:
-            b.popleft()
-        self._cur, self._cur_step = math.inf, -1
-        st, v = min(b, key=lambda p: p[1])
-        self._hmin, self._hmin_step = v, st
+    def onset(self, step: int) -> int:
+        since = self._above_since if self._above_since is not None else step
+        return max(0, since - self.window // 2)
 
-    def minimum(self) -> tuple[int, float] | None:
-        """(step, value) of the lowest smoothed loss in the horizon: the divergence onset estimate."""
-        return None if self._hmin == math.inf else (self._hmin_step, self._hmin)
-
-    def rise(self) -> float:
-        m = self.minimum()
-        return (self.smooth / m[1] - 1.0) if (m and self.smooth is not None and m[1] > 0) else 0.0
+    def rewind(self, keep_through_step: int) -> None:
+        self.win.rewind(keep_through_step)
+        for q in (self._pending, self._mono):
+            while q and q[-1][0] > keep_through_step:
+                q.pop()
+        self._above_since = None
 
     def reset(self) -> None:
-        self.smooth, self.n = None, 0
-        self._blocks: deque[tuple[int, float]] = deque()
-        self._cur, self._cur_step = math.inf, -1
-        self._hmin, self._hmin_step = math.inf, -1
+        self.win.clear()
+        self.n = 0
+        self._pending: deque[tuple[int, float]] = deque()
+        self._mono: deque[tuple[int, float]] = deque()
+        self._above_since: int | None = None
+        self.excess = self.best = self.bar = 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        inf = self._hmin == math.inf
-        return {"smooth": self.smooth, "n": self.n, "blocks": [list(p) for p in self._blocks],
-                "cur": None if self._cur == math.inf else [self._cur_step, self._cur],
-                "hmin": None if inf else [self._hmin_step, self._hmin]}
+        return {"win": self.win.state_dict(), "n": self.n, "pending": [list(p) for p in self._pending],
+                "mono": [list(p) for p in self._mono], "above_since": self._above_since}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
-        self.smooth, self.n = d["smooth"], int(d["n"])
-        self._blocks = deque((int(s), float(v)) for s, v in d["blocks"])
-        if d["cur"] is not None:
-            self._cur_step, self._cur = int(d["cur"][0]), float(d["cur"][1])
-        if d["hmin"] is not None:
-            self._hmin_step, self._hmin = int(d["hmin"][0]), float(d["hmin"][1])
+        self.win.load_state_dict(d["win"])
+        self.n = int(d["n"])
+        self._pending = deque((int(s), float(v)) for s, v in d["pending"])
+        self._mono = deque((int(s), float(v)) for s, v in d["mono"])
+        self._above_since = d["above_since"]

@@ -2,19 +2,33 @@
 
 States (``RunPolicy.state``)::
 
-    healthy ──anomaly, guard skipped it──> suspect ──quiet for suspect_clear_steps──> healthy
-       │                                      │
-       └──damage (not skipped / sustained / ──┴──> incident ──> rollback ──TimelineRecord──> verifying
-           non-finite persists)                      │  (awaiting_approval)        │            │
-                                                     └─ no checkpoint / rate limit ┴─ rejected ─┴─ loss not back
+    healthy ──spike / single NaN──> suspect ──quiet for suspect_clear_steps──> healthy (incident: recovered)
+       │                               │
+       └──damage: the loss stays ──────┴──> incident ──> rollback ──TimelineRecord──> verifying
+          elevated (divergence), or            │  (awaiting_approval: paused)  │            │
+          non-finite persists                  └─ no checkpoint / rate limit ──┴─ rejected ─┴─ loss not back
                                                                        └──> escalated (pause + page, hands off)
     verifying ──loss back within band past the bad region──> healthy
 
-Why this shape: a single spike that the in-process guard already skipped costs nothing, so it is
-only watched (suspect). Damage that reached the weights is undone the PaLM way: restore a checkpoint
-from at least ``rollback_margin_steps`` before the onset and skip the samples of the steps from
-shortly before the onset to the detection. A recovery is not assumed: the loss must come back within
+Why this shape: a high loss on one batch is not damage; damage is loss that stays high on the
+following, *different* batches. So a spike opens a *suspect* episode and nothing more, whether or not
+the guard skipped it (a trace without guard information is judged the same way): the rules' level
+detector watches the next steps, and the episode closes as *recovered* (annotated, its sample ids
+kept as suspects) unless the loss stays above the run's own best level, which is the ``divergence``
+finding. Damage is undone the PaLM way: restore a checkpoint from at least ``rollback_margin_steps``
+before the onset and skip the samples from shortly before the onset through the end of the elevated
+region (the detection). A recovery is not assumed: the loss must come back within
 ``verify_window_steps`` or a human is paged, and automation stops for the run.
+
+Recovered spikes are not forgotten: each episode is classified (``pattern``) as one-off, periodic
+(same interval, or the same batch fingerprint / sample ids as an earlier spike: a data cause) or
+increasing (ever shorter intervals), per the seed's spike debug path; an increasing frequency pages a
+human even though every spike recovered.
+
+Rate limits count only rollbacks really sent, per hour and per ``rollback_window_steps`` trained
+steps. A dry run decides and records but never consumes them, and one fault stays one incident: after
+a would-be rollback the incident is held open (the damage was not undone, so it is still there) until
+the loss is back in band. With ``require_approval`` the run is paused while it waits for a human.
 
 The policy is pure: the daemon feeds it records, acks, checkpoints and clock ticks, and sends the
 ``Action`` objects it returns. Every decision is also an ``Event`` (``drain_events``) and lands in an
@@ -26,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from statistics import median
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
@@ -37,6 +52,8 @@ from sentinel.rules import Finding, RuleEngine, RuleSet
 ActionKind = Literal["rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now", "page"]
 DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
 MAX_EVIDENCE = 50  # per incident: enough to see the shape, bounded so incidents stay small
+PATTERN_HISTORY = 32  # spike episodes remembered for the pattern (one-off / periodic / increasing)
+PATTERN_IDS = 256  # sample ids kept per episode to recognise the same data coming back
 _PRIORITY = {"divergence": 0, "nonfinite": 1, "loss_spike": 2}  # which anomaly names the incident
 
 
@@ -88,8 +105,11 @@ class RunPolicy:
         self._pending: dict[str, dict] = {}  # incident id -> action awaiting approval
         self._checkpoints: dict[int, CheckpointInfo] = {}
         self._samples: deque[tuple[int, list[int]]] = deque(maxlen=self.cfg.sample_history_steps)
-        self._rollback_times: list[float] = []
+        self._rollback_log: list[list[float]] = []  # [time, steps trained] of each rollback really sent
         self._last_fire: dict[str, list] = {}  # rule -> [step, time]
+        self.steps_seen = 0  # step records judged (a monotonic count of trained steps, across rollbacks)
+        self._episodes: deque[dict[str, Any]] = deque(maxlen=PATTERN_HISTORY)  # spike episodes: step, fp, ids
+        self.pattern = "none"  # one-off | periodic | increasing, over this run's spike episodes
 
     # ------------------------------------------------------------------ public interface
 
@@ -116,14 +136,18 @@ class RunPolicy:
         if rec.timeline > self.timeline:
             self.timeline = rec.timeline
         self.last_step, self.last_time = rec.step, rec.time
+        self.steps_seen += 1
         if rec.sample_ids:
             self._samples.append((rec.step, rec.sample_ids))
         findings = self.engine.evaluate(rec)
         self.last_findings = findings
         st = self._state
+        if self.dry_run and st in ("verifying", "escalated") and self._ep.get("held"):
+            self._hold(rec, findings)
+            return self._emit([])
         if not findings:
             if st == "suspect" and rec.step - self._ep["last"] >= self.cfg.suspect_clear_steps:
-                self._close("healthy", rec.step, "no further anomalies: the guard handled it")
+                self._close("recovered", rec.step, self._recovered_why(rec))
             elif st == "verifying":
                 out: list[Action] = []
                 self._verify(rec, out)
@@ -143,9 +167,9 @@ class RunPolicy:
             if anomalies:
                 self._episode(rec, anomalies, out)
             elif st == "suspect" and rec.step - self._ep["last"] >= self.cfg.suspect_clear_steps:
-                self._close("healthy", rec.step, "no further anomalies: the guard handled it")
+                self._close("recovered", rec.step, self._recovered_why(rec))
         elif st == "verifying":
-            if anomalies and self._is_damage(rec, anomalies):
+            if anomalies and self._is_damage(anomalies):
                 self._escalate(f"anomaly during recovery verification at step {rec.step}: {anomalies[0].detail}", out, rec.step)
             else:
                 self._verify(rec, out)
@@ -179,7 +203,7 @@ class RunPolicy:
         else:
             self.engine.rewind(s)
             if self._state == "suspect":
-                self._close("healthy", s, f"superseded by {rec.kind} to step {s}")
+                self._close("recovered", s, f"superseded by {rec.kind} to step {s}")
         return self._emit(out)
 
     def on_ack(self, ack: Ack) -> list[Action]:
@@ -217,6 +241,8 @@ class RunPolicy:
             act = Action.model_validate(self._pending.pop(incident_id))
             self._event("approved", "info", f"rollback to step {act.to_step} approved", step=self.last_step, incident_id=inc.id)
             self._issue_rollback(inc, act, out)
+            if inc.state == "rollback":  # the run was paused while it waited: the restored run goes on
+                out.append(self._incident_action(inc, "resume", "approved rollback sent: resume after it"))
         elif inc.state == "escalated" and self._current == incident_id:
             self._event("approved", "info", "operator handed the run back to automation", step=self.last_step, incident_id=inc.id)
             out.append(self._incident_action(inc, "resume", "operator approved resuming after escalation"))
@@ -228,11 +254,15 @@ class RunPolicy:
 
     # ------------------------------------------------------------------ episodes and incidents
 
-    def _is_damage(self, rec: StepRecord, anomalies: list[Finding]) -> bool:
+    def _is_damage(self, anomalies: list[Finding]) -> bool:
+        """Damage is loss that stays high on the following batches (``divergence``: a level shift,
+        slow decay or climb, or most recent steps anomalous) or non-finite values that persist. One
+        high or NaN batch is not, whether or not the guard skipped it: the next steps tell."""
         for f in anomalies:
-            if f.rule == "divergence" or not rec.skipped:
+            if f.rule == "divergence":
                 return True
-            if f.rule == "nonfinite" and f.onset_step is not None and rec.step - f.onset_step + 1 >= self.rules.rules.nonfinite.persist_steps:
+            if f.rule == "nonfinite" and f.onset_step is not None and self.last_step is not None \
+                    and self.last_step - f.onset_step + 1 >= self.rules.rules.nonfinite.persist_steps:
                 return True
         return False
 
@@ -240,9 +270,10 @@ class RunPolicy:
         f = min(anomalies, key=lambda a: _PRIORITY.get(a.rule, 9))
         onset = f.onset_step if f.onset_step is not None else rec.step
         if self._state == "suspect" and rec.step - self._ep["last"] > self.cfg.episode_gap_steps:
-            # an unrelated, already-handled blip must not drag this episode's onset (and so the
+            # an unrelated, recovered blip must not drag this episode's onset (and so the
             # rollback target and the skip window) back to itself
-            self._close("healthy", self._ep["last"], f"the guard handled it; a new episode starts at step {rec.step}")
+            self._close("recovered", self._ep["last"], f"recovered; a new episode starts at step {rec.step}")
+        damage = self._is_damage(anomalies)
         if self._state == "healthy":
             iid = f"{self.run}-t{self.timeline}-s{onset}"
             n = 1
@@ -257,6 +288,8 @@ class RunPolicy:
             base = self.engine.loss_level()
             self._ep = {"onset": onset, "count": 0, "last": rec.step, "baseline": base}
             self._event("incident_opened", f.severity, f"{f.rule} at step {rec.step}: {f.detail}", step=rec.step, incident_id=iid)
+            if not damage:
+                self._classify(inc, rec, out)
         inc = self._incidents[self._current]
         ep = self._ep
         ep["count"] += 1
@@ -267,9 +300,39 @@ class RunPolicy:
         for a in anomalies:
             if len(inc.evidence) < MAX_EVIDENCE:
                 inc.evidence.append(_evidence(rec, a))
-        if self._is_damage(rec, anomalies) or ep["count"] > self.cfg.suspect_max_skipped:
-            why = f.detail if ep["count"] <= self.cfg.suspect_max_skipped else f"{ep['count']} anomalous steps since {ep['onset']}"
-            self._open_incident(inc, f.rule, why, rec.step, out)
+        if damage:
+            self._open_incident(inc, f.rule, f.detail, rec.step, out)
+
+    def _classify(self, inc: Incident, rec: StepRecord, out: list[Action]) -> None:
+        """Name the pattern of this run's spike episodes (the seed's spike debug path): one-off,
+        periodic (the same interval, or the same batch / data coming back: a data cause), or
+        increasing (ever shorter intervals: something is wearing out; page even if each recovered)."""
+        ids = set(rec.sample_ids[:PATTERN_IDS])
+        eps = self._episodes
+        same_data = any((rec.batch_fingerprint and e["fp"] == rec.batch_fingerprint) or (ids and ids & set(e["ids"]))
+                        for e in eps)
+        eps.append({"step": rec.step, "fp": rec.batch_fingerprint, "ids": sorted(ids)})
+        steps = [e["step"] for e in eps]
+        gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+        pattern = "one-off"
+        if same_data:
+            pattern = "periodic"
+        elif len(gaps) >= 3 and max(gaps[-3:]) - min(gaps[-3:]) <= max(2, 0.05 * max(gaps[-3:])):
+            pattern = "periodic"
+        if len(gaps) >= 6:
+            last, earlier = gaps[-3:], gaps[:-3]
+            if last[0] >= last[1] >= last[2] and max(last) < 0.5 * median(earlier):
+                pattern = "increasing"
+        prev, self.pattern = self.pattern, pattern
+        inc.pattern = pattern
+        if pattern != prev:
+            why = {"one-off": "isolated spikes", "periodic": "spikes recur at a fixed interval or on the same data",
+                   "increasing": f"spikes come ever more often (last intervals {gaps[-3:]} steps)"}[pattern]
+            self._event("spike_pattern", "warning" if pattern == "increasing" else "info", f"spike pattern: {pattern} ({why})",
+                        step=rec.step, incident_id=inc.id, data={"pattern": pattern, "intervals": gaps[-6:]})
+            if pattern == "increasing" and self.cfg.page_on_increasing_spikes:
+                out.append(self._incident_action(inc, "page", f"spike pattern increasing: {why}; each recovered, "
+                                                 "but recovered is not healthy (check lr, data order, precision)"))
 
     def _open_incident(self, inc: Incident, rule: str, why: str, step: int, out: list[Action]) -> None:
         inc.rule = rule
@@ -286,26 +349,57 @@ class RunPolicy:
         inc.skip_ranges = merge_ranges(ids_to_ranges(ids))
         act = self._incident_action(inc, "rollback", f"{rule}: {why}", to_step=target, ranges=inc.skip_ranges)
         if self.require_approval:
+            # do not keep training on damaged weights while a human decides
             self._pending[inc.id] = act.model_dump(mode="json")
             self._set_state("awaiting_approval", inc)
+            out.append(self._incident_action(inc, "pause", f"paused until a human approves rolling back to step {target}"))
             out.append(self._incident_action(inc, "page", f"approval needed: roll back to step {target} and skip "
-                                             f"{len(ids)} samples ({rule}); run `sentinel approve {inc.id}`"))
+                                             f"{len(ids)} samples ({rule}); the run is paused until "
+                                             f"`sentinel approve {inc.id}`"))
             return
         self._issue_rollback(inc, act, out)
 
     def _issue_rollback(self, inc: Incident, act: Action, out: list[Action]) -> None:
         now = self.clock()
-        recent = [t for t in self._rollback_times if now - t < 3600.0]
-        if len(recent) >= self.cfg.max_rollbacks_per_hour:
-            self._rollback_times = recent
-            self._escalate(f"rate limit: {len(recent)} rollbacks in the last hour (max {self.cfg.max_rollbacks_per_hour})", out, inc.detect_step)
-            return
-        self._rollback_times = recent + [now]
+        if not self.dry_run:  # a dry run sends nothing, so it can never use up the budget
+            c = self.cfg
+            log = [e for e in self._rollback_log if now - e[0] < 3600.0 or self.steps_seen - e[1] < c.rollback_window_steps]
+            self._rollback_log = log
+            hour = sum(1 for t, _ in log if now - t < 3600.0)
+            window = sum(1 for _, n in log if self.steps_seen - n < c.rollback_window_steps)
+            if max(hour, window) >= c.max_rollbacks_per_hour:
+                self._escalate(f"rate limit: {hour} rollbacks in the last hour, {window} in the last "
+                               f"{c.rollback_window_steps} steps (max {c.max_rollbacks_per_hour})", out, inc.detect_step)
+                return
+            self._rollback_log.append([now, self.steps_seen])
         out.append(act)
-        if self.dry_run:  # nothing will be restored: record the decision and carry on watching
-            self._close("healthy", inc.detect_step, f"dry run: would roll back to step {act.to_step}")
+        if self.dry_run:
+            # nothing will be restored, so the damage is still there: hold this incident open (one
+            # fault, one incident) until the loss is back in band, instead of re-detecting it
+            self._hold_open(inc, f"dry run: would roll back to step {act.to_step}")
         else:
             self._set_state("rollback", inc)
+
+    def _hold_open(self, inc: Incident, why: str) -> None:
+        self._set_state("verifying" if inc.state != "escalated" else "escalated", inc)
+        self._ep.update(held=True, verify_recent=[])
+        self._event("dry_run_hold", "info", f"{why}; watching the same damage until the loss is back in band",
+                    step=self.last_step, incident_id=inc.id)
+
+    def _hold(self, rec: StepRecord, findings: list[Finding]) -> None:
+        """Dry run after a would-be rollback or escalation: add evidence, decide nothing new, close
+        when the loss is back within the band of the pre-onset baseline."""
+        inc = self._incidents[self._current]
+        for f in findings:
+            if f.anomaly and len(inc.evidence) < MAX_EVIDENCE:
+                inc.evidence.append(_evidence(rec, f))
+        recent = self._ep.setdefault("verify_recent", [])
+        recent.append(rec.loss)
+        if len(recent) > self.cfg.verify_recent_steps:
+            del recent[0]
+        base = self._ep.get("baseline")
+        if len(recent) == self.cfg.verify_recent_steps and (base is None or median_of(recent) <= base * (1 + self.cfg.verify_tolerance)):
+            self._close("healthy", rec.step, f"dry run: loss {median_of(recent):.4g} back within band of {base} (nothing was rolled back)")
 
     def _pick_target(self, onset: int) -> int | None:
         steps = sorted(self._checkpoints)
@@ -314,6 +408,13 @@ class RunPolicy:
             return margin_ok[-1]
         before = [s for s in steps if s <= onset]
         return before[0] if before else None
+
+    def _recovered_why(self, rec: StepRecord) -> str:
+        lvl = self.engine.loss_level()
+        base = self._ep.get("baseline")
+        return (f"recovered: {rec.step - self._ep['last']} quiet steps, loss level {lvl:.4g} vs {base:.4g} before the onset; "
+                "no rollback (the sample ids stay on record as suspects)") if lvl is not None and base is not None \
+            else "recovered: no further anomalies"
 
     def _verify(self, rec: StepRecord, out: list[Action]) -> None:
         ep = self._ep
@@ -345,16 +446,17 @@ class RunPolicy:
         self._event("escalated", "critical", f"automation stopped for run {self.run}: {why}", step=step, incident_id=inc.id)
         out.append(self._incident_action(inc, "pause", f"escalated: {why}"))
         out.append(self._incident_action(inc, "page", f"escalated: {why}"))
-        if self.dry_run:
-            inc.closed_at = self.clock()
-            self._current, self._ep = None, {}
-            # a dry run keeps watching (nothing was paused), but remembers it would have stopped here
-            self._state = "healthy"
+        if self.dry_run and not self._ep.get("held"):
+            # nothing was paused: keep watching, but as this one incident until the loss is back
+            self._hold_open(inc, "dry run: would pause and page")
 
     def _close(self, state: str, step: int | None, why: str) -> None:
         inc = self._incidents[self._current]
         self._set_state(state, inc)
         inc.closed_at = self.clock()
+        if state == "recovered":  # the spike's samples stay on record as suspects (not skipped)
+            inc.suspects = merge_ranges(ids_to_ranges([i for s, ids in self._samples
+                                                       if self._ep.get("onset", s) <= s <= self._ep.get("last", -1) for i in ids]))
         self._event("incident_closed", "info", why, step=step, incident_id=inc.id)
         self._current, self._ep = None, {}
         self._state = "healthy"
@@ -436,7 +538,10 @@ class RunPolicy:
             "pending": self._pending,
             "checkpoints": [c.model_dump(mode="json") for c in self._checkpoints.values()],
             "samples": [[s, [list(r) for r in ids_to_ranges(ids)]] for s, ids in self._samples] if include_samples else None,
-            "rollback_times": self._rollback_times,
+            "rollback_log": self._rollback_log,
+            "steps_seen": self.steps_seen,
+            "episodes": list(self._episodes),
+            "pattern": self.pattern,
             "last_fire": self._last_fire,
             "engine": self.engine.state_dict(),
             "events": [e.model_dump(mode="json") for e in self._events],
@@ -454,7 +559,10 @@ class RunPolicy:
         self._checkpoints = {c["step"]: CheckpointInfo.model_validate(c) for c in d["checkpoints"]}
         for s, ranges in d.get("samples") or []:
             self._samples.append((int(s), [i for lo, hi in ranges for i in range(lo, hi)]))
-        self._rollback_times = [float(t) for t in d["rollback_times"]]
+        self._rollback_log = [[float(t), float(n)] for t, n in d.get("rollback_log", [])]
+        self.steps_seen = int(d.get("steps_seen", 0))
+        self._episodes.extend(d.get("episodes", []))
+        self.pattern = d.get("pattern", "none")
         self._last_fire = {k: list(v) for k, v in d["last_fire"].items()}
         self.engine.load_state_dict(d["engine"])
         self._events = [Event.model_validate(e) for e in d.get("events", [])]

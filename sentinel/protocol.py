@@ -275,7 +275,7 @@ class Event(_Record):
     time: float = Field(default_factory=time.time)
 
 
-IncidentState = Literal["suspect", "incident", "rollback", "verifying", "healthy", "escalated", "awaiting_approval"]
+IncidentState = Literal["suspect", "recovered", "incident", "rollback", "verifying", "healthy", "escalated", "awaiting_approval"]
 
 
 class Incident(_Record):
@@ -291,6 +291,8 @@ class Incident(_Record):
     actions: list[dict[str, Any]] = Field(default_factory=list)
     rollback_to: int | None = None
     skip_ranges: list[tuple[int, int]] = Field(default_factory=list)
+    pattern: str | None = None  # spike episodes of the run: one-off | periodic | increasing (policy._classify)
+    suspects: list[tuple[int, int]] = Field(default_factory=list)  # sample ids of a recovered spike (kept, not skipped)
 
 
 CheckpointVerification = Literal["unverified", "checksum_ok", "resume_verified", "failed"]

@@ -75,6 +75,7 @@ class LossSpikeRule(RuleBase):
     threshold: float = Field(6.0, gt=0)  # robust z (median/MAD) for a spike
     min_ratio: float = Field(1.08, ge=1)  # ... and loss / recent level (EMA) at least this
     ema_alpha: float = Field(0.05, gt=0, le=1)
+    recent_window: int = Field(32, ge=0)  # noise-aware: level and local spread of the last N admitted losses (0: off)
 
 
 class GradNormSpikeRule(RuleBase):
@@ -88,17 +89,22 @@ class GradNormSpikeRule(RuleBase):
 
 
 class DivergenceRule(RuleBase):
+    """Damage that persists: the loss stays above the run's own best level (a level shift, a slow
+    decay, a climb), or most recent steps are anomalous (it keeps getting worse)."""
+
     severity: Severity = "critical"
     action: RuleAction = "rollback"
     cooldown_steps: int = Field(50, ge=0)
-    k: int = Field(8, ge=1)  # at least k ...
+    k: int = Field(12, ge=1)  # fast path: at least k ...
     n: int = Field(16, ge=1)  # ... of the last n steps anomalous
     threshold: float = Field(3.0, gt=0)  # robust z that makes a step "anomalous" here
     min_ratio: float = Field(1.02, ge=1)
-    # slow climb: smoothed loss this far above its lowest value of the last rise_horizon steps
-    max_rise: float = Field(0.06, gt=0)
-    rise_horizon: int = Field(500, ge=10)
-    rise_alpha: float = Field(0.02, gt=0, le=1)
+    # level shift: median of the last level_window losses above the lowest such median of the last
+    # level_horizon steps by more than max(min_rise x that level, level_sigmas x per-step noise sigma)
+    level_window: int = Field(24, ge=4)
+    level_horizon: int = Field(500, ge=10)
+    level_sigmas: float = Field(2.5, gt=0)
+    min_rise: float = Field(0.02, ge=0)
 
 
 class ValDivergenceRule(RuleBase):
@@ -211,15 +217,16 @@ class Rules(_Strict):
 class PolicyConfig(_Strict):
     rollback_margin_steps: int = Field(100, ge=0)  # M: roll back to a checkpoint <= onset - M (PaLM: ~100)
     skip_margin_steps: int = Field(10, ge=0)  # skip samples of steps [onset - margin, detection]
-    max_rollbacks_per_hour: int = Field(2, ge=0)  # R; one more escalates
+    max_rollbacks_per_hour: int = Field(2, ge=0)  # R real rollbacks per hour; one more escalates ...
+    rollback_window_steps: int = Field(1000, ge=1)  # ... and per this many trained steps (dry runs never count)
     verify_window_steps: int = Field(300, ge=1)  # W: steps after the restore for the loss to come back
     verify_tolerance: float = Field(0.05, ge=0)  # back means median of recent loss <= baseline * (1 + tol)
     verify_recent_steps: int = Field(5, ge=1)
-    suspect_max_skipped: int = Field(3, ge=1)  # more skipped anomalies than this in one episode -> incident
-    suspect_clear_steps: int = Field(100, ge=1)  # quiet steps before a suspect episode closes
+    suspect_clear_steps: int = Field(30, ge=1)  # quiet steps after which a spike episode closes as recovered
     episode_gap_steps: int = Field(20, ge=1)  # an anomaly this long after the previous one starts a new episode
     sample_history_steps: int = Field(2048, ge=1)  # sample ids kept for skip lists
-    require_approval: bool = False
+    page_on_increasing_spikes: bool = True  # ever more frequent (recovered) spikes page a human
+    require_approval: bool = False  # pause, page, and wait for `sentinel approve` before rolling back
     dry_run: bool = False
 
 
@@ -339,28 +346,35 @@ class _LossEval(_Eval):
         s, v = self.spike_cfg, self.div_cfg
         self.det = d.SpikeDetector(
             window=s.window, min_history=s.min_history, z_spike=s.threshold, ratio_spike=s.min_ratio,
-            z_elevated=v.threshold, ratio_elevated=v.min_ratio, ema_alpha=s.ema_alpha,
+            z_elevated=v.threshold, ratio_elevated=v.min_ratio, ema_alpha=s.ema_alpha, recent=s.recent_window,
         )
         self.kofn = d.KOfN(min(v.k, v.n), v.n)
-        self.rise = d.RiseDetector(max_rise=v.max_rise, horizon=v.rise_horizon, alpha=v.rise_alpha,
-                                   warmup=s.min_history + int(3 / v.rise_alpha))
-        self._det_update, self._rise_update = self.det.update, self.rise.update
+        self.shift = d.LevelShift(window=v.level_window, horizon=v.level_horizon, sigmas=v.level_sigmas,
+                                  min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window)
+        self._det_update, self._shift_update = self.det.update, self.shift.update
+        self.noise = 0.0  # robust per-step sigma of the admitted losses, refreshed every NOISE_EVERY steps
+        self._noise_n = 0
         self.nf_run = 0  # consecutive non-finite losses
         self.spike_on = s.enabled
         self.div_on = v.enabled
         self.nf_on = self.nf_cfg.enabled
 
+    NOISE_EVERY = 16
+
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
         step, x = rec.step, rec.loss
         code = self._det_update(step, x)
-        if code != 3 and self._rise_update(step, x) and self.div_on:  # 3: NONFINITE
-            c, r = self.div_cfg, self.rise
-            m = r.minimum()
-            out.append(Finding("divergence", c.severity, c.action, step,
-                               f"smoothed loss {_f(r.smooth)} is {r.rise():.1%} above its minimum {_f(m[1])} at step {m[0]}",
-                               value=x, onset_step=m[0] + 1, anomaly=True))
-            if code <= 0:
-                return
+        if code != 3:  # 3: NONFINITE
+            self._noise_n += 1
+            if self._noise_n >= self.NOISE_EVERY and len(self.det.window) >= 8:
+                self._noise_n = 0
+                self.noise = d.MAD_TO_SIGMA * self.det.window.mad()
+            if self._shift_update(step, x, self.noise) and self.div_on:
+                c, sh = self.div_cfg, self.shift
+                out.append(Finding("divergence", c.severity, c.action, step,
+                                   f"loss level {_f(sh.best + sh.excess)} (median of {sh.window}) is {_f(sh.excess)} above "
+                                   f"the run's best {_f(sh.best)} (bar {_f(sh.bar)})",
+                                   value=x, onset_step=sh.onset(step), anomaly=True))
         if code <= 0:
             self.nf_run = 0
             if self.kofn._flagged:
@@ -392,13 +406,14 @@ class _LossEval(_Eval):
     def rewind(self, keep_through_step: int) -> None:
         self.det.rewind(keep_through_step)
         self.kofn.clear()
-        self.rise.reset()
+        self.shift.rewind(keep_through_step)
         self.nf_run = 0
 
     def reset(self) -> None:
         self.det.reset()
         self.kofn.clear()
-        self.rise.reset()
+        self.shift.reset()
+        self.noise, self._noise_n = 0.0, 0
         self.nf_run = 0
 
     def clear_episode(self) -> None:
@@ -406,12 +421,15 @@ class _LossEval(_Eval):
         self.kofn.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "rise": self.rise.state_dict(), "nf_run": self.nf_run}
+        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(),
+                "noise": self.noise, "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.det.load_state_dict(st["det"])
         self.kofn.load_state_dict(st["kofn"])
-        self.rise.load_state_dict(st["rise"])
+        if "shift" in st:  # state saved before the level-shift detector existed starts it afresh
+            self.shift.load_state_dict(st["shift"])
+        self.noise = float(st.get("noise", 0.0))
         self.nf_run = int(st["nf_run"])
 
 
