@@ -294,7 +294,9 @@ class RunPolicy:
         ep = self._ep
         ep["count"] += 1
         ep["last"] = rec.step
-        if onset < ep["onset"]:
+        if onset < ep["onset"] - (self.cfg.episode_gap_steps if ep["count"] > 1 else 0):
+            # a level shift that began well before the spike that opened this episode names the
+            # onset; a few steps' disagreement is only the estimate's noise: the spike is exact
             ep["onset"] = inc.onset_step = onset
         inc.detect_step = rec.step
         for a in anomalies:
@@ -399,7 +401,9 @@ class RunPolicy:
             del recent[0]
         base = self._ep.get("baseline")
         if len(recent) == self.cfg.verify_recent_steps and (base is None or median_of(recent) <= base * (1 + self.cfg.verify_tolerance)):
-            self._close("healthy", rec.step, f"dry run: loss {median_of(recent):.4g} back within band of {base} (nothing was rolled back)")
+            # forget the damaged stretch (as a restore would have): it must not be judged again
+            self.engine.rewind(inc.onset_step - 1)
+            self._close("healthy", rec.step, f"dry run: loss {median_of(recent):.4g} back within band of {base:.4g} (nothing was rolled back)")
 
     def _pick_target(self, onset: int) -> int | None:
         steps = sorted(self._checkpoints)

@@ -422,14 +422,14 @@ class _LossEval(_Eval):
 
     def state_dict(self) -> dict[str, Any]:
         return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(),
-                "noise": self.noise, "nf_run": self.nf_run}
+                "noise": self.noise, "noise_n": self._noise_n, "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.det.load_state_dict(st["det"])
         self.kofn.load_state_dict(st["kofn"])
         if "shift" in st:  # state saved before the level-shift detector existed starts it afresh
             self.shift.load_state_dict(st["shift"])
-        self.noise = float(st.get("noise", 0.0))
+        self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
         self.nf_run = int(st["nf_run"])
 
 

@@ -14,29 +14,41 @@ from sentinel.protocol import StepRecord, TimelineRecord
 from sentinel.rules import default_rules
 
 
-def loss_only_trace(tmp_path: Path, spikes=(400,), n: int = 600) -> Path:
+def loss_only_trace(tmp_path: Path, spikes=(400,), n: int = 600, shift_from: int | None = None) -> Path:
+    """A flat noisy curve; ``spikes`` are one-step x1.5 spikes that recover, ``shift_from`` starts a
+    persistent +10% level shift (damage)."""
     rng = random.Random(0)
     lines = []
     for s in range(1, n + 1):
-        loss = 3.0 * (1 + rng.gauss(0, 0.01)) * (1.5 if s in spikes else 1.0)
+        loss = 3.0 * (1 + rng.gauss(0, 0.01)) * (1.5 if s in spikes else 1.0) * (1.1 if shift_from and s >= shift_from else 1.0)
         lines.append(json.dumps({"step": s, "loss": round(loss, 4), "wall_ms": 31559 + 100 * s}))
     p = tmp_path / "curve.jsonl"
     p.write_text("\n".join(lines) + "\n")
     return p
 
 
-def test_backtest_flags_the_spike_and_proposes_a_rollback(tmp_path):
+def test_a_spike_that_recovers_is_flagged_and_annotated_but_not_rolled_back(tmp_path):
     res = backtest(load_trace(loss_only_trace(tmp_path)), default_rules())
     assert res.flagged == [400]
-    assert [a["kind"] for a in res.actions] == ["rollback"]
-    assert res.actions[0]["to_step"] == 300 and res.actions[0]["step"] == 400
+    assert res.actions == []
     assert res.fired[0]["rule"] == "loss_spike" and res.fired[0]["severity"] == "warning"
-    assert res.to_json() == {"flagged": res.flagged, "actions": res.actions}
+    [inc] = res.incidents
+    assert inc["state"] == "recovered" and inc["onset_step"] == 400 and inc["pattern"] == "one-off"
+    assert res.unjudged == 0 and res.records == 600
 
 
-def test_backtest_without_checkpoints_escalates(tmp_path):
-    res = backtest(load_trace(loss_only_trace(tmp_path)), default_rules(), checkpoint_every=None)
-    assert [a["kind"] for a in res.actions] == ["pause", "page"]
+def test_persistent_damage_rolls_back_before_the_onset_then_stops_judging(tmp_path):
+    res = backtest(load_trace(loss_only_trace(tmp_path, spikes=(), shift_from=400)), default_rules())
+    [act] = res.actions
+    assert act["kind"] == "rollback" and act["to_step"] <= 300 and 400 <= act["step"] <= 450
+    # the live run would have restored a checkpoint: the trace's later records would never have existed
+    assert res.records == act["step"] and res.unjudged == 600 - act["step"]
+    assert res.to_json()["unjudged"] == res.unjudged
+
+
+def test_backtest_without_checkpoints_escalates_once(tmp_path):
+    res = backtest(load_trace(loss_only_trace(tmp_path, spikes=(), shift_from=400)), default_rules(), checkpoint_every=None)
+    assert [a["kind"] for a in res.actions] == ["pause", "page"]  # paused: nothing after it is judged
 
 
 def test_full_steps_jsonl_with_timeline_records(tmp_path):
@@ -45,32 +57,45 @@ def test_full_steps_jsonl_with_timeline_records(tmp_path):
     for s in range(1, 301):
         recs.append(StepRecord(run="r", step=s, loss=3.0 * (1 + rng.gauss(0, 0.01)), loss_max_rank=3.1, grad_norm=1.0, lr=1e-3,
                                tokens=s, batch_fingerprint="f", time=float(s), sample_ids=[s]))
-    recs.append(StepRecord(run="r", step=301, loss=6.0, loss_max_rank=6.0, grad_norm=1.0, lr=1e-3, tokens=301,
-                           batch_fingerprint="f", time=301.0, sample_ids=[301]))
-    recs.append(TimelineRecord(kind="rollback", run="r", from_step=200, timeline=1, time=302.0))
-    for s in range(201, 260):
+    for s in range(301, 306):  # the loss goes NaN and stays NaN: immediate damage after persist_steps
+        recs.append(StepRecord(run="r", step=s, loss=float("nan"), loss_max_rank=6.0, grad_norm=1.0, lr=1e-3, tokens=s,
+                               batch_fingerprint="f", time=float(s), sample_ids=[s]))
+    recs.append(TimelineRecord(kind="rollback", run="r", from_step=200, timeline=1, time=306.0))
+    for s in range(201, 360):
         recs.append(StepRecord(run="r", step=s, timeline=1, loss=3.0 * (1 + rng.gauss(0, 0.01)), loss_max_rank=3.1, grad_norm=1.0,
-                               lr=1e-3, tokens=s, batch_fingerprint="f", time=302.0 + s, sample_ids=[s]))
+                               lr=1e-3, tokens=s, batch_fingerprint="f", time=306.0 + s, sample_ids=[s]))
     p = tmp_path / "steps.jsonl"
     p.write_text("\n".join(r.to_json() for r in recs) + "\n")
     res = backtest(load_trace(p), default_rules())
-    assert res.flagged == [301]
-    assert res.actions[0]["kind"] == "rollback"
-    assert [list(r) for r in res.actions[0]["ranges"]] == [[291, 302]]  # sample ids of steps [301 - 10, 301]
+    assert res.flagged == [301, 302, 303]
+    [act] = res.actions
+    assert act["kind"] == "rollback" and act["step"] == 303 and act["to_step"] == 200
+    assert [list(r) for r in act["ranges"]] == [[291, 304]]  # sample ids of steps [301 - 10, 303]
+    assert res.unjudged == 2  # 304, 305: after the decision, before the trace's own rollback marker
+    assert res.records == 303 + 159  # judged again on the trace's new timeline
+    assert res.incidents[0]["state"] == "healthy"  # verified after the rollback
+
+
+def test_dry_run_rules_never_stop_the_backtest(tmp_path):
+    from sentinel.rules import RuleSet
+    rs = RuleSet.model_validate({"policy": {"dry_run": True}})
+    res = backtest(load_trace(loss_only_trace(tmp_path, spikes=(), shift_from=400)), rs)
+    assert [a["kind"] for a in res.actions] == ["rollback"] and res.unjudged == 0  # one fault, one decision
 
 
 def test_cli_json_shape_on_loss_only_trace(tmp_path):
-    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path)), "--json"])
+    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500)), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert set(data) == {"flagged", "actions"}
-    assert data["flagged"] == [400] and data["actions"][0]["kind"] == "rollback"
+    assert set(data) == {"flagged", "actions", "records", "unjudged", "incidents"}
+    assert data["flagged"][0] == 400 and data["actions"][0]["kind"] == "rollback"
+    assert [i["state"] for i in data["incidents"]][0] == "recovered"
 
 
 def test_cli_table_output(tmp_path):
-    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path))])
+    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500))])
     assert r.exit_code == 0, r.output
-    assert "loss_spike" in r.output and "rollback" in r.output
+    assert "loss_spike" in r.output and "rollback" in r.output and "not judged" in r.output
 
 
 def test_cli_custom_rules(tmp_path):

@@ -114,14 +114,42 @@ def test_kofn_and_onset():
     assert not k.update(7, False)  # steps 1 and 3 fell out of the window
 
 
-def test_rise_detector_fires_on_slow_climb_not_on_falling_noise():
-    r = d.RiseDetector(max_rise=0.06, horizon=500, alpha=0.02, warmup=100)
-    rng = random.Random(0)
-    xs = [2.6 + 8 * (t + 10) ** -0.35 * (1 + rng.gauss(0, 0.03)) for t in range(2000)]
-    assert not any(r.update(i, x) for i, x in enumerate(xs))
-    fired = [r.update(2000 + i, xs[-1] * (1 + 0.3 * i / 150) * (1 + rng.gauss(0, 0.03))) for i in range(150)]
-    assert any(fired)
-    assert r.minimum()[0] < 2000
+def _falling(n: int, seed: int, sigma: float = 0.1) -> list[float]:
+    rng = random.Random(seed)
+    return [3.0 + 2.0 * (t + 50) ** -0.5 + rng.gauss(0, sigma) for t in range(n)]
+
+
+def test_level_shift_quiet_on_falling_noise_with_recovered_spikes():
+    sh = d.LevelShift(window=24, horizon=500, sigmas=2.5, min_rise=0.02, warmup=100)
+    xs = _falling(3000, 0)
+    for s in range(300, 3000, 97):  # spikes of 1-5 steps that recover
+        for k in range(1 + s % 5):
+            xs[s + k] += 1.5
+    assert not any(sh.update(i, x, 0.1) for i, x in enumerate(xs))
+
+
+@pytest.mark.parametrize("shape", ["jump", "climb"])
+def test_level_shift_catches_persistent_damage_with_an_onset_at_or_before_it(shape):
+    sh = d.LevelShift(window=24, horizon=500, sigmas=2.5, min_rise=0.02, warmup=100)
+    xs = _falling(2000, 1)
+    for i in range(1500, 2000):
+        xs[i] += 0.3 if shape == "jump" else min(0.5, 0.5 * (i - 1500) / 150)
+    fired = [i for i, x in enumerate(xs) if sh.update(i, x, 0.1)]
+    assert fired and fired[0] >= 1500
+    assert fired[0] <= (1530 if shape == "jump" else 1650)
+    assert sh.onset(fired[0]) <= 1500 + (0 if shape == "jump" else 100)
+
+
+def test_level_shift_rewind_and_state_round_trip():
+    sh = d.LevelShift(window=8, horizon=100, warmup=20)
+    for i, x in enumerate(_falling(200, 2)):
+        sh.update(i, x, 0.1)
+    st = sh.state_dict()
+    sh2 = d.LevelShift(window=8, horizon=100, warmup=20)
+    sh2.load_state_dict(st)
+    assert sh2.state_dict() == st
+    sh2.rewind(150)
+    assert all(s <= 150 for s, _ in sh2._mono) and all(s <= 150 for s, _ in sh2.win._fifo)
 
 
 def test_persistence_needs_steps_and_seconds():
@@ -189,12 +217,12 @@ def test_nonfinite_loss_counts_persistence():
     assert len(nf) == 3 and nf[-1].onset_step == 100 and nf[0].anomaly
 
 
-def test_divergence_k_of_n():
+def test_divergence_on_a_persistent_level_shift():
     e = RuleEngine(default_rules())
-    xs = healthy(300) + [3.0 * 1.06 * (1 + 0.005 * (i % 3)) for i in range(20)]
+    xs = healthy(300) + [3.0 * 1.06 * (1 + 0.005 * (i % 3)) for i in range(30)]
     found = run(e, [rec(i, x) for i, x in enumerate(xs)])
     div = [f for f in found if f.rule == "divergence"]
-    assert div and div[0].step < 300 + 16 and div[0].onset_step >= 300
+    assert div and div[0].step < 300 + 16 and div[0].onset_step <= 300
 
 
 def test_val_divergence():

@@ -53,14 +53,26 @@ def policy(rules: RuleSet | None = None, **kw) -> tuple[RunPolicy, Clock]:
     return RunPolicy(RUN, rules or default_rules(), clock=c, **kw), c
 
 
-def to_rollback(p: RunPolicy) -> Action:
-    """Healthy run to 299, a guard-skipped spike at 300 (suspect), an unskipped one at 301 (incident)."""
+DAMAGE_AT = 300
+
+
+def to_rollback(p: RunPolicy, loss: float = 5.0) -> Action:
+    """Healthy run to 299; from 300 the loss stays high (the guard skipped the first step): damage."""
     warm(p)
-    assert p.on_step(rec(300, 5.0, skipped=True)) == []
-    assert p.state == "suspect"
-    acts = p.on_step(rec(301, 5.2))
+    assert p.on_step(rec(DAMAGE_AT, loss, skipped=True)) == []
+    assert p.state == "suspect"  # one high batch is not damage
+    acts: list[Action] = []
+    s = DAMAGE_AT
+    while not acts:
+        s += 1
+        assert s < DAMAGE_AT + 30, "persistent damage was not rolled back"
+        acts = p.on_step(rec(s, loss))
     assert [a.kind for a in acts] == ["rollback"]
     return acts[0]
+
+
+def detect_step(p: RunPolicy) -> int:
+    return p.incidents[-1].detect_step
 
 
 def test_walk_healthy_suspect_incident_rollback_verifying_healthy():
@@ -68,52 +80,114 @@ def test_walk_healthy_suspect_incident_rollback_verifying_healthy():
     assert p.state == "healthy"
     act = to_rollback(p)
     assert p.state == "rollback"
+    d = detect_step(p)
+    assert DAMAGE_AT < d <= DAMAGE_AT + 16  # it stayed high on the following, different batches
     # PaLM: newest checkpoint at least M=100 steps before the onset (300) -> 200
     assert act.to_step == 200 and act.incident_id == f"{RUN}-t0-s300"
-    # skip list: sample ids of steps [onset - 10, detection] = [290, 301]
-    assert act.ranges == [(290 * IDS_PER_STEP, 302 * IDS_PER_STEP)]
+    # skip list: sample ids of steps [onset - 10, detection]: through the end of the elevated region
+    assert act.ranges == [(290 * IDS_PER_STEP, (d + 1) * IDS_PER_STEP)]
     assert p.on_ack(Ack(run=RUN, directive_id="d1", kind="rollback", status="applied", step=200, timeline=1)) == []
     assert p.state == "rollback"
     p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
     assert p.state == "verifying"
     x = noise(5)
-    for s in range(201, 302):
+    for s in range(201, d + 1):
         p.on_step(rec(s, x(), timeline=1))
         assert p.state == "verifying"
-    p.on_step(rec(302, x(), timeline=1))
+    p.on_step(rec(d + 1, x(), timeline=1))
     assert p.state == "healthy"
     inc = p.incidents[0]
     assert inc.state == "healthy" and inc.closed_at is not None and inc.rollback_to == 200
-    assert [e["step"] for e in inc.evidence] == [300, 301] and inc.evidence[0]["skipped"] is True
+    assert inc.evidence[0]["step"] == 300 and inc.evidence[0]["skipped"] is True
     kinds = [e.kind for e in p.drain_events()]
     for k in ("incident_opened", "incident", "action", "ack", "rollback", "verifying", "incident_closed"):
         assert k in kinds
     assert kinds.index("incident_opened") < kinds.index("incident") < kinds.index("verifying") < kinds.index("incident_closed")
 
 
-def test_suspect_clears_when_quiet():
+@pytest.mark.parametrize("skipped", [True, False])
+def test_a_spike_that_recovers_is_annotated_not_rolled_back(skipped):
+    """Guard or no guard: one high batch, then the loss is back in band -> recovered, suspects kept."""
     p, _ = policy()
     warm(p)
-    p.on_step(rec(300, 5.0, skipped=True))
+    acts = p.on_step(rec(300, 5.0, skipped=skipped))
+    acts += p.on_step(rec(301, 4.0))  # a two-step spike
     x = noise(1)
-    for s in range(301, 401):
-        p.on_step(rec(s, x()))
-    assert p.state == "healthy" and p.incidents[0].state == "healthy"
+    for s in range(302, 401):
+        acts += p.on_step(rec(s, x()))
+    assert acts == [] and p.state == "healthy"
+    inc = p.incidents[0]
+    assert inc.state == "recovered" and inc.pattern == "one-off" and inc.rollback_to is None
+    assert inc.suspects == [(300 * IDS_PER_STEP, 302 * IDS_PER_STEP)]  # the spike's samples, kept on record
+    assert any(e.kind == "incident_closed" and "recovered" in e.message for e in p.drain_events())
 
 
-def test_too_many_skipped_anomalies_become_an_incident():
+def test_many_recovered_spikes_never_become_a_rollback():
     p, _ = policy()
     warm(p)
-    kinds = []
-    for s in range(300, 304):
-        kinds += [a.kind for a in p.on_step(rec(s, 5.0, skipped=True))]
-    assert kinds == ["rollback"]  # the 4th skipped spike exceeds suspect_max_skipped=3
+    acts = []
+    x = noise(3)
+    for s in range(300, 1200):
+        acts += p.on_step(rec(s, 6.0 if s % 50 == 0 or s % 50 == 1 else x()))
+    assert [a.kind for a in acts if a.kind in ("rollback", "pause")] == []
+    assert {i.state for i in p.incidents} == {"recovered"}
+
+
+def test_spike_pattern_periodic_and_increasing_pages():
+    p, _ = policy()
+    warm(p)
+    x = noise(4)
+    # every 60 steps: periodic
+    spikes = {360, 420, 480, 540}
+    acts = []
+    for s in range(300, 560):
+        acts += p.on_step(rec(s, 6.0 if s in spikes else x()))
+    assert p.pattern == "periodic" and p.incidents[-1].pattern == "periodic" and acts == []
+    # then ever closer together: 560 + 200, +100, +45, +25 ... -> increasing pages once
+    p2, _ = policy()
+    warm(p2)
+    spikes2 = {400, 700, 1000, 1300, 1600, 1700, 1745, 1770}
+    acts2 = []
+    for s in range(300, 1800):
+        acts2 += p2.on_step(rec(s, 6.0 if s in spikes2 else x()))
+    assert p2.pattern == "increasing"
+    pages = [a for a in acts2 if a.kind == "page"]
+    assert len(pages) == 1 and "increasing" in pages[0].reason
+    assert not [a for a in acts2 if a.kind in ("rollback", "pause")]
+
+
+def test_same_data_coming_back_is_periodic():
+    p, _ = policy()
+    warm(p)
+    x = noise(6)
+    for s in range(300, 700):
+        r = rec(s, 6.0 if s in (400, 650) else x())
+        if s == 650:  # the same samples as the spike at 400 (a second epoch over the data)
+            r = r.model_copy(update={"sample_ids": list(range(400 * IDS_PER_STEP, 401 * IDS_PER_STEP))})
+        p.on_step(r)
+    assert p.pattern == "periodic"
+
+
+def test_persistent_nan_is_immediate_damage_a_single_nan_is_not():
+    p, _ = policy()
+    warm(p)
+    assert p.on_step(rec(300, float("nan"))) == []
+    x = noise(7)
+    for s in range(301, 340):
+        assert p.on_step(rec(s, x())) == []
+    acts = []
+    for s in range(340, 343):
+        acts += p.on_step(rec(s, float("nan"), skipped=True))
+    assert [a.kind for a in acts] == ["rollback"] and p.incidents[-1].detect_step == 342  # persist_steps = 3
 
 
 def test_escalates_when_loss_does_not_recover_within_w():
     rs = RuleSet.model_validate({"policy": {"verify_window_steps": 50}, "rules": {"divergence": {"enabled": False}}})
     p, _ = policy(rs)
-    to_rollback(p)
+    warm(p)
+    p.on_step(rec(300, float("nan")))
+    p.on_step(rec(301, float("nan")))
+    assert [a.kind for a in p.on_step(rec(302, float("nan")))] == ["rollback"]
     p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
     acts = []
     for s in range(201, 251):
@@ -125,11 +199,15 @@ def test_escalates_when_loss_does_not_recover_within_w():
     assert p.on_step(rec(251, 9.0, timeline=1)) == []
 
 
-def test_anomaly_during_verification_escalates():
+def test_damage_during_verification_escalates():
     p, _ = policy()
     to_rollback(p)
     p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
-    acts = p.on_step(rec(201, 6.0, timeline=1))
+    acts = []
+    for s in range(201, 240):
+        acts += p.on_step(rec(s, 6.0, timeline=1))
+        if acts:
+            break
     assert p.state == "escalated" and [a.kind for a in acts] == ["pause", "page"]
 
 
@@ -151,52 +229,84 @@ def test_rollback_target_selection():
     assert p._pick_target(300) == 180  # failed checkpoints are never targets
 
 
+def damage(p: RunPolicy, start: int, timeline: int = 0, loss: float = 5.0) -> list[Action]:
+    acts: list[Action] = []
+    for s in range(start, start + 30):
+        acts += p.on_step(rec(s, loss, timeline=timeline))
+        if acts:
+            break
+    return acts
+
+
 def test_no_checkpoint_escalates():
     p, _ = policy()
     warm(p, ckpt_every=10_000)
-    acts = p.on_step(rec(300, 5.0))
+    acts = damage(p, 300)
     assert p.state == "escalated" and [a.kind for a in acts] == ["pause", "page"]
 
 
-def test_rate_limit_escalates():
-    rs = RuleSet.model_validate({"policy": {"max_rollbacks_per_hour": 1}})
+def test_rate_limit_counts_real_rollbacks_in_time_and_steps():
+    rs = RuleSet.model_validate({"policy": {"max_rollbacks_per_hour": 1, "rollback_window_steps": 1000}})
     p, clock = policy(rs)
-    warm(p)
-    assert [a.kind for a in p.on_step(rec(300, 5.0))] == ["rollback"]
+    to_rollback(p)
     p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
     x = noise(2)
-    for s in range(201, 302):
+    for s in range(201, 330):
         p.on_step(rec(s, x(), timeline=1))
     assert p.state == "healthy"
     p.on_checkpoint(ckpt(250, timeline=1))
     p.on_checkpoint(ckpt(300, timeline=1))
-    for s in range(302, 420):
+    for s in range(330, 420):
         p.on_step(rec(s, x(), timeline=1))
-    clock.t += 600  # ten minutes later: still inside the hour
-    acts = p.on_step(rec(420, 5.0, timeline=1))
-    assert [a.kind for a in acts] == ["pause", "page"] and "rate limit" in acts[0].reason
+    clock.t += 4000  # more than an hour later, but within 1000 trained steps
+    acts = damage(p, 420, timeline=1)
+    assert [a.kind for a in acts] == ["pause", "page"] and "rate limit" in acts[0].reason and "steps" in acts[0].reason
 
 
-def test_dry_run_emits_nothing_but_records_decisions():
-    p, _ = policy(dry_run=True)
+def test_rate_limit_resets_after_an_hour_and_enough_steps():
+    rs = RuleSet.model_validate({"policy": {"max_rollbacks_per_hour": 1, "rollback_window_steps": 100}})
+    p, clock = policy(rs)
+    to_rollback(p)
+    p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
+    x = noise(2)
+    for s in range(201, 420):
+        p.on_step(rec(s, x(), timeline=1))
+        if s % 50 == 0:
+            p.on_checkpoint(ckpt(s, timeline=1))
+    clock.t += 4000
+    assert [a.kind for a in damage(p, 420, timeline=1)] == ["rollback"]
+
+
+def test_dry_run_one_fault_one_incident_and_no_rate_limit_used():
+    rs = RuleSet.model_validate({"policy": {"max_rollbacks_per_hour": 1}})
+    p, _ = policy(rs, dry_run=True)
     warm(p)
-    assert p.on_step(rec(300, 5.0)) == []
+    for s in range(300, 700):  # the damage is never undone (nothing is sent): it persists for 400 steps
+        assert p.on_step(rec(s, 5.0)) == []
     events = p.drain_events()
     acted = [e for e in events if e.kind == "action"]
-    assert acted and acted[0].data["dry_run"] is True and acted[0].data["action"]["kind"] == "rollback"
-    assert p.incidents[0].actions[0]["dry_run"] is True
-    assert p.state == "healthy"  # nothing will be restored, so it keeps watching
+    assert [e.data["action"]["kind"] for e in acted] == ["rollback"] and acted[0].data["dry_run"] is True
+    assert len(p.incidents) == 1 and p.incidents[0].actions[0]["dry_run"] is True
+    assert p._rollback_log == []  # pretend rollbacks never consume the rate limit
+    x = noise(8)
+    for s in range(700, 720):  # back in band: the held incident closes
+        p.on_step(rec(s, x()))
+    assert p.state == "healthy" and p.incidents[0].closed_at is not None
+    for s in range(720, 1000):  # a second fault later: its own incident, would-be rollback not rate-limited
+        p.on_step(rec(s, 5.0 if s >= 900 else x()))
+    kinds = [e.data["action"]["kind"] for e in p.drain_events() if e.kind == "action"]
+    assert kinds == ["rollback"] and len(p.incidents) == 2
 
 
-def test_require_approval_waits_for_approve():
+def test_require_approval_pauses_and_says_so_then_rolls_back_and_resumes():
     p, _ = policy(require_approval=True)
     warm(p)
-    acts = p.on_step(rec(300, 5.0))
-    assert [a.kind for a in acts] == ["page"] and p.state == "awaiting_approval"
+    acts = damage(p, 300)
+    assert [a.kind for a in acts] == ["pause", "page"] and p.state == "awaiting_approval"
     iid = p.incidents[0].id
-    assert iid in acts[0].reason
+    assert iid in acts[1].reason and "paused" in acts[1].reason
     acts = p.approve(iid)
-    assert [a.kind for a in acts] == ["rollback"] and acts[0].to_step == 200 and p.state == "rollback"
+    assert [a.kind for a in acts] == ["rollback", "resume"] and acts[0].to_step == 200 and p.state == "rollback"
     with pytest.raises(ValueError):
         p.approve(iid)
     with pytest.raises(ValueError):
@@ -235,7 +345,8 @@ def test_state_dict_round_trip_mid_incident_gives_identical_actions():
             out += p.on_step(rec(s, x(), timeline=1))
             if s % 50 == 0:
                 p.on_checkpoint(ckpt(s, timeline=1))
-        out += p.on_step(rec(330, 5.5, timeline=1))  # a new incident after recovery
+        for s in range(330, 350):  # a new incident after recovery
+            out += p.on_step(rec(s, 5.5, timeline=1))
         return [x.model_dump() for x in out] + [p.state] + [i.model_dump(exclude={"opened_at", "closed_at"}) for i in p.incidents]
 
     assert tail(a) == tail(b)
@@ -245,7 +356,7 @@ def test_stale_timeline_records_are_ignored():
     p, _ = policy()
     to_rollback(p)
     p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
-    assert p.on_step(rec(302, 50.0, timeline=0)) == []  # a late record of the abandoned timeline
+    assert p.on_step(rec(330, 50.0, timeline=0)) == []  # a late record of the abandoned timeline
     assert p.state == "verifying"
 
 
@@ -265,7 +376,7 @@ def test_tick_checkpoint_age_requests_checkpoint():
     assert [a.kind for a in acts] == ["checkpoint-now"]
 
 
-def test_an_old_guard_handled_blip_does_not_drag_a_later_onset_back():
+def test_an_old_recovered_blip_does_not_drag_a_later_onset_back():
     """A NaN the guard skipped at step 300, then real damage at 360: the rollback must be planned
     from onset 360 (target <= 260, skip window from 350), not from 300 (which would lose 60 more steps
     of data and skip samples that did nothing wrong)."""
@@ -278,11 +389,9 @@ def test_an_old_guard_handled_blip_does_not_drag_a_later_onset_back():
     x = noise(2)
     for s in range(301, 360):
         p.on_step(rec(s, x()))
-    acts = []
-    for s in range(360, 366):
-        acts += p.on_step(rec(s, 6.0))
+    acts = damage(p, 360, loss=6.0)
     (rb,) = [a for a in acts if a.kind == "rollback"]
     inc = p.incidents[-1]
     assert inc.onset_step == 360 and rb.to_step == 250  # newest checkpoint <= 360 - 100
     assert min(lo for lo, _ in rb.ranges) == (360 - 10) * IDS_PER_STEP  # skip window starts at onset - margin
-    assert p.incidents[0].state == "healthy"  # the blip's episode was closed, not merged
+    assert p.incidents[0].state == "recovered"  # the blip's episode was closed, not merged

@@ -1,6 +1,8 @@
 """`sentinel backtest`: run the rules offline over a recorded step log.
 
-The same RunPolicy and rules as the daemon, in dry-run mode, so "what would it have done on last
+The same RunPolicy and rules as the daemon, in the mode the daemon runs (see sentinel/backtest.py for
+what it assumes: checkpoints every N steps, no guard unless the trace says so, no judging of records
+a rollback or pause would have prevented), so "what would it have done on last
 week's run?" and "would this rules change have paged us?" have exact answers before deploying.
 """
 
@@ -62,4 +64,6 @@ def _print_tables(trace: str, res) -> None:
         a.add_row(str(act["step"]), act["kind"], "" if act["to_step"] is None else str(act["to_step"]),
                   str(len(act["ranges"])), act["incident_id"] or "", act["reason"])
     console.print(a)
-    console.print(f"{res.records} steps, {len(res.flagged)} flagged, {len(res.actions)} actions, {len(res.incidents)} incidents")
+    console.print(f"{res.records} steps, {len(res.flagged)} flagged, {len(res.actions)} actions, {len(res.incidents)} incidents"
+                  + (f"; {res.unjudged} later steps not judged (the live run would have rolled back or paused there)"
+                     if res.unjudged else ""))
