@@ -25,7 +25,7 @@ import redis
 
 from sentinel import bus
 from sentinel.metrics import SentinelMetrics
-from sentinel.policy import DIRECTIVE_KINDS, Action, RunPolicy
+from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
 from sentinel.protocol import (
     STEP_CONSUMER_GROUP,
     Ack,
@@ -245,6 +245,13 @@ class RunWatcher:
         for ev in events:
             if ev.kind == "rule_fired" and ev.data.get("rule"):
                 self.m.fired.labels(self.run, str(ev.data["rule"])).inc()
+            elif ev.kind == "spike_pattern" and ev.data.get("pattern") in SPIKE_PATTERNS:
+                for pat in SPIKE_PATTERNS:
+                    self.m.spike_pattern.labels(self.run, pat).set(1.0 if pat == ev.data["pattern"] else 0.0)
+            elif ev.kind == "incident":  # an episode judged to be damage
+                self.m.episodes.labels(self.run, "damage").inc()
+            elif ev.kind == "incident_closed" and ev.message.startswith("recovered"):
+                self.m.episodes.labels(self.run, "recovered").inc()
             elif ev.kind == "action" and ev.data.get("dry_run") and isinstance(ev.data.get("action"), dict):
                 # a dry-run policy returns no actions to _execute: count and log them from their events
                 act = ev.data["action"]

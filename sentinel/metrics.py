@@ -25,6 +25,10 @@ class SentinelMetrics:
         self.last_action = Gauge("sentinel_last_action_timestamp_seconds", "Unix time of the last action, by kind.",
                                  ["run", "action"], registry=r)
         self.leader = Gauge("sentinel_leader", "1 while this sentinel holds the run's leader lease.", ["run"], registry=r)
+        self.spike_pattern = Gauge("sentinel_spike_pattern", "1 for the run's current spike pattern (one-off, periodic, increasing), 0 for the others.",
+                                   ["run", "pattern"], registry=r)
+        self.episodes = Counter("sentinel_anomaly_episodes", "Anomaly episodes closed, by outcome: recovered (annotated, no action) or damage.",
+                                ["run", "outcome"], registry=r)
         self.bus_errors = Counter("sentinel_bus_errors", "Control-bus errors (each retried).", registry=r)
 
     def serve(self, host: str, port: int) -> int:

@@ -52,6 +52,7 @@ from sentinel.rules import Finding, RuleEngine, RuleSet
 ActionKind = Literal["rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now", "page"]
 DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
 MAX_EVIDENCE = 50  # per incident: enough to see the shape, bounded so incidents stay small
+SPIKE_PATTERNS = ("one-off", "periodic", "increasing")
 PATTERN_HISTORY = 32  # spike episodes remembered for the pattern (one-off / periodic / increasing)
 PATTERN_IDS = 256  # sample ids kept per episode to recognise the same data coming back
 _PRIORITY = {"divergence": 0, "nonfinite": 1, "loss_spike": 2}  # which anomaly names the incident

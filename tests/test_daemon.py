@@ -330,10 +330,11 @@ def test_dry_run_records_but_sends_nothing(redis_url, unique_run):
     assert acts and all(e.data["dry_run"] for e in acts)
     assert acts[0].data["action"]["kind"] == "rollback" and acts[0].data["action"]["to_step"] == TARGET
     (inc,) = [json.loads(v) for v in r.hgetall(k.incidents).values()]
-    assert inc["state"] == "healthy" and inc["rollback_to"] == TARGET  # closed as "would roll back"
+    # nothing was restored, so the damage is still there: the one incident is held open, not re-opened
+    assert inc["state"] == "verifying" and inc["rollback_to"] == TARGET and not inc.get("closed_at")
     assert sample(d, "sentinel_actions_total", run=run, action="rollback", outcome="sent") == 0
     assert sample(d, "sentinel_actions_total", run=run, action="rollback", outcome="dry_run") == 1
-    assert sample(d, "sentinel_incidents_open", run=run) == 0
+    assert sample(d, "sentinel_incidents_open", run=run) == 1
 
 
 def test_require_approval_pages_then_acts_on_a_signed_approval(redis_url, unique_run):
@@ -344,7 +345,9 @@ def test_require_approval_pages_then_acts_on_a_signed_approval(redis_url, unique
     pump(d, until=lambda: any(e.kind == "page" for e in events(r, run)))
     (page,) = [e for e in events(r, run) if e.kind == "page"]
     assert page.severity == "critical" and "approval needed" in page.message and page.incident_id
-    assert r.xlen(k.directives) == 0
+    assert "paused" in page.message
+    # no training on damaged weights while a human decides: the run is paused
+    assert [dv.kind for dv in directives(r, run)] == ["pause"]
     assert sample(d, "sentinel_actions_total", run=run, action="page", outcome="sent") == 1
     assert sample(d, "sentinel_incidents_open", run=run) == 1
     iid = page.incident_id
@@ -354,17 +357,18 @@ def test_require_approval_pages_then_acts_on_a_signed_approval(redis_url, unique
     bus.publish(r, k.approvals, Directive(run=run, kind="resume", incident_id=iid))  # unsigned
     bus.publish(r, k.approvals, Directive(run=run, kind="resume").signed(SECRET))  # no incident
     pump(d, min_iter=5, until=lambda: True)
-    assert r.xlen(k.directives) == 0
+    assert r.xlen(k.directives) == 1
     assert sum("approval rejected" in line for line in d.logs) == 3
 
     bus.publish(r, k.approvals, Directive(run=run, kind="resume", incident_id=iid, issuer="human:alice").signed(SECRET))
-    pump(d, until=lambda: r.xlen(k.directives) > 0)
-    (dv,) = directives(r, run)
+    pump(d, until=lambda: r.xlen(k.directives) > 2)
+    _pause, dv, resume = directives(r, run)
     assert dv.kind == "rollback" and dv.to_step == TARGET and dv.incident_id == iid and dv.verify(SECRET) is None
+    assert resume.kind == "resume"  # after the restore the run goes on
     assert sample(d, "sentinel_actions_total", run=run, action="rollback", outcome="sent") == 1
     assert sample(d, "sentinel_actions_total", run=run, action="page", outcome="sent") == 1  # paged once only
     pump(d, min_iter=3, until=lambda: True)
-    assert r.xlen(k.directives) == 1
+    assert r.xlen(k.directives) == 3
 
 
 # ------------------------------------------------------------------ bus errors, exposition

@@ -112,10 +112,12 @@ def _render(runs: list[dict]):
         for inc in run["incidents"]:
             style = "red" if inc["open"] else "green"
             dur = fmt_duration((inc["closed_at"] or time.time()) - inc["opened_at"])
+            pat = inc.get("pattern")
             head = Text.assemble(("rule ", "dim"), (inc["rule"], "bold"), ("  state ", "dim"), (inc["state"], style),
                                  ("  onset step ", "dim"), str(inc["onset_step"]), (", detected ", "dim"),
                                  str(inc["detect_step"]), ("\nopened ", "dim"), _ts(inc["opened_at"]), "  ",
-                                 (f"closed after {dur}" if not inc["open"] else f"open for {dur}", style))
+                                 (f"closed after {dur}" if not inc["open"] else f"open for {dur}", style),
+                                 *((("  spikes ", "dim"), (pat, "bold red" if pat == "increasing" else "bold")) if pat else ()))
             body = [head]
             ev = inc.get("evidence") or []
             if ev:
