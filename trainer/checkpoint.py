@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from pydantic import ValidationError
 
 from sentinel.protocol import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.protocol import checkpoint_dir_name, sha256_file  # noqa: F401  (re-exported)
+from trainer.checkpoint_state import Manifest, TrainStateFile, first_error, required_files
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -87,25 +89,59 @@ class ValidCheckpoint:
         return int(self.manifest.get("bytes", 0))
 
 
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8/JSON, or nested past the parser
+        raise CheckpointError(f"{path.parent.name}: {what} is unreadable") from None
+
+
 def verify(path: Path) -> dict:
-    """Check a checkpoint directory against its manifest; return the manifest or raise CheckpointError."""
+    """Check a checkpoint directory against its manifest; return the manifest or raise CheckpointError.
+
+    Valid means: a well-formed manifest naming this step, listing every file the step needs
+    (``checkpoint_state.required_files``), each present with a matching sha256, and a
+    ``train_state.json`` that passes its strict schema. Checksums run before any parsing of the
+    files they cover, and nothing here unpickles anything."""
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{path.name}: incomplete (no manifest)")
+    raw = _read_json(mpath, "manifest")
+    if isinstance(raw, dict) and "format" in raw and raw["format"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path.name}: unsupported checkpoint format {raw.get('format')!r}")
     try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise CheckpointError(f"{path.name}: manifest is unreadable") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path.name}: unsupported checkpoint format {manifest.get('format')!r}")
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise CheckpointError(f"{path.name}: manifest is malformed ({first_error(e)})") from None
+    m = STEP_DIR.match(path.name)
+    if m and int(m.group(1)) != manifest.step:
+        raise CheckpointError(f"{path.name}: manifest names step {manifest.step}, not the step of its directory")
+    files = manifest.files
+    sharded = any(n.startswith("dcp/") for n in files)
+    for name in required_files(manifest.world_size, sharded):
+        if name not in files:
+            raise CheckpointError(f"{path.name}: {name} is not in the manifest (incomplete or tampered)")
     for name, digest in sorted(files.items()):
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path.name}: {name} is missing")
         if sha256_file(f) != digest:
             raise CheckpointError(f"{path.name}: {name} fails its sha256 check (corrupt or truncated)")
-    return manifest
+    state = read_train_state(path, manifest.step)
+    if state["world_size"] != manifest.world_size:
+        raise CheckpointError(f"{path.name}: train_state.json world_size {state['world_size']} differs from the manifest's {manifest.world_size}")
+    return raw
+
+
+def read_train_state(path: Path, step: int | None = None) -> dict:
+    """``train_state.json`` of a checkpoint, validated (types, ranges, consistency with ``step``)."""
+    try:
+        state = TrainStateFile.model_validate(_read_json(path / "train_state.json", "train_state.json"))
+    except ValidationError as e:
+        raise CheckpointError(f"{path.name}: train_state.json is malformed ({first_error(e)})") from None
+    if step is not None and state.step != step:
+        raise CheckpointError(f"{path.name}: train_state.json says step {state.step}, the checkpoint is step {step}")
+    return state.model_dump()
 
 
 def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -127,7 +163,69 @@ def load_torch(path: Path) -> Any:
     except pickle.UnpicklingError as e:  # weights_only refused a global: a tampered or foreign file
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), "not plain tensors/containers")
-        raise CheckpointError(f"checkpoint {path.parent.name}: {path.name} refused by torch.load(weights_only=True): {why}") from None
+        raise CheckpointError(f"{path.parent.name}: {path.name} refused by torch.load(weights_only=True): {why}") from None
+    except (RuntimeError, EOFError, ValueError, OSError, RecursionError, MemoryError):  # not a torch zip, truncated inside
+        raise CheckpointError(f"{path.parent.name}: {path.name} is not a readable torch file") from None
+
+
+def check_tensors(saved: Any, reference: dict[str, torch.Tensor], what: str) -> None:
+    """``saved`` must be a state dict with exactly ``reference``'s keys, shapes and dtypes, so that
+    ``load_state_dict`` cannot fail halfway (it copies tensor by tensor and raises at the end)."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{what} is not a state dict")
+    missing, extra = set(reference) - set(saved), set(saved) - set(reference)
+    if missing or extra:
+        name = sorted(missing or extra)[0]
+        raise CheckpointError(f"{what} {'lacks' if missing else 'has an unknown'} entry {name!r}")
+    for k, ref in reference.items():
+        t = saved[k]
+        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointError(f"{what}: {k} is {got}, expected {tuple(ref.shape)} {ref.dtype}")
+
+
+def check_optimizer_state(saved: Any, opt: torch.optim.Optimizer, what: str) -> None:
+    """Groups, hyper-parameter keys and every moment tensor must match the live optimizer's layout."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or not isinstance(saved.get("param_groups"), list):
+        raise CheckpointError(f"{what} is not an optimizer state dict")
+    groups = saved["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise CheckpointError(f"{what} has {len(groups)} parameter groups, expected {len(opt.param_groups)}")
+    shapes: dict[int, torch.Size] = {}
+    for i, (g, live) in enumerate(zip(groups, opt.param_groups)):
+        if not isinstance(g, dict) or set(g) != set(live) or not isinstance(g["params"], list) or len(g["params"]) != len(live["params"]):
+            raise CheckpointError(f"{what}: parameter group {i} does not match this model")
+        for idx, p in zip(g["params"], live["params"]):
+            if not isinstance(idx, int) or idx in shapes:
+                raise CheckpointError(f"{what}: parameter group {i} has a bad parameter index {idx!r}")
+            shapes[idx] = p.shape
+    for idx, st in saved["state"].items():
+        if idx not in shapes or not isinstance(st, dict):
+            raise CheckpointError(f"{what}: state for unknown parameter {idx!r}")
+        for key, want in (("step", torch.Size([])), ("exp_avg", shapes[idx]), ("exp_avg_sq", shapes[idx])):
+            t = st.get(key)
+            if not isinstance(t, torch.Tensor) or t.shape != want or not t.is_floating_point():
+                raise CheckpointError(f"{what}: parameter {idx} {key} does not match the parameter's shape")
+
+
+def check_rng(saved: Any, what: str) -> None:
+    """Dry-run every RNG restore on throwaway generators, so the live restore cannot fail."""
+    import random
+
+    import numpy as np
+
+    try:
+        p, n = saved["python"], saved["numpy"]
+        random.Random().setstate((p["version"], tuple(int(x) for x in p["state"].tolist()), p["gauss"]))
+        keys = n["keys"]
+        if not isinstance(keys, torch.Tensor) or keys.numel() != 624 or keys.min() < 0 or keys.max() >= 2**32:
+            raise ValueError("numpy keys")
+        np.random.RandomState().set_state((n["kind"], keys.numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+        torch.Generator().set_state(saved["torch"])
+        if "cuda" in saved and not (isinstance(saved["cuda"], list) and all(isinstance(t, torch.Tensor) for t in saved["cuda"])):
+            raise ValueError("cuda")
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError):
+        raise CheckpointError(f"{what} is not a valid RNG state") from None
 
 
 class Checkpointer:

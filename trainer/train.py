@@ -29,7 +29,19 @@ import torch.distributed as dist
 from sentinel.protocol import Ack, CheckpointInfo, Directive, StepRecord, TimelineRecord, merge_ranges
 from trainer import faults as drills
 from trainer import rng
-from trainer.checkpoint import Checkpointer, CheckpointError, load_torch, manifest_digest
+from trainer.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    check_optimizer_state,
+    check_rng,
+    check_tensors,
+    list_checkpoints,
+    load_torch,
+    manifest_digest,
+    read_train_state,
+    step_dir_name,
+    verify,
+)
 from trainer.config import TrainConfig, dump
 from trainer.data import Sampler, SkipList, TokenDataset, batch_fingerprint, ensure_prepared
 from trainer.dist import DistEnv
@@ -334,42 +346,84 @@ class Trainer:
         return done
 
     def load_checkpoint(self, step: int | None = None, *, restore_skiplist: bool = True) -> int | None:
-        """Restore S_t from the newest valid checkpoint (or exactly ``step``); return its step or None."""
+        """Restore S_t from the newest valid checkpoint (or exactly ``step``); return its step or None.
+
+        Every candidate is verified and fully read and checked in memory before any state is touched;
+        one that fails on any rank is reported in one line and the previous one is tried (an exact
+        ``step`` fails instead). All ranks take the same decision at each candidate."""
         env = self.env
         self.ckpt.wait()
-        ck = self.ckpt.exact(step) if step is not None else self.ckpt.newest_valid()
-        if ck is None:
-            return None
-        ts = json.loads((ck.path / "train_state.json").read_text())
+        if step is not None:
+            path = self.ckpt.root / step_dir_name(step)
+            if not path.is_dir():
+                raise CheckpointError(f"no checkpoint at step {step} in {self.ckpt.root}")
+            candidates = [(step, path)]
+        else:
+            candidates = list_checkpoints(self.ckpt.root)
+        for ck_step, path in candidates:
+            why = None
+            try:
+                loaded = self._read_checkpoint(ck_step, path)
+            except CheckpointError as e:
+                loaded, why = None, str(e)
+            if env.all_ok(why is None):
+                self._restore(loaded, restore_skiplist=restore_skiplist)
+                return ck_step
+            why = why or f"{path.name}: rejected by another rank"
+            if step is not None:
+                raise CheckpointError(why)
+            _log(env, f"warning: checkpoint {why}; falling back to the previous one")
+        return None
+
+    def _read_checkpoint(self, step: int, path: Path) -> dict:
+        """Everything this rank needs from one checkpoint, verified and checked, nothing applied yet."""
+        env = self.env
+        manifest = verify(path)
+        ts = read_train_state(path, step)
         if ts["dataset_fingerprint"] != self.ds.fingerprint:
             raise TrainingError(
-                f"dataset fingerprint mismatch: checkpoint {ck.path.name} was trained on {ts['dataset_fingerprint']}, "
+                f"dataset fingerprint mismatch: checkpoint {path.name} was trained on {ts['dataset_fingerprint']}, "
                 f"this data is {self.ds.fingerprint} ({self.data_dir})"
             )
         if ts["world_size"] != env.world_size:
             raise TrainingError(
-                f"checkpoint {ck.path.name} was written by {ts['world_size']} ranks, this run has {env.world_size}; "
+                f"checkpoint {path.name} was written by {ts['world_size']} ranks, this run has {env.world_size}; "
                 "exact resume needs the same world size"
             )
-        if (ck.path / "dcp").is_dir():
+        if ts["guard"]["window"] != self.cfg.guard.window:
+            raise TrainingError(f"checkpoint {path.name} has a guard window of {ts['guard']['window']}, "
+                                f"this run {self.cfg.guard.window}; cannot resume exactly")
+        out = {"ts": ts, "path": path, "manifest": manifest}
+        rng_state = load_torch(path / f"rng-rank{env.rank}.pt")
+        check_rng(rng_state, f"{path.name}: rng-rank{env.rank}.pt")
+        out["rng"] = rng_state
+        if not (path / "dcp").is_dir():
+            out["model"] = load_torch(path / "model.pt")
+            check_tensors(out["model"], self.raw_model.state_dict(), f"{path.name}: model.pt")
+            out["optim"] = load_torch(path / "optim.pt")
+            check_optimizer_state(out["optim"], self.opt, f"{path.name}: optim.pt")
+        return out
+
+    def _restore(self, ck: dict, *, restore_skiplist: bool) -> None:
+        ts, path = ck["ts"], ck["path"]
+        if "model" in ck:
+            self.raw_model.load_state_dict(ck["model"])
+            self.opt.load_state_dict(ck["optim"])
+        else:
             from torch.distributed.checkpoint import load as dcp_load
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
             msd, osd = get_state_dict(self.model, self.opt)
             sd = {"model": msd, "optim": osd}
-            dcp_load(sd, checkpoint_id=str(ck.path / "dcp"))
+            dcp_load(sd, checkpoint_id=str(path / "dcp"))
             set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        else:
-            self.raw_model.load_state_dict(load_torch(ck.path / "model.pt"))
-            self.opt.load_state_dict(load_torch(ck.path / "optim.pt"))
-        rng.restore(load_torch(ck.path / f"rng-rank{env.rank}.pt"))
+        rng.restore(ck["rng"])
         self.sampler.load_state_dict(ts["sampler"])
         self.guard.load_state_dict(ts["guard"])
         if restore_skiplist:
             self.skip.add([tuple(r) for r in ts["skiplist"]])
         self.state = TrainState(step=ts["step"], tokens=ts["tokens"], timeline=self.state.timeline, accum_pos=ts["grad_accum_pos"])
-        self._last_ckpt_time = ck.manifest.get("created")
-        return ck.step
+        self._last_ckpt_time = ck["manifest"].get("created")
 
     # ================================================================== control
     def _poll_control(self) -> list[dict]:
