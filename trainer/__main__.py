@@ -126,6 +126,10 @@ def main(argv=None) -> int:
     except (DataError, CheckpointError, TrainingError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except OSError as e:  # storage outside the handled paths (run dir, config, targets): full, read-only, gone
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr, flush=True)
+        return 2
     except Exception as e:  # our own one-line errors from other layers (e.g. sentinel.bus.BusError: no secret)
         if type(e).__module__.startswith(("sentinel.", "trainer.")) and type(e).__name__.endswith("Error"):
             print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)

@@ -250,6 +250,7 @@ class Checkpointer:
         self.barrier, self.all_ok, self.log = barrier, all_ok, log
         self._async: threading.Thread | None = None
         self._async_error: BaseException | None = None
+        self.last_error: str | None = None  # why the last failed save failed (one line, for the exit message)
         self.root.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ discovery
@@ -287,7 +288,8 @@ class Checkpointer:
             self._async = None
         if self._async_error is not None:
             err, self._async_error = self._async_error, None
-            self.log(f"warning: async checkpoint failed: {err}")
+            self.last_error = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+            self.log(f"warning: async checkpoint failed: {self.last_error}")
 
     def save(
         self,
@@ -363,16 +365,21 @@ class Checkpointer:
                 dcp_writer(tmp / "dcp")
             except Exception as e:  # DCP wraps rank failures (disk full included) in CheckpointException
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                self.log(f"error: checkpoint step {step} (torch.distributed.checkpoint): {getattr(e, 'strerror', None) or first}")
+                self.last_error = getattr(e, "strerror", None) or first
+                self.log(f"error: checkpoint step {step} (torch.distributed.checkpoint): {self.last_error}")
                 ok = False
-        ok = self.all_ok(ok)
+        if not self.all_ok(ok):
+            if ok:
+                self.last_error = "a write failed on another rank"
+            ok = False
         result = None
         if self.rank == 0:
             if ok:
                 try:
                     result = self._finalize(tmp, step, meta)
                 except OSError as e:
-                    self.log(f"error: checkpoint step {step} could not be finalized: {e.strerror or e}")
+                    self.last_error = e.strerror or str(e)
+                    self.log(f"error: checkpoint step {step} could not be finalized: {self.last_error}")
             if result is None:
                 shutil.rmtree(tmp, ignore_errors=True)
             if on_done:
@@ -388,7 +395,8 @@ class Checkpointer:
                 (write_json if name.endswith(".json") else write_torch)(tmp / name, obj)
             return True
         except OSError as e:  # disk full, quota, EFBIG: the previous checkpoints are untouched
-            self.log(f"error: checkpoint write failed on rank {self.rank}: {e.strerror or e}")
+            self.last_error = e.strerror or str(e)
+            self.log(f"error: checkpoint write failed on rank {self.rank}: {self.last_error}")
             return False
 
     def _finalize_when_ranks_done(self, tmp: Path, step: int, meta: dict, timeout: float = 600.0):
@@ -402,6 +410,9 @@ class Checkpointer:
                     return self._finalize(tmp, step, meta)
                 break
             time.sleep(0.05)
+        own = tmp / f".done-rank{self.rank}"
+        if not (own.exists() and own.read_text() == "fail"):  # else _write_files said why
+            self.last_error = "a write failed on another rank" if all(m.exists() for m in marks) else "timed out waiting for the other ranks"
         shutil.rmtree(tmp, ignore_errors=True)
         return None
 

@@ -68,6 +68,14 @@ class CheckpointConfig(_Strict):
     keep_last: int = Field(3, ge=1)
     keep_every: int = Field(0, ge=0, description="also keep every K-th step forever; 0 disables")
     async_save: bool = False
+    max_age_steps: int = Field(
+        0, ge=0, description="when saves fail, stop (non-zero exit) once the newest valid checkpoint is more than N "
+        "steps old; 0: the save interval (one failed save is retried at the next interval)",
+    )
+    max_age_seconds: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="when saves fail, also stop once the newest valid checkpoint is "
+        "older than this; 0: no time bound",
+    )
 
 
 class GuardConfig(_Strict):

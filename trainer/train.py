@@ -127,6 +127,10 @@ class Trainer:
         self.state = TrainState()
         self.ctl = Directives()
         self._last_ckpt_time: float | None = None
+        # the newest valid checkpoint (step, time) and consecutive failed saves since: bounds the work a
+        # failing disk can put at risk (checkpoint.max_age_steps / max_age_seconds)
+        self._good_ckpt = (0, time.time())
+        self._ckpt_failed = 0
         self._throughput: deque = deque(maxlen=20)
         self._rejected_seen = 0
         self._ckpt_group = None  # lazily created gloo group for FSDP2 async checkpoints
@@ -142,7 +146,7 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
             barrier=env.barrier, all_ok=env.all_ok, log=lambda m: print(m, flush=True),
         )
-        self.steplog = StepLog(self.run_dir / "steps.jsonl") if env.is_main and not offline else None
+        self.steplog = StepLog(self.run_dir / "steps.jsonl", log=lambda m: print(m, flush=True)) if env.is_main and not offline else None
         self.metrics = self.bus = self.secret = self.flops_per_token = self.peak = None
         if not offline:
             self._setup_telemetry()
@@ -332,6 +336,9 @@ class Trainer:
             now = time.time()
             if ok:
                 self._last_ckpt_time = now
+                self._good_ckpt, self._ckpt_failed = (step, now), 0
+            else:
+                self._ckpt_failed += 1
             if self.metrics:
                 self.metrics.on_checkpoint(ok=ok, seconds=seconds, size_bytes=size, timestamp=now)
             if ok and path is not None:
@@ -424,6 +431,7 @@ class Trainer:
             self.skip.add([tuple(r) for r in ts["skiplist"]])
         self.state = TrainState(step=ts["step"], tokens=ts["tokens"], timeline=self.state.timeline, accum_pos=ts["grad_accum_pos"])
         self._last_ckpt_time = ck["manifest"].get("created")
+        self._good_ckpt, self._ckpt_failed = (self.state.step, time.time()), 0
 
     # ================================================================== control
     def _poll_control(self) -> list[dict]:
@@ -698,6 +706,8 @@ class Trainer:
         with contextlib.suppress(ValueError):  # not the main thread (embedded use): no signal handling
             signal.signal(signal.SIGTERM, handler)
             signal.signal(signal.SIGINT, handler)
+            # over RLIMIT_FSIZE a write gets EFBIG (handled like a full disk) instead of killing the process
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     def _any_rank_signalled(self) -> bool:
         """True on every rank when any rank got SIGTERM/SIGINT (a host-side vote, off the hot path)."""
@@ -733,15 +743,63 @@ class Trainer:
             self._one_step(t_control)
             if cfg.checkpoint.every and self.state.step % cfg.checkpoint.every == 0:
                 self.save_checkpoint()
+                self._check_checkpoint_age()
         else:  # finished: always leave a checkpoint of the final state (every=0 means "only at the end")
             if not cfg.checkpoint.every or self.state.step % cfg.checkpoint.every:
                 self.save_checkpoint()
         self._flush_readback()
         self.ckpt.wait()
+        self._check_checkpoint_age(final=True)
         env.barrier()
+        self._close_io()
+
+    def _close_io(self) -> None:
+        """Flush the step log and the bus. Step records the disk never took make the exit non-zero."""
         if self.bus:
             self.bus.flush(5.0)
             self.bus.close()
+            self.bus = None
+        lost = self.steplog.close() if self.steplog else 0
+        lost = int(self.env.broadcast_object(lost))
+        if lost:
+            raise TrainingError(f"{lost} step record(s) could not be written to {self.run_dir / 'steps.jsonl'} "
+                                f"({self.steplog.last_error if self.steplog else 'on rank 0'}); checkpoints are unaffected")
+
+    def _check_checkpoint_age(self, *, final: bool = False) -> None:
+        """Stop the run (the same one-line error on every rank) when checkpoint saves keep failing and the
+        newest valid checkpoint has fallen too far behind, or when the final save failed: never exit 0 with
+        the run's recent work unprotected. A collective: called at the same point on every rank."""
+        why = None
+        if self.env.is_main:
+            why = self._checkpoint_staleness(final)
+            if why and self.cfg.checkpoint.async_save:  # an in-flight save may still land
+                self.ckpt.wait()
+                why = self._checkpoint_staleness(final)
+        why = self.env.broadcast_object(why)
+        if why:
+            self.ckpt.wait()
+            with contextlib.suppress(TrainingError):
+                self._close_io()
+            raise TrainingError(why)
+
+    def _checkpoint_staleness(self, final: bool) -> str | None:
+        if not self._ckpt_failed:
+            return None
+        c = self.cfg.checkpoint
+        good_step, good_time = self._good_ckpt
+        age_steps, age_s = self.state.step - good_step, time.time() - good_time
+        bound = c.max_age_steps or c.every
+        err = self.ckpt.last_error or "write failed"
+        newest = f"newest valid checkpoint is step {good_step}" if good_step else "there is no valid checkpoint"
+        if final and age_steps > 0:
+            return (f"final checkpoint at step {self.state.step} failed ({err}); {newest}, {age_steps} steps behind: "
+                    f"fix the storage and restart to resume from it")
+        too_old = (bound and age_steps > bound) or (c.max_age_seconds and age_s > c.max_age_seconds)
+        if not too_old:
+            return None
+        limit = " / ".join(x for x in (f"{bound} steps" if bound else "", f"{c.max_age_seconds:g} s" if c.max_age_seconds else "") if x)
+        return (f"checkpoint saves are failing ({err}): {newest}, {age_steps} steps and {age_s:.0f} s old "
+                f"(bound {limit}); stopped at step {self.state.step}: fix the storage and restart to resume")
 
     def _one_step(self, t_control: float) -> None:
         cfg = self.cfg
@@ -820,6 +878,9 @@ class Trainer:
             self.steplog.write(rec)
             if self.bus:
                 self.bus.publish_step(rec)
+            if self.metrics and self.steplog.write_failures:
+                self.metrics.set_step_log(write_failures=self.steplog.write_failures, lost=self.steplog.lost,
+                                          buffered=self.steplog.buffered)
         phases["telemetry"] = time.perf_counter() - t_tel
         if self.metrics:
             self.metrics.on_step(

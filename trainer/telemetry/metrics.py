@@ -244,6 +244,16 @@ class TrainerMetrics:
         ).labels(*lv)
         self._ckpt_bytes = gauge("training_checkpoint_size_bytes", "Size on disk of the last successful checkpoint.")
         self._ckpt_failures = counter("training_checkpoint_failures", "Checkpoint saves that failed.")
+        self._steplog_failures = counter(
+            "training_step_log_write_failures", "Writes of steps.jsonl the disk refused (full, quota, file size limit)."
+        )
+        self._steplog_lost = counter(
+            "training_step_log_records_lost", "Step records never written to steps.jsonl (buffer overflow or exit)."
+        )
+        self._steplog_buffered = gauge(
+            "training_step_log_buffered_records", "Step records held in memory until steps.jsonl is writable again."
+        )
+        self._steplog_seen = (0, 0)
 
         self._directives_rejected = counter(
             "training_directives_rejected", "Directives refused (bad signature, expired, invalid)."
@@ -480,6 +490,18 @@ class TrainerMetrics:
         if child is None:  # unknown kinds are rejected upstream; count anyway rather than lose it
             child = self._applied[kind] = self._applied_family.labels(self.run, kind)
         child.inc()
+
+    def set_step_log(self, *, write_failures: int, lost: int, buffered: int) -> None:
+        """Mirror the step log writer's cumulative failure and loss counts (rank 0)."""
+        if not self.is_global_exporter:
+            return
+        f0, l0 = self._steplog_seen
+        if write_failures > f0:
+            self._steplog_failures.inc(write_failures - f0)
+        if lost > l0:
+            self._steplog_lost.inc(lost - l0)
+        self._steplog_seen = (max(f0, write_failures), max(l0, lost))
+        self._steplog_buffered.set(buffered)
 
     def set_telemetry_dropped(self, total: int) -> None:
         """Mirror the bus client's cumulative drop count into a counter.
