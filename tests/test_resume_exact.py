@@ -45,7 +45,7 @@ def _resume(run_dir, *, nproc=1, dataset=None):
 
 def _assert_resumed(run_dir, kills) -> None:
     recs = records(run_dir)
-    marks = [r for r in recs if getattr(r, "kind", "step") != "step"]
+    marks = [r for r in recs if getattr(r, "kind", "step") not in ("step", "marker")]  # resume/rollback/start
     assert marks[0].kind == "start" and marks[0].from_step == 0
     # one timeline marker per (re)start, each a new timeline
     assert len(marks) == 1 + len(kills)

@@ -35,7 +35,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # fields of a StepRecord that must be bitwise identical between a reference and a resumed run
 EXACT_FIELDS = (
     "loss", "loss_max_rank", "rank_losses", "grad_norm", "param_digest", "batch_fingerprint",
-    "sample_ids", "lr", "tokens", "batch_tokens", "skipped", "skip_reason",
+    "sample_ids", "lr", "tokens", "batch_tokens", "skipped", "skip_reason", "source_loss", "val_slice_loss", "probe_loss",
 )
 
 # the common knobs: tiny model, no telemetry, every step digested
@@ -264,7 +264,7 @@ def assert_same_trajectory(ref_dir: Path, run_dir: Path, n_steps: int, context: 
         keep = FAILURES / f"{run_dir.parent.name}-{time.strftime('%H%M%S')}"
         for d, name in ((ref_dir, "ref"), (run_dir, "run")):
             shutil.copytree(d, keep / name, dirs_exist_ok=True, ignore_dangling_symlinks=True)
-        markers = [f"{r.kind}@{r.from_step}" for r in records(run_dir) if getattr(r, "kind", "step") != "step"]
+        markers = [f"{r.kind}@{r.from_step}" for r in records(run_dir) if getattr(r, "kind", "step") not in ("step", "marker")]
         raise AssertionError(f"{e}\n  timeline markers {markers}; {context}; run dirs kept in {keep}") from None
 
 

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@LO[:HI]",
                    help="drill: garbage|lr|nan on sample ids [LO, HI) (HI exclusive, like --skip); "
                         "lr takes a factor: lr@ID:F or lr@LO:HI:F; the old inclusive LO-HI form is deprecated; "
-                        "slow@RANK:SECONDS makes one rank sleep in every step (a straggler)")
+                        "slow@RANK:SECONDS makes one rank sleep in every step (a straggler); "
+                        "mixture drills: corrupt_source@NAME:FROM_STEP, reweight@NAME:FACTOR:FROM_STEP")
     p.add_argument("--telemetry", choices=["on", "off"], help="Prometheus endpoints and the bus (default on)")
     p.add_argument("--redis-url", metavar="URL", help="control bus: redis[s]://..., or 'embedded' for one in the run dir")
     p.add_argument("--metrics-host", metavar="ADDR")
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _overrides(args) -> dict:
     import yaml
 
-    from trainer.config import ConfigError, Fault
+    from trainer.config import ConfigError, Fault, SourceFault
 
     o: dict = {}
     simple = {
@@ -88,8 +89,13 @@ def _overrides(args) -> dict:
                 raise ConfigError(f"--skip {s!r}: expected LO:HI") from None
             ranges.append([lo, hi])
         o["data.skip"] = ranges
-    if args.inject_fault:
-        o["faults"] = [Fault.parse(f).model_dump() for f in args.inject_fault]
+    if args.inject_fault:  # mixture drills (corrupt_source@, reweight@) are keyed to a source, not ids
+        by_id = [Fault.parse(f).model_dump() for f in args.inject_fault if not SourceFault.matches(f)]
+        by_source = [SourceFault.parse(f).model_dump() for f in args.inject_fault if SourceFault.matches(f)]
+        if by_id:
+            o["faults"] = by_id
+        if by_source:
+            o["source_faults"] = by_source
     for item in args.set:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected PATH=VALUE")

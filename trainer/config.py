@@ -56,11 +56,15 @@ class DataConfig(_Strict):
     micro_batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
     skip: list[tuple[int, int]] = Field(default_factory=list, description="initial skip list [lo, hi)")
+    mixture: dict[str, float] | None = Field(
+        None, description="mixture datasets: sampling weight per source name (None: the weights it was prepared with)"
+    )
 
 
 class EvalConfig(_Strict):
     every: int = Field(50, ge=0, description="validate every N steps; 0 disables")
-    batches: int = Field(4, ge=1)
+    batches: int = Field(4, ge=1, description="val batches per slice (a plain dataset is one slice)")
+    probe_samples: int = Field(4, ge=1, description="fixed probe windows per slice, evaluated with every validation")
 
 
 class CheckpointConfig(_Strict):
@@ -160,6 +164,38 @@ class Fault(_Strict):
         return self.kind != "slow" and any(self.lo <= i < self.hi for i in ids)
 
 
+SOURCE_FAULT_RE = re.compile(r"^(corrupt_source|reweight)@([a-z0-9_]{1,32}):(?:([0-9.eE+-]+):)?(\d+)$")
+SOURCE_FAULT_SYNTAX = "corrupt_source@NAME:FROM_STEP or reweight@NAME:FACTOR:FROM_STEP"
+
+
+class SourceFault(_Strict):
+    """A mixture drill keyed to a data source from a step on (``trainer.faults`` applies it):
+    ``corrupt_source`` replaces that source's samples by garbage (seeded by sample id, so skipping
+    them removes it); ``reweight`` multiplies its sampling weight by ``factor``."""
+
+    kind: Literal["corrupt_source", "reweight"]
+    source: str = Field(pattern=r"^[a-z0-9_]{1,32}$")
+    from_step: int = Field(ge=1, description="first (1-based) step it applies to")
+    factor: float = Field(1.0, ge=0)
+
+    @classmethod
+    def parse(cls, text: str) -> "SourceFault":
+        m = SOURCE_FAULT_RE.match(text.strip())
+        if not m:
+            raise ConfigError(f"--inject-fault {text!r}: expected {SOURCE_FAULT_SYNTAX}")
+        kind, source, factor, step = m.groups()
+        if (kind == "reweight") != (factor is not None):
+            raise ConfigError(f"--inject-fault {text!r}: expected {SOURCE_FAULT_SYNTAX}")
+        try:
+            return cls(kind=kind, source=source, from_step=int(step), factor=float(factor) if factor else 1.0)
+        except (ValueError, ValidationError):
+            raise ConfigError(f"--inject-fault {text!r}: step must be >= 1 and the factor a number >= 0") from None
+
+    @staticmethod
+    def matches(text: str) -> bool:
+        return text.strip().startswith(("corrupt_source@", "reweight@"))
+
+
 class TrainConfig(_Strict):
     run_id: str | None = Field(None, description="defaults to the run dir's name")
     preset: str | None = None
@@ -176,6 +212,7 @@ class TrainConfig(_Strict):
     guard: GuardConfig = GuardConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     faults: list[Fault] = Field(default_factory=list)
+    source_faults: list[SourceFault] = Field(default_factory=list)
 
     @field_validator("run_id")
     @classmethod

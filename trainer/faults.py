@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from trainer.config import Fault
+from trainer.config import Fault, SourceFault
 
 
 def corrupt_tokens(faults: list[Fault], ids: list[int], tokens: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -53,3 +53,38 @@ def straggle(faults: list[Fault], rank: int) -> float:
     if seconds > 0:
         time.sleep(seconds)
     return seconds
+
+
+# ------------------------------------------------------------------------------------------------
+# mixture drills (``--inject-fault corrupt_source@NAME:FROM_STEP`` / ``reweight@NAME:FACTOR:FROM_STEP``,
+# parsed by ``trainer.config.SourceFault``): keyed to a data source from a step on
+# ------------------------------------------------------------------------------------------------
+
+_SOURCE_GARBAGE_KEY = 0x5EED  # keeps corrupt_source noise distinct from the garbage drill's
+
+
+def corrupt_source_tokens(source_faults: list[SourceFault], step: int, ids: list[int], sources: list[str],
+                          tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Rows of ``tokens`` whose sample comes from a corrupted source (``sources[row]`` names it)
+    become noise seeded by the sample id, on (1-based) steps ``>= from_step``; the input is not
+    modified. Keyed by id, so skipping those samples removes the fault, like real bad data."""
+    out = tokens
+    for f in source_faults:
+        if f.kind != "corrupt_source" or step < f.from_step:
+            continue
+        for row, (sid, src) in enumerate(zip(ids, sources)):
+            if src == f.source:
+                if out is tokens:
+                    out = tokens.copy()
+                rng = np.random.default_rng([int(sid), _SOURCE_GARBAGE_KEY])
+                out[row] = rng.integers(0, vocab_size, size=tokens.shape[1])
+    return out
+
+
+def source_weight_factors(source_faults: list[SourceFault], step: int) -> dict[str, float]:
+    """Sampling-weight multiplier per source on (1-based) ``step`` (sources without a drill: absent)."""
+    out: dict[str, float] = {}
+    for f in source_faults:
+        if f.kind == "reweight" and step >= f.from_step:
+            out[f.source] = out.get(f.source, 1.0) * f.factor
+    return out

