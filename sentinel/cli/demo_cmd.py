@@ -83,10 +83,14 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
                                 for i in incidents_of(run_dir)]
         except Exception:
             out["incidents"] = []
+        try:
+            out["report"] = _report(run_dir)  # while the bus still holds the incidents
         finally:
             from sentinel.embedded import stop_embedded
 
             stop_embedded(run_dir)
+    else:
+        out["report"] = _report(run_dir)
     if compare and res.returncode == 0:
         out["compare"] = _compare(spec, res, console, as_json)
     if as_json:
@@ -104,6 +108,9 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
             t.add_row(f"incident {inc['id']}", f"{inc['rule']}: onset step {inc['onset_step']}, detected at {inc['detect_step']}, now {inc['state']}")
         t.add_row("wall time", f"{res.wall_seconds:.0f} s")
         console.print(t)
+        if out.get("report"):
+            console.print(f"[bold]report:[/] {out['report']}  (loss, grad norm, val PPL, the incident and the rollback "
+                          "on one timeline)", highlight=False)
         console.print(f"Look closer:  sentinel incidents {run_dir}   |   sentinel checkpoints {run_dir}   |   "
                       f"sentinel verify-resume {run_dir} --from-step {spec.ckpt_every * 2}")
         console.print("Culprits: run `sentinel demo --fault garbage --no-sentinel`, then `sentinel replay-batch RUN_DIR "
@@ -112,6 +119,18 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
         raise click.ClickException(f"the trainer exited with {res.returncode}; see {run_dir / 'trainer.log'}")
     if "compare" in out and not as_json:
         _print_compare(out["compare"], console)
+
+
+def _report(run_dir: Path) -> str | None:
+    """The run's picture (``sentinel report``); a failure to draw never fails the demo."""
+    from sentinel.cli.report_cmd import write_report
+    from sentinel.runref import resolve
+
+    try:
+        return write_report(resolve(str(run_dir)))["path"]
+    except Exception as e:  # noqa: BLE001 - the demo already succeeded; say why there is no picture
+        click.echo(f"warning: no report: {e}", err=True)
+        return None
 
 
 def _compare(spec, res, console, as_json: bool) -> dict:

@@ -221,6 +221,16 @@ def _files_table(run: dict):
     return t
 
 
+def _attach_report(ref, run: dict, incident_id: str | None) -> None:
+    """Draw the run's picture (``sentinel report``) for a person reading incidents; never fail for it."""
+    from sentinel.cli.report_cmd import write_report
+
+    try:
+        run["report"] = write_report(ref, incident_id=incident_id)["path"]
+    except Exception as e:  # noqa: BLE001 - the incidents are the answer; the picture is a bonus
+        run["report_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _num(x, fmt):
     return "" if x is None else format(x, fmt)
 
@@ -245,12 +255,16 @@ def incidents(runs, only_open, incident_id, redis_url, as_json):
 def _incidents(runs, only_open, incident_id, redis_url, as_json):
     from sentinel.runref import resolve_many
 
-    out = [run_incidents(ref, only_open=only_open, incident_id=incident_id) for ref in resolve_many(runs, redis_url)]
+    refs = resolve_many(runs, redis_url)
+    out = [run_incidents(ref, only_open=only_open, incident_id=incident_id) for ref in refs]
     if incident_id and not any(r["incidents"] for r in out):
         raise SentinelError(f"incident {incident_id} not found")
     if as_json:
         emit_json({"runs": out})
         return
+    for ref, run in zip(refs, out):
+        if ref.run_dir is not None and run["incidents"]:
+            _attach_report(ref, run, incident_id)
     from sentinel.cli.status_cmd import console_for_output
 
     console = console_for_output()

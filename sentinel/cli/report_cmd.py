@@ -1,0 +1,124 @@
+"""``sentinel report RUN``: one PNG of a run (or of one incident) for the on-call engineer.
+
+Data: ``RUN_DIR/steps.jsonl`` (steps, resume/rollback records, schedule markers), ``skiplist.json``,
+``directives.jsonl`` (what the trainer applied), and incidents from ``RUN_DIR/incidents.jsonl`` (the
+daemon's mirror), else from the bus when it answers. Painting is ``sentinel.report``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option
+
+REPORTS_DIR = "reports"
+INCIDENT_CONTEXT_STEPS = 40  # steps shown around an incident with --incident
+
+
+def default_path(run_dir: Path, incident_id: str | None = None) -> Path:
+    name = f"incident-{incident_id}.png" if incident_id else "run.png"
+    return Path(run_dir) / REPORTS_DIR / name
+
+
+def load_incidents(ref) -> tuple[list, str]:
+    """Incidents of the run and where they came from: the run dir's mirror, else the bus, else none."""
+    from sentinel.incidents_view import read_incidents_log
+
+    incs = read_incidents_log(ref.run_dir) if ref.run_dir is not None else []
+    source = "incidents.jsonl" if incs else "none"
+    if ref.r is not None:
+        from sentinel import bus
+        from sentinel.protocol import Incident, SchemaError
+
+        known = {i.id for i in incs}
+        try:
+            with bus.bus_errors(ref.r):
+                raw = ref.r.hgetall(ref.keys.incidents)
+        except bus.BusError:
+            raw = {}
+        for v in raw.values():
+            try:
+                inc = Incident.from_json(v)
+            except SchemaError:
+                continue
+            if inc.id not in known:
+                incs.append(inc)
+                source = "bus" if source == "none" else f"{source} + bus"
+    return sorted(incs, key=lambda i: i.opened_at), source
+
+
+def build(ref, incident_id: str | None = None):
+    """The :class:`sentinel.report.ReportData` of a run (zoomed on ``incident_id`` if given)."""
+    import yaml
+
+    from sentinel import rundir
+    from sentinel.report import STATE_WORDS, gather
+
+    run_dir = ref.run_dir
+    records = list(rundir.read_records(run_dir))
+    if not any(r.kind == "step" for r in records):
+        raise SentinelError(f"{run_dir / rundir.STEPS} has no step records yet: nothing to draw")
+    incs, source = load_incidents(ref)
+    try:
+        cfg = yaml.safe_load((run_dir / rundir.CONFIG).read_text()) if (run_dir / rundir.CONFIG).is_file() else None
+    except (OSError, yaml.YAMLError):
+        cfg = None
+    data = gather(ref.run, records, skiplist=rundir.read_skiplist(run_dir), incidents=incs,
+                  directives=rundir.read_directives_log(run_dir), config=cfg if isinstance(cfg, dict) else None)
+    if incident_id:
+        inc = next((i for i in data.incidents if i["id"] == incident_id), None)
+        if inc is None:
+            known = ", ".join(i["id"] for i in data.incidents[-5:]) or "none"
+            raise SentinelError(f"incident {incident_id} not found for run {ref.run} (incidents: {known})")
+        lo = min(inc["onset"], inc.get("rollback_to") or inc["onset"]) - INCIDENT_CONTEXT_STEPS
+        hi = max(inc["detect"], inc["onset"]) + 2 * INCIDENT_CONTEXT_STEPS
+        data.focus = (max(0, lo), hi)
+        data.title_note = (f"incident {inc['id']}: {inc['rule']}, onset step {inc['onset']}, detected {inc['detect']}, "
+                           f"{STATE_WORDS.get(inc['state'], inc['state'])}")
+    return data, source
+
+
+def write_report(ref, out: str | Path | None = None, incident_id: str | None = None) -> dict:
+    """Write the PNG; returns {"path", "incidents_source", counts...}."""
+    from sentinel.report import render
+
+    if ref.run_dir is None:
+        raise SentinelError(f"run {ref.run}: its run directory is not on this machine; run `sentinel report RUN_DIR` "
+                            "on the host that has it")
+    data, source = build(ref, incident_id)
+    path = render(data, Path(out) if out else default_path(ref.run_dir, incident_id))
+    return {"run": ref.run, "path": str(path), "incident": incident_id, "incidents_source": source,
+            "steps": sum(len(s.steps) for s in data.segments if not s.abandoned),
+            "abandoned_steps": sum(len(s.steps) for s in data.segments if s.abandoned),
+            "incidents": len(data.incidents), "rollbacks": len(data.rollbacks), "guard_skips": len(data.guard_skips),
+            "skip_windows": [list(w) for w in data.skip_windows],
+            "phases": [list(p) for p in data.phases]}
+
+
+@click.command("report")
+@click.argument("run", metavar="RUN")
+@click.option("--incident", "incident_id", metavar="ID", help="Zoom on one incident (its onset, detection and recovery).")
+@click.option("--out", type=click.Path(dir_okay=False), metavar="PATH",
+              help="Where to write the PNG (default: RUN_DIR/reports/run.png or incident-ID.png).")
+@redis_url_option
+@json_option
+@friendly_errors
+def report(run, incident_id, out, redis_url, as_json):
+    """Write a PNG of RUN: loss and grad norm per step with val PPL, guard skips, incidents,
+    rollbacks (and the steps they abandoned), resumes, skip windows and the LR schedule phases
+    (warmup / stable / decay), on one step axis. Prints the path.
+
+    RUN is a run directory (or a run id on the bus whose run directory is on this machine).
+    Incidents come from RUN_DIR/incidents.jsonl, else from the bus when it answers.
+    """
+    from sentinel.runref import ops_errors, resolve
+
+    res = ops_errors(lambda: write_report(resolve(run, redis_url), out, incident_id))()
+    if as_json:
+        emit_json(res)
+        return
+    click.echo(f"report: {res['path']}")
+    click.echo(f"  {res['steps']} steps ({res['abandoned_steps']} abandoned by rollbacks), {res['incidents']} incident(s) "
+               f"from {res['incidents_source']}, {res['rollbacks']} rollback(s), {res['guard_skips']} guard skip(s)")
