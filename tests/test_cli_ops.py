@@ -566,3 +566,26 @@ def test_incident_actions_show_only_what_was_sent_with_outcomes(embedded_bus):
     assert (first["sent"], first["outcome"]) == (True, "acked")
     text = narrow("incidents", str(run_dir))
     assert iid in text and "rollback to 140" in text and "acked" in text
+
+
+# ------------------------------------------------------------------ 80 columns (issue 10 item 8)
+def test_views_are_readable_at_80_columns(run_copy):
+    d = str(run_copy)
+    model = run_copy / "checkpoints" / "step-00000020" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    assert cli("skip-list", d, "add", "1000:1010").exit_code == 0
+
+    status = narrow("status", d)
+    assert "…" not in status  # nothing truncated: one card per run instead of a 12-column row
+    for want in ("run", "step", "30", "loss", "val PPL", "grad norm", "ckpt age", "incidents", "guard skips"):
+        assert want in status, (want, status)
+    ckpts = narrow("checkpoints", d)
+    assert "…" not in ckpts and "corrupt" in ckpts and "sha256" in " ".join(ckpts.split())
+    for s in ("10", "20", "30"):
+        assert s in ckpts
+    skips = narrow("skip-list", d)
+    assert "…" not in skips and "1000:1010" in skips and "10" in skips
+    wide = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["status", d]).stdout
+    assert "tokens/s" in wide and wide.count("\n") < status.count("\n")  # the one-row table when there is room

@@ -82,8 +82,10 @@ def _checkpoints(run, quick, redis_url, as_json):
     console = console_for_output()
     t = Table(title=f"checkpoints of {ref.run}" + (f"  ({ref.run_dir})" if ref.run_dir else "  (from the bus)"),
               title_justify="left")
-    for col in ("step", "age", "size", "timeline", "tokens", "verified", "detail"):
-        t.add_column(col, justify="right" if col in ("step", "age", "size", "timeline", "tokens") else "left")
+    # the key columns never wrap or truncate; the free-text detail wraps (80-column terminals)
+    for col in ("step", "age", "size", "timeline", "tokens", "verified"):
+        t.add_column(col, justify="right" if col != "verified" else "left", no_wrap=True)
+    t.add_column("detail", ratio=1, overflow="fold")
     for r in rows:
         st = r["verified"]
         detail = r.get("problem") or ""

@@ -108,11 +108,12 @@ def _show(ref, as_json):
     from sentinel.cli.status_cmd import console_for_output
 
     t = Table(title=f"skip list of {ref.run}: {len(rs)} range(s), {rundir.count(rs):,} samples ({source})", title_justify="left")
-    t.add_column("from (incl.)", justify="right")
-    t.add_column("to (excl.)", justify="right")
-    t.add_column("samples", justify="right")
+    t.add_column("from (incl.)", justify="right", no_wrap=True)
+    t.add_column("to (excl.)", justify="right", no_wrap=True)
+    t.add_column("samples", justify="right", no_wrap=True)
+    t.add_column("as LO:HI", no_wrap=True)  # the form --skip / skip-list --add / --inject-fault take
     for lo, hi in rs[:200]:
-        t.add_row(str(lo), str(hi), f"{hi - lo:,}")
+        t.add_row(str(lo), str(hi), f"{hi - lo:,}", f"{lo}:{hi}")
     if len(rs) > 200:
         t.caption = f"... and {len(rs) - 200} more ranges (--json for all)"
     console_for_output().print(t)

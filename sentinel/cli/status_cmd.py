@@ -159,6 +159,7 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
                       ("grad norm", "right"), ("tokens/s", "right"), ("MFU", "right"), ("ckpt age", "right"),
                       ("incidents", "right"), ("guard skips", "right"), ("last action", "left")):
         t.add_column(col, justify=just, no_wrap=col != "last action")
+    cards: list = []
     state_style = {"live": "green", "stale": "bold red", "stopped": "dim", "offline": "dim", "offline-writing": "yellow",
                    "no-data": "dim"}
     for r in rows:
@@ -190,12 +191,13 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
         if r.get("pending_rollback"):
             la_txt += f" [yellow](pending rollback to {r['pending_rollback'].get('to_step')})[/]"
         mfu = r.get("mfu")
-        t.add_row(
-            Text(r["run"]), Text(st_txt, style=state_style.get(r["state"], "")), _fmt_num(r.get("step"), "d"), loss,
-            _fmt_num(r.get("val_ppl"), ".2f"), _fmt_num(r.get("grad_norm"), ".3f"), _fmt_rate(r.get("tokens_per_second")),
-            "-" if mfu is None else f"{mfu * 100:.1f}%", ck, inc, skips_txt, la_txt,
-        )
-    parts = [t]
+        cells = (Text(r["run"]), Text(st_txt, style=state_style.get(r["state"], "")), _fmt_num(r.get("step"), "d"), loss,
+                 _fmt_num(r.get("val_ppl"), ".2f"), _fmt_num(r.get("grad_norm"), ".3f"),
+                 _fmt_rate(r.get("tokens_per_second")), "-" if mfu is None else f"{mfu * 100:.1f}%", ck, inc, skips_txt,
+                 la_txt)
+        t.add_row(*cells)
+        cards.append(_card(cells))
+    parts = [_Responsive(t, Group(Text(t.title, style="italic"), *[x for c in cards for x in (c, Text(""))][:-1]))]
     if not rows and not errors:
         parts.append(Text("no runs registered on the bus", style="dim"))
     notes = [f"{r['run']}: {r['note']}" for r in rows if r.get("note")]
@@ -204,6 +206,43 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
     for e in errors:
         parts.append(Text(f"error: {e}", style="red"))
     return Group(*parts)
+
+
+WIDE_STATUS = 132  # below this many columns one table row per run cannot fit: one card per run instead
+_CARD_KEYS = ("step", "loss", "val PPL", "grad norm", "tokens/s", "MFU", "ckpt age", "incidents", "guard skips")
+
+
+def _card(cells):
+    """One run as a two-pair key/value grid: every field readable at 80 columns, nothing cut."""
+    from rich.table import Table
+    from rich.text import Text
+
+    run, state, *vals = cells
+    last_action = vals.pop()
+    g = Table.grid(padding=(0, 2))
+    for _ in range(2):
+        g.add_column(style="dim", no_wrap=True)
+        g.add_column(no_wrap=True)
+    pairs = list(zip(_CARD_KEYS, vals))
+    for i in range(0, len(pairs), 2):
+        row = [x for k, v in pairs[i:i + 2] for x in (k, v)]
+        g.add_row(*row, *([""] * (4 - len(row))))
+    out = Table.grid()
+    out.add_column(overflow="fold")
+    out.add_row(Text.assemble((run.plain, "bold"), "  ", state))
+    out.add_row(g)
+    out.add_row(Text.from_markup(f"[dim]last action[/]  {last_action}"))
+    return out
+
+
+class _Responsive:
+    """The wide table when the terminal has room, else the cards (re-decided at every refresh)."""
+
+    def __init__(self, wide, narrow):
+        self.wide, self.narrow = wide, narrow
+
+    def __rich_console__(self, console, options):
+        yield self.wide if options.max_width >= WIDE_STATUS else self.narrow
 
 
 def console_for_output(stderr: bool = False):
