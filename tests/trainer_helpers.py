@@ -191,7 +191,7 @@ def last_step(steps_path: Path) -> int:
         line = data[start:end]
         if b'"kind":"step"' in line:
             return int(json.loads(line)["step"])
-        if b'"kind":"' in line:  # a timeline marker: nothing of this timeline yet
+        if b'"kind":"' in line and b'"kind":"marker"' not in line:  # resume/rollback: nothing of this timeline yet
             return int(json.loads(line)["from_step"])
         end = start - 1
     return 0

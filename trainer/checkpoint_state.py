@@ -69,6 +69,36 @@ class SamplerState(_Strict):
         return self
 
 
+class SourceCursor(_Strict):
+    """One source's cursor in a mixture sampler (``trainer.data.mixture``)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")]
+    num_samples: Count
+    epoch: Count
+    position: Count
+
+    @model_validator(mode="after")
+    def _cursor_in_epoch(self) -> "SourceCursor":
+        if self.position > self.num_samples:
+            raise ValueError(f"source {self.name}: cursor {self.position} is past its {self.num_samples} samples")
+        return self
+
+
+class MixtureSamplerState(_Strict):
+    kind: Literal["mixture"]
+    slot: Count
+    seed: Count
+    num_samples: Annotated[int, Field(ge=1, le=INT64_MAX)]
+    dataset_fingerprint: str
+    sources: Annotated[list[SourceCursor], Field(min_length=1, max_length=16)]
+
+    @model_validator(mode="after")
+    def _sources_add_up(self) -> "MixtureSamplerState":
+        if sum(s.num_samples for s in self.sources) != self.num_samples:
+            raise ValueError("the sources' sample counts do not add up to num_samples")
+        return self
+
+
 class GuardState(_Strict):
     window: Annotated[int, Field(ge=1, le=1 << 20)]
     loss: list[float]
@@ -97,7 +127,7 @@ class TrainStateFile(_Strict):
     tokens: Count
     timeline: Count
     grad_accum_pos: Literal[0]  # checkpoints are only taken at optimizer-step boundaries
-    sampler: SamplerState
+    sampler: SamplerState | MixtureSamplerState
     skiplist: list[Annotated[list[Count], Field(min_length=2, max_length=2)]]
     guard: GuardState
     scheduler: SchedulerState
@@ -105,6 +135,10 @@ class TrainStateFile(_Strict):
     dataset_fingerprint: str
     faults: list[dict]
     last_checkpoint_time: float
+    # data mixtures (absent in checkpoints written before them)
+    source_faults: list[dict] = []
+    mixture_weights: dict[Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")], float] | None = None
+    seq_len: Annotated[int, Field(ge=1)] | None = None
 
     _time = field_validator("last_checkpoint_time")(_finite)
 
