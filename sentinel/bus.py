@@ -32,11 +32,13 @@ from sentinel.protocol import (
     Ack,
     Directive,
     Event,
+    RECORD_MAC_FIELD,
     Keys,
     SchemaError,
     StepRecord,
     TimelineRecord,
     parse_step_line,
+    record_mac,
 )
 
 FIELD = "json"  # the one field of every stream entry
@@ -217,6 +219,7 @@ def connect(
     timeout: float = 2.0,
     check: bool = True,
     retries: int = 2,
+    decode: bool = True,
 ) -> redis.Redis:
     """Open a client for ``url`` (``redis://`` or ``rediss://``) with ``decode_responses=True``.
 
@@ -227,13 +230,14 @@ def connect(
     URL or password fails here with a one-line ``BusError``; ``check=False`` never touches the
     network (the trainer's client must start even when Redis is down). ``retries`` is how often a
     command is retried on a connection error (short exponential backoff, capped at 0.5 s).
+    ``decode=False`` returns ``bytes`` (for readers of untrusted streams: see ``raw``).
     """
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix"):
         raise BusError(f"unsupported bus URL scheme {scheme!r} in {redact_url(url)}: use redis:// or rediss://")
     clean, tls = _split_tls_query(url)
     kwargs: dict[str, Any] = {
-        "decode_responses": True,
+        "decode_responses": decode,
         "protocol": 2,  # pinned: the stream helpers parse RESP2 reply shapes
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -272,11 +276,47 @@ def connect(
 
 
 class Entry(NamedTuple):
-    """One stream entry: the stream key, the entry id, and its fields (``{"json": ...}``)."""
+    """One stream entry: the stream key, the entry id, and its fields (``{"json": ...}``).
+
+    ``bad`` is set (to a ``REJECT_REASONS`` value, e.g. ``"not_utf8"``) when the entry could not
+    even be decoded; ``fields`` is then empty. Such an entry must still be acknowledged.
+    """
 
     stream: str
     id: str
     fields: dict[str, str]
+    bad: str | None = None
+
+
+def raw(r: redis.Redis) -> redis.Redis:
+    """A client on the same server that returns ``bytes`` (cached on ``r``).
+
+    Untrusted streams are read through it: with ``decode_responses=True`` one non-UTF-8 byte in
+    any entry makes redis-py raise while parsing the *whole* reply, so a single hostile entry
+    would block every entry behind it, forever. Raw replies are decoded entry by entry instead.
+    """
+    if not r.connection_pool.connection_kwargs.get("decode_responses"):
+        return r
+    cached = getattr(r, "_sentinel_raw", None)
+    if cached is None:
+        pool = r.connection_pool
+        kwargs = {**pool.connection_kwargs, "decode_responses": False}
+        cached = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+        r._sentinel_raw = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def _text(b: bytes | str) -> str:
+    return b if isinstance(b, str) else b.decode("utf-8")
+
+
+def to_entry(stream: bytes | str, eid: bytes | str, fields: dict | None) -> Entry:
+    """Decode one raw entry; a field name or value that is not UTF-8 marks it ``bad``."""
+    s, i = _text(stream), _text(eid)  # stream names and ids are ASCII by construction
+    try:
+        return Entry(s, i, {_text(k): _text(v) for k, v in (fields or {}).items()})
+    except UnicodeDecodeError:
+        return Entry(s, i, {}, "not_utf8")
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
@@ -313,8 +353,14 @@ def _entries(resp) -> list[Entry]:
         for eid, fields in items:
             if fields is None:  # entry deleted (trimmed) while pending
                 continue
-            out.append(Entry(stream, eid, fields))
+            out.append(to_entry(stream, eid, fields))
     return out
+
+
+def read_stream(r: redis.Redis, stream: str, after_id: str, *, count: int = 1000) -> list[Entry]:
+    """XREAD entries after ``after_id`` (no group), decoded entry by entry like ``read_group``."""
+    with bus_errors(r):
+        return _entries(raw(r).xread({stream: after_id}, count=count))
 
 
 def read_group(
@@ -339,7 +385,7 @@ def read_group(
     block = _clamp_block(r, block_ms)
     for attempt in (0, 1):
         try:
-            resp = r.xreadgroup(group, consumer, {s: start for s in names}, count=count, block=block)
+            resp = raw(r).xreadgroup(group, consumer, {s: start for s in names}, count=count, block=block)
             return _entries(resp)
         except redis.ResponseError as e:
             if str(e).startswith("NOGROUP") and attempt == 0:
@@ -377,9 +423,9 @@ def autoclaim(
     fields; Redis >= 7 removes them and lists them separately).
     """
     with bus_errors(r):
-        resp = r.xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count)
-    next_id, items = resp[0], resp[1]
-    return next_id, [Entry(stream, eid, f) for eid, f in items if f is not None]
+        resp = raw(r).xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms, start_id=start_id, count=count)
+    next_id, items = _text(resp[0]), resp[1]
+    return next_id, [to_entry(stream, eid, f) for eid, f in items if f is not None]
 
 
 def _to_json(record: Any) -> str:
@@ -390,13 +436,19 @@ def _to_json(record: Any) -> str:
     return json.dumps(record, separators=(",", ":"), allow_nan=True)
 
 
-def publish(r: redis.Redis, stream: str, record: Any, maxlen: int | None = 100_000) -> str:
+def publish(r: redis.Redis, stream: str, record: Any, maxlen: int | None = 100_000, *, secret: bytes | None = None) -> str:
     """XADD ``record`` (a protocol model, dict or JSON text) under field ``json``; returns its id.
 
     ``maxlen`` trims approximately (``~``), which is O(1) amortised; ``None`` keeps everything.
+    With ``secret`` the entry also carries ``mac`` (``protocol.record_mac``): step records and
+    acks must, or the sentinel refuses them.
     """
+    data = _to_json(record)
+    fields = {FIELD: data}
+    if secret is not None:
+        fields[RECORD_MAC_FIELD] = record_mac(secret, stream, data)
     with bus_errors(r):
-        return r.xadd(stream, {FIELD: _to_json(record)}, maxlen=maxlen, approximate=True)
+        return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
 
 
 _BY_SUFFIX = {":directives": Directive, ":acks": Ack, ":events": Event}
@@ -412,6 +464,8 @@ def decode(entry: Entry | tuple | dict, model: type | None = None):
     """
     stream = None
     if isinstance(entry, Entry):
+        if entry.bad:
+            raise SchemaError(f"stream entry {entry.id} could not be decoded ({entry.bad})", entry.bad)
         stream, fields = entry.stream, entry.fields
     elif isinstance(entry, dict):
         fields = entry

@@ -24,6 +24,7 @@ from typing import Callable
 import redis
 
 from sentinel import bus
+from sentinel.ingest import StepGate, Verdict, check_ack
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
 from sentinel.protocol import (
@@ -71,6 +72,9 @@ class Options:
     lease_ms: int = 10_000
     batch: int = 500
     alertmanager_url: str | None = None
+    # records older than this, already on the stream when the lease was taken, are history: they
+    # rebuild the detectors' state, but the sentinel does not act on incidents that are long over
+    backlog_age_s: float = 120.0
 
 
 class RunWatcher:
@@ -85,7 +89,14 @@ class RunWatcher:
         self.acks_id = "0-0"
         self.approvals_id = "0-0"
         self.checkpoints_seen: set[int] = set()
+        self._ckpt_raw: dict[int, bytes] = {}  # the hash value last fed per step (a rollback rewrites it)
+        self.gate = StepGate(run, opts.secret)
         self._recovered = False
+        self._history_until = "0-0"  # stream head when the lease was taken: entries up to it may be history
+        self._lost_upto = 0  # stream position up to which trimmed-unread records were counted
+        self._next_overload_check = 0.0
+        self.behind = False
+        self._log_budget: dict[str, float] = {}
         bus.ensure_group(r, self.keys.steps, STEP_CONSUMER_GROUP)
 
     # ------------------------------------------------------------------ leadership
@@ -95,6 +106,8 @@ class RunWatcher:
         if got and not self.leader:
             self.log(f"[{self.run}] leader lease acquired by {me}")
             self._load_state()
+            head = self.r.xrevrange(self.keys.steps, count=1)
+            self._history_until = head[0][0] if head else "0-0"
             self._recovered = False  # a new term: recover pending entries again (ours and a dead leader's)
         elif not got and self.leader:
             self.log(f"[{self.run}] leader lease lost")
@@ -120,6 +133,7 @@ class RunWatcher:
         self.acks_id = st.get("acks_id", "0-0")
         self.approvals_id = st.get("approvals_id", "0-0")
         self.checkpoints_seen = set(st.get("checkpoints_seen", []))
+        self.gate.load_state_dict(st.get("gate"))
         if st["policy"].get("samples") is None:
             self._restore_samples()
         self.log(f"[{self.run}] resumed policy state at stream id {self.last_id} (state {self.policy.state})")
@@ -137,7 +151,8 @@ class RunWatcher:
 
     def _save_state(self) -> None:
         st = {"policy": self.policy.state_dict(include_samples=False), "last_id": self.last_id, "acks_id": self.acks_id,
-              "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen), "saved": time.time()}
+              "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen),
+              "gate": self.gate.state_dict(), "saved": time.time()}
         self.r.set(self.keys.policy, json.dumps(st))
 
     # ------------------------------------------------------------------ one iteration
@@ -163,18 +178,15 @@ class RunWatcher:
             done.append(e.id)
             if _stream_id_tuple(e.id) <= _stream_id_tuple(self.last_id):
                 continue  # already covered by the persisted state
-            try:
-                rec = bus.decode(e)
-            except SchemaError as err:
-                self.log(f"[{self.run}] dropping malformed step entry {e.id}: {err}")
-                self.last_id = e.id
+            self.last_id = e.id  # rejected or not, it is done: XACKed below and never re-read
+            v = self.gate.check(e)
+            if v.record is None:
+                self._rejected("steps", v)
                 continue
-            if isinstance(rec, StepRecord):
-                self.m.steps.labels(self.run).inc()
-                self._execute(self.policy.on_step(rec), rec.time)
-            elif isinstance(rec, TimelineRecord):
-                self._execute(self.policy.on_timeline(rec), rec.time)
-            self.last_id = e.id
+            rec = v.record
+            history = (_stream_id_tuple(e.id) <= _stream_id_tuple(self._history_until)
+                       and rec.time < time.time() - self.opts.backlog_age_s)
+            self._feed(rec, history)
         self._read_acks()
         self._read_approvals()
         hb = self._heartbeat_time()
@@ -190,46 +202,122 @@ class RunWatcher:
             sum(1 for i in self.policy.incidents if i.state not in ("healthy", "escalated") and i.closed_at is None))
         return len(done)
 
-    def _refresh_checkpoints(self) -> None:
-        for step, raw in self.r.hgetall(self.keys.checkpoints).items():
-            s = int(step)
-            if s in self.checkpoints_seen:
-                continue
+    def _feed(self, rec: StepRecord | TimelineRecord, history: bool) -> None:
+        """Give one accepted record to the policy. History (an old backlog) informs, never acts."""
+        if history and not self.policy.dry_run:
+            # replay it as a dry run: detectors and checkpoints learn, pages and rollbacks are not sent,
+            # and the rollback rate limit is left as it was
+            rate = list(self.policy._rollback_times)
+            self.policy.dry_run = True
             try:
-                self.policy.on_checkpoint(CheckpointInfo.from_json(raw))
-                self.checkpoints_seen.add(s)
+                self._feed(rec, history=False)
+                self._flush_events(history=True)
+            finally:
+                self.policy.dry_run = False
+                self.policy._rollback_times = rate
+            return
+        if isinstance(rec, StepRecord):
+            self.m.steps.labels(self.run).inc()
+            self._execute(self.policy.on_step(rec), rec.time)
+        else:
+            self._execute(self.policy.on_timeline(rec), rec.time)
+
+    def _rejected(self, stream: str, v: Verdict) -> None:
+        """Count a refused entry; log it, but at most once a minute per (stream, reason)."""
+        self.m.rejected.labels(self.run, stream, v.reason).inc()
+        key, now = f"{stream}:{v.reason}", time.monotonic()
+        if now >= self._log_budget.get(key, 0.0):
+            self._log_budget[key] = now + 60.0
+            self.log(f"[{self.run}] rejected {stream} entry ({v.reason}): {v.detail[:200]}"
+                     + " (further ones counted in sentinel_records_rejected_total, logged once a minute)")
+
+    def _refresh_checkpoints(self) -> None:
+        """Mirror the bus's checkpoint hash: new or rewritten entries in, deleted ones out.
+
+        The trainer deletes a checkpoint's entry when retention deletes the checkpoint, so a step
+        that left the hash must leave the policy too (a failover must not resurrect it).
+        """
+        current: dict[int, bytes] = {}
+        for k, raw in bus.raw(self.r).hgetall(self.keys.checkpoints).items():
+            try:
+                current[int(k)] = raw
+            except ValueError:
+                continue
+        for s in sorted(set(self.checkpoints_seen) - set(current)):
+            self.policy.forget_checkpoint(s)
+            self.checkpoints_seen.discard(s)
+            self._ckpt_raw.pop(s, None)
+            self.log(f"[{self.run}] checkpoint step {s} is gone from the bus (retention): no longer a rollback target")
+        for s, raw in current.items():
+            if self._ckpt_raw.get(s) == raw:
+                continue
+            self._ckpt_raw[s] = raw
+            try:
+                info = CheckpointInfo.from_json(raw)
+                if info.run != self.run or info.step != s:
+                    raise SchemaError(f"checkpoint entry {s} names run {info.run[:64]!r} step {info.step}", "wrong_run")
             except SchemaError as err:
-                self.log(f"[{self.run}] ignoring malformed checkpoint entry {step}: {err}")
+                self._rejected("checkpoints", Verdict(None, err.reason, str(err)))
+                continue
+            if info.timeline < self.policy.timeline and s > (self.policy.last_step or 0):
+                continue  # left over from a branch a rollback abandoned; the trainer overwrites it in time
+            self.policy.on_checkpoint(info)
+            self.checkpoints_seen.add(s)
+
+    def check_overload(self, now: float) -> None:
+        """Count step records the capped stream trimmed before we read them; say we cannot keep up.
+
+        From XINFO: ``entries-added - length`` records have left the front of the stream; if our
+        group's ``entries-read`` is below that, the difference was trimmed unread.
+        """
+        if now < self._next_overload_check and not self.behind:
+            return
+        self._next_overload_check = now + 1.0
+        try:
+            info = self.r.xinfo_stream(self.keys.steps)
+            group = next((g for g in self.r.xinfo_groups(self.keys.steps) if g.get("name") == STEP_CONSUMER_GROUP), None)
+        except redis.ResponseError:
+            return  # no stream yet, or a server without these fields
+        if group is None or group.get("entries-read") is None or info.get("entries-added") is None:
+            return
+        if group.get("lag") is not None:
+            self.m.lag.labels(self.run).set(group["lag"])
+        gone = int(info["entries-added"]) - int(info["length"])
+        lost = gone - max(int(group["entries-read"]), self._lost_upto)
+        if lost > 0:
+            self.m.trimmed.labels(self.run).inc(lost)
+            self.log(f"[{self.run}] SENTINEL CANNOT KEEP UP: {lost} step records were trimmed from the capped stream "
+                     f"before they were read (lag {group.get('lag')}); detection is blind for them")
+        self._lost_upto = max(self._lost_upto, gone)
 
     def _read_acks(self) -> None:
-        resp = self.r.xread({self.keys.acks: self.acks_id}, count=1000)
-        for _, items in resp or []:
-            for eid, fields in items:
-                self.acks_id = eid
-                try:
-                    a = Ack.from_json(fields["json"])
-                except (SchemaError, KeyError):
-                    continue
-                self.log(f"[{self.run}] ack {a.kind} {a.directive_id[:8]}: {a.status}" + (f" ({a.detail})" if a.detail else ""))
-                if a.status in ("failed", "rejected"):  # "sent" was counted at XADD; the trainer's verdict lands here
-                    self.m.actions.labels(self.run, a.kind, a.status).inc()
-                self._execute(self.policy.on_ack(a), None)
+        for e in bus.read_stream(self.r, self.keys.acks, self.acks_id, count=1000):
+            self.acks_id = e.id
+            v = check_ack(e, self.run, self.opts.secret)
+            if v.record is None:
+                self._rejected("acks", v)
+                continue
+            a = v.record
+            self.log(f"[{self.run}] ack {a.kind} {a.directive_id[:8]}: {a.status}" + (f" ({a.detail})" if a.detail else ""))
+            if a.status in ("failed", "rejected"):  # "sent" was counted at XADD; the trainer's verdict lands here
+                self.m.actions.labels(self.run, a.kind, a.status).inc()
+            self._execute(self.policy.on_ack(a), None)
 
     def _read_approvals(self) -> None:
-        resp = self.r.xread({self.keys.approvals: self.approvals_id}, count=100)
-        for _, items in resp or []:
-            for eid, fields in items:
-                self.approvals_id = eid
-                try:
-                    d = Directive.from_json(fields["json"])
-                except (SchemaError, KeyError):
-                    continue
-                why = d.verify(self.opts.secret)
-                if why or d.kind != "resume" or not d.incident_id:
-                    self.log(f"[{self.run}] approval rejected: {why or 'malformed'}")
-                    continue
-                self.log(f"[{self.run}] incident {d.incident_id} approved by {d.issuer}")
-                self._execute(self.policy.approve(d.incident_id), None)
+        for e in bus.read_stream(self.r, self.keys.approvals, self.approvals_id, count=100):
+            self.approvals_id = e.id
+            try:
+                d = bus.decode(e, Directive)
+            except SchemaError as err:
+                self._rejected("approvals", Verdict(None, err.reason, str(err)))
+                continue
+            why = d.verify(self.opts.secret)
+            if why or d.kind != "resume" or not d.incident_id or d.run != self.run:
+                reason = (why or "").replace(" ", "_") or ("wrong_run" if d.run != self.run else "malformed")
+                self._rejected("approvals", Verdict(None, reason, f"approval {e.id}: {why or 'not a resume of an incident of this run'}"))
+                continue
+            self.log(f"[{self.run}] incident {d.incident_id} approved by {d.issuer}")
+            self._execute(self.policy.approve(d.incident_id), None)
 
     def _heartbeat_time(self) -> float | None:
         raw = self.r.get(self.keys.heartbeat)
@@ -240,9 +328,11 @@ class RunWatcher:
         except (ValueError, TypeError, AttributeError):
             return None
 
-    def _flush_events(self) -> int:
+    def _flush_events(self, history: bool = False) -> int:
         events = self.policy.drain_events()
         for ev in events:
+            if history:
+                ev.data["history"] = True
             if ev.kind == "rule_fired" and ev.data.get("rule"):
                 self.m.fired.labels(self.run, str(ev.data["rule"])).inc()
             elif ev.kind == "spike_pattern" and ev.data.get("pattern") in SPIKE_PATTERNS:
@@ -255,8 +345,11 @@ class RunWatcher:
             elif ev.kind == "action" and ev.data.get("dry_run") and isinstance(ev.data.get("action"), dict):
                 # a dry-run policy returns no actions to _execute: count and log them from their events
                 act = ev.data["action"]
-                self.m.actions.labels(self.run, str(act.get("kind")), "dry_run").inc()
-                self.log(f"[{self.run}] DRY RUN: would send {act.get('kind')} ({act.get('reason')})")
+                outcome = "history" if history else "dry_run"
+                self.m.actions.labels(self.run, str(act.get("kind")), outcome).inc()
+                self.log(f"[{self.run}] " + (f"BACKLOG (step {ev.step}, older than {self.opts.backlog_age_s:.0f}s): "
+                                             f"not acting on history, would have sent" if history else "DRY RUN: would send")
+                         + f" {act.get('kind')} ({act.get('reason')})")
             bus.publish(self.r, self.keys.events, ev)
         incidents = {i.id: i.to_json() for i in self.policy.incidents}
         if events and incidents:
@@ -348,11 +441,15 @@ class Daemon:
             time.sleep(block_ms / 1000.0)
             return 0
         by_stream = {w.keys.steps: w for w in led}
+        for w in led:
+            w.check_overload(now)
         entries = bus.read_group(self.r, list(by_stream), STEP_CONSUMER_GROUP, self.opts.consumer,
                                  count=self.opts.batch, block_ms=block_ms)
         grouped: dict[str, list[bus.Entry]] = {s: [] for s in by_stream}
         for e in entries:
             grouped[e.stream].append(e)
+        for s, w in by_stream.items():
+            w.behind = len(grouped[s]) >= self.opts.batch  # a full batch: more is waiting
         return sum(w.poll(grouped[s]) for s, w in by_stream.items())
 
     def run_forever(self) -> None:

@@ -30,6 +30,15 @@ class SentinelMetrics:
         self.episodes = Counter("sentinel_anomaly_episodes", "Anomaly episodes closed, by outcome: recovered (annotated, no action) or damage.",
                                 ["run", "outcome"], registry=r)
         self.bus_errors = Counter("sentinel_bus_errors", "Control-bus errors (each retried).", registry=r)
+        # stream: steps/acks/approvals/checkpoints; reason: protocol.REJECT_REASONS (both small, fixed)
+        self.rejected = Counter("sentinel_records_rejected", "Bus entries refused (acknowledged, never re-read), by stream and reason.",
+                                ["run", "stream", "reason"], registry=r)
+        self.trimmed = Counter("sentinel_records_trimmed_unread", "Step records the capped stream trimmed before this sentinel read them.",
+                               ["run"], registry=r)
+        self.lag = Gauge("sentinel_stream_lag_records", "Step records on the stream not yet read by the sentinel group.",
+                         ["run"], registry=r)
+        self.bus_restarts = Counter("sentinel_bus_restarts", "Embedded buses this sentinel found dead and restarted.",
+                                    ["run"], registry=r)
 
     def serve(self, host: str, port: int) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)

@@ -131,6 +131,10 @@ class RunPolicy:
         if info.verified != "failed":
             self._checkpoints[info.step] = info
 
+    def forget_checkpoint(self, step: int) -> None:
+        """A checkpoint is gone (retention deleted it): never roll back to it."""
+        self._checkpoints.pop(step, None)
+
     def on_step(self, rec: StepRecord) -> list[Action]:
         if rec.timeline < self.timeline:
             return []  # a late record from a timeline a rollback abandoned
@@ -183,8 +187,10 @@ class RunPolicy:
         s = rec.from_step
         self.timeline = max(self.timeline, rec.timeline)
         self._last_fire = {r: [None, v[1]] for r, v in self._last_fire.items()}  # step cooldowns restart
-        for k in [k for k in self._checkpoints if k > s]:
-            del self._checkpoints[k]  # checkpoints of the abandoned branch are not ancestors any more
+        # checkpoints of the abandoned branch are not ancestors any more; those written on this timeline
+        # or a later one are (a sentinel replaying an old backlog already knows checkpoints made after it)
+        for k in [k for k, c in self._checkpoints.items() if k > s and c.timeline < rec.timeline]:
+            del self._checkpoints[k]
         while self._samples and self._samples[-1][0] > s:
             self._samples.pop()
         self.last_step = s

@@ -25,8 +25,77 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 SCHEMA_VERSION = 1
 
 
+# Why each record was refused: a small fixed vocabulary, used as a metric label on both sides.
+REJECT_REASONS = (
+    "unsigned",  # no MAC / signature
+    "bad_signature",  # MAC or signature does not match: forged or altered
+    "expired",  # a directive past its expires_at
+    "not_utf8",  # a field name or value that is not UTF-8
+    "too_large",  # over MAX_RECORD_BYTES
+    "too_deep",  # JSON nested deeper than MAX_JSON_DEPTH
+    "malformed",  # not JSON, not an object, missing field, wrong type
+    "newer_schema",  # written by a newer protocol version
+    "out_of_range",  # non-finite where a finite value is required, negative counts, absurd magnitudes
+    "wrong_run",  # names another run
+    "out_of_order",  # a step older than one already seen on its timeline, or an abandoned timeline
+    "duplicate",  # the same step twice on one timeline (a re-delivery, or a replay)
+)
+
+MAX_RECORD_BYTES = 1 << 20  # a step record of a 4096-sample global batch is ~60 KB
+MAX_JSON_DEPTH = 16  # our records nest 3 deep; Event.data a little more
+
+
 class SchemaError(ValueError):
-    """A record could not be parsed against this version of the protocol."""
+    """A record could not be parsed against this version of the protocol.
+
+    ``reason`` is one of ``REJECT_REASONS`` (for metrics); the message says what exactly.
+    """
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _depth_exceeds(obj: Any, limit: int) -> bool:
+    """True when ``obj`` nests containers deeper than ``limit`` (iterative: no recursion to exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return True
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values() if isinstance(v, (dict, list)))
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+    return False
+
+
+def loads_bounded(data: str | bytes, what: str = "record") -> Any:
+    """``json.loads`` for untrusted input: UTF-8 only, at most MAX_RECORD_BYTES and MAX_JSON_DEPTH.
+
+    Every failure is a ``SchemaError`` with a reason; nothing else escapes (a 100,000-deep
+    document raises RecursionError inside ``json``, a 5,000-digit number ValueError).
+    """
+    if isinstance(data, (bytes, bytearray)):
+        if len(data) > MAX_RECORD_BYTES:
+            raise SchemaError(f"{what}: {len(data)} bytes, over the {MAX_RECORD_BYTES} limit", "too_large")
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError:
+            raise SchemaError(f"{what}: not UTF-8", "not_utf8") from None
+    elif not isinstance(data, str):
+        raise SchemaError(f"{what}: expected JSON text, got {type(data).__name__}")
+    if len(data) > MAX_RECORD_BYTES:
+        raise SchemaError(f"{what}: {len(data)} characters, over the {MAX_RECORD_BYTES} limit", "too_large")
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise SchemaError(f"{what}: JSON nested too deep", "too_deep") from None
+    except ValueError as e:  # JSONDecodeError, and int strings over the digit limit
+        raise SchemaError(f"{what}: not valid JSON ({getattr(e, 'msg', None) or str(e)[:80]})") from None
+    if _depth_exceeds(obj, MAX_JSON_DEPTH):
+        raise SchemaError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH}", "too_deep")
+    return obj
 
 
 class _Record(BaseModel):
@@ -39,15 +108,15 @@ class _Record(BaseModel):
 
     @classmethod
     def from_json(cls, data: str | bytes | dict[str, Any]):
-        try:
-            obj = data if isinstance(data, dict) else json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SchemaError(f"{cls.__name__}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        obj = data if isinstance(data, dict) else loads_bounded(data, cls.__name__)
         if not isinstance(obj, dict):
             raise SchemaError(f"{cls.__name__}: expected a JSON object")
-        if int(obj.get("v", SCHEMA_VERSION)) > SCHEMA_VERSION:
+        v = obj.get("v", SCHEMA_VERSION)
+        if type(v) is not int:  # noqa: E721 - bool is an int subclass and is not a version
+            raise SchemaError(f"{cls.__name__}.v: expected an integer schema version")
+        if v > SCHEMA_VERSION:
             raise SchemaError(
-                f"{cls.__name__}: schema v{obj['v']} is newer than this tool's v{SCHEMA_VERSION}; upgrade sentinel"
+                f"{cls.__name__}: schema v{v} is newer than this tool's v{SCHEMA_VERSION}; upgrade sentinel", "newer_schema"
             )
         try:
             return cls.model_validate(obj)
@@ -55,6 +124,8 @@ class _Record(BaseModel):
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
             raise SchemaError(f"{cls.__name__}.{loc}: {err['msg']}") from None
+        except (RecursionError, ValueError, TypeError, OverflowError) as e:  # pydantic internals on hostile input
+            raise SchemaError(f"{cls.__name__}: invalid ({e.__class__.__name__})") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,10 +244,7 @@ StepLine = StepRecord | TimelineRecord | MarkerRecord
 
 def parse_step_line(line: str | bytes) -> StepRecord | TimelineRecord | MarkerRecord:
     """Parse one line of steps.jsonl (a step, a resume/rollback timeline record, or a marker)."""
-    try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SchemaError("steps.jsonl: a line is not valid JSON") from None
+    obj = loads_bounded(line, "steps.jsonl line")
     if not isinstance(obj, dict):
         raise SchemaError("steps.jsonl: a line is not a JSON object")
     kind = obj.get("kind", "step")
@@ -237,7 +305,8 @@ class Directive(_Record):
         if not self.sig:
             return "unsigned"
         want = hmac.new(secret, self.canonical(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(want, self.sig):
+        # compare bytes: compare_digest refuses str with non-ASCII characters (a forger's choice)
+        if not hmac.compare_digest(want.encode(), self.sig.encode("utf-8", "surrogatepass")):
             return "bad signature"
         if self.expires_at is not None and (now if now is not None else time.time()) > self.expires_at:
             return "expired"
@@ -409,3 +478,83 @@ def atomic_write_text(path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------
+# Bus records from untrusted transport: ranges and authentication
+# --------------------------------------------------------------------------------------------
+
+MAX_STEP = 2**53  # beyond this a float step counter would already have lost precision
+MAX_TIMELINE = 2**31
+MAX_COUNT = 2**62  # tokens, sample ids
+MAX_MAGNITUDE = 3.5e38  # float32 max: no tensor of ours can produce a finite value beyond it
+_NONFINITE_OK = ("loss", "loss_max_rank", "grad_norm", "val_loss", "val_ppl")  # NaN/+inf are real signals here
+
+
+def _bad_float(name: str, x: float, *, nonfinite_ok: bool) -> str | None:
+    if math.isnan(x) or x == math.inf:
+        return None if nonfinite_ok else f"{name} is not finite"
+    if not (0.0 <= x <= MAX_MAGNITUDE):
+        return f"{name}={x!r} is out of range"
+    return None
+
+
+def _bad_int(name: str, x: int, lo: int, hi: int) -> str | None:
+    return None if lo <= x <= hi else f"{name}={x} is out of range [{lo}, {hi}]"
+
+
+def record_range_error(rec: _Record) -> str | None:
+    """None when every number in a step/timeline/ack/event record is plausible, else what is not.
+
+    A NaN or +inf loss or grad norm is legitimate (that is what the NaN rule watches for); a
+    negative one, -inf, a finite value beyond float32, a negative step or count, or a non-finite
+    time or learning rate can only come from a bug or a forger.
+    """
+    checks: list[str | None] = []
+    if isinstance(rec, StepRecord):
+        checks += [_bad_int("step", rec.step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
+                   _bad_int("tokens", rec.tokens, 0, MAX_COUNT), _bad_int("batch_tokens", rec.batch_tokens, 0, MAX_COUNT),
+                   _bad_int("world_size", rec.world_size, 1, 1 << 24)]
+        checks += [_bad_int("sample_ids", i, 0, MAX_COUNT) for i in rec.sample_ids if not 0 <= i <= MAX_COUNT][:1]
+        for name in ("loss", "loss_max_rank", "grad_norm", "lr", "time", "step_seconds", "tokens_per_second", "mfu",
+                     "val_loss", "val_ppl", "checkpoint_age_seconds", "effective_token_ratio"):
+            x = getattr(rec, name)
+            if x is not None:
+                checks.append(_bad_float(name, x, nonfinite_ok=name in _NONFINITE_OK))
+        for name, xs in (("rank_losses", rec.rank_losses), ("rank_step_seconds", rec.rank_step_seconds),
+                         ("phases", list((rec.phases or {}).values()))):
+            checks += [_bad_float(name, x, nonfinite_ok=name == "rank_losses") for x in xs or ()]
+    elif isinstance(rec, TimelineRecord):
+        checks += [_bad_int("from_step", rec.from_step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
+                   _bad_float("time", rec.time, nonfinite_ok=False)]
+        checks += [f"skip range {lo}:{hi} is out of range" for lo, hi in rec.skip_ranges if not 0 <= lo < hi <= MAX_COUNT][:1]
+    elif isinstance(rec, (Ack, Event)):
+        if rec.step is not None:
+            checks.append(_bad_int("step", rec.step, 0, MAX_STEP))
+        checks.append(_bad_float("time", rec.time, nonfinite_ok=False))
+    return next((c for c in checks if c), None)
+
+
+RECORD_MAC_FIELD = "mac"  # stream field beside ``json``: HMAC-SHA256 of the exact JSON text
+
+
+def record_mac(secret: bytes, stream: str, data: str) -> str:
+    """HMAC-SHA256 over (domain, stream key, record JSON text), hex.
+
+    The trainer MACs every step record and ack it puts on the bus with the run's directive
+    secret; the sentinel refuses entries whose MAC is missing or wrong, so whoever can write to
+    the bus but does not hold the secret cannot make the sentinel act. The stream key binds a
+    record to its run and stream (no replay into another run), and the domain prefix keeps these
+    MACs apart from directive signatures made with the same key.
+    """
+    msg = b"sentinel-record-v1\x00" + stream.encode() + b"\x00" + data.encode("utf-8", "surrogatepass")
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def record_mac_error(secret: bytes, stream: str, data: str, mac: str | None) -> str | None:
+    """None when ``mac`` authenticates ``data`` on ``stream``; else the reject reason."""
+    if not mac:
+        return "unsigned"
+    if not hmac.compare_digest(record_mac(secret, stream, data).encode(), mac.encode("utf-8", "surrogatepass")):
+        return "bad_signature"
+    return None

@@ -69,7 +69,7 @@ def step_rec(run: str, step: int, loss: float | None = None, timeline: int = 0) 
 
 def publish_steps(r, run: str, steps, *, nan_at: int | None = None, timeline: int = 0) -> None:
     for s in steps:
-        bus.publish(r, Keys(run).steps, step_rec(run, s, float("nan") if s == nan_at else None, timeline))
+        bus.publish(r, Keys(run).steps, step_rec(run, s, float("nan") if s == nan_at else None, timeline), secret=SECRET)
 
 
 def register_checkpoints(r, run: str, steps=CKPTS) -> None:
@@ -159,9 +159,9 @@ def test_detects_and_sends_a_signed_rollback(redis_url, unique_run):
     assert sample(d, "sentinel_bus_errors_total") == 0
 
     # the "trainer" applies it: ack, rollback marker, healthy steps on the new timeline -> incident closes
-    bus.publish(r, k.acks, Ack(run=run, directive_id=dv.id, kind="rollback", status="applied", step=TARGET, timeline=1))
+    bus.publish(r, k.acks, Ack(run=run, directive_id=dv.id, kind="rollback", status="applied", step=TARGET, timeline=1), secret=SECRET)
     bus.publish(r, k.steps, TimelineRecord(kind="rollback", run=run, from_step=TARGET, timeline=1, time=time.time(),
-                                           directive_id=dv.id, skip_ranges=dv.ranges))
+                                           directive_id=dv.id, skip_ranges=dv.ranges), secret=SECRET)
     publish_steps(r, run, range(TARGET + 1, NAN_STEP + 6), timeline=1)
     pump(d, until=lambda: sample(d, "sentinel_incidents_open", run=run) == 0)
     (inc,) = [json.loads(v) for v in r.hgetall(k.incidents).values()]
@@ -226,8 +226,9 @@ def test_policy_state_round_trips_through_redis(redis_url, unique_run):
     assert a == b
     # and the restored daemon carries the incident on: the ack + marker + healthy steps close it
     (dv,) = directives(r, run)
-    bus.publish(r, k.acks, Ack(run=run, directive_id=dv.id, kind="rollback", status="applied", step=TARGET, timeline=1))
-    bus.publish(r, k.steps, TimelineRecord(kind="rollback", run=run, from_step=TARGET, timeline=1, time=time.time(), directive_id=dv.id))
+    bus.publish(r, k.acks, Ack(run=run, directive_id=dv.id, kind="rollback", status="applied", step=TARGET, timeline=1), secret=SECRET)
+    bus.publish(r, k.steps, TimelineRecord(kind="rollback", run=run, from_step=TARGET, timeline=1, time=time.time(), directive_id=dv.id),
+                secret=SECRET)
     publish_steps(r, run, range(TARGET + 1, NAN_STEP + 6), timeline=1)
     pump(d2, until=lambda: w2.policy.state == "healthy")
     assert r.xlen(k.directives) == 1
@@ -358,7 +359,8 @@ def test_require_approval_pages_then_acts_on_a_signed_approval(redis_url, unique
     bus.publish(r, k.approvals, Directive(run=run, kind="resume").signed(SECRET))  # no incident
     pump(d, min_iter=5, until=lambda: True)
     assert r.xlen(k.directives) == 1
-    assert sum("approval rejected" in line for line in d.logs) == 3
+    for reason in ("bad_signature", "unsigned", "malformed"):
+        assert sample(d, "sentinel_records_rejected_total", run=run, stream="approvals", reason=reason) == 1, reason
 
     bus.publish(r, k.approvals, Directive(run=run, kind="resume", incident_id=iid, issuer="human:alice").signed(SECRET))
     pump(d, until=lambda: r.xlen(k.directives) > 2)

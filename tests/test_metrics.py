@@ -236,7 +236,11 @@ def test_counters_events_and_info():
     assert (g("training_resumes_total"), g("training_rollbacks_total")) == (1, 2)
     assert g("training_directives_applied_total", kind="rollback") == 1
     assert g("training_directives_applied_total", kind="stop") == 0
-    assert g("training_directives_rejected_total") == 1
+    assert g("training_directives_rejected_total", reason="malformed") == 1
+    m.set_directives_rejected({"unsigned": 2, "not_utf8": 1})
+    m.set_directives_rejected({"unsigned": 3, "not_utf8": 1})
+    assert g("training_directives_rejected_total", reason="unsigned") == 3
+    assert g("training_directives_rejected_total", reason="not_utf8") == 1
     m.set_telemetry_dropped(3)
     m.set_telemetry_dropped(3)
     m.set_telemetry_dropped(7)

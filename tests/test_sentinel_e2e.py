@@ -420,10 +420,13 @@ def test_forged_directives_are_rejected(data_dir, tmp_path, unique_run, procs):
         # still training (the expired pause was not applied), and the counter moved
         wait_for(lambda: steps_in_log(run_dir) > steps_at_forgery + 20, 60, "more steps after the forgeries", proc=tr, log=log)
         n = len(forged) + 1
-        rejected = wait_for(lambda: (metric(scrape(murl), "training_directives_rejected_total", run=run) or 0) >= n and
-                            metric(scrape(murl), "training_directives_rejected_total", run=run), 20,
+        def rejected_by_reason() -> dict[str, float]:
+            return {k.split('reason="')[1].split('"')[0]: v for k, v in scrape(murl).items()
+                    if k.startswith("training_directives_rejected_total{") and f'run="{run}"' in k}
+
+        rejected = wait_for(lambda: sum(rejected_by_reason().values()) >= n and rejected_by_reason(), 20,
                             "training_directives_rejected_total to count them")  # fmt: skip
-        assert rejected == n
+        assert sum(rejected.values()) == n and rejected["malformed"] >= 1 and rejected["unsigned"] == 1, rejected
         rejected_events = [e for e in (Event.from_json(f["json"]) for _e, f in r.xrange(k.events)) if e.kind == "directive_rejected"]
         assert len(rejected_events) == n
 

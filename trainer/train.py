@@ -279,13 +279,20 @@ class Trainer:
         from sentinel.bus import load_secret, register_run
         from trainer.telemetry.bus_client import BusClient
 
+        reconnect = None
         if url == "embedded":
             from sentinel.embedded import ensure_embedded
 
             url = ensure_embedded(self.run_dir)
+            run_dir = self.run_dir
+
+            def reconnect() -> str:  # the embedded bus's supervisor: a dead bus is restarted from its AOF
+                return ensure_embedded(run_dir)
         self.secret = load_secret(self.run_dir)
-        # from the stream start: directives are deduplicated by id against directives.jsonl
-        self.bus = BusClient(url, self.run_id, self.secret, start_after_id="0-0")
+        # from the persisted stream position (else the stream start): directives are also deduplicated by
+        # id against directives.jsonl, and a rejected entry is never read again after a restart
+        self.bus = BusClient(url, self.run_id, self.secret, start_after_id="0-0",
+                             cursor_file=self.run_dir / "directives.cursor", reconnect=reconnect)
         self.bus_url = url
         try:
             from sentinel.bus import connect
@@ -371,6 +378,8 @@ class Trainer:
                         manifest_sha256=manifest_digest(manifest), world_size=self.env.world_size,
                         timeline=self.state.timeline, tokens=self.state.tokens,
                     ))
+                    # retention may have deleted older checkpoints: the bus must not offer them as rollback targets
+                    self.bus.retain_checkpoints(s for s, _ in list_checkpoints(self.ckpt.root))
         return done
 
     def load_checkpoint(self, step: int | None = None, *, restore_skiplist: bool = True) -> int | None:
@@ -463,11 +472,9 @@ class Trainer:
         if self.env.is_main and self.bus:
             items = [d.model_dump(mode="json") for d in self.bus.poll_directives()]
             # forged/unsigned/expired directives never get here: the bus client rejects, acks and counts them
-            new_rejections = self.bus.rejected - self._rejected_seen
-            self._rejected_seen = self.bus.rejected
-            if self.metrics:
-                for _ in range(new_rejections):
-                    self.metrics.on_directive("unknown", False)
+            if self.metrics and self.bus.rejected != self._rejected_seen:
+                self._rejected_seen = self.bus.rejected
+                self.metrics.set_directives_rejected(self.bus.rejected_by_reason)
         if self.env.distributed:
             items = self.env.broadcast_object(items)
         return items

@@ -14,6 +14,13 @@ keyed by directive id, and the trainer dedupes directives by id.
 
 Each I/O iteration is ONE pipelined round trip: XADD the queued records, HSET/SET pending
 checkpoint and skip-list updates, refresh the heartbeat, and XREAD new directives (non-blocking).
+
+Hostile input: the directives stream is read with a ``bytes`` client and decoded entry by entry,
+so no entry (not UTF-8, no ``json`` field, 100,000-deep JSON, ``v`` a string) can fail the
+pipeline, stall the reader or crash the trainer: each is rejected, counted by reason
+(``rejected_by_reason``), acked ``rejected`` and, with ``cursor_file``, never read again after
+a restart. Step records and acks carry an HMAC (``protocol.record_mac``) so that only a holder
+of the run's secret can feed the sentinel.
 """
 
 from __future__ import annotations
@@ -22,17 +29,47 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 import time
-from collections import deque
-from typing import Any
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any, Callable
 
 import redis
 
 from sentinel.bus import FIELD, BusError, connect, redact_url
-from sentinel.protocol import Ack, Directive, Event, Keys, SchemaError, TimelineRecord
+from sentinel.protocol import (
+    RECORD_MAC_FIELD,
+    Ack,
+    Directive,
+    Event,
+    Keys,
+    SchemaError,
+    TimelineRecord,
+    atomic_write_text,
+    record_mac,
+)
 
 _CONN_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, OSError)
+_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+RECONNECT_EVERY_S = 5.0  # how often an unreachable bus may be restarted (``reconnect``)
+
+
+def _id_tuple(eid: str) -> tuple[int, int]:
+    a, _, b = eid.partition("-")
+    return int(a), int(b or 0)
+
+
+def read_cursor(path: str | os.PathLike | None) -> str | None:
+    """The directives-stream id saved in ``path``, or None (missing, unreadable or not an id)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _STREAM_ID.match(text) else None
 
 
 class BusClient:
@@ -45,6 +82,14 @@ class BusClient:
     connects. The heartbeat key (TTL ``heartbeat_ttl_s``) exists while this process is alive and
     connected; its JSON ``{"step", "time", "sent", "pid"}`` carries the last *published step* and
     when it was published, so a hung step loop shows as a stale ``time`` under a fresh ``sent``.
+
+    ``cursor_file``: where the directives-stream position is persisted once every entry up to it
+    has been handled (rejected here, or returned by ``poll_directives`` and then handled by the
+    caller before its next poll). A restart resumes after it instead of re-reading the stream.
+
+    ``reconnect``: called from the I/O thread (at most every ``RECONNECT_EVERY_S``) while the bus
+    is unreachable; it may restart the bus and returns the URL to use (the embedded bus's
+    supervisor: ``lambda: ensure_embedded(run_dir)``).
 
     A malformed ``url`` raises ``BusError`` here (misconfiguration); an unreachable Redis never does.
     """
@@ -64,6 +109,8 @@ class BusClient:
         poll_interval_s: float = 0.1,
         io_timeout_s: float = 2.0,
         max_batch: int = 500,
+        cursor_file: str | os.PathLike | None = None,
+        reconnect: Callable[[], str] | None = None,
     ):
         if not secret:
             raise ValueError("BusClient needs a non-empty directive secret")
@@ -71,9 +118,12 @@ class BusClient:
         self.keys = Keys(run)
         self.dropped = 0
         self.rejected = 0
+        self.rejected_by_reason: Counter[str] = Counter()
+        self.bus_restarts = 0
         self.connected = False
         self._secret = secret
         self._url = redact_url(url)
+        self._full_url = url
         self._log = logger or logging.getLogger("trainer.telemetry.bus")
         self._queue_max = max(1, int(queue_max))
         self._hb_ttl_ms = max(1000, int(heartbeat_ttl_s * 1000))
@@ -82,15 +132,26 @@ class BusClient:
         self._events_maxlen = events_maxlen
         self._poll = poll_interval_s
         self._max_batch = max_batch
+        self._cursor_file = Path(cursor_file) if cursor_file is not None else None
+        saved = read_cursor(self._cursor_file)
+        if saved and (start_after_id == "$" or _id_tuple(saved) > _id_tuple(start_after_id)):
+            start_after_id = saved
         self._last_dir_id = start_after_id
         self._resolve_tail = start_after_id == "$"
+        self._cursor = saved  # persisted position
+        self._handed_upto: str | None = None  # newest id returned by the previous poll_directives
+        self._reconnect = reconnect
+        self._next_reconnect = 0.0
+        self._io_timeout = io_timeout_s
+        self._retain: set[int] | None = None  # checkpoint steps on disk (retention ran)
 
         self._lock = threading.Lock()
         self._telemetry: deque[tuple[str, str, int]] = deque()  # (stream, json, maxlen): droppable
         self._control: deque[tuple[str, str, int]] = deque()  # acks: delivered or counted, never silently lost
         self._checkpoints: dict[str, str] = {}  # step -> CheckpointInfo json (coalesced)
         self._skiplist: str | None = None  # latest value only
-        self._inbox: deque[tuple[str, str]] = deque(maxlen=10_000)  # (stream id, directive json)
+        # (stream id, directive json or None, reject reason when it could not be decoded)
+        self._inbox: deque[tuple[str, str | None, str | None]] = deque(maxlen=10_000)
         self._inflight = 0
         self._step: int | None = None
         self._timeline = 0
@@ -100,7 +161,7 @@ class BusClient:
         self._closed = False
         self._last_logged: dict[str, float] = {}
 
-        self._r = connect(url, check=False, timeout=io_timeout_s, retries=0)
+        self._r = connect(url, check=False, timeout=io_timeout_s, retries=0, decode=False)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"bus-io-{run}", daemon=True)
@@ -108,23 +169,27 @@ class BusClient:
 
     # ------------------------------------------------------------------ main-thread API (no I/O)
 
+    def _mac(self, stream: str, data: str) -> str:
+        return record_mac(self._secret, stream, data)
+
     def publish_step(self, rec) -> None:
-        """Queue a ``StepRecord`` or ``TimelineRecord``. Never blocks; drops the oldest when full."""
+        """Queue a ``StepRecord`` or ``TimelineRecord`` (MAC'd). Never blocks; drops the oldest when full."""
         data = rec.to_json()
+        mac = self._mac(self.keys.steps, data)
         with self._lock:
             if isinstance(rec, TimelineRecord):
                 self._step, self._timeline = rec.from_step, rec.timeline
             else:
                 self._step, self._timeline = rec.step, getattr(rec, "timeline", 0)
             self._step_time = time.time()
-            self._push(self._telemetry, (self.keys.steps, data, self._steps_maxlen))
+            self._push(self._telemetry, (self.keys.steps, data, self._steps_maxlen, mac))
         self._wake.set()
 
     def publish_event(self, ev) -> None:
         """Queue an ``Event`` (droppable telemetry, like steps)."""
         data = ev.to_json()
         with self._lock:
-            self._push(self._telemetry, (self.keys.events, data, self._events_maxlen))
+            self._push(self._telemetry, (self.keys.events, data, self._events_maxlen, None))
         self._wake.set()
 
     def register_checkpoint(self, info) -> None:
@@ -132,6 +197,15 @@ class BusClient:
         data = info.to_json()
         with self._lock:
             self._checkpoints[str(info.step)] = data
+        self._wake.set()
+
+    def retain_checkpoints(self, steps) -> None:
+        """The checkpoint steps still on disk after retention: the bus forgets older ones.
+
+        Entries newer than the newest of ``steps`` are kept (a registration may be in flight).
+        """
+        with self._lock:
+            self._retain = {int(s) for s in steps}
         self._wake.set()
 
     def set_skiplist(self, ranges) -> None:
@@ -142,36 +216,68 @@ class BusClient:
         self._wake.set()
 
     def ack(self, ack) -> None:
-        """Queue an ``Ack`` for the sentinel."""
+        """Queue an ``Ack`` (MAC'd) for the sentinel."""
         data = ack.to_json()
+        mac = self._mac(self.keys.acks, data)
         with self._lock:
-            self._push(self._control, (self.keys.acks, data, self._events_maxlen))
+            self._push(self._control, (self.keys.acks, data, self._events_maxlen, mac))
         self._wake.set()
 
     def poll_directives(self) -> list[Directive]:
         """Verified directives received since the last call, in stream order.
 
         Forged, unsigned, expired, malformed or other-run directives are not returned: each is
-        counted in ``rejected``, logged in one line, and acked with ``status="rejected"``.
+        counted in ``rejected`` and ``rejected_by_reason``, logged in one line, and acked with
+        ``status="rejected"``. Never raises on stream content.
+
+        The caller handles what it got before it polls again: that is when the stream position
+        covering them is persisted (``cursor_file``).
         """
         with self._lock:
             items = list(self._inbox)
             self._inbox.clear()
+        done = self._handed_upto  # everything handed out last time has been handled by now
         out: list[Directive] = []
-        for entry_id, data in items:
-            d: Directive | None = None
-            try:
-                d = Directive.from_json(data)
-                reason = d.verify(self._secret)
-                if reason is None and d.run != self.run:
-                    reason = f"addressed to run {d.run!r}"
-            except SchemaError as e:
-                reason = f"malformed ({e})"
+        for entry_id, data, bad in items:
+            d, reason, code = self._check(data, bad)
             if reason is None:
                 out.append(d)
             else:
-                self._reject(entry_id, d, reason)
+                self._reject(entry_id, d, reason, code)
+                if not out:  # nothing before it is still in the caller's hands
+                    done = entry_id
+        self._handed_upto = items[-1][0] if out else None
+        if done is not None:
+            self._save_cursor(done)
         return out
+
+    def _check(self, data: str | None, bad: str | None) -> tuple[Directive | None, str | None, str]:
+        """(directive, None, "") when authentic and ours, else (directive or None, detail, reason)."""
+        if bad:
+            return None, "not UTF-8", bad
+        if data is None:
+            return None, f"malformed (no '{FIELD}' field)", "malformed"
+        try:
+            d = Directive.from_json(data)
+            why = d.verify(self._secret)
+        except SchemaError as e:
+            return None, f"malformed ({e})"[:300], e.reason
+        except Exception as e:  # noqa: BLE001 - hostile input must never reach the training loop
+            return None, f"malformed ({e.__class__.__name__})", "malformed"
+        if why is not None:
+            return d, why, why.replace(" ", "_")
+        if d.run != self.run:
+            return d, f"addressed to run {d.run[:64]!r}", "wrong_run"
+        return d, None, ""
+
+    def _save_cursor(self, eid: str) -> None:
+        if self._cursor_file is None or (self._cursor and _id_tuple(eid) <= _id_tuple(self._cursor)):
+            return
+        try:
+            atomic_write_text(self._cursor_file, eid + "\n")
+            self._cursor = eid
+        except OSError as e:  # a full disk must not stop training: we re-read (and dedupe) after a restart
+            self._log_limited("cursor", "could not save the directive stream position to %s: %s", self._cursor_file, _short(e))
 
     @property
     def pending(self) -> int:
@@ -212,7 +318,7 @@ class BusClient:
 
     # ------------------------------------------------------------------ helpers (lock held)
 
-    def _push(self, q: deque, item: tuple[str, str, int]) -> None:
+    def _push(self, q: deque, item: tuple[str, str, int, str | None]) -> None:
         if self._closed:
             self.dropped += 1
             return
@@ -222,13 +328,20 @@ class BusClient:
             self.dropped += 1
 
     def _pending_locked(self) -> int:
-        return len(self._telemetry) + len(self._control) + len(self._checkpoints) + (self._skiplist is not None) + self._inflight
+        return (len(self._telemetry) + len(self._control) + len(self._checkpoints) + (self._skiplist is not None)
+                + (self._retain is not None) + self._inflight)
 
-    def _reject(self, entry_id: str, d: Directive | None, reason: str) -> None:
+    def _reject(self, entry_id: str, d: Directive | None, reason: str, code: str = "malformed") -> None:
         self.rejected += 1
-        did = d.id if d is not None else f"stream:{entry_id}"
+        self.rejected_by_reason[code] += 1
+        did = d.id[:64] if d is not None else f"stream:{entry_id}"
         kind: Any = d.kind if d is not None else "unknown"
-        self._log.warning("rejected directive %s (%s) for run %s: %s", did, kind, self.run, reason)
+        # a flood of junk must not flood the log: one line per reason every 30 s, all of them counted
+        now = time.monotonic()
+        if now - self._last_logged.get(f"reject:{code}", -1e9) >= 30.0:
+            self._last_logged[f"reject:{code}"] = now
+            self._log.warning("rejected directive %s (%s) for run %s: %s (%d rejected so far)", did, kind, self.run,
+                              reason, self.rejected)
         step = self._step or 0
         self.ack(Ack(run=self.run, directive_id=did, kind=kind, status="rejected", step=step, timeline=self._timeline, detail=reason))
         self.publish_event(
@@ -260,6 +373,7 @@ class BusClient:
             try:
                 self._iteration()
             except _CONN_ERRORS as e:
+                self._maybe_restart_bus()
                 if self.connected:
                     self._log.warning("control bus %s unreachable (%s); buffering up to %d records", self._url, _short(e), self._queue_max)
                 elif backoff == 0.5:
@@ -278,7 +392,29 @@ class BusClient:
                 self.connected = True
             backoff = 0.5
 
-    def _take(self) -> tuple[list[tuple[str, str, int]], dict[str, str], str | None]:
+    def _maybe_restart_bus(self) -> None:
+        """Let the supervisor (``reconnect``) restart a dead bus; switch over if its URL changed."""
+        now = time.monotonic()
+        if self._reconnect is None or now < self._next_reconnect:
+            return
+        self._next_reconnect = now + RECONNECT_EVERY_S
+        try:
+            url = self._reconnect()
+        except Exception as e:  # noqa: BLE001 - a failed restart is retried later, never fatal
+            self._log_limited("restart", "could not restart the control bus: %s", _short(e))
+            return
+        self.bus_restarts += 1
+        if url != self._full_url:
+            self._log.warning("control bus restarted at %s", redact_url(url))
+            old, self._r = self._r, connect(url, check=False, timeout=self._io_timeout, retries=0, decode=False)
+            self._url = redact_url(url)
+            self._full_url = url
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _take(self) -> tuple[list[tuple[str, str, int, str | None]], dict[str, str], str | None]:
         with self._lock:
             # acks first: control traffic must not wait behind a backlog of step records
             batch = [self._control.popleft() for _ in range(min(len(self._control), self._max_batch))]
@@ -288,6 +424,22 @@ class BusClient:
             skip, self._skiplist = self._skiplist, None
             self._inflight = len(batch) + len(ckpts) + (skip is not None)
             return batch, ckpts, skip
+
+    def _apply_retention(self, r: redis.Redis) -> None:
+        """HDEL checkpoint entries whose checkpoint retention deleted (older than the newest kept)."""
+        with self._lock:
+            keep, self._retain = self._retain, None
+        if not keep:
+            return
+        try:
+            gone = [f for f in r.hkeys(self.keys.checkpoints) if f.isdigit() and int(f) < max(keep) and int(f) not in keep]
+            if gone:
+                r.hdel(self.keys.checkpoints, *gone)
+        except BaseException:
+            with self._lock:
+                if self._retain is None:
+                    self._retain = keep
+            raise
 
     def _requeue(self, batch, ckpts, skip) -> None:
         """Put a failed batch back at the front, keeping order; overflow drops the oldest."""
@@ -309,13 +461,15 @@ class BusClient:
         r, k = self._r, self.keys
         if self._resolve_tail:
             last = r.xrevrange(k.directives, count=1)
-            self._last_dir_id = last[0][0] if last else "0-0"
+            self._last_dir_id = last[0][0].decode() if last else "0-0"
             self._resolve_tail = False
+        self._apply_retention(r)
         batch, ckpts, skip = self._take()
         try:
             pipe = r.pipeline(transaction=False)
-            for stream, data, maxlen in batch:
-                pipe.xadd(stream, {FIELD: data}, maxlen=maxlen, approximate=True)
+            for stream, data, maxlen, mac in batch:
+                fields = {FIELD: data} if mac is None else {FIELD: data, RECORD_MAC_FIELD: mac}
+                pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)
             if ckpts:
                 pipe.hset(k.checkpoints, mapping=ckpts)
             if skip is not None:
@@ -348,17 +502,26 @@ class BusClient:
         if isinstance(reply, Exception):
             self._log_limited("xread", "reading directives failed: %s", _short(reply))
             return
-        entries = [(eid, fields) for _stream, items in (reply or []) for eid, fields in items]
+        entries = [(eid.decode(), fields) for _stream, items in (reply or []) for eid, fields in items]
         if entries:
             with self._lock:
                 for eid, fields in entries:
-                    self._inbox.append((eid, (fields or {}).get(FIELD, "")))
+                    self._inbox.append((eid, *_directive_text(fields)))
             self._last_dir_id = entries[-1][0]
             if len(entries) == 100:
                 self._wake.set()  # more may be waiting
         with self._lock:
             if self._telemetry or self._control:
                 self._wake.set()  # a backlog larger than one batch: go again at once
+
+
+def _directive_text(fields: dict | None) -> tuple[str | None, str | None]:
+    """(json text, None) for a decodable entry; (None, "not_utf8") when a name or value is not UTF-8."""
+    try:
+        decoded = {k.decode(): v.decode() for k, v in (fields or {}).items()}
+    except (UnicodeDecodeError, AttributeError):
+        return None, "not_utf8"
+    return decoded.get(FIELD), None
 
 
 def _short(e: BaseException) -> str:

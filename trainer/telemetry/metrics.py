@@ -255,9 +255,12 @@ class TrainerMetrics:
         )
         self._steplog_seen = (0, 0)
 
-        self._directives_rejected = counter(
-            "training_directives_rejected", "Directives refused (bad signature, expired, invalid)."
+        # reason: sentinel.protocol.REJECT_REASONS (a small fixed set)
+        self._directives_rejected = Counter(
+            "training_directives_rejected", "Directives refused, by reason (bad_signature, unsigned, expired, malformed, ...).",
+            RUN + ("reason",), registry=r,
         )
+        self._rejected_seen: dict[str, int] = {}
         applied = Counter(
             "training_directives_applied", "Directives applied, by kind.", RUN + ("kind",), registry=r
         )
@@ -484,7 +487,7 @@ class TrainerMetrics:
         if not self.is_global_exporter:
             return
         if not applied:
-            self._directives_rejected.inc()
+            self._directives_rejected.labels(self.run, "malformed").inc()
             return
         child = self._applied.get(kind)
         if child is None:  # unknown kinds are rejected upstream; count anyway rather than lose it
@@ -502,6 +505,18 @@ class TrainerMetrics:
             self._steplog_lost.inc(lost - l0)
         self._steplog_seen = (max(f0, write_failures), max(l0, lost))
         self._steplog_buffered.set(buffered)
+
+    def set_directives_rejected(self, by_reason) -> None:
+        """Mirror the bus client's cumulative rejections per reason into the counter."""
+        if not self.is_global_exporter:
+            return
+        for reason, total in by_reason.items():
+            new = int(total) - self._rejected_seen.get(reason, 0)
+            if new < 0:  # the client was recreated: its count restarted
+                new = int(total)
+            if new:
+                self._directives_rejected.labels(self.run, reason).inc(new)
+            self._rejected_seen[reason] = int(total)
 
     def set_telemetry_dropped(self, total: int) -> None:
         """Mirror the bus client's cumulative drop count into a counter.
