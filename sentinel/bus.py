@@ -89,7 +89,11 @@ def redact_url(url: str) -> str:
 
 
 def resolve_url(run_dir: str | os.PathLike | None = None, redis_url: str | None = None) -> str:
-    """Pick the bus URL: ``redis_url`` (the --redis-url flag) > env SENTINEL_REDIS_URL > RUN_DIR/bus/url."""
+    """Pick the bus URL: ``redis_url`` (the --redis-url flag) > env SENTINEL_REDIS_URL > RUN_DIR/bus/url.
+
+    From RUN_DIR/bus/url, the embedded bus's password (RUN_DIR/bus/password) is added to the URL:
+    print it only through ``redact_url``.
+    """
     if redis_url:
         return redis_url
     env = os.environ.get(ENV_URL)
@@ -105,7 +109,9 @@ def resolve_url(run_dir: str | os.PathLike | None = None, redis_url: str | None 
             ) from None
         if not url:
             raise BusError(f"no control bus for {run_dir}: {f} is empty")
-        return url
+        from sentinel.embedded import with_password  # the embedded bus's password sits beside its url
+
+        return with_password(url, f.parent)
     raise BusError(f"no control bus: pass --redis-url, set {ENV_URL}, or give a run directory")
 
 

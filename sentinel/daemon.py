@@ -15,6 +15,7 @@ One daemon acts per run: a leader lease (SET NX PX, renewed by compare-and-set) 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -95,6 +96,7 @@ class RunWatcher:
         self._history_until = "0-0"  # stream head when the lease was taken: entries up to it may be history
         self._lost_upto = 0  # stream position up to which trimmed-unread records were counted
         self._next_overload_check = 0.0
+        self._trimmed_unlogged = 0
         self.behind = False
         self._log_budget: dict[str, float] = {}
         bus.ensure_group(r, self.keys.steps, STEP_CONSUMER_GROUP)
@@ -106,8 +108,8 @@ class RunWatcher:
         if got and not self.leader:
             self.log(f"[{self.run}] leader lease acquired by {me}")
             self._load_state()
-            head = self.r.xrevrange(self.keys.steps, count=1)
-            self._history_until = head[0][0] if head else "0-0"
+            head = bus.raw(self.r).xrevrange(self.keys.steps, count=1)
+            self._history_until = head[0][0].decode() if head else "0-0"
             self._recovered = False  # a new term: recover pending entries again (ours and a dead leader's)
         elif not got and self.leader:
             self.log(f"[{self.run}] leader lease lost")
@@ -124,11 +126,16 @@ class RunWatcher:
 
     # ------------------------------------------------------------------ persistence
     def _load_state(self) -> None:
-        raw = self.r.get(self.keys.policy)
+        raw = bus.raw(self.r).get(self.keys.policy)
         if not raw:
             return
-        st = json.loads(raw)
-        self.policy.load_state_dict(st["policy"])
+        try:
+            st = json.loads(raw)
+            self.policy.load_state_dict(st["policy"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # corrupt or hostile: start afresh, loudly
+            self.log(f"[{self.run}] persisted policy state is unreadable ({e.__class__.__name__}); starting from a fresh state")
+            self.policy = RunPolicy(self.run, self.opts.rules, dry_run=self.opts.dry_run, require_approval=self.opts.require_approval)
+            return
         self.last_id = st["last_id"]
         self.acks_id = st.get("acks_id", "0-0")
         self.approvals_id = st.get("approvals_id", "0-0")
@@ -142,11 +149,10 @@ class RunWatcher:
         """Refill the policy's sample-id history from the stream itself (newest entries up to last_id)."""
         n = 2 * self.opts.rules.policy.sample_history_steps
         recent = []
-        for _eid, fields in reversed(self.r.xrevrange(self.keys.steps, max=self.last_id, count=n)):
-            try:
-                recent.append(bus.decode(fields, StepRecord))
-            except SchemaError:
-                continue
+        for eid, fields in reversed(bus.raw(self.r).xrevrange(self.keys.steps, max=self.last_id, count=n)):
+            v = StepGate(self.run, self.opts.secret).check(bus.to_entry(self.keys.steps, eid, fields))
+            if isinstance(v.record, StepRecord):
+                recent.append(v.record)
         self.policy.restore_samples(recent)
 
     def _save_state(self) -> None:
@@ -273,11 +279,15 @@ class RunWatcher:
         if now < self._next_overload_check and not self.behind:
             return
         self._next_overload_check = now + 1.0
-        try:
-            info = self.r.xinfo_stream(self.keys.steps)
-            group = next((g for g in self.r.xinfo_groups(self.keys.steps) if g.get("name") == STEP_CONSUMER_GROUP), None)
+        def text_keys(d: dict) -> dict:
+            return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
+
+        try:  # raw: XINFO STREAM carries the first and last entries, which may not be UTF-8
+            info = text_keys(bus.raw(self.r).xinfo_stream(self.keys.steps))
+            groups = [text_keys(g) for g in bus.raw(self.r).xinfo_groups(self.keys.steps)]
         except redis.ResponseError:
             return  # no stream yet, or a server without these fields
+        group = next((g for g in groups if g.get("name") in (STEP_CONSUMER_GROUP, STEP_CONSUMER_GROUP.encode())), None)
         if group is None or group.get("entries-read") is None or info.get("entries-added") is None:
             return
         if group.get("lag") is not None:
@@ -286,8 +296,12 @@ class RunWatcher:
         lost = gone - max(int(group["entries-read"]), self._lost_upto)
         if lost > 0:
             self.m.trimmed.labels(self.run).inc(lost)
-            self.log(f"[{self.run}] SENTINEL CANNOT KEEP UP: {lost} step records were trimmed from the capped stream "
-                     f"before they were read (lag {group.get('lag')}); detection is blind for them")
+            self._trimmed_unlogged += lost
+            if time.monotonic() >= self._log_budget.get("trimmed", 0.0):  # at most one line every 30 s
+                self._log_budget["trimmed"] = time.monotonic() + 30.0
+                self.log(f"[{self.run}] SENTINEL CANNOT KEEP UP: {self._trimmed_unlogged} step records were trimmed from "
+                         f"the capped stream before they were read (lag {group.get('lag')}); detection is blind for them")
+                self._trimmed_unlogged = 0
         self._lost_upto = max(self._lost_upto, gone)
 
     def _read_acks(self) -> None:
@@ -320,13 +334,14 @@ class RunWatcher:
             self._execute(self.policy.approve(d.incident_id), None)
 
     def _heartbeat_time(self) -> float | None:
-        raw = self.r.get(self.keys.heartbeat)
+        raw = bus.raw(self.r).get(self.keys.heartbeat)
         if not raw:
             return None
         try:
-            return float(json.loads(raw).get("time"))
-        except (ValueError, TypeError, AttributeError):
+            t = float(json.loads(raw).get("time"))
+        except (ValueError, TypeError, AttributeError, RecursionError):  # includes non-UTF-8
             return None
+        return t if math.isfinite(t) else None
 
     def _flush_events(self, history: bool = False) -> int:
         events = self.policy.drain_events()

@@ -203,7 +203,9 @@ def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> Drill
         run_id = spec.run_dir.resolve().name
         sentinel = SentinelThread(url, run_id, bus.load_secret(spec.run_dir), rules_path, log)
         sentinel.start()
-    cmd = trainer_command(spec, fault_arg, url)
+    # "embedded": the trainer finds the bus (and its password) in the run dir; a URL with the password
+    # in it would show in `ps`
+    cmd = trainer_command(spec, fault_arg, spec.redis_url or ("embedded" if url else None))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(spec.run_dir / "trainer.log", "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -6,9 +6,16 @@ separate processes that come and go independently, so the bus must outlive whoev
 bound to 127.0.0.1, with its data in ``RUN_DIR/bus/`` and an append-only file (fsync every
 second) so directives, acks and incidents survive a stop/start of the bus.
 
-Layout of ``RUN_DIR/bus/``::
+Closed to other local users: the server requires a generated password (``requirepass``), which
+only the run's owner can read (``bus/password``, 0600); ``bus/`` is 0700 and the server runs
+under umask 077, so the AOF, log and config are 0600 too. Step records and acks are also
+HMAC'd with the run secret (``protocol.record_mac``), so even a client that got the password
+but not the secret cannot make the sentinel act.
 
-    url           redis://127.0.0.1:PORT/0 (what everybody else connects to)
+Layout of ``RUN_DIR/bus/`` (0700)::
+
+    url           redis://127.0.0.1:PORT/0 (no password in it; ``bus.resolve_url`` adds it)
+    password      the server's password, 32 random bytes as hex, mode 0600
     secret        HMAC key for directives, 32 random bytes as hex, mode 0600
     server.conf   the config we start the server with
     server.pid    pid of the detached server
@@ -43,6 +50,7 @@ CONF_FILE = "server.conf"
 PID_FILE = "server.pid"
 LOG_FILE = "server.log"
 LOCK_FILE = "lock"
+PASSWORD_FILE = "password"
 
 
 def server_binary() -> str:
@@ -71,7 +79,7 @@ def bus_dir(run_dir: str | os.PathLike) -> Path:
 @contextlib.contextmanager
 def _locked(d: Path, timeout: float) -> Iterator[None]:
     """Exclusive fcntl lock on ``d/lock`` so concurrent starters agree on one server."""
-    fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -89,8 +97,8 @@ def _locked(d: Path, timeout: float) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _ensure_secret(d: Path) -> None:
-    path = d / SECRET_FILE
+def _ensure_private_token(path: Path) -> None:
+    """Create ``path`` with 32 random bytes as hex, mode 0600, unless it exists."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -99,10 +107,44 @@ def _ensure_secret(d: Path) -> None:
         f.write(secrets.token_hex(32) + "\n")
 
 
+def _ensure_secret(d: Path) -> None:
+    _ensure_private_token(d / SECRET_FILE)
+    _ensure_private_token(d / PASSWORD_FILE)
+
+
+def read_password(d: Path) -> str | None:
+    """The embedded bus's password (``bus/password``), or None for a bus made before passwords."""
+    try:
+        return (d / PASSWORD_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def with_password(url: str, d: Path) -> str:
+    """``url`` with the bus password as userinfo (never print it: use ``bus.redact_url``)."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    pw = read_password(d)
+    parts = urlsplit(url)
+    if not pw or parts.password:
+        return url
+    return urlunsplit((parts.scheme, f":{quote(pw, safe='')}@{parts.hostname}:{parts.port}", parts.path, parts.query, parts.fragment))
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     os.replace(tmp, path)
+
+
+def _make_private(d: Path) -> None:
+    """bus/ is 0700 and everything in it 0600: the AOF holds every directive and step record."""
+    os.chmod(d, 0o700)
+    for p in d.rglob("*"):
+        with contextlib.suppress(OSError):
+            os.chmod(p, 0o700 if p.is_dir() else 0o600)
 
 
 def _read_pid(d: Path) -> int | None:
@@ -140,24 +182,41 @@ def _url_port(url: str) -> int | None:
 
 
 def _ping_ours(url: str, d: Path) -> str:
-    """'ok' (answers and serves ``d``), 'loading', 'foreign' (answers, other dir) or 'down'."""
+    """'ok' (answers and serves ``d``), 'open' (ours, but no password yet: a bus from before
+    passwords), 'loading', 'foreign' (answers, other dir) or 'down'."""
     import redis
 
-    try:
-        r = connect(url, check=False, timeout=1.0, retries=0)
+    state = "ok"
+    for candidate in (with_password(url, d), url):
         try:
-            r.ping()
-            with contextlib.suppress(redis.RedisError):
-                served = r.config_get("dir").get("dir")
-                if served and os.path.realpath(served) != os.path.realpath(d):
-                    return "foreign"
-            return "ok"
-        finally:
-            r.close()
-    except redis.BusyLoadingError:
-        return "loading"
-    except (redis.RedisError, BusError, OSError):
-        return "down"
+            r = connect(candidate, check=False, timeout=1.0, retries=0)
+            try:
+                r.ping()
+                with contextlib.suppress(redis.RedisError):
+                    served = r.config_get("dir").get("dir")
+                    if served and os.path.realpath(served) != os.path.realpath(d):
+                        return "foreign"
+                return state
+            finally:
+                r.close()
+        except redis.BusyLoadingError:
+            return "loading"
+        except (redis.AuthenticationError, redis.ResponseError) as e:
+            if candidate == url or "without any password" not in str(e):
+                return "foreign" if candidate != url else "down"
+            state = "open"  # AUTH refused because the server has no password: try without
+        except (redis.RedisError, BusError, OSError):
+            return "down"
+    return "down"
+
+
+def _close_open_bus(url: str, d: Path) -> None:
+    """Give a password-less bus of ours (started by an older version) its password, live."""
+    r = connect(url, check=False, timeout=2.0, retries=0)
+    try:
+        r.config_set("requirepass", read_password(d) or "")
+    finally:
+        r.close()
 
 
 def _port_free(port: int) -> bool:
@@ -186,6 +245,7 @@ def _write_conf(d: Path, port: int) -> Path:
         "bind": "127.0.0.1",
         "port": str(port),
         "protected-mode": "yes",
+        "requirepass": read_password(d) or "",
         "daemonize": "yes",
         "dir": str(d),
         "pidfile": str(d / PID_FILE),
@@ -211,6 +271,9 @@ def _wait_ready(url: str, d: Path, timeout: float, started: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = _ping_ours(url, d)
+        if state == "open":
+            _close_open_bus(url, d)
+            return "ok"
         if state in ("ok", "foreign"):
             return state
         pid = _read_pid(d)
@@ -235,6 +298,7 @@ def _start(d: Path, port: int, timeout: float) -> str:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,  # not killed by a Ctrl-C aimed at our process group
+        umask=0o077,  # the AOF, log and pid file it creates are the owner's only
         timeout=timeout,
         check=False,
     )
@@ -244,30 +308,47 @@ def _start(d: Path, port: int, timeout: float) -> str:
     return _wait_ready(f"redis://127.0.0.1:{port}/0", d, timeout, started)
 
 
+def restart_if_dead(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> tuple[str, bool]:
+    """The supervisor's check: ``(url, restarted)``; restarts the bus from its AOF when it is down."""
+    d = bus_dir(run_dir)
+    url_file = d / URL_FILE
+    old = url_file.read_text().strip() if url_file.exists() else ""
+    if old and _ping_ours(old, d) == "ok":
+        return with_password(old, d), False
+    return ensure_embedded(run_dir, timeout=timeout), True
+
+
 def ensure_embedded(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> str:
     """Start the run's embedded bus, or reuse it if it already answers; return its URL.
 
     Safe to call from several processes at once (fcntl lock). Reuse is checked by PING *and*
     by asking the server which directory it serves, so a stale ``url`` whose port now belongs
     to some other server is not mistaken for ours. A restarted bus prefers its previous port,
-    so clients holding the old URL reconnect on their own. Also creates ``bus/secret``.
+    so clients holding the old URL reconnect on their own. Also creates ``bus/secret`` and
+    ``bus/password``. The URL returned carries the password: never print it unredacted.
     """
     d = bus_dir(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _make_private(d)
     with _locked(d, timeout):
         _ensure_secret(d)
         url_file = d / URL_FILE
         old_url = url_file.read_text().strip() if url_file.exists() else ""
         if old_url:
             state = _ping_ours(old_url, d)
+            if state == "open":
+                _close_open_bus(old_url, d)
+                _write_conf(d, _url_port(old_url) or 0)
+                _make_private(d)
+                state = "ok"
             if state == "ok":
-                return old_url
+                return with_password(old_url, d)
             if state == "loading" or (state == "down" and _pid_is_server(_read_pid(d))):
                 # ours, but still starting or loading a large AOF: never start a second server on
                 # the same data directory (two writers would corrupt the AOF)
                 state = _wait_ready(old_url, d, timeout, started=0)
                 if state == "ok":
-                    return old_url
+                    return with_password(old_url, d)
                 raise BusError(
                     f"embedded bus pid {_read_pid(d)} is running but does not answer at {old_url}; "
                     f"stop it (sentinel bus stop) or see {d / LOG_FILE}"
@@ -280,7 +361,7 @@ def ensure_embedded(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> str
             url = f"redis://127.0.0.1:{port}/0"
             if state == "ok":
                 _write_atomic(url_file, url + "\n")
-                return url
+                return with_password(url, d)
             last = _log_tail(d)
             if state == "timeout":
                 break
@@ -304,8 +385,8 @@ def stop_embedded(run_dir: str | os.PathLike, *, timeout: float = 10.0) -> bool:
         url = url_file.read_text().strip() if url_file.exists() else ""
         pid = _read_pid(d)
         stopped = False
-        if url and _ping_ours(url, d) in ("ok", "loading"):
-            r = connect(url, check=False, timeout=timeout, retries=0)
+        if url and _ping_ours(url, d) in ("ok", "open", "loading"):
+            r = connect(with_password(url, d), check=False, timeout=timeout, retries=0)
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 r.shutdown()
             stopped = True

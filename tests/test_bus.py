@@ -210,8 +210,12 @@ def test_register_run(redis_url, unique_run):
 
 def test_embedded_layout_reuse_and_secret(embedded_bus):
     d = bus_dir(embedded_bus.run_dir)
-    assert (d / "url").read_text().strip() == embedded_bus.url
-    assert embedded_bus.url.startswith("redis://127.0.0.1:")
+    password = (d / "password").read_text().strip()
+    # the url file names the server; the password sits beside it (0600), and resolve_url joins them
+    assert embedded_bus.url == (d / "url").read_text().strip().replace("redis://", f"redis://:{password}@")
+    assert bus.resolve_url(embedded_bus.run_dir) == embedded_bus.url
+    assert embedded_bus.url.startswith(f"redis://:{password}@127.0.0.1:")
+    assert password not in bus.redact_url(embedded_bus.url)
     assert (d / "secret").stat().st_mode & 0o777 == 0o600
     secret = bus.load_secret(embedded_bus.run_dir)
     assert len(bytes.fromhex(secret.decode())) == 32

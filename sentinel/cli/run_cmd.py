@@ -43,12 +43,14 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     The first SIGTERM/Ctrl-C finishes the current batch, saves state and releases leases (warm
     stop); a second one exits at once (cold stop).
     """
+    from dataclasses import replace
+
     from sentinel import bus
     from sentinel.daemon import Daemon, Options
+    from sentinel.fleet import Fleet, Member
     from sentinel.metrics import SentinelMetrics
     from sentinel.rules import RulesError, default_rules, load_rules
 
-    run_dirs = [Path(r) for r in runs if Path(r).is_dir()]
     for r in runs:
         if ("/" in r or r.startswith(".")) and not Path(r).is_dir():
             raise SentinelError(f"run directory not found: {r}")
@@ -56,44 +58,70 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
         rules = load_rules(rules_file) if rules_file else default_rules()
     except RulesError as e:
         raise SentinelError(str(e)) from None
-    first_dir = run_dirs[0] if run_dirs else None
-    url = bus.resolve_url(first_dir, redis_url)
-    secret = bus.load_secret(first_dir, secret_file)
-    r = bus.connect(url)
-    ids = []
-    for item in runs:
-        p = Path(item)
-        if p.is_dir():
-            ids.append(_run_id_of(p))
-        else:
-            ids.append(item)
-    opts = Options(rules=rules, secret=secret, dry_run=dry_run, require_approval=require_approval,
+    opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
                    alertmanager_url=alertmanager_url, lease_ms=lease_ms)
     if consumer:
         opts.consumer = consumer
     log = _console_log()
     metrics = SentinelMetrics()
+    members = []
+    for (url, secret, run_dir), ids in _bus_groups(runs, redis_url, secret_file).items():
+        r = bus.connect(url)
+        daemon = Daemon(r, replace(opts, secret=secret), runs=ids or None, metrics=metrics, log=log)
+        members.append(Member(daemon, url, run_dir))
     if metrics_port is not None:
         port = metrics.serve(metrics_host, metrics_port)
         log(f"sentinel metrics on http://{metrics_host}:{port}/metrics")
-    daemon = Daemon(r, opts, runs=ids or None, metrics=metrics, log=log)
+    fleet = Fleet(members, metrics, log)
     stops = {"n": 0}
 
     def on_signal(signum, frame):
         stops["n"] += 1
         if stops["n"] == 1:
             log("warm stop requested: finishing the current batch (signal again to stop now)")
-            daemon.stop_requested = True
+            fleet.stop_requested = True
         else:
             log("cold stop")
             sys.exit(130)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log(f"sentinel {opts.consumer} on {bus.redact_url(url)}" + (" (dry run)" if dry_run else "")
-        + (f", runs: {', '.join(ids)}" if ids else ", all registered runs"))
-    daemon.run_forever()
+    for m in members:
+        ids = m.daemon.fixed_runs
+        log(f"sentinel {opts.consumer} on {m.label}" + (" (dry run)" if dry_run else "")
+            + (f", runs: {', '.join(ids)}" if ids else ", all registered runs"))
+    fleet.run_forever()
     log("stopped")
+
+
+def _bus_groups(runs, redis_url, secret_file) -> dict[tuple[str, bytes, Path | None], list[str]]:
+    """Group the runs by (bus URL, directive secret, supervised run dir): one daemon per group.
+
+    A run directory on its embedded bus gets its own group (its own bus, secret and supervisor);
+    run ids, and run dirs on a shared bus (--redis-url / SENTINEL_REDIS_URL), share one per
+    (URL, secret). No runs at all: every run registered on the one bus.
+    """
+    import os
+
+    from sentinel import bus
+    from sentinel.embedded import restart_if_dead
+
+    groups: dict[tuple[str, bytes, Path | None], list[str]] = {}
+    shared = redis_url or os.environ.get(bus.ENV_URL)
+    for item in runs or [None]:
+        p = Path(item) if item is not None else None
+        if p is not None and p.is_dir():
+            embedded = not shared and (p / "bus" / "url").is_file()
+            # the supervisor's first job: a dead embedded bus is restarted before we connect to it
+            url = restart_if_dead(p)[0] if embedded else bus.resolve_url(p, redis_url)
+            key = (url, bus.load_secret(p, secret_file), p.resolve() if embedded else None)
+            groups.setdefault(key, []).append(_run_id_of(p))
+        else:
+            key = (bus.resolve_url(None, redis_url), bus.load_secret(None, secret_file), None)
+            ids = groups.setdefault(key, [])
+            if item is not None:
+                ids.append(item)
+    return groups
 
 
 def _run_id_of(run_dir: Path) -> str:
