@@ -97,6 +97,7 @@ class RunWatcher:
         self._lost_upto = 0  # stream position up to which trimmed-unread records were counted
         self._next_overload_check = 0.0
         self._trimmed_unlogged = 0
+        self._replaying = False
         self.behind = False
         self._log_budget: dict[str, float] = {}
         bus.ensure_group(r, self.keys.steps, STEP_CONSUMER_GROUP)
@@ -193,6 +194,8 @@ class RunWatcher:
             history = (_stream_id_tuple(e.id) <= _stream_id_tuple(self._history_until)
                        and rec.time < time.time() - self.opts.backlog_age_s)
             self._feed(rec, history)
+        if self._replaying:
+            self._end_replay()
         self._read_acks()
         self._read_approvals()
         hb = self._heartbeat_time()
@@ -211,22 +214,29 @@ class RunWatcher:
     def _feed(self, rec: StepRecord | TimelineRecord, history: bool) -> None:
         """Give one accepted record to the policy. History (an old backlog) informs, never acts."""
         if history and not self.policy.dry_run:
-            # replay it as a dry run: detectors and checkpoints learn, pages and rollbacks are not sent,
-            # and the rollback rate limit is left as it was
-            rate = list(self.policy._rollback_times)
+            # replay it as a dry run: detectors and checkpoints learn, pages and rollbacks are not sent
+            # (a dry run never uses up the rollback rate limit either)
             self.policy.dry_run = True
+            self._replaying = True
             try:
                 self._feed(rec, history=False)
                 self._flush_events(history=True)
             finally:
                 self.policy.dry_run = False
-                self.policy._rollback_times = rate
             return
+        if self._replaying and not history:
+            self._end_replay()
         if isinstance(rec, StepRecord):
             self.m.steps.labels(self.run).inc()
             self._execute(self.policy.on_step(rec), rec.time)
-        else:
+        elif isinstance(rec, TimelineRecord):
             self._execute(self.policy.on_timeline(rec), rec.time)
+        # markers (warm-up end, decay start, ...) describe conditions for the timeline: nothing to decide
+
+    def _end_replay(self) -> None:
+        self._replaying = False
+        self.policy.end_replay("seen only in the backlog: the run had gone on before this sentinel read it; not acted on")
+        self._flush_events(history=True)
 
     def _rejected(self, stream: str, v: Verdict) -> None:
         """Count a refused entry; log it, but at most once a minute per (stream, reason)."""

@@ -73,6 +73,8 @@ class StepGate:
         if isinstance(rec, TimelineRecord):
             self.timeline, self.last_step = rec.timeline, rec.from_step
             return Verdict(rec)
+        if not isinstance(rec, StepRecord):  # a marker: it names a step boundary, it is not a step
+            return Verdict(rec)
         if rec.timeline == self.timeline and self.last_step is not None and rec.step <= self.last_step:
             if rec.step == self.last_step:
                 return Verdict(None, "duplicate", f"entry {entry.id}: step {rec.step} seen already on timeline {rec.timeline}")

@@ -131,6 +131,11 @@ class RunPolicy:
         if info.verified != "failed":
             self._checkpoints[info.step] = info
 
+    def end_replay(self, why: str) -> None:
+        """A backlog replayed as a dry run is over: an incident it held open is history, not live."""
+        if self._current and self._ep.get("held"):
+            self._close("healthy", self.last_step, why)
+
     def forget_checkpoint(self, step: int) -> None:
         """A checkpoint is gone (retention deleted it): never roll back to it."""
         self._checkpoints.pop(step, None)

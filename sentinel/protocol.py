@@ -528,6 +528,9 @@ def record_range_error(rec: _Record) -> str | None:
         checks += [_bad_int("from_step", rec.from_step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
                    _bad_float("time", rec.time, nonfinite_ok=False)]
         checks += [f"skip range {lo}:{hi} is out of range" for lo, hi in rec.skip_ranges if not 0 <= lo < hi <= MAX_COUNT][:1]
+    elif isinstance(rec, MarkerRecord):
+        checks += [_bad_int("step", rec.step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
+                   _bad_float("time", rec.time, nonfinite_ok=False)]
     elif isinstance(rec, (Ack, Event)):
         if rec.step is not None:
             checks.append(_bad_int("step", rec.step, 0, MAX_STEP))

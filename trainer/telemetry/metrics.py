@@ -38,7 +38,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from sentinel.protocol import MARKER_KINDS, MAX_SLICES, SLICE_NAME_RE, DirectiveKind
+from sentinel.protocol import MARKER_KINDS, MAX_SLICES, REJECT_REASONS, SLICE_NAME_RE, DirectiveKind
 
 # 10 ms .. 60 s: from a tiny CPU smoke model to a large model with heavy grad accumulation.
 STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -261,6 +261,8 @@ class TrainerMetrics:
             RUN + ("reason",), registry=r,
         )
         self._rejected_seen: dict[str, int] = {}
+        for reason in REJECT_REASONS:  # every series exists from the start, so increase() sees the first one
+            self._directives_rejected.labels(self.run, reason)
         applied = Counter(
             "training_directives_applied", "Directives applied, by kind.", RUN + ("kind",), registry=r
         )
