@@ -268,7 +268,7 @@ def test_rollback_live_two_rank_run(tmp_path, dataset):
             assert proc.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
             assert time.time() < deadline, "the trainer never reached step 24"
             time.sleep(0.2)
-        r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        r = bus.connect(bus.resolve_url(run_dir))
         while r.get(Keys("live").heartbeat) is None:
             assert time.time() < deadline
             time.sleep(0.1)

@@ -57,7 +57,7 @@ def live_run(tmp_path, dataset):  # noqa: F811
     try:
         _wait(lambda: (run_dir / "bus" / "url").is_file() and last_step(run_dir / "steps.jsonl") >= 3, 180,
               "the trainer's first steps", proc)
-        r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        r = bus.connect(bus.resolve_url(run_dir))
         _wait(lambda: r.get(Keys("ctl").heartbeat) is not None, 60, "the heartbeat", proc)
         yield run_dir, proc, r
     finally:

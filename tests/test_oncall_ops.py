@@ -67,7 +67,7 @@ def test_paused_trainer_checkpoints_and_exits_on_signal(tmp_path, dataset, nproc
     run_dir, proc = _start(tmp_path, dataset, f"pz{nproc}", nproc=nproc)
     try:
         _wait(lambda: _last_step(run_dir) >= 5 and (run_dir / "bus" / "secret").is_file(), 120, "first steps", proc)
-        r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        r = bus.connect(bus.resolve_url(run_dir))
         keys = Keys(run_dir.name)
         d = Directive(run=run_dir.name, kind="pause", reason="test").signed(bus.load_secret(run_dir))
         bus.publish(r, keys.directives, d)
@@ -137,7 +137,7 @@ def test_straggler_drill_names_the_slow_rank_and_phase(tmp_path, dataset):  # no
     try:
         _wait(lambda: _last_step(run_dir) >= 1 and (run_dir / "bus" / "secret").is_file(), 120, "first steps", proc)
         sentinel = _sentinel(run_dir, tmp_path / "sentinel.log")
-        r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        r = bus.connect(bus.resolve_url(run_dir))
         keys = Keys(run_dir.name)
 
         def fired():

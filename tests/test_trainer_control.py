@@ -32,7 +32,7 @@ _wait, _steps = wait_for, read_steps
 
 class Control:
     def __init__(self, run_dir: Path):
-        self.r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        self.r = bus.connect(bus.resolve_url(run_dir))
         self.secret = bus.load_secret(run_dir)
         self.keys = Keys(run_dir.name)
 
