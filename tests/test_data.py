@@ -102,9 +102,11 @@ def test_corruption_is_detected(byte_dir, tmp_path):
     shutil.copytree(byte_dir, copy)
     shard = copy / "train-00001.bin"
     data = bytearray(shard.read_bytes())
-    data[100] ^= 1
+    data[100] ^= 1  # same size, still inside the byte vocabulary
     shard.write_bytes(bytes(data))
-    TokenDataset.open(copy)  # same size: only a re-hash notices
+    TokenDataset.open(copy, verify=False)  # sizes only: cannot notice
+    with pytest.raises(DataError, match="corrupt"):
+        TokenDataset.open(copy)  # the default open verifies
     with pytest.raises(DataError, match="corrupt"):
         TokenDataset.open(copy, verify=True)
     shard.write_bytes(bytes(data[:-2]))
@@ -112,6 +114,49 @@ def test_corruption_is_detected(byte_dir, tmp_path):
         TokenDataset.open(copy)
     with pytest.raises(DataError, match="has no meta.json"):
         TokenDataset.open(tmp_path)
+
+
+def test_same_size_corruption_after_a_verified_open_is_caught(byte_dir, tmp_path):
+    """The verification cache is keyed by stat (size, mtime, ctime, inode): a later in-place write,
+    even with the mtime put back, changes the ctime and forces a re-hash."""
+    from trainer.data.verify import CACHE_NAME
+
+    copy = tmp_path / "copy"
+    shutil.copytree(byte_dir, copy)
+    good = TokenDataset.open(copy)
+    assert (copy / CACHE_NAME).is_file()
+    assert good.fingerprint == good.meta["dataset_fingerprint"]  # recomputed from measured hashes
+    shard = copy / "train-00000.bin"
+    st = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(10)
+        old = f.read(1)
+        f.seek(10)
+        f.write(bytes([old[0] ^ 2]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # hide the write from mtime
+    with pytest.raises(DataError, match="corrupt"):
+        TokenDataset.open(copy)
+
+
+def test_token_outside_vocabulary_is_one_line_error(tmp_path):
+    """A shard holding ids >= vocab_size (wrong tokenizer, corrupt bytes with a re-signed meta.json)
+    is refused at open, naming the shard and the id; an unverified open refuses the batch instead
+    of an IndexError deep in the embedding."""
+    d = tmp_path / "oov"
+    meta = prepare_dataset(d, shard_tokens=SHARD_TOKENS, val_fraction=0.1)
+    shard = d / "train-00000.bin"
+    toks = np.fromfile(shard, dtype=np.uint16)
+    toks[7] = 60000  # in uint16 range, far outside the byte vocabulary
+    toks.tofile(shard)
+    for s in meta["shards"]:  # re-sign: the checksum alone no longer helps
+        s["sha256"] = hashlib.sha256((d / s["name"]).read_bytes()).hexdigest()
+    meta["dataset_fingerprint"] = compute_fingerprint(meta["shards"], meta["tokenizer"])
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"token id 60000 at token 7, outside the vocabulary \(vocab_size 25[67]\)"):
+        TokenDataset.open(d)
+    raw = TokenDataset.open(d, verify=False)
+    with pytest.raises(DataError, match="outside the vocabulary"):
+        raw.get_many([0, 1], 16)
 
 
 def test_shards_are_nanogpt_compatible_and_val_is_held_out(byte_dir, ds, plays):

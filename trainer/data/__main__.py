@@ -91,7 +91,7 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _info(args: argparse.Namespace) -> None:
-    ds = TokenDataset.open(args.dir, verify=args.verify)
+    ds = TokenDataset.open(args.dir, verify=True if args.verify else None)
     meta, tok = ds.meta, ds.meta["tokenizer"]
     print(f"dataset      {args.dir}")
     print(f"format       {meta['format']} v{meta['version']}")

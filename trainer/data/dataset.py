@@ -193,9 +193,11 @@ class TokenDataset:
         return [s.name for s in self.sources]
 
     @classmethod
-    def open(cls, data_dir: Path | str, verify: bool = False) -> "TokenDataset":
-        """Memory-map every shard. ``verify=True`` also re-hashes each shard against meta.json
-        (reads the whole dataset once: worth it before a long run, too slow for every start)."""
+    def open(cls, data_dir: Path | str, verify: bool | None = None) -> "TokenDataset":
+        """Memory-map every shard after verifying it (sha256 against meta.json, token ids inside the
+        vocabulary; see ``verify.py``). ``verify=None``: verified once per shard version (cached by
+        stat, so an unchanged dataset costs one stat per shard); ``True``: re-hash everything now;
+        ``False``: sizes only (tools that must open a damaged dataset)."""
         data_dir = Path(data_dir)
         meta = read_meta(data_dir)
         dtype = np.dtype(meta["tokenizer"]["dtype"]).newbyteorder("<")
@@ -209,12 +211,15 @@ class TokenDataset:
             if size == 0 or size != shard["tokens"] * dtype.itemsize:
                 want = shard["tokens"] * dtype.itemsize
                 raise DataError(f"shard {path} has {size} bytes, expected {want} (truncated or replaced?)")
-            if verify and sha256_file(path) != shard["sha256"]:
-                raise DataError(f"shard {path} is corrupt: sha256 differs from {META_NAME}")
             names[shard["split"]].append(shard["name"])
             arrays[shard["split"]].append(np.memmap(path, dtype=dtype, mode="r"))
         streams = {s: _TokenStream(names[s], arrays[s]) for s in SPLITS}
-        return cls(data_dir, meta, streams)
+        ds = cls(data_dir, meta, streams)
+        if verify is not False:
+            from .verify import verify_shards
+
+            ds.fingerprint = verify_shards(data_dir, meta, dtype, use_cache=verify is None)
+        return ds
 
     # ---- train samples -----------------------------------------------------------------------
 
@@ -270,6 +275,11 @@ class TokenDataset:
         out = np.empty((len(ids), seq_len + 1), dtype=np.int64)
         for row, sample_id in enumerate(ids):
             out[row] = self.get(sample_id, seq_len)
+        if out.size and int(out.max()) >= self.vocab_size:  # a shard opened unverified, or changed since
+            row = int(np.flatnonzero(out.max(axis=1) >= self.vocab_size)[0])
+            shard, offset = self.locate(ids[row], seq_len)
+            raise DataError(f"sample {ids[row]} ({shard} at token {offset}) holds token id {int(out[row].max())}, "
+                            f"outside the vocabulary (vocab_size {self.vocab_size})")
         return out
 
     def locate(self, sample_id: int, seq_len: int) -> tuple[str, int]:
