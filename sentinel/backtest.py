@@ -58,6 +58,8 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         obj = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SchemaError(f"{where}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    except RecursionError:  # a hostile line: thousands of nested [ or {
+        raise SchemaError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise SchemaError(f"{where}: expected a JSON object")
     kind = obj.get("kind", "step")
@@ -85,15 +87,24 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         raise SchemaError(f"{where}: {e}") from None
 
 
-def load_trace(path: str | Path) -> list[StepRecord | TimelineRecord]:
-    """Read a steps.jsonl or a loss-only trace. Errors name the file and line, in one line."""
+def load_trace(path: str | Path, *, rejected: list[str] | None = None) -> list[StepRecord | TimelineRecord]:
+    """Read a steps.jsonl or a loss-only trace. Errors name the file and line, in one line.
+
+    With ``rejected`` (a list), a bad line is appended there (its one-line reason) and skipped
+    instead of stopping the read."""
     p = Path(path)
     out: list[StepRecord | TimelineRecord] = []
     with p.open("rb") as fh:
         for n, raw in enumerate(fh, 1):
             line = raw.strip()
-            if line:
+            if not line:
+                continue
+            try:
                 out.append(parse_trace_line(line, default_run=p.stem or "trace", where=f"{path}:{n}"))
+            except SchemaError as e:
+                if rejected is None:
+                    raise
+                rejected.append(str(e))
     return out
 
 

@@ -419,6 +419,9 @@ STEP_CONSUMER_GROUP = "sentinel"
 # --------------------------------------------------------------------------------------------
 
 
+MAX_SAMPLE_ID = 2**63 - 1  # sample ids are int64 wherever they go (numpy, torch, the bus): HI at most this
+
+
 def merge_ranges(ranges) -> list[tuple[int, int]]:
     """Normalise [lo, hi) ranges: drop empties, sort, merge overlapping/adjacent ones."""
     rs = sorted((int(lo), int(hi)) for lo, hi in ranges if int(hi) > int(lo))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sentinel import detectors as d
 from sentinel.protocol import BUSY_PHASES, MAX_SLICES, StepRecord
@@ -48,7 +48,45 @@ class RulesError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # .inf / .nan / "1e999" are never a threshold: every float setting must be finite
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# Sanity bounds on every numeric setting (on top of each field's own lower bound): a typo such as
+# a 1e21 window must be an error, not a detector that allocates or never warms up.
+MAX_SETTING_INT = 10**9  # steps, counts, seconds
+MAX_SETTING_WINDOW = 10**6  # window / history / horizon sizes: values held in memory
+MAX_SETTING_FLOAT = 1e9
+MAX_YAML_DEPTH = 16  # a rules file is 3 levels deep; a deeper document is an error, not a RecursionError
+
+
+def _check_bounds(model: BaseModel, path: str = "") -> None:
+    for name, value in model:
+        where = f"{path}.{name}" if path else name
+        if isinstance(value, BaseModel):
+            _check_bounds(value, where)
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, int):
+            sized = any(w in name for w in ("window", "history", "horizon"))
+            limit = MAX_SETTING_WINDOW if sized else MAX_SETTING_INT
+            if abs(value) > limit:
+                raise ValueError(f"{where} = {value} is out of range (at most {limit:,})")
+        elif isinstance(value, float) and abs(value) > MAX_SETTING_FLOAT:
+            raise ValueError(f"{where} = {value:g} is out of range (at most {MAX_SETTING_FLOAT:g})")
+
+
+def _depth(obj, limit: int) -> int:
+    """Nesting depth of parsed YAML, iteratively (stops counting past ``limit``)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if d > limit:
+                return d
+            todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
 
 
 class RuleBase(_Strict):
@@ -235,6 +273,11 @@ class RuleSet(_Strict):
     policy: PolicyConfig = PolicyConfig()
     rules: Rules = Rules()
 
+    @model_validator(mode="after")
+    def _bounded(self) -> "RuleSet":
+        _check_bounds(self)
+        return self
+
 
 # --------------------------------------------------------------------------------------------
 # Loading
@@ -244,9 +287,10 @@ class RuleSet(_Strict):
 def _one_line(source: str, e: ValidationError) -> str:
     errs = e.errors()
     err = errs[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+    loc = ".".join(str(p) for p in err["loc"])
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return f"{source}: {loc}: {err['msg']}{more}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{source}: {loc}: {msg}{more}" if loc else f"{source}: {msg}{more}"
 
 
 def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
@@ -259,6 +303,10 @@ def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
         raise RulesError(f"{source}: {where}invalid YAML: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise RulesError(f"{source}: invalid YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise RulesError(f"{source}: invalid rules: nested more than {MAX_YAML_DEPTH} levels deep") from None
+    if _depth(data, MAX_YAML_DEPTH) > MAX_YAML_DEPTH:
+        raise RulesError(f"{source}: invalid rules: nested more than {MAX_YAML_DEPTH} levels deep")
     if data is None:
         data = {}
     if not isinstance(data, dict):

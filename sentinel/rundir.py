@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sentinel.protocol import (
+    MAX_SAMPLE_ID,
     SchemaError,
     StepRecord,
     TimelineRecord,
@@ -335,9 +336,12 @@ def read_skiplist(run_dir: str | os.PathLike) -> list[tuple[int, int]]:
     except (OSError, ValueError) as e:
         raise RunDirError(f"skip list {p} is unreadable: {e}") from None
     try:
-        return merge_ranges((int(lo), int(hi)) for lo, hi in raw)
+        ranges = [(int(lo), int(hi)) for lo, hi in raw]
     except (TypeError, ValueError):
         raise RunDirError(f"skip list {p} is malformed: expected [[lo, hi], ...]") from None
+    if any(not 0 <= lo <= hi <= MAX_SAMPLE_ID for lo, hi in ranges):
+        raise RunDirError(f"skip list {p} is malformed: ids must satisfy 0 <= lo <= hi <= {MAX_SAMPLE_ID} (int64)")
+    return merge_ranges(ranges)
 
 
 _atomic_write = atomic_write_text
@@ -378,6 +382,8 @@ def parse_range(text: str) -> tuple[int, int]:
         raise ValueError(f"bad sample range {text!r}: expected LO:HI (sample ids, HI exclusive) or one id") from None
     if lo < 0 or hi <= lo:
         raise ValueError(f"bad sample range {text!r}: need 0 <= LO < HI")
+    if hi > MAX_SAMPLE_ID:
+        raise ValueError(f"bad sample range {text!r}: sample ids are int64 (HI at most {MAX_SAMPLE_ID})")
     return lo, hi
 
 

@@ -327,8 +327,13 @@ def test_skip_list_merge_save_load(tmp_path):
     path.write_text("{not json")
     with pytest.raises(DataError, match="unreadable"):
         SkipList.load(path)
-    with pytest.raises(ValueError):
-        SkipList([(-1, 3)])
+    for bad in ([(-1, 3)], [(1, 2**63)], [(1, 99999999999999999999999)], [(1.5, 3)], [("a", 3)], [(1, 2, 3)], [None]):
+        with pytest.raises(DataError, match="bad skip range"):
+            SkipList(bad)
+    assert len(SkipList([(2**63 - 2, 2**63 - 1)])) == 1  # int64 max is fine
+    path.write_text("[[1, 99999999999999999999999]]")
+    with pytest.raises(DataError, match="malformed"):
+        SkipList.load(path)
 
 
 def test_fingerprint_and_size_mismatch_refused():

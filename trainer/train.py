@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from sentinel.protocol import Ack, CheckpointInfo, Directive, MarkerRecord, StepRecord, TimelineRecord, merge_ranges
 from trainer import faults as drills
-from trainer import rng
+from trainer import rng, rundir_lock
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -158,12 +158,19 @@ class Trainer:
             if not self.run_dir.is_dir():
                 raise TrainingError(f"run dir not found: {self.run_dir}")
             return
+        busy = None
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:  # rank 0 only: torchrun's other ranks of this run share its lock
+                self._lock_fd = rundir_lock.acquire(self.run_dir)
+            except rundir_lock.RunDirBusy as e:
+                busy = str(e)
+        busy = self.env.broadcast_object(busy)  # every rank of the second trainer exits, with one line
+        if busy:
+            raise TrainingError(busy)
         # written once start() has restored (or begun) the run: a start that fails (e.g. --data of a
         # different dataset) must not overwrite the config a plain `--run-dir` resume relies on
         self._config_text = dump(self.cfg)
-        self.env.barrier()
 
     def _setup_data(self) -> None:
         cfg = self.cfg
@@ -486,7 +493,13 @@ class Trainer:
             return
         detail = None
         status = "applied"
-        if d.kind == "skip-samples":
+        try:  # bounds (int64 ids) are checked before anything changes: a bad range refuses the directive
+            SkipList(d.ranges)
+        except DataError as e:
+            status, detail = "failed", str(e)
+        if status != "applied":
+            pass
+        elif d.kind == "skip-samples":
             self.skip.add(d.ranges)
             self._persist_skiplist()
             detail = f"skip list now covers {len(self.skip)} samples"

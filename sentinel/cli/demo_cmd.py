@@ -7,7 +7,10 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import emit_json, friendly_errors, json_option
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
+
+MAX_DEMO_RANKS = 16  # gloo ranks on one CPU machine
+MAX_DEMO_STEPS = 1_000_000
 
 
 def _live_view(spec, state):
@@ -58,6 +61,12 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
     from sentinel.drill import DrillSpec, incidents_of, run_drill
     from trainer.data import ensure_prepared
 
+    if not 1 <= ranks <= MAX_DEMO_RANKS:
+        raise SentinelError(f"--ranks must be between 1 and {MAX_DEMO_RANKS} (got {ranks})")
+    if not 2 <= steps <= MAX_DEMO_STEPS:
+        raise SentinelError(f"--steps must be between 2 and {MAX_DEMO_STEPS:,} (got {steps})")
+    if drill_step < 1:
+        raise SentinelError(f"--drill-step must be at least 1 (got {drill_step})")
     if drill_step >= steps:
         raise click.BadParameter("must be smaller than --steps", param_hint="--drill-step")
     console = Console(stderr=as_json)

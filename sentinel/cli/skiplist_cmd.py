@@ -63,16 +63,19 @@ def current_ranges(ref) -> tuple[list[tuple[int, int]], str]:
     import json
 
     from sentinel import bus, rundir
-    from sentinel.protocol import merge_ranges
+    from sentinel.protocol import MAX_SAMPLE_ID, merge_ranges
 
     if ref.run_dir is not None:
         return rundir.read_skiplist(ref.run_dir), "file"
     with bus.bus_errors(ref.r):
         raw = ref.r.get(ref.keys.skiplist)
     try:
-        return merge_ranges((int(lo), int(hi)) for lo, hi in json.loads(raw or "[]")), "bus"
-    except (ValueError, TypeError):
+        ranges = [(int(lo), int(hi)) for lo, hi in json.loads(raw or "[]")]
+    except (ValueError, TypeError, RecursionError):
         raise SentinelError(f"the bus's skip list for run {ref.run} is malformed") from None
+    if any(not 0 <= lo <= hi <= MAX_SAMPLE_ID for lo, hi in ranges):
+        raise SentinelError(f"the bus's skip list for run {ref.run} is malformed: ids beyond int64")
+    return merge_ranges(ranges), "bus"
 
 
 def _skip_list(run, action, ranges, reason, timeout, secret_file, redis_url, as_json):

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import numpy as np
 
-from sentinel.protocol import atomic_write_text, merge_ranges
+from sentinel.protocol import MAX_SAMPLE_ID, atomic_write_text, merge_ranges
 
 from .dataset import DataError
 
@@ -79,14 +79,22 @@ class SkipList:
             raise DataError(f"skip list {path} is unreadable: {e}") from None
         try:
             return cls((lo, hi) for lo, hi in raw)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, DataError) as e:
             raise DataError(f"skip list {path} is malformed: expected [[lo, hi], ...] ({e})") from None
 
 
 def _checked(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Integer bounds with 0 <= lo and hi <= int64 max (ids are int64 in numpy and torch: a larger
+    bound would be an OverflowError at the first lookup). DataError (one line) otherwise."""
     out = []
-    for lo, hi in ranges:
-        if int(lo) != lo or int(hi) != hi or int(lo) < 0:
-            raise ValueError(f"bad skip range [{lo}, {hi}): bounds must be integers >= 0")
+    for r in ranges:
+        try:
+            lo, hi = r
+            ok = int(lo) == lo and int(hi) == hi and not isinstance(lo, bool) and not isinstance(hi, bool)
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok or not 0 <= int(lo) <= MAX_SAMPLE_ID or not int(hi) <= MAX_SAMPLE_ID:
+            raise DataError(f"bad skip range {list(r) if isinstance(r, (list, tuple)) else r!r}: "
+                            f"bounds must be integers with 0 <= lo and hi <= {MAX_SAMPLE_ID} (int64)")
         out.append((int(lo), int(hi)))
     return out
