@@ -14,7 +14,7 @@ import math
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 INT64_MAX = 2**63 - 1
 MAX_WORLD_SIZE = 1 << 20
@@ -127,7 +127,10 @@ class TrainStateFile(_Strict):
     tokens: Count
     timeline: Count
     grad_accum_pos: Literal[0]  # checkpoints are only taken at optimizer-step boundaries
-    sampler: SamplerState | MixtureSamplerState
+    sampler: Annotated[  # tagged by "kind", so an error names the real problem, not the other variant's
+        Annotated[MixtureSamplerState, Tag("mixture")] | Annotated[SamplerState, Tag("plain")],
+        Discriminator(lambda v: "mixture" if isinstance(v, dict) and v.get("kind") == "mixture" else "plain"),
+    ]
     skiplist: list[Annotated[list[Count], Field(min_length=2, max_length=2)]]
     guard: GuardState
     scheduler: SchedulerState
