@@ -94,7 +94,8 @@ class RunWatcher:
         self.gate = StepGate(run, opts.secret)
         self._recovered = False
         self._history_until = "0-0"  # stream head when the lease was taken: entries up to it may be history
-        self._lost_upto = 0  # stream position up to which trimmed-unread records were counted
+        self._entries_read: int | None = None  # the group's entries-read at the last overload check
+        self._delivered = 0  # entries delivered to us by ">" reads since then
         self._next_overload_check = 0.0
         self._trimmed_unlogged = 0
         self._replaying = False
@@ -283,12 +284,16 @@ class RunWatcher:
     def check_overload(self, now: float) -> None:
         """Count step records the capped stream trimmed before we read them; say we cannot keep up.
 
-        From XINFO: ``entries-added - length`` records have left the front of the stream; if our
-        group's ``entries-read`` is below that, the difference was trimmed unread.
+        XINFO GROUPS ``entries-read`` is the group's logical read position: it advances by one per
+        entry delivered, and *jumps over* entries trimmed before they were delivered. So between two
+        checks, (advance of entries-read) - (entries delivered to us) is what the cap threw away
+        unread. At the first check, ``entries-added - length - entries-read`` covers what was trimmed
+        before this sentinel started.
         """
         if now < self._next_overload_check and not self.behind:
             return
         self._next_overload_check = now + 1.0
+
         def text_keys(d: dict) -> dict:
             return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
 
@@ -298,12 +303,19 @@ class RunWatcher:
         except redis.ResponseError:
             return  # no stream yet, or a server without these fields
         group = next((g for g in groups if g.get("name") in (STEP_CONSUMER_GROUP, STEP_CONSUMER_GROUP.encode())), None)
+        if group is not None and group.get("entries-read") is None and group.get("last-delivered-id") in ("0-0", b"0-0"):
+            group["entries-read"] = 0  # a group that has read nothing yet reports no position
         if group is None or group.get("entries-read") is None or info.get("entries-added") is None:
+            self._entries_read = None  # unknown position (an old server, or XDEL): start over
             return
         if group.get("lag") is not None:
             self.m.lag.labels(self.run).set(group["lag"])
-        gone = int(info["entries-added"]) - int(info["length"])
-        lost = gone - max(int(group["entries-read"]), self._lost_upto)
+        er = int(group["entries-read"])
+        if self._entries_read is None:
+            lost = int(info["entries-added"]) - int(info["length"]) - er
+        else:
+            lost = (er - self._entries_read) - self._delivered
+        self._entries_read, self._delivered = er, 0
         if lost > 0:
             self.m.trimmed.labels(self.run).inc(lost)
             self._trimmed_unlogged += lost
@@ -312,7 +324,6 @@ class RunWatcher:
                 self.log(f"[{self.run}] SENTINEL CANNOT KEEP UP: {self._trimmed_unlogged} step records were trimmed from "
                          f"the capped stream before they were read (lag {group.get('lag')}); detection is blind for them")
                 self._trimmed_unlogged = 0
-        self._lost_upto = max(self._lost_upto, gone)
 
     def _read_acks(self) -> None:
         for e in bus.read_stream(self.r, self.keys.acks, self.acks_id, count=1000):
@@ -475,6 +486,7 @@ class Daemon:
             grouped[e.stream].append(e)
         for s, w in by_stream.items():
             w.behind = len(grouped[s]) >= self.opts.batch  # a full batch: more is waiting
+            w._delivered += len(grouped[s])
         return sum(w.poll(grouped[s]) for s, w in by_stream.items())
 
     def run_forever(self) -> None:
