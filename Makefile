@@ -28,11 +28,12 @@ setup-system:
 	  command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	  command -v prometheus-alertmanager >/dev/null || missing="$$missing prometheus-alertmanager"; \
 	  command -v kubectl >/dev/null || missing="$$missing kubernetes-client"; \
+	  [ -d /usr/share/doc/python3.11/html/_sources ] || missing="$$missing python3.11-doc"; \
 	  if [ -n "$$missing" ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  fi; \
 	  systemctl disable --now redis-server prometheus prometheus-alertmanager >/dev/null 2>&1 || true; \
-	else echo "note: not root or no apt-get; install redis-server, prometheus, prometheus-alertmanager yourself"; fi
+	else echo "note: not root or no apt-get; install redis-server, prometheus, prometheus-alertmanager, python3.11-doc yourself"; fi
 
 demo: setup
 	$(BIN)/sentinel demo

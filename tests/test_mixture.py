@@ -467,3 +467,14 @@ def test_corrupt_source_drill_shows_in_that_slice_only(mix_dir, tmp_path):
             assert f'{metric}{{run="run",slice="{name}"}}' in text, (metric, name)
     assert 'training_timeline_events_total{event="warmup_end",run="run"} 1.0' in text
     assert 'training_timeline_events_total{event="mixture_change",run="run"} 0.0' in text
+
+
+def test_changing_seq_len_on_resume_is_refused_not_a_silent_fresh_start(mix_ref, mix_dir, tmp_path):
+    """Every checkpoint of the run would fail the same way (position table, sample ids), so falling
+    back through them would end in a fresh start that overwrites the run: refuse in one line."""
+    run = copy_run(mix_ref, tmp_path / "run")
+    before = (run / "steps.jsonl").read_bytes()
+    p = run_trainer(run, "--max-steps", str(MIX_STEPS + 4), "--set", "model.seq_len=32", data_dir=mix_dir)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "cannot change seq_len" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert (run / "steps.jsonl").read_bytes() == before

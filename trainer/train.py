@@ -434,6 +434,13 @@ class Trainer:
                 f"checkpoint {path.name} was written by {ts['world_size']} ranks, this run has {env.world_size}; "
                 "exact resume needs the same world size"
             )
+        seq = self.cfg.model.seq_len
+        if ts.get("seq_len", seq) != seq or ts["sampler"]["num_samples"] != self.sampler.num_samples:
+            # not a bad checkpoint to fall back from: every checkpoint of the run would fail the same way
+            was = f"seq_len {ts['seq_len']}" if "seq_len" in ts else f"{ts['sampler']['num_samples']} samples"
+            raise TrainingError(f"checkpoint {path.name} was trained at {was}, this run has seq_len {seq} "
+                                f"({self.sampler.num_samples} samples): a run cannot change seq_len (the position "
+                                "table and every sample id depend on it); start a new run dir")
         if ts["guard"]["window"] != self.cfg.guard.window:
             raise TrainingError(f"checkpoint {path.name} has a guard window of {ts['guard']['window']}, "
                                 f"this run {self.cfg.guard.window}; cannot resume exactly")
