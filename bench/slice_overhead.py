@@ -7,8 +7,8 @@ dataset of ``--sources`` synthetic sources prepared in a temporary dir. After a 
 run in blocks of ``--block`` with the per-source path on (per-sample losses, a ``[sources, B]``
 one-hot matmul into a ``[sources]`` sum, the sum riding the loss gather and the readback) and off
 (the plain mean loss, as for a single-source dataset), in ABBA order so slow drift of a shared
-machine hits both arms alike. Reported: per-pair on/off ratio of the mean step wall time, with
-min/median/max. The model, data and sampler stream are the same in both arms (only which ids each
+machine hits both arms alike. Reported: per-pair on/off ratio of the mean step wall time and of the
+process CPU time per step (less sensitive to neighbours on a shared machine), with min/median/max. The model, data and sampler stream are the same in both arms (only which ids each
 block sees differs), so the ratio isolates the per-source bookkeeping.
 """
 
@@ -70,12 +70,12 @@ def main() -> int:
         tr.start()
         tr.model.train()
 
-        def block(per_source: bool) -> float:
+        def block(per_source: bool) -> tuple[float, float]:
             tr.per_source = per_source
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.block):
                 tr._one_step(0.0)
-            return (time.perf_counter() - t0) / args.block
+            return (time.perf_counter() - t0) / args.block, (time.process_time() - c0) / args.block
 
         block(True)
         block(False)  # warm-up: allocator, both code paths
@@ -83,18 +83,23 @@ def main() -> int:
         for i in range(args.pairs):
             order = (True, False) if i % 2 == 0 else (False, True)
             t = {arm: block(arm) for arm in order}
-            rows.append({"pair": i + 1, "on_s": t[True], "off_s": t[False], "ratio": t[True] / t[False]})
+            rows.append({"pair": i + 1, "on_s": t[True][0], "off_s": t[False][0], "ratio": t[True][0] / t[False][0],
+                         "on_cpu_s": t[True][1], "off_cpu_s": t[False][1], "cpu_ratio": t[True][1] / t[False][1]})
         tr.steplog.close()
     ratios = [r["ratio"] for r in rows]
+    cpu = [r["cpu_ratio"] for r in rows]
     out = {"preset": args.preset, "sources": args.sources, "block": args.block, "machine": platform.machine(),
-           "pairs": rows, "min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+           "pairs": rows, "min": min(ratios), "median": statistics.median(ratios), "max": max(ratios),
+           "cpu_min": min(cpu), "cpu_median": statistics.median(cpu), "cpu_max": max(cpu)}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        print("| pair | step on (ms) | step off (ms) | on/off |\n|---:|---:|---:|---:|")
+        print("| pair | wall on / off (ms) | wall on/off | CPU on / off (ms) | CPU on/off |\n|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['pair']} | {r['on_s'] * 1e3:.1f} | {r['off_s'] * 1e3:.1f} | {r['ratio']:.4f} |")
-        print(f"| **min / median / max** | | | **{out['min']:.4f} / {out['median']:.4f} / {out['max']:.4f}** |")
+            print(f"| {r['pair']} | {r['on_s'] * 1e3:.1f} / {r['off_s'] * 1e3:.1f} | {r['ratio']:.4f} | "
+                  f"{r['on_cpu_s'] * 1e3:.1f} / {r['off_cpu_s'] * 1e3:.1f} | {r['cpu_ratio']:.4f} |")
+        print(f"| **min / median / max** | | **{out['min']:.4f} / {out['median']:.4f} / {out['max']:.4f}** | | "
+              f"**{out['cpu_min']:.4f} / {out['cpu_median']:.4f} / {out['cpu_max']:.4f}** |")
     return 0
 
 

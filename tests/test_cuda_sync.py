@@ -17,14 +17,28 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (no host-device syncs to count on CPU)")
 
 
-@pytest.mark.parametrize("telemetry", [False, True])
-def test_training_steps_do_not_sync(tmp_path, telemetry):
+def _mixture(root):
+    """Three small sources: the per-source loss path (one-hot upload, [sources] sums in the gather)."""
+    from trainer.data import parse_source, prepare_dataset
+
+    specs = []
+    for k, letters in enumerate(("abcdefgh", "mnopqrst", "0123456789")):
+        d = root / f"src{k}"
+        d.mkdir(parents=True)
+        (d / "doc.txt").write_text((" ".join(letters[i % len(letters)] * (1 + i % 5) for i in range(4000)) + "\n") * 4)
+        specs.append(parse_source(f"s{k}={d}:1"))
+    prepare_dataset(root / "mix", sources=specs)
+    return root / "mix"
+
+
+@pytest.mark.parametrize("telemetry,mixture", [(False, False), (True, False), (True, True)])
+def test_training_steps_do_not_sync(tmp_path, telemetry, mixture):
     from trainer import dist as tdist
     from trainer.config import resolve
     from trainer.data import ensure_prepared
     from trainer.train import Trainer
 
-    data = ensure_prepared(tmp_path / "data")
+    data = _mixture(tmp_path) if mixture else ensure_prepared(tmp_path / "data")
     cfg = resolve(preset="tiny", overrides={
         "data.dir": str(data), "max_steps": 20, "checkpoint.every": 0, "eval.every": 0,
         "telemetry.enabled": telemetry, "telemetry.peak_flops": 1e12, "device": "cuda",
@@ -46,3 +60,5 @@ def test_training_steps_do_not_sync(tmp_path, telemetry):
 
     steps = authoritative(tmp_path / "run" / "steps.jsonl")
     assert sorted(steps)[-1] == 12 and all(r.loss == r.loss for r in steps.values())
+    if mixture:
+        assert all(r.source_loss and set(r.source_loss) <= {"s0", "s1", "s2"} for r in steps.values())

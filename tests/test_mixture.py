@@ -115,6 +115,7 @@ def test_slice_metrics_bounded_and_set():
     with pytest.raises(ValueError):
         m.set_slices(["Python Docs"])
     m.set_slices(["shakespeare", "pydoc", "stdlib"])
+    assert _sample(m, "training_slice_loss", slice="pydoc") is None  # no value yet: no series, not a 0
     m.on_slice_losses({"shakespeare": 2.0, "pydoc": 3.0, "intruder": 9.0})
     m.on_slice_validation({"pydoc": 1.0}, {"stdlib": 4.0})
     m.set_mixture_weights({"shakespeare": 0.5, "pydoc": 0.3, "stdlib": 0.2})

@@ -264,6 +264,8 @@ class Trainer:
             parallelism=cfg.parallelism if env.distributed else "single", device=dev_name or env.device.type, dtype=dtype,
         )
         self.metrics.set_slices(self.ds.source_names)
+        if not self.ds.is_mixture:  # a mixture's weights are set at its first step (drills may move them)
+            self.metrics.set_mixture_weights({self.ds.source_names[0]: 1.0})
         base = cfg.telemetry.metrics_port
         port = self.metrics.serve(cfg.telemetry.metrics_host, base + env.local_rank if base else 0)
         self._publish_targets(port)

@@ -426,17 +426,21 @@ class TrainerMetrics:
                 raise ValueError(f"slice name {name!r} does not match {SLICE_NAME_RE}")
         if not self.is_global_exporter:
             return
-        self._slices = {
-            name: {key: fam.labels(self.run, name) for key, fam in self._slice_families.items()} for name in names
-        }
+        # children are created on their first value: a slice never evaluated has no series (rather
+        # than a 0 that a "regressed from its best" rule would read as a perfect loss)
+        self._slices = {name: {} for name in names}
 
     def _set_slice_values(self, key: str, values: dict[str, float] | None) -> None:
         if not self.is_global_exporter or not values:
             return
         for name, value in values.items():
             children = self._slices.get(name)  # undeclared names are dropped: cardinality stays bounded
-            if children is not None:
-                children[key].set(value)
+            if children is None:
+                continue
+            child = children.get(key)
+            if child is None:
+                child = children[key] = self._slice_families[key].labels(self.run, name)
+            child.set(value)
 
     def on_slice_losses(self, losses: dict[str, float] | None) -> None:
         """Per-slice mean training loss of the last step (slices absent from the batch keep their last value)."""
