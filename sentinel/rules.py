@@ -142,6 +142,9 @@ class DivergenceRule(RuleBase):
     level_window: int = Field(24, ge=4)
     level_horizon: int = Field(500, ge=10)
     level_sigmas: float = Field(2.5, gt=0)
+    # ... or the median of twice that window above its own best by level_long_sigmas (smaller, slower
+    # shifts: a 0.25-nat jump in 0.1-nat noise; the longer median is steadier, so the bar can be lower)
+    level_long_sigmas: float = Field(1.8, gt=0)
     min_rise: float = Field(0.02, ge=0)
 
 
@@ -399,7 +402,9 @@ class _LossEval(_Eval):
         self.kofn = d.KOfN(min(v.k, v.n), v.n)
         self.shift = d.LevelShift(window=v.level_window, horizon=v.level_horizon, sigmas=v.level_sigmas,
                                   min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window)
-        self._det_update, self._shift_update = self.det.update, self.shift.update
+        self.shift_long = d.LevelShift(window=2 * v.level_window, horizon=v.level_horizon, sigmas=v.level_long_sigmas,
+                                       min_rise=v.min_rise, warmup=s.min_history + 4 * v.level_window)
+        self._det_update, self._shift_update, self._long_update = self.det.update, self.shift.update, self.shift_long.update
         self.noise = 0.0  # robust per-step sigma of the admitted losses, refreshed every NOISE_EVERY steps
         self._noise_n = 0
         self.nf_run = 0  # consecutive non-finite losses
@@ -417,8 +422,9 @@ class _LossEval(_Eval):
             if self._noise_n >= self.NOISE_EVERY and len(self.det.window) >= 8:
                 self._noise_n = 0
                 self.noise = d.MAD_TO_SIGMA * self.det.window.mad()
-            if self._shift_update(step, x, self.noise) and self.div_on:
-                c, sh = self.div_cfg, self.shift
+            short, long_ = self._shift_update(step, x, self.noise), self._long_update(step, x, self.noise)
+            if (short or long_) and self.div_on:
+                c, sh = self.div_cfg, (self.shift if short else self.shift_long)
                 out.append(Finding("divergence", c.severity, c.action, step,
                                    f"loss level {_f(sh.best + sh.excess)} (median of {sh.window}) is {_f(sh.excess)} above "
                                    f"the run's best {_f(sh.best)} (bar {_f(sh.bar)})",
@@ -455,12 +461,14 @@ class _LossEval(_Eval):
         self.det.rewind(keep_through_step)
         self.kofn.clear()
         self.shift.rewind(keep_through_step)
+        self.shift_long.rewind(keep_through_step)
         self.nf_run = 0
 
     def reset(self) -> None:
         self.det.reset()
         self.kofn.clear()
         self.shift.reset()
+        self.shift_long.reset()
         self.noise, self._noise_n = 0.0, 0
         self.nf_run = 0
 
@@ -469,7 +477,7 @@ class _LossEval(_Eval):
         self.kofn.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(),
+        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
                 "noise": self.noise, "noise_n": self._noise_n, "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
@@ -477,6 +485,8 @@ class _LossEval(_Eval):
         self.kofn.load_state_dict(st["kofn"])
         if "shift" in st:  # state saved before the level-shift detector existed starts it afresh
             self.shift.load_state_dict(st["shift"])
+        if "shift_long" in st:
+            self.shift_long.load_state_dict(st["shift_long"])
         self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
         self.nf_run = int(st["nf_run"])
 
