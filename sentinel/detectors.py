@@ -284,6 +284,13 @@ class SpikeDetector:
             self._note_refusal(True)
         return verdict
 
+    def noise(self) -> float:
+        """Robust per-step noise sigma: from first differences of the recent values when they are
+        kept (a falling loss does not count as spread), else the admitted window's MAD."""
+        if self.recent and len(self._raw) >= 8:
+            return diff_sigma(list(self._raw))
+        return MAD_TO_SIGMA * self.window.mad()
+
     def level(self) -> float | None:
         """The pre-anomaly baseline level: median of the admitted window (None while empty)."""
         return self.window.median() if len(self.window) else None
@@ -389,6 +396,16 @@ class Persistence:
         self.since_step, self.since_time, self.count = d["since_step"], d["since_time"], int(d["count"])
 
 
+def diff_sigma(xs: list[float]) -> float:
+    """Robust per-step noise sigma from first differences: a trend (a falling loss) cancels out,
+    which a MAD around the median does not (it counts the descent as spread)."""
+    d = [b - a for a, b in zip(xs, xs[1:])]
+    if not d:
+        return 0.0
+    m = median_of(d)
+    return MAD_TO_SIGMA * median_of([abs(v - m) for v in d]) / math.sqrt(2.0)
+
+
 def median_of(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
@@ -450,11 +467,12 @@ class LevelShift:
     overlap the current one (a healthy run's loss only falls, so a rise above its own best is the
     signal; a rolling baseline would follow a slow climb up). The bar is noise-aware:
     ``max(min_rise x best, sigmas x noise)`` where noise is a robust per-step sigma supplied by the
-    caller (the spike detector's MAD), because a 0.1-nat move is nothing in a noisy run and a lot in
-    a quiet one.
+    caller (``SpikeDetector.noise``: from first differences, so a fast early descent does not count
+    as noise), because a 0.1-nat move is nothing in a noisy run and a lot in a quiet one.
 
     ``onset()`` estimates where the shift began: the first step of the current elevated stretch
-    (median above half the bar), less half a window (the median lags the shift by about that).
+    (median above half the bar), less a window (the median lags a jump by half a window, and a
+    slow climb by more).
 
     Cost per step: one sorted-window push (O(log window)), a sliding minimum (amortised O(1)).
     """
@@ -499,7 +517,7 @@ class LevelShift:
 
     def onset(self, step: int) -> int:
         since = self._above_since if self._above_since is not None else step
-        return max(0, since - self.window // 2)
+        return max(0, since - self.window)  # a whole window back: a rollback a little early costs steps, one late keeps the damage
 
     def rewind(self, keep_through_step: int) -> None:
         self.win.rewind(keep_through_step)

@@ -141,10 +141,10 @@ class DivergenceRule(RuleBase):
     # level_horizon steps by more than max(min_rise x that level, level_sigmas x per-step noise sigma)
     level_window: int = Field(24, ge=4)
     level_horizon: int = Field(500, ge=10)
-    level_sigmas: float = Field(2.5, gt=0)
+    level_sigmas: float = Field(3.0, gt=0)
     # ... or the median of twice that window above its own best by level_long_sigmas (smaller, slower
     # shifts: a 0.25-nat jump in 0.1-nat noise; the longer median is steadier, so the bar can be lower)
-    level_long_sigmas: float = Field(1.8, gt=0)
+    level_long_sigmas: float = Field(2.2, gt=0)
     min_rise: float = Field(0.02, ge=0)
 
 
@@ -421,7 +421,7 @@ class _LossEval(_Eval):
             self._noise_n += 1
             if self._noise_n >= self.NOISE_EVERY and len(self.det.window) >= 8:
                 self._noise_n = 0
-                self.noise = d.MAD_TO_SIGMA * self.det.window.mad()
+                self.noise = self.det.noise()
             short, long_ = self._shift_update(step, x, self.noise), self._long_update(step, x, self.noise)
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)

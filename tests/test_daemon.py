@@ -316,6 +316,25 @@ def test_new_leader_claims_what_the_dead_leader_left_pending(redis_url, unique_r
     assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 0
 
 
+def test_recovered_spikes_are_annotated_and_their_pattern_is_a_metric(redis_url, unique_run):
+    """Spikes that recover send nothing; they are counted as recovered episodes, and a fixed
+    interval between them shows as sentinel_spike_pattern{pattern="periodic"} = 1."""
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    d = make_daemon(r, run)
+    register_checkpoints(r, run)
+    spikes = {100, 160, 220, 280}
+    for s in range(1, 330):
+        bus.publish(r, k.steps, step_rec(run, s, 6.0 if s in spikes else None))
+    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 329)
+    assert r.xlen(k.directives) == 0
+    assert sample(d, "sentinel_spike_pattern", run=run, pattern="periodic") == 1
+    assert sample(d, "sentinel_spike_pattern", run=run, pattern="one-off") == 0
+    assert sample(d, "sentinel_anomaly_episodes_total", run=run, outcome="recovered") == 4
+    states = {json.loads(v)["state"] for v in r.hgetall(k.incidents).values()}
+    assert states == {"recovered"}
+
+
 # ------------------------------------------------------------------ dry run, approvals
 
 

@@ -104,6 +104,25 @@ def test_spike_detector_follows_a_real_level_shift():
     assert codes[-50:].count(d.NORMAL) >= 45  # re-baselined, not flagging forever
 
 
+def test_noise_aware_spike_bar_rises_in_a_noisy_stretch():
+    """Judged against the long window alone, a 7-sigma value is a spike; when the last steps were
+    themselves noisy (spikes included), the local spread raises the bar and it is not."""
+    rng = random.Random(3)
+    quiet = [3.0 + rng.gauss(0, 0.02) for _ in range(200)]
+    noisy = [3.0 + rng.gauss(0, 0.06) for _ in range(40)]
+    verdicts = {}
+    for recent in (0, 32):
+        det = d.SpikeDetector(ratio_spike=1.02, ratio_elevated=1.02, recent=recent)
+        for i, x in enumerate(quiet + noisy):
+            det.update(i, x)
+        verdicts[recent] = det.update(240, 3.0 + 7 * 0.02)
+    assert verdicts[0] == d.SPIKE and verdicts[32] != d.SPIKE
+    det = d.SpikeDetector(ratio_spike=1.02, ratio_elevated=1.02, recent=32)
+    for i, x in enumerate(quiet):
+        det.update(i, x)
+    assert det.update(200, 3.0 + 10 * 0.02) == d.SPIKE  # in a quiet stretch a clear spike still is one
+
+
 def test_kofn_and_onset():
     k = d.KOfN(3, 5)
     assert not k.update(1, True)
