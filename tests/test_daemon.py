@@ -325,7 +325,7 @@ def test_recovered_spikes_are_annotated_and_their_pattern_is_a_metric(redis_url,
     register_checkpoints(r, run)
     spikes = {100, 160, 220, 280}
     for s in range(1, 330):
-        bus.publish(r, k.steps, step_rec(run, s, 6.0 if s in spikes else None))
+        bus.publish(r, k.steps, step_rec(run, s, 6.0 if s in spikes else None), secret=SECRET)
     pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 329)
     assert r.xlen(k.directives) == 0
     assert sample(d, "sentinel_spike_pattern", run=run, pattern="periodic") == 1
