@@ -262,7 +262,9 @@ def render(data: ReportData, out: str | Path, *, dpi: int = 110) -> Path:
         axv.patch.set_visible(False)
 
     # --- 2. grad norm
-    ax_gn.set_yscale("log")
+    gns = [v for seg in data.segments for v in seg.grad_norm if math.isfinite(v) and v > 0]
+    if gns and max(gns) / min(gns) > 20:  # a spike of 10x and more stays on the chart without flattening the rest
+        ax_gn.set_yscale("log")
     ax_gn.set_ylabel("grad norm")
     # --- 3. LR
     ax_lr.set_ylabel("LR")
