@@ -106,12 +106,14 @@ def _render(res: dict) -> None:
             cell("param_digest", (r["param_digest"] or "-")[:8]),
             Text("yes", style="green") if not bad else Text("NO: " + ", ".join(sorted(bad)), style="bold red"),
         )
-    con.print(t)
+    if res["rows"]:
+        con.print(t)
     rt = res["round_trip"]
     parts = []
     for name, row in rt["components"].items():
         parts.append(f"{name} {'identical' if row['identical'] else 'DIFFERS' + (' in ' + ', '.join(row['differs']) if row.get('differs') else '')}")
-    con.print(Text("save->load->save: " + "; ".join(parts), style="" if rt["identical"] else "bold red"))
+    if parts:
+        con.print(Text("save->load->save: " + "; ".join(parts), style="" if rt["identical"] else "bold red"))
     d = res["first_divergence"]
     if d is None and res["ok"]:
         con.print(Text(f"equivalent: the resumed run matches the reference {res['tolerance']} "

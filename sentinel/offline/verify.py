@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -291,6 +292,8 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
     try:
         ck = tr.ckpt.exact(c)
     except CheckpointError as e:
+        if STATE_INCONSISTENT.search(str(e)):  # checksums fine, the saved state contradicts itself: not a resume
+            return unresumable(tr, env, c, str(e), notes)
         raise OfflineError(checkpoint_problem(e)) from None
     dev = tr.env.device.type
     dropout = float(tr.cfg.model.dropout)
@@ -396,6 +399,29 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
                   **{f"ref_{f}": r["reference"].get(f) for f in FIELDS}} for r in rows],
         "notes": notes,
     }
+
+
+# the loader's one-line verdicts on a checksum-valid checkpoint whose state does not hold together
+STATE_INCONSISTENT = re.compile(r"train_state\.json (is malformed|says step)")
+_STATE_KEYWORDS = (("scheduler", "scheduler"), ("says step", "scheduler"), ("sampler", "data_cursor"),
+                   ("cursor", "data_cursor"), ("skiplist", "data_cursor"), ("guard", "guard"), ("optim", "optimizer"))
+
+
+def unresumable(tr, env, c: int, problem: str, notes: list[str]) -> dict:
+    """The verdict for a checkpoint the trainer refuses to load because its saved state is
+    inconsistent (e.g. a scheduler step that disagrees with the step counter): NOT equivalent, with
+    the component named, rather than a bad-input error: the checkpoint exists and verifies, but a
+    resume from it cannot continue the run."""
+    comp = next((c_ for kw, c_ in _STATE_KEYWORDS if kw in problem), "data_cursor")
+    first = {"step": c, "fields": ["train_state.json"], "component": comp, "suspect": COMPONENTS[comp],
+             "reason": f"the trainer refuses to resume from it: {problem}"}
+    return {"run": tr.run_id, "from_step": c, "steps": 0, "world_size": env.world_size, "device": tr.env.device.type,
+            "tolerance": tolerance_text(tr.env.device.type), "reference": "none (the checkpoint does not load)",
+            "drill": False, "equivalent": False, "ok": False, "first_divergence": first,
+            "round_trip": {"components": {}, "identical": False, "ignored_train_state_keys": list(VOLATILE_TRAIN_STATE)},
+            "checks": {"params_match_log_at_checkpoint": None, "optimizer_step_count_ok": None,
+                       "scheduler_step_ok": None, "model_dropout": float(tr.cfg.model.dropout)},
+            "rows": [], "notes": notes}
 
 
 def mark_verified(run_dir: Path, step: int, ok: bool, extra: dict | None = None) -> Path:
