@@ -43,7 +43,7 @@ from trainer.checkpoint import (
     verify,
 )
 from trainer.config import TrainConfig, dump
-from trainer.data import DataError, MixtureSampler, Sampler, SkipList, TokenDataset, batch_fingerprint, ensure_prepared
+from trainer.data import DataError, MixtureSampler, SkipList, TokenDataset, batch_fingerprint, ensure_prepared, sampler_for
 from trainer.dist import DistEnv
 from trainer.guard import REASONS, StepGuard
 from trainer.model import GPT
@@ -193,11 +193,7 @@ class Trainer:
         self.per_source = self.n_sources > 1  # one slice: its loss is the step loss, nothing to compute
         try:
             self.mix_weights = MixtureWeights(self.ds, cfg)
-            if self.ds.is_mixture:
-                counts = self.ds.source_sample_counts(cfg.model.seq_len)
-                self.sampler = MixtureSampler(counts, self.ds.source_names, cfg.seed, self.ds.fingerprint, self.mix_weights.at(1))
-            else:
-                self.sampler = Sampler(n, cfg.seed, self.ds.fingerprint)
+            self.sampler = sampler_for(self.ds, cfg.model.seq_len, cfg.seed, self.mix_weights.at(1))
         except DataError as e:
             raise TrainingError(str(e)) from None
         self.weights_now: dict[str, float] | None = None  # normalised weights of the last step trained

@@ -10,7 +10,7 @@ No torch here: everything is numpy, so offline tools can use it cheaply.
 """
 
 from .dataset import DataError, Source, TokenDataset, load_tokenizer
-from .mixture import MixtureSampler
+from .mixture import MixtureSampler, sampler_for
 from .prepare import default_data_dir, ensure_prepared, prepare_dataset
 from .sampler import Sampler, batch_fingerprint
 from .skiplist import SkipList
@@ -31,4 +31,5 @@ __all__ = [
     "load_tokenizer",
     "parse_source",
     "prepare_dataset",
+    "sampler_for",
 ]

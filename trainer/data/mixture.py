@@ -147,3 +147,12 @@ class MixtureSampler:
                 sub.load_state_dict({"epoch": s["epoch"], "position": s["position"], "seed": seed,
                                      "num_samples": sub.num_samples, "dataset_fingerprint": self.dataset_fingerprint})
         self.slot, self.seed = slot, seed
+
+
+def sampler_for(ds, seq_len: int, seed: int, weights: Mapping[str, float] | None = None):
+    """The sampler the trainer uses for ``ds``: a :class:`MixtureSampler` (dataset weights unless
+    ``weights``) for a mixture, else a plain :class:`Sampler`. For offline tools (drills, replay)."""
+    if not ds.is_mixture:
+        return Sampler(ds.num_samples(seq_len), seed, ds.fingerprint)
+    w = dict(weights) if weights is not None else {s.name: s.weight for s in ds.sources}
+    return MixtureSampler(ds.source_sample_counts(seq_len), ds.source_names, seed, ds.fingerprint, w)
