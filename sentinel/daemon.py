@@ -20,11 +20,12 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import redis
 
-from sentinel import bus
+from sentinel import bus, rundir
 from sentinel.ingest import StepGate, Verdict, check_ack
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
@@ -76,6 +77,9 @@ class Options:
     # records older than this, already on the stream when the lease was taken, are history: they
     # rebuild the detectors' state, but the sentinel does not act on incidents that are long over
     backlog_age_s: float = 120.0
+    # run id -> its run directory, where incidents and pages are mirrored (else the dir the trainer
+    # registered on the bus, when it exists on this machine)
+    run_dirs: dict[str, Path] = field(default_factory=dict)
 
 
 class RunWatcher:
@@ -101,6 +105,10 @@ class RunWatcher:
         self._replaying = False
         self.behind = False
         self._log_budget: dict[str, float] = {}
+        self._run_dir: Path | None = None
+        self._incidents_mirror: rundir.JsonlMirror | None = None
+        self._pages_mirror: rundir.JsonlMirror | None = None
+        self._mirrored: dict[str, str] = {}  # incident id -> the JSON last appended to incidents.jsonl
         bus.ensure_group(r, self.keys.steps, STEP_CONSUMER_GROUP)
 
     # ------------------------------------------------------------------ leadership
@@ -359,7 +367,9 @@ class RunWatcher:
         if not raw:
             return None
         try:
-            t = float(json.loads(raw).get("time"))
+            hb = json.loads(raw)
+            # paused on purpose: alive (the trainer's bus thread refreshes "sent"), not hung
+            t = float(hb.get("sent") if hb.get("paused") is True else hb.get("time"))
         except (ValueError, TypeError, AttributeError, RecursionError):  # includes non-UTF-8
             return None
         return t if math.isfinite(t) else None
@@ -390,7 +400,55 @@ class RunWatcher:
         incidents = {i.id: i.to_json() for i in self.policy.incidents}
         if events and incidents:
             self.r.hset(self.keys.incidents, mapping=incidents)
+            self._mirror_incidents(incidents)
         return len(events)
+
+    # ------------------------------------------------------------------ run-dir mirror
+    def _mirror_dir(self) -> Path | None:
+        """The run dir to mirror into: given on the command line, else the one the trainer registered
+        (when it is on this machine). Resolved once found; None means no mirror (a remote run)."""
+        if self._run_dir is None:
+            d = self.opts.run_dirs.get(self.run)
+            if d is None:
+                raw = bus.raw(self.r).hget(self.keys.info, "run_dir")  # trainer-written: may be anything
+                d = Path(raw.decode("utf-8", "replace")) if raw else None
+                if d is not None and not (d / rundir.CONFIG).is_file():
+                    d = None  # only ever write into a real run directory
+            if d is not None and Path(d).is_dir():
+                self._run_dir = Path(d)
+                log = lambda m: self.log(f"[{self.run}] {m}")  # noqa: E731
+                self._incidents_mirror = rundir.JsonlMirror(self._run_dir / rundir.INCIDENTS_LOG, log)
+                self._pages_mirror = rundir.JsonlMirror(self._run_dir / rundir.PAGES_LOG, log)
+        return self._run_dir
+
+    def _mirror_incidents(self, incidents: dict[str, str]) -> None:
+        """Append every incident whose state changed since it was last mirrored (readers keep the last
+        line per id), so incident history survives the bus."""
+        if self._mirror_dir() is None:
+            return
+        for iid, js in incidents.items():
+            if self._mirrored.get(iid) == js:
+                continue
+            inc = next(i for i in self.policy.incidents if i.id == iid)
+            if self._incidents_mirror.append(inc.model_dump(mode="json")):
+                self._mirrored[iid] = js
+            else:
+                self.m.mirror_failures.labels(self.run, rundir.INCIDENTS_LOG).inc()
+
+    def _mirror_page(self, page: dict) -> None:
+        if self._mirror_dir() is None:
+            return
+        if not self._pages_mirror.append(page):
+            self.m.mirror_failures.labels(self.run, rundir.PAGES_LOG).inc()
+
+    def _page_rule(self, a: Action) -> str | None:
+        """The rule behind a page: its incident's rule, else the "rule: detail" prefix of an operational page."""
+        if a.incident_id:
+            inc = next((i for i in self.policy.incidents if i.id == a.incident_id), None)
+            if inc is not None:
+                return inc.rule
+        head = a.reason.split(":", 1)[0]
+        return head if head in dict(self.opts.rules.rules.items()) else None
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions: list[Action], published_at: float | None) -> None:
@@ -418,20 +476,32 @@ class RunWatcher:
                 if not self.r.hsetnx(self.keys.applied, a.idempotency_key, "page"):
                     self.m.actions.labels(self.run, "page", "duplicate").inc()
                     continue
-                bus.publish(self.r, self.keys.events, Event(run=self.run, kind="page", severity="critical",
-                                                           message=a.reason, incident_id=a.incident_id))
-                self._notify_alertmanager(a)
+                rule = self._page_rule(a)
+                rule_cfg = dict(self.opts.rules.rules.items()).get(rule) if rule else None
+                severity = rule_cfg.severity if rule_cfg is not None else "critical"
+                self.log(f"[{self.run}] PAGE: {a.reason}")
+                delivered = ["log", "bus"]
+                if self._notify_alertmanager(a, severity):
+                    delivered.append("alertmanager")
+                if self._mirror_dir() is not None:
+                    delivered.append("run_dir")
+                page = {"time": now, "run": self.run, "severity": severity, "summary": a.reason,
+                        "incident_id": a.incident_id, "rule": rule, "delivered_to": delivered}
+                bus.publish(self.r, self.keys.events, Event(run=self.run, kind="page", severity=severity, message=a.reason,
+                                                           incident_id=a.incident_id, time=now,
+                                                           data={"rule": rule, "delivered_to": delivered}))
+                self._mirror_page(page)
                 self.m.actions.labels(self.run, "page", "sent").inc()
                 self.m.last_action.labels(self.run, "page").set(now)
-                self.log(f"[{self.run}] PAGE: {a.reason}")
 
-    def _notify_alertmanager(self, a: Action) -> None:
+    def _notify_alertmanager(self, a: Action, severity: str = "critical") -> bool:
+        """POST the page to Alertmanager; True when it accepted it."""
         if not self.opts.alertmanager_url:
-            return
+            return False
         import urllib.request
 
         body = json.dumps([{
-            "labels": {"alertname": "SentinelPage", "run": self.run, "severity": "critical",
+            "labels": {"alertname": "SentinelPage", "run": self.run, "severity": severity,
                        "incident": a.incident_id or ""},
             "annotations": {"summary": a.reason},
         }]).encode()
@@ -439,8 +509,10 @@ class RunWatcher:
                                      headers={"Content-Type": "application/json"}, method="POST")
         try:
             urllib.request.urlopen(req, timeout=3).close()
+            return True
         except OSError as e:
             self.log(f"[{self.run}] could not reach Alertmanager: {e}")
+            return False
 
 
 class Daemon:

@@ -20,37 +20,14 @@ Torch-free and Redis-free: the caller passes what it read from the bus.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
-from sentinel.protocol import Incident, SchemaError
-
-INCIDENTS_LOG = "incidents.jsonl"
+from sentinel.rundir import INCIDENTS_LOG, read_incidents_log  # noqa: F401  (the mirror's reader lives with the run dir's)
 DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
 DIRECTIVE_TTL_S = 600.0  # the daemon's directive lifetime (sentinel.daemon.DIRECTIVE_TTL_S)
 ACK_WORDS = {"applied": "acked", "duplicate": "acked (duplicate)", "rejected": "rejected", "failed": "failed"}
 NOT_SENT = "not sent"
 DRY_RUN = "would send (dry run)"
-
-
-def read_incidents_log(run_dir: str | Path) -> list[Incident]:
-    """Every incident in ``RUN_DIR/incidents.jsonl`` (last line per id wins), oldest first; [] when
-    the file is absent. Malformed or torn lines are skipped."""
-    path = Path(run_dir) / INCIDENTS_LOG
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return []
-    latest: dict[str, Incident] = {}
-    for line in data.splitlines():
-        if not line.strip():
-            continue
-        try:
-            inc = Incident.from_json(line)
-        except SchemaError:
-            continue
-        latest[inc.id] = inc
-    return sorted(latest.values(), key=lambda i: i.opened_at)
 
 
 def action_outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks: dict[str, dict],

@@ -39,6 +39,9 @@ class SentinelMetrics:
                          ["run"], registry=r)
         self.bus_restarts = Counter("sentinel_bus_restarts", "Embedded buses this sentinel found dead and restarted.",
                                     ["run"], registry=r)
+        self.mirror_failures = Counter("sentinel_mirror_write_failures", "Failed appends to the run dir's incidents.jsonl "
+                                       "or pages.jsonl (disk full, read-only): that history is then only on the bus.",
+                                       ["run", "file"], registry=r)
 
     def serve(self, host: str, port: int) -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)

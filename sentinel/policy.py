@@ -111,6 +111,7 @@ class RunPolicy:
         self.steps_seen = 0  # step records judged (a monotonic count of trained steps, across rollbacks)
         self._episodes: deque[dict[str, Any]] = deque(maxlen=PATTERN_HISTORY)  # spike episodes: step, fp, ids
         self.pattern = "none"  # one-off | periodic | increasing, over this run's spike episodes
+        self._hang: str | None = None  # id of the open hang incident (beside any anomaly incident)
 
     # ------------------------------------------------------------------ public interface
 
@@ -147,6 +148,8 @@ class RunPolicy:
             self.timeline = rec.timeline
         self.last_step, self.last_time = rec.step, rec.time
         self.steps_seen += 1
+        if self._hang is not None:
+            self._end_hang(rec)
         if rec.sample_ids:
             self._samples.append((rec.step, rec.sample_ids))
         findings = self.engine.evaluate(rec)
@@ -493,8 +496,33 @@ class RunPolicy:
     def _operational(self, f: Finding, out: list[Action]) -> None:
         if self._state == "escalated" and f.action in DIRECTIVE_KINDS:
             return  # hands off: a human owns this run now
-        out.append(Action(kind=f.action, run=self.run, incident_id=None, reason=f"{f.rule}: {f.detail}",
+        iid = self._open_hang(f) if f.rule == "heartbeat_stale" else None
+        out.append(Action(kind=f.action, run=self.run, incident_id=iid, reason=f"{f.rule}: {f.detail}",
                           idempotency_key=f"{self.run}:{f.rule}:{f.action}:t{self.timeline}:s{f.step}"))
+
+    # a hang is an incident of its own: the run makes no progress, whatever the anomaly state machine is
+    # doing; it does not touch that machine, and closes by itself when steps flow again
+    def _open_hang(self, f: Finding) -> str:
+        if self._hang is None:
+            now = self.clock()
+            iid = f"{self.run}-t{self.timeline}-s{f.step}-hang-{int(now)}"
+            self._incidents[iid] = Incident(
+                id=iid, run=self.run, state="incident", rule=f.rule, onset_step=f.step or 0, detect_step=f.step or 0,
+                opened_at=now, evidence=[{"rule": f.rule, "detail": f.detail, "step": f.step, "stale_seconds": f.value,
+                                          "last_step_time": now - (f.value or 0.0)}])
+            self._hang = iid
+            self._event("incident_opened", "critical", f"run not progressing: {f.detail}", step=f.step, incident_id=iid)
+        return self._hang
+
+    def _end_hang(self, rec: StepRecord) -> None:
+        inc = self._incidents.get(self._hang)
+        if inc is not None and rec.time <= inc.evidence[0].get("last_step_time", 0.0):
+            return  # a record from before the hang (a backlog being replayed)
+        self._hang = None
+        if inc is not None:
+            inc.state, inc.closed_at = "healthy", self.clock()
+            self._event("incident_closed", "info", f"steps flow again: step {rec.step} after the hang", step=rec.step,
+                        incident_id=inc.id)
 
     def _emit(self, out: list[Action]) -> list[Action]:
         """Record every action as an event; a dry run returns none of them."""
@@ -559,6 +587,7 @@ class RunPolicy:
             "episodes": list(self._episodes),
             "pattern": self.pattern,
             "last_fire": self._last_fire,
+            "hang": self._hang,
             "engine": self.engine.state_dict(),
             "events": [e.model_dump(mode="json") for e in self._events],
         }
@@ -580,5 +609,6 @@ class RunPolicy:
         self._episodes.extend(d.get("episodes", []))
         self.pattern = d.get("pattern", "none")
         self._last_fire = {k: list(v) for k, v in d["last_fire"].items()}
+        self._hang = d.get("hang")
         self.engine.load_state_dict(d["engine"])
         self._events = [Event.model_validate(e) for e in d.get("events", [])]

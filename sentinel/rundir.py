@@ -11,7 +11,10 @@ a laptop without torch and must never import the training loop, so everything th
 * ``skiplist.json``: read, and an atomic write (tmp + fsync + rename) in the trainer's format;
 * ``pending_rollback.json``: the plan a trainer consumes at its next start;
 * ``directives.jsonl`` (the trainer's log of applied directives) and ``audit.jsonl`` (who did what
-  by hand, and why).
+  by hand, and why);
+* ``incidents.jsonl`` and ``pages.jsonl``: the daemon's mirror of incidents (one Incident per line,
+  appended on every state change; the last line per id wins) and of pages, so that history survives
+  the control bus. ``JsonlMirror`` writes them (append + flush; a full disk is counted, never fatal).
 
 The formats mirror ``trainer/checkpoint.py``, ``trainer/data/skiplist.py`` and ``trainer/train.py``;
 this module does not import them (``trainer.checkpoint`` imports torch).
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sentinel.protocol import (
+    Incident,
     MAX_SAMPLE_ID,
     SchemaError,
     StepRecord,
@@ -45,6 +49,9 @@ SKIPLIST = "skiplist.json"
 PENDING = "pending_rollback.json"
 DIRECTIVES_LOG = "directives.jsonl"
 AUDIT = "audit.jsonl"
+INCIDENTS_LOG = "incidents.jsonl"
+PAGES_LOG = "pages.jsonl"
+PAGE_FIELDS = ("time", "run", "severity", "summary", "incident_id", "rule", "delivered_to")
 CONFIG = "config.yaml"
 CKPT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -489,6 +496,81 @@ def append_audit(run_dir: str | os.PathLike, record: dict[str, Any]) -> dict[str
     finally:
         os.close(fd)
     return rec
+
+
+def read_incidents_log(run_dir: str | os.PathLike) -> list[Incident]:
+    """Every incident in ``RUN_DIR/incidents.jsonl`` (last line per id wins), oldest first; [] when
+    the file is absent. Malformed or torn lines are skipped."""
+    latest: dict[str, Incident] = {}
+    for obj in _read_jsonl(Path(run_dir) / INCIDENTS_LOG):
+        try:
+            inc = Incident.from_json(obj)
+        except SchemaError:
+            continue
+        latest[inc.id] = inc
+    return sorted(latest.values(), key=lambda i: i.opened_at)
+
+
+def read_pages_log(run_dir: str | os.PathLike, tail: int | None = None) -> list[dict]:
+    """The pages in ``RUN_DIR/pages.jsonl``, oldest first, each with exactly ``PAGE_FIELDS``.
+    Lines that are not a page (no numeric time or no summary: torn, hostile) are skipped."""
+    out = []
+    for obj in _read_jsonl(Path(run_dir) / PAGES_LOG, tail):
+        page = normalize_page(obj)
+        if page is not None:
+            out.append(page)
+    return out
+
+
+def normalize_page(obj: Any) -> dict | None:
+    """A page dict with exactly ``PAGE_FIELDS`` and sane types, or None when ``obj`` is not a page."""
+    if not isinstance(obj, dict):
+        return None
+    t, summary = obj.get("time"), obj.get("summary")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not isinstance(summary, str):
+        return None
+    to = obj.get("delivered_to")
+    return {
+        "time": float(t), "run": str(obj.get("run") or ""), "severity": str(obj.get("severity") or "critical"),
+        "summary": summary, "incident_id": obj["incident_id"] if isinstance(obj.get("incident_id"), str) else None,
+        "rule": obj["rule"] if isinstance(obj.get("rule"), str) else None,
+        "delivered_to": [str(x) for x in to] if isinstance(to, list) else [],
+    }
+
+
+class JsonlMirror:
+    """Append-only JSONL for the daemon's history in the run dir: append + flush per line.
+
+    A write that fails (ENOSPC, EIO, a read-only or vanished run dir) is counted in ``failures`` and
+    logged once per kind of error, never raised: the sentinel's job is the run, not its diary. A line
+    cut short by a full disk is fenced off by a newline before the next write, so readers skip just
+    that fragment."""
+
+    def __init__(self, path: str | os.PathLike, log=None):
+        self.path = Path(path)
+        self.failures = 0
+        self._torn = False
+        self._log = log
+        self._logged: set[str] = set()
+
+    def append(self, obj: dict[str, Any]) -> bool:
+        line = json.dumps(obj, sort_keys=True, default=str, allow_nan=True) + "\n"
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                if self._torn:
+                    f.write("\n")
+                self._torn = True  # until this line is flushed whole
+                f.write(line)
+                f.flush()
+            self._torn = False
+            return True
+        except OSError as e:
+            self.failures += 1
+            why = os.strerror(e.errno) if e.errno else type(e).__name__
+            if self._log is not None and why not in self._logged:
+                self._logged.add(why)
+                self._log(f"cannot write {self.path}: {why} (counted; the sentinel goes on)")
+            return False
 
 
 @dataclass

@@ -72,6 +72,8 @@ def test_paused_trainer_checkpoints_and_exits_on_signal(tmp_path, dataset, nproc
         d = Directive(run=run_dir.name, kind="pause", reason="test").signed(bus.load_secret(run_dir))
         bus.publish(r, keys.directives, d)
         assert _ack(r, keys, d, proc)["status"] == "applied"
+        # the heartbeat says paused: `sentinel status` and the hang rule tell it from a hang
+        _wait(lambda: json.loads(r.get(keys.heartbeat) or "{}").get("paused") is True, 10, "paused heartbeat", proc)
         time.sleep(1.0)  # a step in flight when the pause landed may still be written
         paused_at = _last_step(run_dir)
         time.sleep(1.0)
@@ -160,3 +162,202 @@ def test_straggler_drill_names_the_slow_rank_and_phase(tmp_path, dataset):  # no
     finally:
         _stop(sentinel)
         _cleanup(run_dir, proc)
+
+
+# ================================================================== items 4 + 8: hangs, pages, the run-dir mirror
+def _rank_pid(proc: subprocess.Popen, rank: int) -> int:
+    for pid in descendants(proc.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    raise AssertionError(f"no worker process with RANK={rank}")
+
+
+def _cli_json(*args: str) -> dict:
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "sentinel", *args, "--json"], env=trainer_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+@pytest.mark.slow
+def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path, dataset):  # noqa: F811
+    """The SIGSTOP drill on a live 2-rank run with the sentinel watching (no Alertmanager):
+    - the daemon warns at startup that pages reach nobody;
+    - the stale heartbeat opens an incident (rule heartbeat_stale) and pages, linked to it;
+    - `sentinel status` shows the run hung with the age of its last step, never "live";
+    - the incident and the page are mirrored to RUN_DIR/incidents.jsonl and pages.jsonl;
+    - when the rank continues, steps flow and the incident closes by itself;
+    - with the trainer and its bus gone, `sentinel pages` and `sentinel incidents` still answer from
+      the run directory."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  heartbeat_stale:\n    stale_seconds: 5\n")
+    run_dir, proc = _start(tmp_path, dataset, "hang", nproc=2)
+    sentinel = None
+    slog = tmp_path / "sentinel.log"
+    try:
+        _wait(lambda: _last_step(run_dir) >= 3 and (run_dir / "bus" / "secret").is_file(), 120, "first steps", proc)
+        sentinel = _sentinel(run_dir, slog, "--rules", str(rules))
+        _wait(lambda: "watching run" in slog.read_text(errors="replace"), 60, "the sentinel to start", sentinel)
+        assert "WARNING: no --alertmanager-url: pages reach NOBODY" in slog.read_text(errors="replace")
+        r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        keys = Keys(run_dir.name)
+        victim = _rank_pid(proc, 1)
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.time()
+        try:
+            page = _wait(lambda: [e for e in _events(r, keys) if e["kind"] == "page"], 60, "the hang page", sentinel)[0]
+            assert "heartbeat_stale" in page["message"] and page["incident_id"], page
+            iid = page["incident_id"]
+            inc = json.loads(r.hget(keys.incidents, iid))
+            assert inc["rule"] == "heartbeat_stale" and inc["state"] == "incident" and inc.get("closed_at") is None
+            row = _cli_json("status", str(run_dir))["runs"][0]
+            assert row["state"] == "hung" and iid in row["open_incident_ids"], row
+            assert row["last_step_age_seconds"] >= 5 and row["heartbeat_age_seconds"] < 5, row
+            # the mirror, written as it happened
+            pages = _jsonl(run_dir / "pages.jsonl")
+            assert [p["incident_id"] for p in pages] == [iid] and pages[0]["rule"] == "heartbeat_stale"
+            assert set(pages[0]) == {"time", "run", "severity", "summary", "incident_id", "rule", "delivered_to"}
+            assert "alertmanager" not in pages[0]["delivered_to"] and "run_dir" in pages[0]["delivered_to"]
+            assert any(i["id"] == iid and i["state"] == "incident" for i in _jsonl(run_dir / "incidents.jsonl"))
+            live = _cli_json("pages", str(run_dir))["runs"][0]
+            assert [p["incident_id"] for p in live["pages"]] == [iid] and live["pages"][0]["rule"] == "heartbeat_stale"
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        hung_for = time.time() - stopped_at
+        n = _last_step(run_dir)
+        _wait(lambda: _last_step(run_dir) > n + 3, 60, "steps after SIGCONT", proc)
+
+        def closed():
+            last = {i["id"]: i for i in _jsonl(run_dir / "incidents.jsonl")}  # the last line per id wins
+            return last.get(iid, {}).get("closed_at") is not None and last[iid]
+
+        assert _wait(closed, 60, "the hang incident to close", sentinel)["state"] == "healthy"
+        _stop(sentinel)
+        sentinel = None
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        _stop(sentinel)
+        _cleanup(run_dir, proc)  # stops the run's embedded bus: from here on only the run dir answers
+    offline = _cli_json("pages", str(run_dir))["runs"][0]
+    assert offline["source"] == "files" and [p["incident_id"] for p in offline["pages"]] == [iid]
+    incs = _cli_json("incidents", str(run_dir))["runs"][0]
+    assert incs["source"] == "files" and [i["id"] for i in incs["incidents"]] == [iid]
+    assert incs["incidents"][0]["state"] == "healthy"
+    print(f"SIGSTOP of rank 1 for {hung_for:.0f}s: incident {iid} opened, paged, closed after SIGCONT")
+
+
+def _watcher(url: str, run: str, run_dir: Path):
+    from sentinel.daemon import Options, RunWatcher
+    from sentinel.metrics import SentinelMetrics
+    from sentinel.rules import default_rules
+
+    logs: list[str] = []
+    m = SentinelMetrics()
+    w = RunWatcher(bus.connect(url), run, Options(rules=default_rules(), secret=b"s" * 32, run_dirs={run: run_dir}), m,
+                   logs.append)
+    return w, m, logs
+
+
+def test_page_mirror_on_a_full_disk_counts_and_goes_on(embedded_bus, unique_run):
+    """pages.jsonl on a full disk (/dev/full: every write is ENOSPC): the page still goes out on the
+    bus, the failure is counted in sentinel_mirror_write_failures_total and logged once, nothing
+    raises; once the disk has room again the next page is mirrored and readable."""
+    from sentinel import rundir
+    from sentinel.policy import Action
+
+    run_dir = embedded_bus.run_dir
+    (run_dir / "pages.jsonl").symlink_to("/dev/full")
+    w, m, logs = _watcher(embedded_bus.url, unique_run, run_dir)
+
+    def page(n: int) -> Action:
+        return Action(kind="page", run=unique_run, incident_id=None, reason=f"rank_straggler: rank 1 slow ({n})",
+                      idempotency_key=f"k{n}")
+
+    w._execute([page(1), page(2)], None)
+    failures = m.registry.get_sample_value("sentinel_mirror_write_failures_total", {"run": unique_run, "file": "pages.jsonl"})
+    assert failures == 2
+    assert sum("No space left on device" in x for x in logs) == 1, logs  # logged once, counted every time
+    assert [e["kind"] for e in _events(w.r, Keys(unique_run))] == ["page", "page"]  # the bus still got both
+    (run_dir / "pages.jsonl").unlink()
+    w._execute([page(3)], None)
+    (p,) = rundir.read_pages_log(run_dir)
+    assert p["summary"].endswith("(3)") and p["rule"] == "rank_straggler" and p["severity"] == "warning"
+    assert p["delivered_to"] == ["log", "bus", "run_dir"] and p["incident_id"] is None
+
+
+def test_jsonl_mirror_fences_a_torn_line(tmp_path):
+    """A write cut short (here: a fragment left by a failed append) never merges with the next line."""
+    from sentinel import rundir
+
+    m = rundir.JsonlMirror(tmp_path / "pages.jsonl")
+    (tmp_path / "pages.jsonl").write_text('{"time": 1.0, "summary": "cut sh')  # the torn tail of a full disk
+    m._torn = True
+    assert m.append({"time": 2.0, "summary": "whole"})
+    assert [p["summary"] for p in rundir.read_pages_log(tmp_path)] == ["whole"]
+    assert m.failures == 0
+
+
+def test_pages_reader_rejects_hostile_lines(tmp_path):
+    """Random JSON values, torn and non-UTF-8 lines in pages.jsonl: the reader keeps only real pages,
+    normalised to the page fields, and never raises."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from sentinel import rundir
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20))
+    values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=8), c, max_size=4)),
+                          max_leaves=10)
+    page_like = st.fixed_dictionaries({"time": st.one_of(st.floats(allow_nan=False, allow_infinity=False), values),
+                                       "summary": st.one_of(st.text(max_size=30), values)},
+                                      optional={k: values for k in ("run", "severity", "incident_id", "rule", "delivered_to")})
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(st.one_of(values, page_like), max_size=8), st.binary(max_size=20))
+    def check(objs, junk):
+        lines = [json.dumps(o).encode() for o in objs] + [junk.replace(b"\n", b"")]
+        (tmp_path / "pages.jsonl").write_bytes(b"\n".join(lines))
+        for p in rundir.read_pages_log(tmp_path):
+            assert set(p) == set(rundir.PAGE_FIELDS)
+            assert isinstance(p["time"], float) and isinstance(p["summary"], str)
+            assert all(isinstance(x, str) for x in p["delivered_to"])
+
+    check()
+
+
+def test_status_never_says_live_for_a_stalled_run(embedded_bus, unique_run):
+    """The trainer's bus thread keeps heartbeating ("sent" fresh) while the step loop is stuck: status
+    says hung with the age of the last step. A paused run says paused; a fresh one live with its age."""
+    from sentinel.protocol import StepRecord
+
+    r = bus.connect(embedded_bus.url)
+    k = Keys(unique_run)
+    bus.register_run(r, unique_run, {"run_dir": "/nonexistent", "world_size": 2})
+    now = time.time()
+    for s in range(1, 11):
+        bus.publish(r, k.steps, StepRecord(run=unique_run, step=s, loss=2.0, loss_max_rank=2.0, grad_norm=0.5, lr=1e-3,
+                                           tokens=s, batch_fingerprint="x", time=now - 120 + s, step_seconds=0.5))
+
+    def row(step_age: float, **hb) -> dict:
+        r.set(k.heartbeat, json.dumps({"step": 10, "time": time.time() - step_age, "sent": time.time(), "pid": 1, **hb}))
+        (x,) = [x for x in _cli_json("status", "--redis-url", embedded_bus.url)["runs"] if x["run"] == unique_run]
+        return x
+
+    hung = row(110)
+    assert hung["state"] == "hung" and hung["last_step_age_seconds"] >= 110 and hung["heartbeat_age_seconds"] < 5
+    assert row(110, paused=True)["state"] == "paused"
+    assert row(1)["state"] == "live"
+    from sentinel.cli.status_cmd import state_text
+
+    assert state_text(hung).startswith("HUNG: no step") and "live" not in state_text(hung)

@@ -521,10 +521,10 @@ class Trainer:
                     status, detail = "failed", str(e)
         elif d.kind == "checkpoint-now":
             self.save_checkpoint()
-        elif d.kind == "pause":
-            self.ctl.paused = True
-        elif d.kind == "resume":
-            self.ctl.paused = False
+        elif d.kind in ("pause", "resume"):
+            self.ctl.paused = d.kind == "pause"
+            if self.bus:  # on the heartbeat: a paused run is not a hung one (sentinel status, hang rule)
+                self.bus.set_paused(self.ctl.paused)
         elif d.kind == "stop":
             self.ctl.stop = True
         self.ctl.applied.add(d.id)

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("sentinel.cli.run_cmd", "run", "The daemon: watch every step of a run and act on the rules."),
     "status": ("sentinel.cli.status_cmd", "status", "One row per run: loss, PPL, grad norm, tokens/s, MFU, incidents."),
     "incidents": ("sentinel.cli.incidents_cmd", "incidents", "Incident timelines with evidence, actions and outcomes."),
+    "pages": ("sentinel.cli.pages_cmd", "pages", "Past pages of a run: severity, rule, incident, where each was delivered."),
     "approve": ("sentinel.cli.incidents_cmd", "approve", "Approve the pending action of an incident (require_approval mode)."),
     "pause": ("sentinel.cli.control_cmd", "pause", "Pause a live run at the next step (signed directive, waits for the ack)."),
     "resume": ("sentinel.cli.control_cmd", "resume", "Resume a paused run, also one the sentinel paused on escalation."),

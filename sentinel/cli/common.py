@@ -74,6 +74,19 @@ def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
+def emit_runs(runs: list[dict], as_json: bool, render) -> None:
+    """The per-run results of an on-call command: ``{"runs": [...]}`` with --json, else ``render(runs)``."""
+    if as_json:
+        emit_json({"runs": runs})
+        return
+    from sentinel.cli.status_cmd import console_for_output
+
+    console = console_for_output()
+    if not runs:
+        console.print("[dim]no runs registered on the bus[/]")
+    console.print(render(runs))
+
+
 def looks_like_run_dir(run: str) -> bool:
     p = Path(run)
     return p.is_dir() or os.sep in run or run.startswith(".")

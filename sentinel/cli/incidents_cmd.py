@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import SentinelError, emit_json, emit_runs, friendly_errors, json_option, redis_url_option
 
 EVENTS_SCAN = 20_000  # newest events read per run to build timelines
 APPROVABLE = ("awaiting_approval", "escalated")
@@ -259,18 +259,11 @@ def _incidents(runs, only_open, incident_id, redis_url, as_json):
     out = [run_incidents(ref, only_open=only_open, incident_id=incident_id) for ref in refs]
     if incident_id and not any(r["incidents"] for r in out):
         raise SentinelError(f"incident {incident_id} not found")
-    if as_json:
-        emit_json({"runs": out})
-        return
-    for ref, run in zip(refs, out):
-        if ref.run_dir is not None and run["incidents"]:
-            _attach_report(ref, run, incident_id)
-    from sentinel.cli.status_cmd import console_for_output
-
-    console = console_for_output()
-    if not out:
-        console.print("[dim]no runs registered on the bus[/]")
-    console.print(_render(out))
+    if not as_json:
+        for ref, run in zip(refs, out):
+            if ref.run_dir is not None and run["incidents"]:
+                _attach_report(ref, run, incident_id)
+    emit_runs(out, as_json, _render)
 
 
 # --------------------------------------------------------------------------------------------

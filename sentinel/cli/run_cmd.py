@@ -17,7 +17,7 @@ def _console_log():
     console = Console(stderr=True, highlight=False, log_path=False, width=max(100, Console().width))
 
     def log(msg: str) -> None:
-        style = "bold red" if ("PAGE" in msg or "escalat" in msg) else ("yellow" if "sent " in msg else None)
+        style = "bold red" if ("PAGE" in msg or "escalat" in msg or msg.startswith("WARNING")) else ("yellow" if "sent " in msg else None)
         console.log(msg, style=style)
 
     return log
@@ -59,7 +59,8 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     except RulesError as e:
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
-                   alertmanager_url=alertmanager_url, lease_ms=lease_ms)
+                   alertmanager_url=alertmanager_url, lease_ms=lease_ms,
+                   run_dirs={_run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer
     log = _console_log()
@@ -90,6 +91,8 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
         ids = m.daemon.fixed_runs
         log(f"sentinel {opts.consumer} on {m.label}" + (" (dry run)" if dry_run else "")
             + (f", runs: {', '.join(ids)}" if ids else ", all registered runs"))
+    if not alertmanager_url:
+        log(NO_ALERTMANAGER_WARNING)
     fleet.run_forever()
     log("stopped")
 
@@ -122,6 +125,12 @@ def _bus_groups(runs, redis_url, secret_file) -> dict[tuple[str, bytes, Path | N
             if item is not None:
                 ids.append(item)
     return groups
+
+
+NO_ALERTMANAGER_WARNING = (
+    "WARNING: no --alertmanager-url: pages reach NOBODY. They go only to this log, the bus's events "
+    "stream and RUN_DIR/pages.jsonl (`sentinel pages RUN`); pass --alertmanager-url http://HOST:9093 to "
+    "notify the on-call engineer.")
 
 
 def _run_id_of(run_dir: Path) -> str:

@@ -17,6 +17,16 @@ from sentinel.cli.common import emit_json, friendly_errors, json_option, redis_u
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
 LOSS_BAND = 1.20  # loss above 1.2x its recent median is out of band
 CKPT_OLD_S = 2 * 3600.0
+# no new step for this long (or 10x the recent median step time, if longer) while the trainer's bus
+# thread still heartbeats: the step loop is stuck (a hung rank, a dead collective), not the process
+HUNG_AFTER_S = 30.0
+HUNG_STEP_FACTOR = 10.0
+
+
+def hung_after_seconds(records) -> float:
+    """How long without a new step before a heartbeating run counts as hung, given its recent steps."""
+    times = sorted(r.step_seconds for r in records if getattr(r, "step_seconds", None))
+    return max(HUNG_AFTER_S, HUNG_STEP_FACTOR * times[len(times) // 2]) if times else HUNG_AFTER_S
 
 
 def run_status(ref, now: float | None = None) -> dict:
@@ -58,11 +68,24 @@ def run_status(ref, now: float | None = None) -> dict:
     elif hb is None:
         row["state"] = "stopped" if records else "no-data"
         row["heartbeat_age_seconds"] = None
+        row["last_step_age_seconds"] = max(0.0, now - s.last_time) if s.last_time else None
     else:
         sent = hb.get("sent") or hb.get("time")
         age = (now - float(sent)) if isinstance(sent, (int, float)) else None
+        step_time = hb.get("time")
+        # "sent" is the bus thread's heartbeat (the process lives); "time" is the last step it published
+        step_age = max(0.0, now - float(step_time)) if isinstance(step_time, (int, float)) and step_time > 0 else None
         row["heartbeat_age_seconds"] = age
-        row["state"] = "stale" if age is not None and age > HEARTBEAT_STALE_S else "live"
+        row["last_step_age_seconds"] = step_age
+        row["hung_after_seconds"] = hung_after_seconds(records)
+        if age is not None and age > HEARTBEAT_STALE_S:
+            row["state"] = "stale"
+        elif hb.get("paused") is True:
+            row["state"] = "paused"
+        elif step_age is not None and step_age > row["hung_after_seconds"]:
+            row["state"] = "hung"
+        else:
+            row["state"] = "live"
         if isinstance(hb.get("step"), int) and (row.get("step") is None or hb["step"] > row["step"]):
             row["step"] = hb["step"]
 
@@ -101,6 +124,8 @@ def run_status(ref, now: float | None = None) -> dict:
                 continue
             if inc.closed_at is None:
                 open_ids.append(inc.id)
+                if inc.rule == "heartbeat_stale" and row["state"] == "live":
+                    row["state"] = "hung"  # the sentinel opened a hang incident: trust it over our own bound
         row["incidents_total"] = len(inc_raw)
     row["open_incidents"] = len(open_ids)
     row["open_incident_ids"] = sorted(open_ids)
@@ -145,6 +170,24 @@ def _fmt_rate(x) -> str:
     return f"{x:.0f}"
 
 
+def state_text(r: dict) -> str:
+    """The state cell: never a bare "live" for a run whose steps stopped; always the age that matters."""
+    from sentinel.runref import fmt_duration
+
+    st, step_age = r["state"], r.get("last_step_age_seconds")
+    if st == "live":
+        return f"live (step {fmt_duration(step_age)} ago)" if step_age is not None else "live"
+    if st == "hung":
+        return f"HUNG: no step {fmt_duration(step_age)}"
+    if st == "stale":
+        return f"stale: no hb {fmt_duration(r.get('heartbeat_age_seconds'))}"
+    if st == "paused":
+        return f"paused (step {fmt_duration(step_age)} ago)" if step_age is not None else "paused"
+    if st == "stopped" and step_age is not None:
+        return f"stopped (step {fmt_duration(step_age)} ago)"
+    return st
+
+
 def render(rows: list[dict], errors: list[str], now: float | None = None):
     from rich.console import Group
     from rich.markup import escape
@@ -160,16 +203,10 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
                       ("incidents", "right"), ("guard skips", "right"), ("last action", "left")):
         t.add_column(col, justify=just, no_wrap=col != "last action")
     cards: list = []
-    state_style = {"live": "green", "stale": "bold red", "stopped": "dim", "offline": "dim", "offline-writing": "yellow",
-                   "no-data": "dim"}
+    state_style = {"live": "green", "stale": "bold red", "hung": "bold red", "paused": "yellow", "stopped": "dim", "offline": "dim",
+                   "offline-writing": "yellow", "no-data": "dim"}
     for r in rows:
-        st = r["state"]
-        if st == "live" and r.get("heartbeat_age_seconds") is not None:
-            st_txt = f"live ({fmt_duration(r['heartbeat_age_seconds'])})"
-        elif st == "stale":
-            st_txt = f"stale hb {fmt_duration(r.get('heartbeat_age_seconds'))}"
-        else:
-            st_txt = st
+        st_txt = state_text(r)
         loss = _fmt_num(r.get("loss"), ".4f")
         if r.get("loss_out_of_band"):
             loss = f"[bold red]{loss}[/] [red](med {r['loss_median']:.3f})[/]"

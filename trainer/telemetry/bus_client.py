@@ -158,6 +158,7 @@ class BusClient:
         self._step_time = 0.0
         self._hb_sent = 0.0
         self._hb_step: int | None = None
+        self._paused = False
         self._closed = False
         self._last_logged: dict[str, float] = {}
 
@@ -221,6 +222,17 @@ class BusClient:
         mac = self._mac(self.keys.acks, data)
         with self._lock:
             self._push(self._control, (self.keys.acks, data, self._events_maxlen, mac))
+        self._wake.set()
+
+    def set_paused(self, paused: bool) -> None:
+        """Say on the heartbeat that the run is paused on purpose: no new step is then not a hang."""
+        with self._lock:
+            changed = self._paused != bool(paused)
+            self._paused = bool(paused)
+            if changed:
+                self._hb_step = None  # refresh the heartbeat at the next I/O iteration
+                # the pause/resume is progress of a kind: the time a pause lasted is no hang after a resume
+                self._step_time = time.time()
         self._wake.set()
 
     def poll_directives(self) -> list[Directive]:
@@ -476,10 +488,10 @@ class BusClient:
                 pipe.set(k.skiplist, skip)
             now = time.time()
             with self._lock:
-                step, step_time = self._step, self._step_time
+                step, step_time, paused = self._step, self._step_time, self._paused
             hb = step is not None and (step != self._hb_step or now - self._hb_sent >= self._hb_every)
             if hb:
-                pipe.set(k.heartbeat, json.dumps({"step": step, "time": step_time, "sent": now, "pid": os.getpid()}), px=self._hb_ttl_ms)
+                pipe.set(k.heartbeat, json.dumps({"step": step, "time": step_time, "sent": now, "pid": os.getpid(), "paused": paused}), px=self._hb_ttl_ms)
             pipe.xread({k.directives: self._last_dir_id}, count=100)
             results = pipe.execute(raise_on_error=False)
         except BaseException:
