@@ -520,7 +520,7 @@ class RunPolicy:
             return  # a record from before the hang (a backlog being replayed)
         self._hang = None
         if inc is not None:
-            inc.state, inc.closed_at = "healthy", self.clock()
+            inc.state, inc.closed_at = "recovered", self.clock()
             self._event("incident_closed", "info", f"steps flow again: step {rec.step} after the hang", step=rec.step,
                         incident_id=inc.id)
 

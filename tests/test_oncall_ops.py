@@ -215,22 +215,24 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.time()
         try:
-            page = _wait(lambda: [e for e in _events(r, keys) if e["kind"] == "page"], 60, "the hang page", sentinel)[0]
-            assert "heartbeat_stale" in page["message"] and page["incident_id"], page
+            # (on a loaded machine other rules may page too, e.g. data_wait_high: look at the hang's page)
+            page = _wait(lambda: [e for e in _events(r, keys) if e["kind"] == "page" and "heartbeat_stale" in e["message"]],
+                         60, "the hang page", sentinel)[0]
+            assert page["incident_id"] and page["data"]["rule"] == "heartbeat_stale", page
             iid = page["incident_id"]
             inc = json.loads(r.hget(keys.incidents, iid))
             assert inc["rule"] == "heartbeat_stale" and inc["state"] == "incident" and inc.get("closed_at") is None
             row = _cli_json("status", str(run_dir))["runs"][0]
             assert row["state"] == "hung" and iid in row["open_incident_ids"], row
-            assert row["last_step_age_seconds"] >= 5 and row["heartbeat_age_seconds"] < 5, row
+            assert row["last_step_age_seconds"] >= 5 and row["heartbeat_age_seconds"] < 15, row
             # the mirror, written as it happened
-            pages = _jsonl(run_dir / "pages.jsonl")
-            assert [p["incident_id"] for p in pages] == [iid] and pages[0]["rule"] == "heartbeat_stale"
+            pages = [p for p in _jsonl(run_dir / "pages.jsonl") if p["rule"] == "heartbeat_stale"]
+            assert [p["incident_id"] for p in pages] == [iid]
             assert set(pages[0]) == {"time", "run", "severity", "summary", "incident_id", "rule", "delivered_to"}
             assert "alertmanager" not in pages[0]["delivered_to"] and "run_dir" in pages[0]["delivered_to"]
             assert any(i["id"] == iid and i["state"] == "incident" for i in _jsonl(run_dir / "incidents.jsonl"))
-            live = _cli_json("pages", str(run_dir))["runs"][0]
-            assert [p["incident_id"] for p in live["pages"]] == [iid] and live["pages"][0]["rule"] == "heartbeat_stale"
+            live = [p for p in _cli_json("pages", str(run_dir))["runs"][0]["pages"] if p["rule"] == "heartbeat_stale"]
+            assert [p["incident_id"] for p in live] == [iid]
         finally:
             os.kill(victim, signal.SIGCONT)
         hung_for = time.time() - stopped_at
@@ -241,7 +243,7 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
             last = {i["id"]: i for i in _jsonl(run_dir / "incidents.jsonl")}  # the last line per id wins
             return last.get(iid, {}).get("closed_at") is not None and last[iid]
 
-        assert _wait(closed, 60, "the hang incident to close", sentinel)["state"] == "healthy"
+        assert _wait(closed, 60, "the hang incident to close", sentinel)["state"] == "recovered"
         _stop(sentinel)
         sentinel = None
         proc.send_signal(signal.SIGTERM)
@@ -250,10 +252,10 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
         _stop(sentinel)
         _cleanup(run_dir, proc)  # stops the run's embedded bus: from here on only the run dir answers
     offline = _cli_json("pages", str(run_dir))["runs"][0]
-    assert offline["source"] == "files" and [p["incident_id"] for p in offline["pages"]] == [iid]
+    assert offline["source"] == "files" and iid in [p["incident_id"] for p in offline["pages"]]
     incs = _cli_json("incidents", str(run_dir))["runs"][0]
-    assert incs["source"] == "files" and [i["id"] for i in incs["incidents"]] == [iid]
-    assert incs["incidents"][0]["state"] == "healthy"
+    (hang,) = [i for i in incs["incidents"] if i["id"] == iid]
+    assert incs["source"] == "files" and hang["state"] == "recovered" and hang["rule"] == "heartbeat_stale"
     print(f"SIGSTOP of rank 1 for {hung_for:.0f}s: incident {iid} opened, paged, closed after SIGCONT")
 
 

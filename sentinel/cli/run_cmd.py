@@ -18,7 +18,7 @@ def _console_log():
 
     def log(msg: str) -> None:
         style = "bold red" if ("PAGE" in msg or "escalat" in msg or msg.startswith("WARNING")) else ("yellow" if "sent " in msg else None)
-        console.log(msg, style=style)
+        console.log(msg, style=style, markup=False)  # "[run] ..." is text, not a rich markup tag
 
     return log
 
