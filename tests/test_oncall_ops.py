@@ -220,7 +220,8 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
                          60, "the hang page", sentinel)[0]
             assert page["incident_id"] and page["data"]["rule"] == "heartbeat_stale", page
             iid = page["incident_id"]
-            inc = json.loads(r.hget(keys.incidents, iid))
+            # the page goes out first, then the daemon stores the incident (same poll): wait for it
+            inc = json.loads(_wait(lambda: r.hget(keys.incidents, iid), 30, "the hang incident on the bus", sentinel))
             assert inc["rule"] == "heartbeat_stale" and inc["state"] == "incident" and inc.get("closed_at") is None
             row = _cli_json("status", str(run_dir))["runs"][0]
             assert row["state"] == "hung" and iid in row["open_incident_ids"], row
@@ -230,7 +231,8 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
             assert [p["incident_id"] for p in pages] == [iid]
             assert set(pages[0]) == {"time", "run", "severity", "summary", "incident_id", "rule", "delivered_to"}
             assert "alertmanager" not in pages[0]["delivered_to"] and "run_dir" in pages[0]["delivered_to"]
-            assert any(i["id"] == iid and i["state"] == "incident" for i in _jsonl(run_dir / "incidents.jsonl"))
+            _wait(lambda: any(i["id"] == iid and i["state"] == "incident" for i in _jsonl(run_dir / "incidents.jsonl")),
+                  30, "the hang incident in incidents.jsonl", sentinel)
             live = [p for p in _cli_json("pages", str(run_dir))["runs"][0]["pages"] if p["rule"] == "heartbeat_stale"]
             assert [p["incident_id"] for p in live] == [iid]
         finally:
