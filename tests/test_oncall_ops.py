@@ -209,7 +209,7 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
         sentinel = _sentinel(run_dir, slog, "--rules", str(rules))
         _wait(lambda: "watching run" in slog.read_text(errors="replace"), 60, "the sentinel to start", sentinel)
         assert "WARNING: no --alertmanager-url: pages reach NOBODY" in slog.read_text(errors="replace")
-        r = bus.connect((run_dir / "bus" / "url").read_text().strip())
+        r = bus.connect(bus.resolve_url(run_dir))
         keys = Keys(run_dir.name)
         victim = _rank_pid(proc, 1)
         os.kill(victim, signal.SIGSTOP)
