@@ -21,8 +21,8 @@ def _require_content(file: str) -> None:
 
     try:
         doc = yaml.safe_load(Path(file).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError):
-        return  # malformed: load_rules gives the precise one-line error
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        return  # malformed or nested too deep: load_rules gives the precise one-line error
     if doc is None or doc == {}:
         raise SentinelError(f"{file}: the rules file is empty (no rules, no policy); "
                             "start from sentinel/default_rules.yaml")
