@@ -479,3 +479,16 @@ def test_changing_seq_len_on_resume_is_refused_not_a_silent_fresh_start(mix_ref,
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "cannot change seq_len" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert (run / "steps.jsonl").read_bytes() == before
+
+
+def test_mixture_train_state_validates_and_round_trips_without_warnings(mix_ref):
+    import warnings
+
+    from trainer.checkpoint import read_train_state
+
+    path = max((mix_ref / "checkpoints").glob("step-*"))
+    raw = json.loads((path / "train_state.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a serializer warning meant the plain-sampler schema was used
+        state = read_train_state(path)
+    assert state["sampler"] == raw["sampler"] and state["mixture_weights"] == raw["mixture_weights"]

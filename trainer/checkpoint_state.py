@@ -129,7 +129,9 @@ class TrainStateFile(_Strict):
     grad_accum_pos: Literal[0]  # checkpoints are only taken at optimizer-step boundaries
     sampler: Annotated[  # tagged by "kind", so an error names the real problem, not the other variant's
         Annotated[MixtureSamplerState, Tag("mixture")] | Annotated[SamplerState, Tag("plain")],
-        Discriminator(lambda v: "mixture" if isinstance(v, dict) and v.get("kind") == "mixture" else "plain"),
+        # a dict when validating, the model when serializing (model_dump): both must pick the same variant
+        Discriminator(lambda v: "mixture" if (v.get("kind") if isinstance(v, dict) else getattr(v, "kind", None)) == "mixture"
+                      else "plain"),
     ]
     skiplist: list[Annotated[list[Count], Field(min_length=2, max_length=2)]]
     guard: GuardState
