@@ -21,6 +21,7 @@ SECRET = b"test-secret-0123456789abcdef"
 # tens of ms to schedule a thread, so the bound is generous.
 NEVER_BLOCKS_S = 0.5
 
+
 def _step(run: str, step: int) -> StepRecord:
     return StepRecord(run=run, step=step, loss=2.0, loss_max_rank=2.1, grad_norm=1.0, lr=1e-3, tokens=step * 512,
                       batch_fingerprint=f"fp{step}", sample_ids=list(range(step * 4, step * 4 + 4)), time=time.time())  # fmt: skip
