@@ -365,3 +365,68 @@ def test_status_never_says_live_for_a_stalled_run(embedded_bus, unique_run):
     from sentinel.cli.status_cmd import state_text
 
     assert state_text(hung).startswith("HUNG: no step") and "live" not in state_text(hung)
+
+
+# ================================================================== fast, pure checks of the same rules
+def _rec(step: int, t: float, **kw):
+    from sentinel.protocol import StepRecord
+
+    return StepRecord(run="r", step=step, loss=2.0, loss_max_rank=2.0, grad_norm=0.5, lr=1e-3, tokens=step,
+                      batch_fingerprint="x", time=t, **kw)
+
+
+def test_straggler_rule_uses_busy_time_not_wall_time():
+    """Equal wall times on every rank (synchronous DDP), rank 2 busy in data_wait while the others wait
+    in the all-reduce: the rule fires naming rank 2 and data_wait. Old records with only
+    rank_step_seconds still work; records without either stay silent."""
+    from sentinel.rules import RuleEngine, default_rules
+
+    fast = {"data_wait": 0.01, "forward_backward": 0.10, "allreduce_wait": 0.40, "optimizer": 0.02}
+    slow = {"data_wait": 0.41, "forward_backward": 0.10, "allreduce_wait": 0.00, "optimizer": 0.02}
+    e = RuleEngine(default_rules())
+    found = [f for s in range(1, 13) for f in e.evaluate(_rec(s, 1000.0 + s, step_seconds=0.53, world_size=3,
+                                                                 rank_phases=[fast, fast, slow]))
+             if f.rule == "rank_straggler"]
+    assert found and found[0].rank == 2 and found[0].phase == "data_wait" and found[0].step == 10
+    assert "rank 2 straggles" in found[0].detail and "data_wait" in found[0].detail
+    old = RuleEngine(default_rules())
+    legacy = [f for s in range(1, 13) for f in old.evaluate(_rec(s, 1000.0 + s, rank_step_seconds=[0.5, 0.5, 0.9]))]
+    assert [f.rank for f in legacy if f.rule == "rank_straggler"][:1] == [2]
+    quiet = RuleEngine(default_rules())
+    assert not [f for s in range(1, 13) for f in quiet.evaluate(_rec(s, 1000.0 + s, rank_phases=[fast, fast, fast]))
+                if f.rule == "rank_straggler"]
+
+
+def test_step_record_rank_phases_is_backward_compatible():
+    from sentinel.protocol import StepRecord
+
+    old = _rec(1, 1.0).model_dump(mode="json", exclude={"rank_phases"})
+    assert StepRecord.from_json(json.dumps(old)).rank_phases is None
+    new = _rec(1, 1.0, rank_phases=[{"data_wait": 0.1, "forward_backward": 0.2}])
+    assert StepRecord.from_json(new.to_json()).rank_phases == [{"data_wait": 0.1, "forward_backward": 0.2}]
+
+
+def test_hang_opens_its_own_incident_and_closes_when_steps_flow():
+    """Policy: a stale heartbeat opens an incident (rule heartbeat_stale) that its page links to,
+    beside the anomaly state machine; a record from before the hang (a replayed backlog) does not
+    close it, a new step does (state recovered); the open hang survives a state round trip."""
+    from sentinel.policy import RunPolicy
+    from sentinel.rules import default_rules
+
+    now = [1000.0]
+    p = RunPolicy("r", default_rules(), clock=lambda: now[0])
+    for s in range(1, 6):
+        p.on_step(_rec(s, 1000.0 + s))
+    now[0] = 1005.0 + 301
+    acts = p.on_tick(now[0], 1005.0)
+    (page,) = [a for a in acts if a.kind == "page"]
+    (inc,) = [i for i in p.incidents if i.rule == "heartbeat_stale"]
+    assert page.incident_id == inc.id and inc.state == "incident" and inc.closed_at is None and p.state == "healthy"
+    q = RunPolicy("r", default_rules(), clock=lambda: now[0])
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    q.on_step(_rec(5, 1004.5))  # from before the hang
+    assert next(i for i in q.incidents if i.id == inc.id).closed_at is None
+    q.on_step(_rec(6, now[0] + 1))
+    done = next(i for i in q.incidents if i.id == inc.id)
+    assert done.state == "recovered" and done.closed_at is not None
+    assert any(e.kind == "incident_closed" and e.incident_id == inc.id for e in q.drain_events())
