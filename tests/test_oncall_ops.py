@@ -261,16 +261,58 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
     print(f"SIGSTOP of rank 1 for {hung_for:.0f}s: incident {iid} opened, paged, closed after SIGCONT")
 
 
-def _watcher(url: str, run: str, run_dir: Path):
+def _watcher(url: str, run: str, run_dir: Path, alertmanager_url: str | None = None):
     from sentinel.daemon import Options, RunWatcher
     from sentinel.metrics import SentinelMetrics
     from sentinel.rules import default_rules
 
     logs: list[str] = []
     m = SentinelMetrics()
-    w = RunWatcher(bus.connect(url), run, Options(rules=default_rules(), secret=b"s" * 32, run_dirs={run: run_dir}), m,
-                   logs.append)
-    return w, m, logs
+    opts = Options(rules=default_rules(), secret=b"s" * 32, run_dirs={run: run_dir}, alertmanager_url=alertmanager_url)
+    return RunWatcher(bus.connect(url), run, opts, m, logs.append), m, logs
+
+
+@pytest.mark.slow
+def test_page_delivered_to_a_real_alertmanager_is_recorded(tmp_path, embedded_bus, unique_run):
+    """With --alertmanager-url, a page reaches a real prometheus-alertmanager (its v2 API lists the
+    alert, labelled with the run, rule severity and incident) and the mirror says so."""
+    import urllib.request
+
+    from conftest import free_port, require_binary, wait_port
+    from sentinel import rundir
+    from sentinel.policy import Action
+
+    am_bin = require_binary("prometheus-alertmanager")
+    port = free_port()
+    cfg = tmp_path / "am.yml"
+    cfg.write_text("route:\n  receiver: none\nreceivers:\n  - name: none\n")
+    am = subprocess.Popen([am_bin, f"--config.file={cfg}", f"--storage.path={tmp_path / 'am'}",
+                           f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
+                          stdout=open(tmp_path / "am.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, 30, am)
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+
+        _wait(ready, 30, "Alertmanager ready")
+        w, _, logs = _watcher(embedded_bus.url, unique_run, embedded_bus.run_dir, f"http://127.0.0.1:{port}")
+        w._execute([Action(kind="page", run=unique_run, incident_id=f"{unique_run}-hang", idempotency_key="k1",
+                           reason="heartbeat_stale: no heartbeat for 301s")], None)
+        (page,) = rundir.read_pages_log(embedded_bus.run_dir)
+        assert page["delivered_to"] == ["log", "bus", "alertmanager", "run_dir"], logs
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/alerts", timeout=5) as resp:
+            alerts = json.loads(resp.read())
+        (a,) = [x for x in alerts if x["labels"].get("run") == unique_run][:1]
+        assert a["labels"]["alertname"] == "SentinelPage" and a["labels"]["severity"] == "critical"
+        assert a["labels"]["incident"] == f"{unique_run}-hang" and "no heartbeat" in a["annotations"]["summary"]
+    finally:
+        am.terminate()
+        am.wait(10)
 
 
 def test_page_mirror_on_a_full_disk_counts_and_goes_on(embedded_bus, unique_run):

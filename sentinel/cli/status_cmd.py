@@ -314,7 +314,9 @@ def collect(runs, redis_url) -> tuple[list[dict], list[str]]:
 def status(runs, watch, interval, redis_url, as_json):
     """One row per run: step, loss, val PPL, grad norm, tokens/s, MFU, checkpoint age, open incidents,
     guard skips, last action. Out-of-band values are red: loss >20% above its recent median, the
-    newest checkpoint older than 2 h, a stale heartbeat, open incidents.
+    newest checkpoint older than 2 h, a stale heartbeat, a hung run (heartbeat, but no new step
+    for max(30 s, 10 steps), or an open hang incident), open incidents. The state says how old the
+    last step is: live, HUNG, paused, stale or stopped.
 
     RUN is a run directory (works offline, from steps.jsonl) or a run id on the bus; without RUN,
     every run registered on the bus (--redis-url / SENTINEL_REDIS_URL).
