@@ -404,6 +404,14 @@ def test_status_never_says_live_for_a_stalled_run(embedded_bus, unique_run):
     assert hung["state"] == "hung" and hung["last_step_age_seconds"] >= 110 and hung["heartbeat_age_seconds"] < 5
     assert row(110, paused=True)["state"] == "paused"
     assert row(1)["state"] == "live"
+    # rank 0 itself frozen: no heartbeat key at all, but the sentinel has a hang incident open
+    from sentinel.protocol import Incident
+
+    r.delete(k.heartbeat)
+    r.hset(k.incidents, "h", Incident(id="h", run=unique_run, state="incident", rule="heartbeat_stale", onset_step=10,
+                                      detect_step=10).to_json())
+    (frozen,) = [x for x in _cli_json("status", "--redis-url", embedded_bus.url)["runs"] if x["run"] == unique_run]
+    assert frozen["state"] == "hung" and frozen["last_step_age_seconds"] > 100
     from sentinel.cli.status_cmd import state_text
 
     assert state_text(hung).startswith("HUNG: no step") and "live" not in state_text(hung)

@@ -124,8 +124,10 @@ def run_status(ref, now: float | None = None) -> dict:
                 continue
             if inc.closed_at is None:
                 open_ids.append(inc.id)
-                if inc.rule == "heartbeat_stale" and row["state"] == "live":
-                    row["state"] = "hung"  # the sentinel opened a hang incident: trust it over our own bound
+                if inc.rule == "heartbeat_stale" and row["state"] in ("live", "stopped"):
+                    # the sentinel opened a hang incident: trust it over our own bound, and over a missing
+                    # heartbeat (a frozen rank 0 stops heartbeating too; it is not a clean stop)
+                    row["state"] = "hung"
         row["incidents_total"] = len(inc_raw)
     row["open_incidents"] = len(open_ids)
     row["open_incident_ids"] = sorted(open_ids)
