@@ -1,9 +1,8 @@
-"""What an operator is shown of incidents: the run directory's mirror, and what each action became.
+"""What each incident action became: sent or not, and the trainer's answer.
 
-Incidents live in the run's ``incidents`` hash on the bus while the daemon runs, and are mirrored to
-``RUN_DIR/incidents.jsonl`` (one Incident JSON per line, appended on every state change; the last
-line per id wins) so that history survives the bus. This module reads that mirror and works out,
-for every action the policy decided, whether it was actually sent and what came of it:
+Incidents live in the run's ``incidents`` hash on the bus and in the run dir's ``incidents.jsonl``
+mirror (``sentinel.rundir.read_incidents_log``). For every action the policy decided, this module
+works out whether it was actually sent and what came of it:
 
 * a directive is *sent* when the daemon recorded it in the run's ``applied`` hash (idempotency key
   -> directive id); its outcome is the trainer's Ack (``acked`` / ``rejected`` / ``failed`` /
@@ -22,7 +21,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sentinel.rundir import INCIDENTS_LOG, read_incidents_log  # noqa: F401  (the mirror's reader lives with the run dir's)
 DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
 DIRECTIVE_TTL_S = 600.0  # the daemon's directive lifetime (sentinel.daemon.DIRECTIVE_TTL_S)
 ACK_WORDS = {"applied": "acked", "duplicate": "acked (duplicate)", "rejected": "rejected", "failed": "failed"}

@@ -21,7 +21,8 @@ APPROVABLE = ("awaiting_approval", "escalated")
 def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = None) -> dict:
     """{"run", "incidents": [incident + "timeline" + "outcome"], "orphan_events": [...]} for one run."""
     from sentinel import bus, rundir
-    from sentinel.incidents_view import annotate_actions, read_incidents_log
+    from sentinel.incidents_view import annotate_actions
+    from sentinel.rundir import read_incidents_log
     from sentinel.protocol import Ack, Event, Incident, SchemaError
 
     out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "incidents": []}

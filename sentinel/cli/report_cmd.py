@@ -24,7 +24,7 @@ def default_path(run_dir: Path, incident_id: str | None = None) -> Path:
 
 def load_incidents(ref) -> tuple[list, str]:
     """Incidents of the run and where they came from: the run dir's mirror, else the bus, else none."""
-    from sentinel.incidents_view import read_incidents_log
+    from sentinel.rundir import read_incidents_log
 
     incs = read_incidents_log(ref.run_dir) if ref.run_dir is not None else []
     source = "incidents.jsonl" if incs else "none"
