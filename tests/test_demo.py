@@ -26,6 +26,9 @@ def test_demo_detects_rolls_back_and_recovers(tmp_path):
     assert any(lo <= fault < hi for lo, hi in rb["skip_ranges"])  # the data that caused it is skipped
     assert [i["state"] for i in out["incidents"]] == ["healthy"]  # recovery verified
     assert "Traceback" not in p.stderr
+    # the picture of it all (sentinel report): written into the run dir, its path in the output
+    assert out["report"] == str(run_dir / "reports" / "run.png")
+    assert Path(out["report"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_bad_input_is_one_line(tmp_path):
