@@ -450,6 +450,12 @@ def is_finite(x: float | None) -> bool:
 CHECKPOINT_MANIFEST = "manifest.json"  # written last; sha256 per file under "files"
 
 
+def checkpoint_required_files(world_size: int, sharded: bool) -> list[str]:
+    """Files a checkpoint step directory must hold, and list in its manifest, to be resumable."""
+    weights = ["dcp/.metadata"] if sharded else ["model.pt", "optim.pt"]
+    return ["train_state.json", *weights, *(f"rng-rank{r}.pt" for r in range(world_size))]
+
+
 def checkpoint_dir_name(step: int) -> str:
     """``checkpoints/step-NNNNNNNN``: zero-padded so names sort by step."""
     return f"step-{int(step):08d}"

@@ -39,6 +39,7 @@ from sentinel.protocol import (
     atomic_write_text,
     authoritative_steps,
     checkpoint_dir_name,
+    checkpoint_required_files,
     merge_ranges,
     parse_step_line,
     sha256_file,
@@ -249,7 +250,15 @@ def check_checkpoint(path: Path, *, rehash: bool = True) -> tuple[str, str | Non
         return "corrupt", "manifest.json is unreadable", None
     if manifest.get("format") != CHECKPOINT_FORMAT:
         return "corrupt", f"unsupported checkpoint format {manifest.get('format')!r}", manifest
+    ws = manifest.get("world_size")
+    if not isinstance(ws, int) or isinstance(ws, bool) or not 1 <= ws <= 1 << 20:
+        return "corrupt", f"manifest world_size {ws!r} is invalid", manifest
+    for name in checkpoint_required_files(ws, any(str(n).startswith("dcp/") for n in files)):
+        if name not in files:
+            return "corrupt", f"{name} is not in the manifest (incomplete or tampered)", manifest
     for name in sorted(files):
+        if not isinstance(name, str) or name.startswith("/") or ".." in name.split("/"):
+            return "corrupt", f"unsafe file name {name!r} in the manifest", manifest
         if not (path / name).is_file():
             return "incomplete", f"{name} is missing", manifest
     if not rehash:

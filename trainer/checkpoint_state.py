@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
+from sentinel.protocol import checkpoint_required_files as required_files  # noqa: F401  (re-exported)
+
 INT64_MAX = 2**63 - 1
 MAX_WORLD_SIZE = 1 << 20
 SHA256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -157,12 +159,6 @@ class TrainStateFile(_Strict):
             if hi <= lo:
                 raise ValueError(f"empty or reversed skip range [{lo}, {hi})")
         return self
-
-
-def required_files(world_size: int, sharded: bool) -> list[str]:
-    """Files a step directory must hold (and list in its manifest) to be resumable."""
-    weights = ["dcp/.metadata"] if sharded else ["model.pt", "optim.pt"]
-    return ["train_state.json", *weights, *(f"rng-rank{r}.pt" for r in range(world_size))]
 
 
 def first_error(e: ValidationError) -> str:
