@@ -492,3 +492,37 @@ def test_mixture_train_state_validates_and_round_trips_without_warnings(mix_ref)
         warnings.simplefilter("error")  # a serializer warning meant the plain-sampler schema was used
         state = read_train_state(path)
     assert state["sampler"] == raw["sampler"] and state["mixture_weights"] == raw["mixture_weights"]
+
+
+def test_mixture_drill_parsing_and_corruption_keyed_by_id():
+    from trainer import faults
+    from trainer.config import ConfigError, SourceFault
+
+    c = SourceFault.parse("corrupt_source@pydoc:40")
+    r = SourceFault.parse("reweight@stdlib:2.5:10")
+    assert (c.kind, c.source, c.from_step) == ("corrupt_source", "pydoc", 40)
+    assert (r.kind, r.source, r.factor, r.from_step) == ("reweight", "stdlib", 2.5, 10)
+    for bad in ("corrupt_source@pydoc", "corrupt_source@pydoc:2:40", "reweight@stdlib:10", "reweight@Bad:2:3",
+                "corrupt_source@pydoc:0", "reweight@s:-1:3"):
+        with pytest.raises(ConfigError):
+            SourceFault.parse(bad)
+    assert faults.source_weight_factors([r], 9) == {} and faults.source_weight_factors([r, r], 10) == {"stdlib": 6.25}
+    toks = np.arange(12, dtype=np.int64).reshape(3, 4)
+    ids, names = [7, 8, 9], ["pydoc", "stdlib", "pydoc"]
+    assert faults.corrupt_source_tokens([c], 39, ids, names, toks, 256) is toks  # not yet
+    out = faults.corrupt_source_tokens([c], 40, ids, names, toks, 256)
+    assert np.array_equal(out[1], toks[1]) and not np.array_equal(out[0], toks[0]) and not np.array_equal(out[2], toks[2])
+    again = faults.corrupt_source_tokens([c], 99, [9], ["pydoc"], toks[2:], 256)
+    assert np.array_equal(again[0], out[2])  # seeded by the sample id: the same garbage at any step, any batch
+    assert faults.corrupt_source_tokens([c], 40, [8], ["stdlib"], toks[1:2], 256) is not None
+
+
+def test_inject_fault_cli_routes_mixture_drills(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "trainer", "--run-dir", str(tmp_path / "r"), "--preset", "tiny",
+                        "--inject-fault", "reweight@pydoc:x:3", "--telemetry", "off"],
+                       capture_output=True, text=True, env=_env(), timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "reweight@NAME:FACTOR:FROM_STEP" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "trainer", "--run-dir", str(tmp_path / "r2"), "--preset", "tiny",
+                        "--inject-fault", "corrupt_source@nosuch:3", "--telemetry", "off", "--max-steps", "1"],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "unknown source" in p.stderr, p.stderr
