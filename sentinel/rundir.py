@@ -395,6 +395,11 @@ def parse_range(text: str) -> tuple[int, int]:
             lo = int(t)
             hi = lo + 1
     except ValueError:
+        dash = re.fullmatch(r"(\d+)-(\d+)", t)
+        if dash:  # the inclusive form --inject-fault used to take: say what it would mean here
+            a, b = int(dash.group(1)), int(dash.group(2))
+            raise ValueError(f"bad sample range {text!r}: ranges are half-open LO:HI (HI excluded); "
+                             f"for ids {a}..{b} inclusive write {a}:{b + 1}") from None
         raise ValueError(f"bad sample range {text!r}: expected LO:HI (sample ids, HI exclusive) or one id") from None
     if lo < 0 or hi <= lo:
         raise ValueError(f"bad sample range {text!r}: need 0 <= LO < HI")

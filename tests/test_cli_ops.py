@@ -457,6 +457,8 @@ def test_sample_ranges_are_half_open_everywhere():
     for bad in ("garbage@8:8", "garbage@9:8", "garbage@5:8:2", "lr@x"):
         with pytest.raises(ConfigError):
             Fault.parse(bad)
+    with pytest.raises(ValueError, match="for ids 5..7 inclusive write 5:8"):  # skip-list / --skip never took LO-HI
+        parse_range("5-7")
     readme = (REPO / "README.md").read_text()
     assert "half-open" in readme and "LO:HI" in readme
 
