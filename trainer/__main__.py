@@ -86,7 +86,7 @@ def _overrides(args) -> dict:
             try:
                 lo, hi = (int(x) for x in s.split(":"))
             except ValueError:
-                raise ConfigError(f"--skip {s!r}: expected LO:HI") from None
+                raise ConfigError(f"--skip {s!r}: expected LO:HI (sample ids [LO, HI), HI excluded, as everywhere)") from None
             ranges.append([lo, hi])
         o["data.skip"] = ranges
     if args.inject_fault:  # mixture drills (corrupt_source@, reweight@) are keyed to a source, not ids
