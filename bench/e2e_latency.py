@@ -82,12 +82,13 @@ def main() -> int:
 
     from sentinel import bus
     from sentinel.embedded import ensure_embedded, server_binary, stop_embedded
-    from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, StepRecord, TimelineRecord
+    from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, StepRecord, TimelineRecord, record_mac
 
     tmp = Path(tempfile.mkdtemp(prefix="e2e-latency-"))
     bus_dir = tmp / "bus-home"
     url = ensure_embedded(bus_dir)
     secret_file = bus_dir / "bus" / "secret"
+    secret = bus.load_secret(bus_dir)  # step records and acks carry a MAC, as the trainer's do
     r = bus.connect(url, timeout=5.0)
     rules = tmp / "rules.yaml"
     rules.write_text(RULES)
@@ -129,7 +130,8 @@ def main() -> int:
             for s0 in range(1, args.history + 1, 500):
                 pipe = r.pipeline(transaction=False)
                 for s in range(s0, min(s0 + 500, args.history + 1)):
-                    pipe.xadd(k.steps, {"json": rec(s, 3.0).to_json()})
+                    data = rec(s, 3.0).to_json()
+                    pipe.xadd(k.steps, {"json": data, "mac": record_mac(secret, k.steps, data)})
                 pipe.execute()
             step = args.history
             dir_last, ev_last = "0-0", "0-0"
@@ -148,7 +150,7 @@ def main() -> int:
                 time.sleep(random.uniform(0.0, 0.1))  # its blocking read is 100 ms
                 data = rec(step + 1, float("nan")).to_json()
                 t0 = time.time()
-                r.xadd(k.steps, {"json": data}, maxlen=100_000, approximate=True)
+                r.xadd(k.steps, {"json": data, "mac": record_mac(secret, k.steps, data)}, maxlen=100_000, approximate=True)
                 resp = r.xread({k.directives: dir_last}, count=1, block=5000)
                 t1 = time.time()
                 if not resp:
@@ -160,11 +162,13 @@ def main() -> int:
                 lat.append(t1 - t0)
                 # be the trainer: ack, restore, two healthy steps on the new timeline -> incident closes
                 timeline += 1
-                bus.publish(r, k.acks, Ack(run=run, directive_id=d.id, kind="rollback", status="applied", step=step, timeline=timeline))
+                bus.publish(r, k.acks, Ack(run=run, directive_id=d.id, kind="rollback", status="applied", step=step, timeline=timeline),
+                            secret=secret)
                 bus.publish(r, k.steps, TimelineRecord(kind="rollback", run=run, from_step=step, timeline=timeline,
-                                                       time=time.time(), directive_id=d.id, skip_ranges=d.ranges))  # fmt: skip
-                bus.publish(r, k.steps, rec(step + 1, 3.0))
-                bus.publish(r, k.steps, rec(step + 2, 3.0))
+                                                       time=time.time(), directive_id=d.id, skip_ranges=d.ranges),
+                            secret=secret)  # fmt: skip
+                bus.publish(r, k.steps, rec(step + 1, 3.0), secret=secret)
+                bus.publish(r, k.steps, rec(step + 2, 3.0), secret=secret)
                 step += 2
                 closed = False
                 deadline = time.monotonic() + 10
