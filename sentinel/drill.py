@@ -79,10 +79,10 @@ class DrillResult:
 
 def batch_ids_at(data_dir: Path, *, seq_len: int, seed: int, global_batch: int, step: int) -> list[int]:
     """Sample ids the trainer will train on at ``step`` (1-based), with an empty skip list."""
-    from trainer.data import Sampler, SkipList, TokenDataset
+    from trainer.data import SkipList, TokenDataset, sampler_for
 
     ds = TokenDataset.open(data_dir)
-    sampler = Sampler(ds.num_samples(seq_len), seed, ds.fingerprint)
+    sampler = sampler_for(ds, seq_len, seed)  # a mixture: its prepared weights (no reweight drill)
     ids: list[int] = []
     for _ in range(step):
         ids, _ = sampler.next_ids(global_batch, SkipList([]))
