@@ -464,8 +464,12 @@ class Trainer:
 
             msd, osd = get_state_dict(self.model, self.opt)
             sd = {"model": msd, "optim": osd}
-            dcp_load(sd, checkpoint_id=str(path / "dcp"))
-            set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            try:  # DCP validates its shards against .metadata itself; a failure is one line, not a traceback
+                dcp_load(sd, checkpoint_id=str(path / "dcp"))
+                set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            except Exception as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise CheckpointError(f"{path.name}: sharded state (dcp/) could not be loaded: {first[:300]}") from None
         rng.restore(ck["rng"])
         self.sampler.load_state_dict(ts["sampler"])
         # the weights the checkpointed step trained with: a different config makes a mixture_change marker
