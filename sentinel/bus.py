@@ -244,6 +244,9 @@ def connect(
     clean, tls = _split_tls_query(url)
     kwargs: dict[str, Any] = {
         "decode_responses": decode,
+        # a non-UTF-8 byte anywhere in a reply must not raise out of a reader that only displays it
+        # (CLI views); readers that act on entries use ``raw`` and refuse such entries instead
+        "encoding_errors": "replace",
         "protocol": 2,  # pinned: the stream helpers parse RESP2 reply shapes
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -514,9 +517,19 @@ def register_run(r: redis.Redis, run: str, info: dict[str, Any]) -> None:
 
 
 def list_runs(r: redis.Redis) -> list[str]:
-    """The registered run ids, sorted."""
+    """The registered run ids, sorted. Members that are not valid run ids (not UTF-8, spaces,
+    colons: anyone with bus access can SADD) are left out, so they cannot stop discovery."""
     with bus_errors(r):
-        return sorted(r.smembers(Keys.RUNS))
+        members = raw(r).smembers(Keys.RUNS)
+    out = []
+    for m in members:
+        try:
+            run = _text(m)
+            Keys(run)
+        except (UnicodeDecodeError, ValueError):
+            continue
+        out.append(run)
+    return sorted(out)
 
 
 def ensure_embedded(run_dir: str | os.PathLike) -> str:

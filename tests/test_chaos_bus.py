@@ -425,3 +425,46 @@ def test_step_gate_state_survives_failover(embedded_bus, unique_run):
     pump(b, min_iter=5, until=lambda: sample(b, "sentinel_records_rejected_total", run=unique_run, stream="steps",
                                              reason="out_of_order") == 1)
     assert directives(r, unique_run) == []
+
+
+def test_hostile_run_registry_members_do_not_stop_discovery(embedded_bus, unique_run):
+    """In all-runs mode the daemon discovers runs from a set anyone with bus access can SADD to."""
+    r = bus.connect(embedded_bus.url)
+    raw = bus.connect(embedded_bus.url, decode=False)
+    raw.sadd(Keys.RUNS, b"\xff\xfe", b"has space", b"a:b", b"")
+    bus.register_run(r, unique_run, {"run_dir": "/x"})
+    d = Daemon(r, Options(rules=parse_rules(RULES), secret=SECRET, consumer="disc"), metrics=SentinelMetrics(), log=lambda _m: None)
+    for _ in range(3):
+        d.iterate(block_ms=10)
+    assert list(d.watchers) == [unique_run]
+    publish_steps(r, unique_run, range(1, 6))
+    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=unique_run) == 5)
+    chaos("hostile run registry", bad_members=4, discovered=len(d.watchers))
+
+
+def test_cli_views_survive_hostile_entries(embedded_bus, unique_run):
+    """`status`, `incidents`, `pages` and `checkpoints` read what anyone on the bus wrote: no traceback."""
+    from click.testing import CliRunner
+
+    from sentinel.cli import main
+
+    r = bus.connect(embedded_bus.url)
+    raw = bus.connect(embedded_bus.url, decode=False)
+    k = Keys(unique_run)
+    bus.register_run(r, unique_run, {"run_dir": "/nonexistent"})
+    publish_steps(r, unique_run, range(1, 4))
+    for key in (k.steps, k.events, k.acks):
+        raw.xadd(key, {b"json": b"\xff\xfe{"})
+        raw.xadd(key, {b"\xff": b"x"})
+        raw.xadd(key, {b"json": b'{"a":' * 50_000 + b"1" + b"}" * 50_000})
+    raw.hset(k.checkpoints, b"7", b"\xff")
+    raw.hset(k.incidents, b"\xfe", b'{"v": "abc"}')
+    runner = CliRunner()
+    outs = {}
+    for cmd in (["status", unique_run, "--json"], ["incidents", unique_run], ["pages", unique_run],
+                ["checkpoints", unique_run]):
+        res = runner.invoke(main, [*cmd, "--redis-url", embedded_bus.url])
+        assert res.exception is None or isinstance(res.exception, SystemExit), (cmd, res.output[-2000:])
+        assert "Traceback" not in res.output, cmd
+        outs[cmd[0]] = res.exit_code
+    chaos("CLI views on hostile entries", commands=len(outs), exit_codes=outs, tracebacks=0)
