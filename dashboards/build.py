@@ -6,11 +6,14 @@
 
 * ``training.json`` - the operator dashboard: the rows of seed 003 §5.4 as panels, laid out in the
   "60-second inspection order": optimization first (loss, val PPL, grad norm), then systems
-  (tokens/s, MFU, step time, phases, checkpoint age), then restores and per-rank health.
+  (tokens/s, MFU, step time, phases, checkpoint age), then slice eval (is the regression global or
+  one bucket: per-slice validation loss and PPL, probe sets, per-source train loss, mixture
+  weights), then restores and per-rank health.
 * ``sentinel.json`` - is the sentinel itself alive, leading, keeping up and acting?
 
-Sentinel actions, rollbacks and resumes are dashboard *annotations*, so every graph shares one
-timeline ("did the loss spike right after a resume?"). One small function per panel, shared
+Timeline events (resumes and rollbacks; LR phases: warmup end, decay start; data changes: mixture
+and sequence-length changes) and sentinel actions are dashboard *annotations*, so every graph shares
+one timeline ("did the loss spike right after a resume? right after the mixture changed?"). One small function per panel, shared
 defaults, a ``ref_id`` on every query, JSON encoded with sorted keys so diffs stay clean.
 Metric names and labels: docs/metrics.md (trainer) and sentinel/metrics.py.
 """
@@ -76,10 +79,25 @@ def right_axis(ref_id: str, unit: str) -> list[dash_m.DynamicConfigValue]:
             dash_m.DynamicConfigValue(id_val="unit", value=unit)]
 
 
-def annotation(name: str, expr: str, color: str) -> dash_b.AnnotationQuery:
+class _PromAnnotationQuery(dash_m.AnnotationQuery):
+    """The SDK's AnnotationQuery lacks the Prometheus annotation fields ``titleFormat`` and
+    ``tagKeys``: without them every timeline marker would read just the annotation's name."""
+
+    def __init__(self, title_format: str, tag_keys: str) -> None:
+        super().__init__()
+        self.title_format, self.tag_keys = title_format, tag_keys
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "titleFormat": self.title_format, "tagKeys": self.tag_keys}
+
+
+def annotation(name: str, expr: str, color: str, *, title: str | None = None, tags: str = "") -> dash_b.AnnotationQuery:
     # A Prometheus annotation: an event wherever the expression has a sample. `changes(...[1m]) > 0`
     # marks the minute in which a counter or timestamp moved, whatever the dashboard's resolution.
-    return dash_b.AnnotationQuery().name(name).datasource(DATASOURCE).enable(True).icon_color(color).expr(expr)
+    b = dash_b.AnnotationQuery()
+    if title is not None:
+        b._internal = _PromAnnotationQuery(title, tags)  # noqa: SLF001 (the builder has no hook for these fields)
+    return b.name(name).datasource(DATASOURCE).enable(True).icon_color(color).expr(expr)
 
 
 def run_variable() -> dash_b.QueryVariable:
@@ -116,10 +134,20 @@ def sentinel_action_annotation() -> dash_b.AnnotationQuery:
                       f"(time() - sentinel_last_action_timestamp_seconds{{{RUN}}}) < 60", "purple")
 
 
+def timeline_annotation(name: str, events: tuple[str, ...], color: str) -> dash_b.AnnotationQuery:
+    # training_timeline_events_total is pre-initialised to 0 for every event, so `changes` sees the first one.
+    sel = f'{RUN}, event=~"{"|".join(events)}"'
+    return annotation(name, f"changes(training_timeline_events_total{{{sel}}}[1m]) > 0", color,
+                      title="{{event}}", tags="event")
+
+
 def training_annotations() -> list[dash_b.AnnotationQuery]:
+    # "Did the spike come right after X?" (§5.5 step 1): every change of training conditions is a
+    # marker on every panel, coloured by kind and titled with the event.
     return [
-        annotation("Rollbacks", f"changes(training_rollbacks_total{{{RUN}}}[1m]) > 0", "red"),
-        annotation("Resumes", f"changes(training_resumes_total{{{RUN}}}[1m]) > 0", "orange"),
+        timeline_annotation("Resumes and rollbacks", ("resume", "rollback"), "red"),
+        timeline_annotation("LR phases (warmup end, decay start)", ("warmup_end", "decay_start"), "blue"),
+        timeline_annotation("Data changes (mixture, seq len)", ("mixture_change", "seq_len_change"), "green"),
         sentinel_action_annotation(),
         annotation("Skipped steps",
                    f"sum by (run, reason) (increase(training_skipped_steps_total{{{RUN}}}[1m])) > 0", "yellow"),
@@ -241,6 +269,57 @@ def restores_panel() -> timeseries.Panel:
             .with_target(query(f"increase(training_rollbacks_total{{{RUN}}}[{RATE}])", "rollbacks", "B")))
 
 
+# ------------------------------------------------------------------ slice eval (§5.4 row 7, inspection step 3)
+# Slice gauges read 0 until a slice's first value (the exporter declares every slice at start): `> 0`
+# keeps that 0 off the plots, where it would read as a perfect loss.
+def slice_val_loss_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Validation loss per slice")
+            .description("§5.4 slice eval. Healthy: critical slices improve together. Red flag: one domain keeps "
+                         "regressing (mixture, tokenizer, contamination). First move: localize to bucket first - which "
+                         "slice, since which annotation? Aggregate val PPL hides it.")
+            .with_target(query(f"training_validation_slice_loss{{{RUN}}} > 0", "{{slice}}", "A")))
+
+
+def slice_regression_panel() -> timeseries.Panel:
+    cur = f"max by (run, slice) (training_validation_slice_loss{{{RUN}}} > 0)"
+    return (default_timeseries().title("Validation loss above its 2-hour best, per slice").span(6)
+            .description("What TrainingSliceRegressing and the sentinel's slice_regression rule look at: a slice "
+                         "above the 0.05-nat line while the others sit at 0 (still improving) is regressing.")
+            .thresholds(thresholds((None, "green"), (0.05, "red")))
+            .thresholds_style(common_b.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
+            .with_target(query(f"{cur} - min_over_time(({cur})[2h:1m])", "{{slice}}", "A")))
+
+
+def slice_val_ppl_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Validation perplexity per slice").span(6)
+            .description("exp(slice validation loss), the per-bucket view of the val PPL panel in row 1.")
+            .with_target(query(f"training_validation_slice_perplexity{{{RUN}}} > 0", "{{slice}}", "A")))
+
+
+def probe_loss_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Probe-set loss per slice").span(6)
+            .description("§5.8: a small fixed probe set per slice, run at every eval - the early warning. A probe "
+                         "rising before the slice's validation loss does is the first sign of a regressing bucket.")
+            .with_target(query(f"training_probe_loss{{{RUN}}} > 0", "{{slice}}", "A")))
+
+
+def source_train_loss_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Train loss per source").span(6)
+            .description("Mean training loss of each source's samples in the last step. Rising with its validation "
+                         "loss: that source's training data changed (corruption, tokenizer). Falling while its "
+                         "validation rises: the slice's train and val data disagree.")
+            .with_target(query(f"training_slice_loss{{{RUN}}} > 0", "{{slice}}", "A")))
+
+
+def mixture_weights_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Mixture weights").unit("percentunit")
+            .description("Sampling weight of each source now in effect (they sum to 1). A weight that moved right "
+                         "before a slice regressed or the loss spiked is the first suspect (see the data-change "
+                         "annotations).")
+            .stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL))
+            .with_target(query(f"training_mixture_weight_ratio{{{RUN}}}", "{{slice}}", "A")))
+
+
 def memory_panel() -> timeseries.Panel:
     return (default_timeseries().title("Memory per rank").unit("bytes")
             .description("Creeping up: a leak. CUDA reserved near device memory: OOM ahead. "
@@ -288,7 +367,14 @@ def training_dashboard() -> dash_b.Dashboard:
         .with_panel(effective_token_ratio_panel())
         .with_panel(checkpoint_age_panel())
         .with_panel(checkpoint_saves_panel())
-        .with_row(dash_b.Row("3. Restores, skips and rank health"))
+        .with_row(dash_b.Row("3. Slice eval: is it global or one bucket?"))
+        .with_panel(slice_val_loss_panel())
+        .with_panel(slice_regression_panel())
+        .with_panel(slice_val_ppl_panel())
+        .with_panel(probe_loss_panel())
+        .with_panel(source_train_loss_panel())
+        .with_panel(mixture_weights_panel())
+        .with_row(dash_b.Row("4. Restores, skips and rank health"))
         .with_panel(skips_panel())
         .with_panel(restores_panel())
         .with_panel(memory_panel())

@@ -97,6 +97,28 @@ def test_check_flag_detects_stale_json(build, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+def test_training_dashboard_follows_the_inspection_order_with_a_timeline():
+    """Seed 003: the 60-second order is optimization, then systems, then slice eval, then decide;
+    every change of training conditions is an annotation titled with its event."""
+    d = _load("training.json")
+    rows = [p["title"] for p in d["panels"] if p.get("type") == "row"]
+    assert [r.split(".")[0] for r in rows] == ["1", "2", "3", "4"], rows
+    assert "Optimization" in rows[0] and "Systems" in rows[1] and "Slice eval" in rows[2], rows
+    # the slice row holds exactly the slice panels, between the systems row and the restores row
+    y = {r["title"]: r["gridPos"]["y"] for r in d["panels"] if r.get("type") == "row"}
+    in_slice_row = sorted(p["title"] for p in _panels(d) if y[rows[2]] < p["gridPos"]["y"] < y[rows[3]])
+    assert in_slice_row == sorted(["Validation loss per slice", "Validation loss above its 2-hour best, per slice",
+                                   "Validation perplexity per slice", "Probe-set loss per slice", "Train loss per source",
+                                   "Mixture weights"]), in_slice_row  # fmt: skip
+    timeline = [a for a in d["annotations"]["list"] if "training_timeline_events_total" in a.get("expr", "")]
+    events = set()
+    for a in timeline:
+        assert a["titleFormat"] == "{{event}}" and a["tagKeys"] == "event", a
+        events |= set(re.search(r'event=~"([^"]+)"', a["expr"]).group(1).split("|"))
+    assert events == {"warmup_end", "decay_start", "mixture_change", "seq_len_change", "resume", "rollback"}
+    assert len({a["iconColor"] for a in timeline}) == len(timeline)  # one colour per kind of change
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_query_has_ref_id_and_run_scope(name):
     d = _load(name)
@@ -123,7 +145,9 @@ def test_training_dashboard_covers_the_operator_table():
                    "training_resumes_total", "training_rollbacks_total", "training_process_resident_memory_bytes",
                    "time() - training_heartbeat_timestamp_seconds", "training_telemetry_dropped_total",
                    'max by (run) (training_rank_loss{run="$run"}) - min by (run) (training_rank_loss{run="$run"})',
-                   "changes(training_rollbacks_total"):  # fmt: skip
+                   # row 3, slice eval (issue 11)
+                   "training_validation_slice_loss", "training_validation_slice_perplexity", "training_probe_loss",
+                   "training_slice_loss", "training_mixture_weight_ratio"):  # fmt: skip
         assert needed in exprs, needed
     sexprs = " ".join(e for _, e in _queries(_load("sentinel.json")))
     for needed in ("sentinel_steps_processed_total", "sentinel_rule_fired_total", "sentinel_actions_total",
