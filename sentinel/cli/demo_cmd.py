@@ -41,25 +41,48 @@ def _live_view(spec, state):
 
 @click.command("demo")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Where the drill runs (default: runs/demo-TIMESTAMP).")
-@click.option("--steps", type=int, default=200, show_default=True, help="Optimizer steps.")
+@click.option("--steps", type=int, default=None, help="Optimizer steps (default: 200; mixture: 300).")
 @click.option("--ranks", type=int, default=2, show_default=True, help="torchrun ranks (gloo on CPU).")
-@click.option("--drill-step", type=int, default=100, show_default=True, help="The step whose batch carries the faulty sample.")
-@click.option("--fault", type=click.Choice(["lr", "garbage", "nan"]), default="lr", show_default=True,
-              help="lr: a x100 learning rate on that sample; garbage: corrupt tokens; nan: NaN loss.")
+@click.option("--drill-step", type=int, default=None, help="The step whose batch carries the faulty sample "
+              "(mixture: the first step the fault applies to). Default: 100 (mixture: 120).")
+@click.option("--drill", type=click.Choice(["spike", "mixture"]), default="spike", show_default=True,
+              help="spike: one bad sample on Shakespeare; mixture: a 3-source mixture (shakespeare, pydoc, stdlib) "
+                   "where one source is starved or corrupted mid-run and the slice rule must name it.")
+@click.option("--fault", type=click.Choice(["lr", "garbage", "nan", "reweight", "corrupt_source"]), default=None,
+              help="spike: lr (x100 learning rate on that sample, default), garbage (corrupt tokens), nan (NaN loss); "
+                   "mixture: reweight (multiply the source's weight by --factor, default) or corrupt_source.")
+@click.option("--source", default="pydoc", show_default=True, help="mixture: the source the fault hits.")
+@click.option("--factor", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="mixture reweight: the weight multiplier (0 starves the source).")
 @click.option("--no-sentinel", is_flag=True, help="Run the same drill without the sentinel, to see the damage stay.")
 @click.option("--compare", is_flag=True, help="Also run a clean baseline and the drill without the sentinel, and compare final losses.")
 @json_option
 @friendly_errors
-def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json):
+def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sentinel, compare, as_json):
     """Run a live drill: a 2-rank GPT trains on Shakespeare, a bad sample blows up the weights at
     step 100, and the sentinel detects it, rolls back to a checkpoint from before the spike, skips
-    the data that caused it, and verifies the recovery. Everything is embedded: no Redis or GPU."""
+    the data that caused it, and verifies the recovery. Everything is embedded: no Redis or GPU.
+
+    With --drill mixture the GPT trains on three sources; from --drill-step on one source is starved
+    (or corrupted), its validation slice regresses while the others improve, and the sentinel pages
+    with that source named."""
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
 
-    from sentinel.drill import DrillSpec, incidents_of, run_drill
-    from trainer.data import ensure_prepared
+    from sentinel.drill import (MIXTURE_FAULTS, MIXTURE_RULES, MIXTURE_SOURCES, DrillSpec, incidents_of, read_markers,
+                                run_drill)
+
+    mixture = drill == "mixture"
+    fault = fault or ("reweight" if mixture else "lr")
+    if mixture != (fault in MIXTURE_FAULTS):
+        raise click.BadParameter(f"{fault} is not a {drill} drill fault", param_hint="--fault")
+    names = [s.split("=")[0] for s in MIXTURE_SOURCES]
+    if mixture and source not in names:
+        raise click.BadParameter(f"{source!r} is not a source of the drill's mixture ({', '.join(names)})",
+                                 param_hint="--source")
+    steps = steps if steps is not None else (MIXTURE_STEPS if mixture else 200)
+    drill_step = drill_step if drill_step is not None else (MIXTURE_DRILL_STEP if mixture else 100)
 
     if not 1 <= ranks <= MAX_DEMO_RANKS:
         raise SentinelError(f"--ranks must be between 1 and {MAX_DEMO_RANKS} (got {ranks})")
@@ -71,11 +94,19 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
         raise click.BadParameter("must be smaller than --steps", param_hint="--drill-step")
     console = Console(stderr=as_json)
     run_dir = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    with console.status("preparing the Shakespeare corpus (first run only)..."):
-        data_dir = ensure_prepared()
+    with console.status(f"preparing the {'mixture' if mixture else 'Shakespeare'} corpus (first run only)..."):
+        data_dir = _data_dir(mixture)
     spec = DrillSpec(run_dir=run_dir, steps=steps, ranks=ranks, drill_step=drill_step, fault=fault,
                      sentinel=not no_sentinel, data_dir=data_dir)
-    if not as_json:
+    if mixture:
+        spec.source, spec.factor, spec.rules_yaml, spec.eval_every = source, factor, MIXTURE_RULES, MIXTURE_EVAL_EVERY
+    if mixture and not as_json:
+        console.rule("[bold]sentinel demo: mixture drill")
+        what = "corrupted" if fault == "corrupt_source" else f"reweighted x{factor:g}"
+        console.print(f"{ranks}-rank GPT ({spec.preset}) on a {len(names)}-source mixture ({', '.join(names)}) for "
+                      f"{steps} steps, evaluated per slice every {spec.eval_every} steps; from step {drill_step} on, "
+                      f"source [bold red]{source}[/] is {what}; sentinel {'[red]off' if no_sentinel else '[green]on'}[/].")
+    elif not as_json:
         console.rule("[bold]sentinel demo")
         console.print(f"{ranks}-rank GPT ({spec.preset}) on Shakespeare for {steps} steps; a [bold red]{fault}[/] drill "
                       f"on one sample of step {drill_step}; sentinel {'[red]off' if no_sentinel else '[green]on'}[/].")
@@ -86,6 +117,8 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
         with Live(console=console, refresh_per_second=4) as live:
             res = run_drill(spec, on_tick=lambda d, log: live.update(render(d, log)))
     out = res.summary()
+    if mixture:
+        out["markers"] = [{"step": m.step, "marker": m.marker, "detail": m.detail} for m in read_markers(run_dir)]
     if spec.sentinel:
         try:
             out["incidents"] = [{k: i[k] for k in ("id", "state", "rule", "onset_step", "detect_step", "rollback_to") if k in i}
@@ -104,6 +137,8 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
         out["compare"] = _compare(spec, res, console, as_json)
     if as_json:
         emit_json(out)
+    elif mixture:
+        _print_mixture(out, res, spec, console)
     else:
         t = Table(title="what happened", show_header=False)
         t.add_row("faulty sample", ", ".join(map(str, res.fault_ids)) + f" (trained at step {drill_step})")
@@ -128,6 +163,41 @@ def demo(run_dir, steps, ranks, drill_step, fault, no_sentinel, compare, as_json
         raise click.ClickException(f"the trainer exited with {res.returncode}; see {run_dir / 'trainer.log'}")
     if "compare" in out and not as_json:
         _print_compare(out["compare"], console)
+
+
+MIXTURE_STEPS = 300
+MIXTURE_DRILL_STEP = 120
+MIXTURE_EVAL_EVERY = 10  # the slice rule needs a few evals before and several after the fault
+
+
+def _data_dir(mixture: bool) -> Path:
+    from sentinel.drill import ensure_mixture_prepared
+    from trainer.data import ensure_prepared
+
+    return ensure_mixture_prepared() if mixture else ensure_prepared()
+
+
+def _print_mixture(out: dict, res, spec, console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="what happened", show_header=False)
+    t.add_row("fault", f"{out['fault']} (from step {spec.drill_step})")
+    for m in out.get("markers", []):
+        t.add_row(f"timeline: {m['marker']}", f"after step {m['step']}" + (f" ({m['detail']})" if m["detail"] else ""))
+    pages = res.slice_pages()
+    if spec.sentinel:
+        t.add_row("slice page", Text(pages[0]) if pages else Text("none", style="red"))
+    for name, v in sorted((out.get("final_val_slice_loss") or {}).items()):
+        t.add_row(f"final val loss: {name}", f"{v:.4f}" + ("  <- drilled" if name == spec.source else ""))
+    for rb in res.rollbacks:
+        t.add_row("rollback", f"to step {rb.from_step} ({rb.reason})")
+    t.add_row("wall time", f"{res.wall_seconds:.0f} s")
+    console.print(t)
+    if out.get("report"):
+        console.print(f"[bold]report:[/] {out['report']}", highlight=False)
+    console.print(f"Look closer: the training dashboard's slice row; `sentinel replay-batch {spec.run_dir} --step "
+                  f"{spec.drill_step + 1}` lists each culprit's source.")
 
 
 def _report(run_dir: Path) -> str | None:

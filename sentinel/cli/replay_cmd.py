@@ -64,7 +64,8 @@ def replay_batch(run: str, step: int, checkpoint: str | None, top_k: int, rank_b
     of every step in between (checking each against the log), then runs the step's forward and
     backward without the update. Equal loss and grad norm (bitwise on CPU, rtol 1e-3 on CUDA) means
     *reproduced*: the cause is in the data plus the state. Otherwise a transient or hardware fault
-    is suspected. Per-sample losses and gradient norms name the culprits (id, shard, offset, text).
+    is suspected. Per-sample losses and gradient norms name the culprits (id, data source, shard,
+    offset, text).
     Multi-rank runs are replayed on the same number of ranks (torchrun).
     """
     from sentinel.offline import OfflineError, launch_workers, open_run, precheck_checkpoint
@@ -166,12 +167,14 @@ def _render(res: dict) -> None:
     if res["culprits"]:
         ct = Table(title=f"top {len(res['culprits'])} culprits (by per-sample {res['ranked_by']}; batch of {res['batch_size']})",
                    show_edge=False, title_justify="left")
-        for col, just in (("id", "right"), ("loss", "right"), ("grad norm", "right"), ("shard:offset", "left")):
+        for col, just in (("id", "right"), ("loss", "right"), ("grad norm", "right"), ("source", "left"),
+                          ("shard:offset", "left")):
             ct.add_column(col, justify=just, no_wrap=True)
         ct.add_column("text", ratio=1, overflow="fold")  # the snippet wraps: it is the evidence
         for c in res["culprits"]:
             gn = "-" if c["grad_norm"] is None else f"{c['grad_norm']:.4g}"
-            ct.add_row(str(c["id"]), f"{c['loss']:.4f}", gn, f"{c['shard']}:{c['offset']}", Text(c["text"]))
+            ct.add_row(str(c["id"]), f"{c['loss']:.4f}", gn, c.get("source") or "-", f"{c['shard']}:{c['offset']}",
+                       Text(c["text"]))
         con.print(ct)
     if "skip" in res:
         s = res["skip"]

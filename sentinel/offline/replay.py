@@ -13,7 +13,8 @@ Procedure (the spirit of Megatron's rerun machinery, done from a checkpoint):
 4. Culprits: re-seed every rank's RNG to its state just before step N (so dropout draws the same
    masks as the exact replay, which already happened and is unaffected), forward each micro-batch
    once with per-token losses, and take per sample the mean token loss and the L2 norm of the
-   gradient of that sample's loss alone (one ``autograd.grad`` per sample).
+   gradient of that sample's loss alone (one ``autograd.grad`` per sample). Each culprit carries
+   its data source (the mixture slice it was drawn from), so a bad bucket shows as one name.
 
 Every function here runs on every rank of a process group (or on a single in-process "rank") and
 makes the same collective calls on each; results are gathered so every rank returns the same dict.
@@ -210,19 +211,22 @@ def rank_culprits(samples: list[dict], by: str = "loss") -> list[dict]:
     return sorted(samples, key=lambda s: (-s["score"], s["id"]))
 
 
-def describe_sample(tr, sid: int) -> dict:
-    """Where a sample lives and what it says (the tokens as trained: drills applied)."""
+def describe_sample(tr, sid: int, step: int) -> dict:
+    """Where a sample lives, which data source (slice) it comes from, and what it says (the tokens
+    as trained at ``step``: drills applied)."""
     from trainer import faults as drills
 
     seq = tr.cfg.model.seq_len
     shard, offset = tr.ds.locate(sid, seq)
+    source = tr.ds.source_of(sid, seq)
     toks = tr.ds.get_many([sid], seq)
     toks = drills.corrupt_tokens(tr.cfg.faults, [sid], toks, tr.cfg.model.vocab_size)
+    toks = drills.corrupt_source_tokens(tr.cfg.source_faults, step, [sid], [source], toks, tr.cfg.model.vocab_size)
     try:
         text = tr.ds.decode(toks[0])
     except Exception as e:  # a missing/odd tokenizer must not sink the report
         text = f"<undecodable: {e.__class__.__name__}>"
-    return {"shard": shard, "offset": int(offset), "text": sanitize(text)}
+    return {"source": source, "shard": shard, "offset": int(offset), "text": sanitize(text)}
 
 
 # ------------------------------------------------------------------------------------ the run's loss band
@@ -417,7 +421,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_
         ranked = rank_culprits(samples, rank_by)
         for s in ranked[:max(0, top_k)]:
             culprits.append({"id": s["id"], "loss": s["loss"], "grad_norm": s["grad_norm"], "score": s["score"],
-                             "rank": s["rank"], **describe_sample(tr, s["id"])})
+                             "rank": s["rank"], **describe_sample(tr, s["id"], step)})
     if batch["normal"] is False:
         onset = find_onset(records, step)
         batch["onset"] = onset
