@@ -796,8 +796,9 @@ class _SliceRegressionEval(_Eval):
     * its level (the median of its last three evaluations, so one noisy eval cannot move it) is
       above its best level of its last ``HISTORY`` evaluations by more than
       ``max(min_rise, noise_factor * sigma)``; sigma is its eval-to-eval noise, estimated robustly
-      from second differences over its last ``noise_window`` values (they cancel a steady descent,
-      so a fast early drop does not pass for noise);
+      from second differences (they cancel a steady descent, so a fast early drop does not pass for
+      noise) over the ``noise_window`` values before the ``consecutive`` evaluations being judged
+      (so a regression does not raise its own bar);
     * over the last ``consecutive`` evaluations its own loss rose while the median change of the
       *other* slices was negative: they improve. When every slice gets worse the problem is global
       (the loss rules' business); on a noisy plateau the two directions agree only by chance.
@@ -852,7 +853,9 @@ class _SliceRegressionEval(_Eval):
                 level = _median3(vs[-2], vs[-1], x)  # one noisy eval cannot move a median of three
                 best, best_i = min((_median3(*vs[i - 2:i + 1]), i) for i in range(2, len(vs)))
                 best_step = h[best_i][0]
-                margin = max(c.min_rise, c.noise_factor * _noise_sigma(vs[-c.noise_window:] + [x]))
+                # noise measured before the evals being judged, so a regression does not raise its own bar
+                before = vs[:len(vs) - (k - 1)]
+                margin = max(c.min_rise, c.noise_factor * _noise_sigma(before[-c.noise_window:]))
                 gap = level - best
                 above = gap > margin
                 mid = len(others) // 2
