@@ -223,8 +223,8 @@ class SliceRegressionRule(RuleBase):
     action: Literal["page", "none"] = "page"
     fields: list[SliceField] = Field(default_factory=lambda: ["val_slice_loss", "probe_loss"], min_length=1)
     consecutive: int = Field(3, ge=2)  # evaluations in a row; 1 would page on one noisy eval
-    min_rise: float = Field(0.05, gt=0)  # nats above the slice's best of its last HISTORY evaluations ...
-    noise_factor: float = Field(4.0, ge=0)  # ... and above this many sigmas of its eval-to-eval noise
+    min_rise: float = Field(0.1, gt=0)  # nats (~10% PPL) above its best level of its last HISTORY evaluations ...
+    noise_factor: float = Field(3.0, ge=0)  # ... and above this many sigmas of its eval-to-eval noise
     noise_window: int = Field(32, ge=3)  # evaluations in that noise estimate
     warmup_evals: int = Field(2, ge=0)  # evaluations of a slice before it can count as regressing
 
@@ -799,7 +799,7 @@ class _SliceRegressionEval(_Eval):
       from second differences (they cancel a steady descent, so a fast early drop does not pass for
       noise) over the ``noise_window`` values before the ``consecutive`` evaluations being judged
       (so a regression does not raise its own bar);
-    * over the last ``consecutive`` evaluations its own loss rose while the median change of the
+    * over the last ``consecutive`` evaluations its level rose while the median level change of the
       *other* slices was negative: they improve. When every slice gets worse the problem is global
       (the loss rules' business); on a noisy plateau the two directions agree only by chance.
 
@@ -840,43 +840,50 @@ class _SliceRegressionEval(_Eval):
                     h.pop()
         c = self.cfg
         k = c.consecutive
-        change = {n: x - tracks[n]["hist"][-k][1] for n, x in vals.items() if len(tracks[n]["hist"]) >= k}
+        # pass 1: every slice's level (median of its last 3 evals: one noisy eval cannot move it), its
+        # best level, its noise bar, and how its level moved over the last `consecutive` evals
+        stat: dict[str, tuple[float, float, int, float, float]] = {}  # name -> (level, best, best step, bar, rise)
+        for name, x in vals.items():
+            h = tracks[name]["hist"]
+            if len(h) < max(k + 2, c.warmup_evals):
+                continue
+            vs = [v for _, v in h] + [x]
+            levels = [_median3(*vs[i - 2:i + 1]) for i in range(2, len(vs))]
+            best, best_i = min((lv, i) for i, lv in enumerate(levels[:-1]))
+            # noise measured before the evals being judged, so a regression does not raise its own bar
+            sigma = _noise_sigma(vs[:len(vs) - k][-c.noise_window:])
+            bar = max(c.min_rise, c.noise_factor * sigma)
+            stat[name] = (levels[-1], best, h[best_i + 2][0], bar, levels[-1] - levels[-1 - k])
+        # pass 2: regressing = above its best by its bar and still rising, while the others' levels fall
         hits: list[tuple[str, float, int, str]] = []
         label = "val" if field == "val_slice_loss" else "probe"
         for name, x in vals.items():
             t = tracks[name]
-            h = t["hist"]
-            others = sorted(v for n, v in change.items() if n != name)
             above = apart = False
-            if len(h) >= max(3, c.warmup_evals) and others:
-                vs = [v for _, v in h]
-                level = _median3(vs[-2], vs[-1], x)  # one noisy eval cannot move a median of three
-                best, best_i = min((_median3(*vs[i - 2:i + 1]), i) for i in range(2, len(vs)))
-                best_step = h[best_i][0]
-                # noise measured before the evals being judged, so a regression does not raise its own bar
-                before = vs[:len(vs) - (k - 1)]
-                margin = max(c.min_rise, c.noise_factor * _noise_sigma(before[-c.noise_window:]))
+            if name in stat:
+                level, best, best_step, bar, rise = stat[name]
                 gap = level - best
-                above = gap > margin
-                mid = len(others) // 2
-                others_med = (others[mid] + others[~mid]) / 2
-                apart = others_med < 0 < change.get(name, 0.0)  # it rose, they fell, over the same evals
+                above = gap > bar
+                others = [st[4] for n, st in stat.items() if n != name]
+                if others:
+                    others_rise = _median(others)
+                    apart = others_rise < 0 < rise  # it rose, the median other slice fell, over the same evals
             if above and apart:
                 t["streak"] += 1
                 t["since"] = step if t["streak"] == 1 else t["since"]
             else:
                 t["streak"], t["since"] = 0, None
             if not above:
-                t["fired"] = False  # came back within the margin: may be named again
+                t["fired"] = False  # came back within the bar: may be named again
             if t["streak"] >= k and not t["fired"]:
                 t["fired"] = True
                 hits.append((name, x, t["since"],
                              f"slice {_printable(name)} {label} loss {_f(level)} (median of 3 evals) is {gap:.3f} nats "
-                             f"above its best {_f(best)} (step {best_step}) for {t['streak']} evals while the other slices improved "
-                             f"(median {others_med:+.3f} over {k} evals)"))
-            h.append([step, x])
-            if len(h) > self.HISTORY:
-                del h[0]
+                             f"above its best {_f(best)} (step {best_step}; bar {bar:.3f}) for {t['streak']} evals while "
+                             f"the other slices improved (median {others_rise:+.3f} over {k} evals)"))
+            t["hist"].append([step, x])
+            if len(t["hist"]) > self.HISTORY:
+                del t["hist"][0]
         return hits
 
     def rewind(self, keep_through_step: int) -> None:
@@ -909,15 +916,17 @@ def _median3(a: float, b: float, c: float) -> float:
     return max(min(a, b), min(max(a, b), c))
 
 
+def _median(v: list[float]) -> float:
+    o = sorted(v)
+    return (o[len(o) // 2] + o[~(len(o) // 2)]) / 2
+
+
 def _noise_sigma(v: list[float]) -> float:
     """Robust standard deviation of one evaluation's noise, from second differences
     ``x[i] - 2 x[i-1] + x[i-2]``: they cancel a steady trend (a fast early descent is not noise),
     and for white noise their median absolute value is ~1.65 sigma."""
-    d = sorted(abs(v[i] - 2 * v[i - 1] + v[i - 2]) for i in range(2, len(v)))
-    if not d:
-        return 0.0
-    mid = len(d) // 2
-    return (d[mid] + d[~mid]) / 2 / 1.65
+    d = [abs(v[i] - 2 * v[i - 1] + v[i - 2]) for i in range(2, len(v))]
+    return _median(d) / 1.65 if d else 0.0
 
 
 class RuleEngine:

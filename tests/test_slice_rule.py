@@ -109,6 +109,41 @@ def test_policy_pages_with_the_slice_named_and_never_rolls_back():
     assert p.state == "healthy" and not p.incidents
 
 
+# Real traces: val_slice_loss (shakespeare, pydoc, stdlib) of two real 2-rank tiny runs on the mixture drill's
+# dataset, evaluated every 10 steps. STARVED: `reweight@pydoc:0:120` (pydoc no longer trained from step 120);
+# CLEAN: the same run without the fault, 300 steps. Eval noise here is ~0.03-0.04 nats.
+STARVED = [(10, 4.066, 4.251, 4.024), (20, 3.371, 3.61, 3.243), (30, 3.374, 3.667, 3.169), (40, 3.345, 3.652, 3.243),
+           (50, 3.275, 3.698, 3.141), (60, 3.229, 3.646, 3.109), (70, 3.21, 3.63, 3.079), (80, 3.243, 3.615, 3.008),
+           (90, 3.226, 3.54, 3.007), (100, 3.228, 3.434, 3.0), (110, 3.256, 3.463, 2.944), (120, 3.199, 3.429, 2.928),
+           (130, 3.18, 3.447, 2.948), (140, 3.17, 3.499, 2.937), (150, 3.162, 3.538, 2.923), (160, 3.153, 3.523, 2.938),
+           (170, 3.161, 3.578, 2.907), (180, 3.14, 3.577, 2.926), (190, 3.119, 3.563, 2.93), (200, 3.103, 3.562, 2.941),
+           (210, 3.102, 3.591, 2.925), (220, 3.098, 3.609, 2.911)]  # fmt: skip
+CLEAN = [(10, 4.066, 4.251, 4.024), (20, 3.371, 3.61, 3.243), (30, 3.374, 3.667, 3.17), (40, 3.375, 3.652, 3.247),
+         (50, 3.281, 3.681, 3.145), (60, 3.247, 3.729, 3.296), (70, 3.267, 3.637, 3.11), (80, 3.254, 3.566, 3.007),
+         (90, 3.244, 3.465, 2.995), (100, 3.255, 3.377, 2.96), (110, 3.253, 3.398, 2.942), (120, 3.209, 3.378, 2.929),
+         (130, 3.172, 3.412, 2.952), (140, 3.168, 3.39, 2.946), (150, 3.14, 3.385, 2.95), (160, 3.157, 3.441, 2.9),
+         (170, 3.155, 3.327, 2.927), (180, 3.14, 3.322, 2.905), (190, 3.156, 3.383, 2.883), (200, 3.121, 3.344, 2.9),
+         (210, 3.096, 3.25, 2.901), (220, 3.115, 3.207, 2.861), (230, 3.102, 3.167, 2.871), (240, 3.104, 3.162, 2.833),
+         (250, 3.115, 3.18, 2.821), (260, 3.1, 3.155, 2.82), (270, 3.098, 3.152, 2.801), (280, 3.103, 3.15, 2.807),
+         (290, 3.083, 3.129, 2.803), (300, 3.08, 3.112, 2.792)]  # fmt: skip
+
+
+def _trace(rows):
+    eng = RuleEngine(default_rules())
+    return [f for step, sh, py, st in rows
+            for f in eng.evaluate(rec(step, {"shakespeare": sh, "pydoc": py, "stdlib": st}))
+            if f.rule == "slice_regression"]
+
+
+def test_real_trace_a_starved_source_is_named():
+    (f,) = _trace(STARVED)
+    assert "slice pydoc val loss" in f.detail and 120 < f.step <= 220, f
+
+
+def test_real_trace_a_clean_run_is_quiet():
+    assert _trace(CLEAN) == []
+
+
 # ------------------------------------------------------------------ quiet
 @pytest.mark.parametrize("seed", range(20))
 def test_does_not_fire_when_all_slices_improve_together(seed):
