@@ -240,7 +240,7 @@ def test_disabled_rule_is_silent():
     ("consecutive: 1", "rules.slice_regression.consecutive: Input should be greater than or equal to 2"),
     ("fields: [val_loss]", "rules.slice_regression.fields.0: Input should be 'val_slice_loss' or 'probe_loss'"),
     ("fields: []", "rules.slice_regression.fields: List should have at least 1 item"),
-    ("fields: [probe_loss, probe_loss]", "rules.slice_regression.fields: Value error, fields must not repeat"),
+    ("fields: [probe_loss, probe_loss]", "rules.slice_regression.fields: fields must not repeat"),
     ("min_rise: 0", "rules.slice_regression.min_rise: Input should be greater than 0"),
 ])
 def test_bad_settings_are_one_line_errors(body, expected):
