@@ -287,7 +287,7 @@ def slice_regression_panel() -> timeseries.Panel:
                          "above the 0.05-nat line while the others sit at 0 (still improving) is regressing.")
             .thresholds(thresholds((None, "green"), (0.05, "red")))
             .thresholds_style(common_b.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
-            .with_target(query(f"{cur} - min_over_time(({cur})[2h:1m])", "{{slice}}", "A")))
+            .with_target(query(f"{cur} - min_over_time(({cur})[2h:])", "{{slice}}", "A")))
 
 
 def slice_val_ppl_panel() -> timeseries.Panel:

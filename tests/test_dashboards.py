@@ -7,12 +7,15 @@ every query (unique per panel), the ``run`` variable, every query scoped to ``$r
 Slow end-to-end check (``test_every_panel_query_returns_data``): Debian ``prometheus`` on 127.0.0.1
 scrapes (1 s) a 2-rank ``torchrun`` training run through the scrape config of docs/metrics.md
 (``honor_labels``, file SD on ``RUN_DIR/metrics_targets.json``) and a ``sentinel run`` daemon on the
-run's embedded bus. The run carries the sentinel demo's drill (an ``lr`` x100 fault on one sample of
-step 150, plus a NaN on one sample of step 200), so the sentinel really detects a spike, rolls back and skips the data: rollback, action
-and latency panels have data too. Every panel target and annotation, with ``$run`` and
-``$__rate_interval`` substituted, must parse and return at least one series, except the few
-listed in ``EMPTY_OK`` with the reason a healthy CPU run leaves them empty (then the query must
-still parse).
+run's embedded bus. The run trains on the mixture drill's 3-source dataset (so the slice row has
+three slices) and carries the sentinel demo's drill (an ``lr`` x100 fault on one sample of step 150,
+plus a NaN on one sample of step 200), so the sentinel really detects a spike, rolls back and skips
+the data: rollback, action and latency panels have data too; a ``reweight`` drill at step 210 is the
+mixture change the data-change annotation must show. Every panel target, with ``$run`` and
+``$__rate_interval`` substituted, must parse and return at least one series at one moment of the
+live run, except the few listed in ``EMPTY_OK`` with the reason a healthy CPU run leaves them empty
+(then the query must still parse). Annotations are range queries in Grafana, so each must mark at
+least one moment of the run (checked over the run's window).
 
 A missing prometheus fails under CI (CI=true) and skips elsewhere; so does a missing SDK.
 """
@@ -47,8 +50,8 @@ RATE_INTERVAL = "10s"  # Grafana's $__rate_interval for a 1 s scrape at high res
 # Targets a healthy CPU run legitimately leaves empty: (substring of the expr) -> why.
 EMPTY_OK = {
     "training_cuda_memory_": "CUDA-only series (docs/metrics.md): not exported on a CPU run",
-    "changes(training_resumes_total": "a fresh run never resumes; the counter itself must exist",
 }
+REWEIGHT_STEP = 210  # after the lr/nan drills (their sample ids assume the dataset's own weights)
 
 
 @pytest.fixture(scope="module")
@@ -195,19 +198,19 @@ NAN_STEP = 200  # a one-step NaN the guard must skip (the "skipped steps" panels
 # changes()/increase() only see a counter move that happened between two scrapes
 
 
-def _drill_faults(seed: int) -> list[str]:
+def _drill_faults(data: Path, seed: int) -> list[str]:
     """The demo's lr drill, plus a NaN on one sample of an early step. The lr drill's damage may stay
     under the guard's conservative threshold (the sentinel's rollback handles it), so the NaN is what
-    guarantees a guard skip."""
+    guarantees a guard skip. Then a mixture change (pydoc's weight halved) for the timeline."""
     from sentinel.drill import batch_ids_at
     from trainer.config import PRESETS
-    from trainer.data import ensure_prepared
 
     preset = PRESETS["tiny"]
     gb = preset["data"]["micro_batch_size"] * preset["data"].get("grad_accum", 1) * 2
-    at = lambda step: batch_ids_at(ensure_prepared(), seq_len=preset["model"]["seq_len"], seed=seed,  # noqa: E731
+    at = lambda step: batch_ids_at(data, seq_len=preset["model"]["seq_len"], seed=seed,  # noqa: E731
                                    global_batch=gb, step=step)
-    return ["--inject-fault", f"lr@{min(at(DRILL_STEP))}:100", "--inject-fault", f"nan@{min(at(NAN_STEP))}"]
+    return ["--inject-fault", f"lr@{min(at(DRILL_STEP))}:100", "--inject-fault", f"nan@{min(at(NAN_STEP))}",
+            "--inject-fault", f"reweight@pydoc:0.5:{REWEIGHT_STEP}"]
 
 
 def _concrete(expr: str, run: str) -> str:
@@ -217,10 +220,11 @@ def _concrete(expr: str, run: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_every_panel_query_returns_data(tmp_path):
-    from sentinel.drill import DEMO_RULES
+    from sentinel.drill import DEMO_RULES, ensure_mixture_prepared
     from sentinel.embedded import PID_FILE, bus_dir, ensure_embedded, stop_embedded
 
     binary = _binary("prometheus")
+    data = ensure_mixture_prepared(tmp_path / "mixture-data")
     run_dir = tmp_path / f"dash-{uuid.uuid4().hex[:8]}"  # run id = dir name: unique per test
     run_dir.mkdir()
     run = run_dir.name
@@ -248,11 +252,12 @@ def test_every_panel_query_returns_data(tmp_path):
             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         wait_port(s_port, timeout=30, proc=sentinel)
         train_log = tmp_path / "train.log"
+        started = time.time()
         trainer = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer",
              "--preset", "tiny", "--run-dir", str(run_dir), "--max-steps", str(STEPS), "--eval-every", "20",
              "--ckpt-every", "50", "--keep-last", "30", "--seed", "1337", "--peak-flops", "1e12",
-             *_drill_faults(1337), "--redis-url", "embedded",
+             *_drill_faults(data, 1337), "--data", str(data), "--redis-url", "embedded",
              "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu"],
             cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, stdout=open(train_log, "wb"), stderr=subprocess.STDOUT,
             start_new_session=True)  # fmt: skip
@@ -272,7 +277,8 @@ def test_every_panel_query_returns_data(tmp_path):
         while at is None and time.monotonic() < deadline:
             assert trainer.poll() is None, f"trainer exited early ({trainer.returncode}): {train_log.read_text()[-3000:]}"
             res = prom.query(f'training_step{{run="{run}"}} >= {STEPS - 60} and on (run) '
-                             f'training_rollbacks_total{{run="{run}"}} > 0')  # fmt: skip
+                             f'training_rollbacks_total{{run="{run}"}} > 0 and on (run) '
+                             f'training_timeline_events_total{{run="{run}", event="mixture_change"}} > 0')  # fmt: skip
             if res:
                 at = time.time() - 1.0
             time.sleep(0.5)
@@ -281,20 +287,28 @@ def test_every_panel_query_returns_data(tmp_path):
         # (the run itself may go on: every query is evaluated at `at`, the end of the run is not needed)
 
         empty, justified = [], []
+        window = f"{int(time.time() - started) + 5}s"  # the whole run so far
         for name in NAMES:
             for where, expr in _queries(_load(name)):
                 q = _concrete(expr, run)
                 assert "$" not in q, f"{name} {where}: unsubstituted variable in {q}"
+                if where.startswith("annotation "):  # Grafana runs it over the visible range
+                    q = f"max_over_time(({q})[{window}:1s])"
                 series = prom.query(q, at)  # asserts status == success: the query parses and evaluates
                 if series:
                     continue
                 why = next((w for k, w in EMPTY_OK.items() if k in expr), None)
                 (justified if why else empty).append(f"{name} {where}: {q}")
         assert not empty, "panel queries with no data:\n" + "\n".join(empty)
-        # the justified ones: the resume counter exists (and is 0), CUDA memory is really absent
-        assert prom.query(f'training_resumes_total{{run="{run}"}} == 0', at)
+        # the justified ones: CUDA memory is really absent
         assert prom.query(f'{{__name__=~"training_cuda_memory_.*", run="{run}"}}', at) == []
-        assert len(justified) == 3, justified
+        assert len(justified) == 2, justified
+        # the slice row shows every source of the mixture, and the timeline has each kind of change
+        slices = {s["metric"]["slice"] for s in prom.query(f'training_validation_slice_loss{{run="{run}"}} > 0', at)}
+        assert slices == {"shakespeare", "pydoc", "stdlib"}, slices
+        events = {s["metric"]["event"] for s in prom.query(
+            f'max_over_time(training_timeline_events_total{{run="{run}"}}[{window}]) > 0', at)}
+        assert {"warmup_end", "decay_start", "mixture_change", "rollback"} <= events, events
         # the variable's query: label_values(training_step, run) lists this run
         body = json.loads(urllib.request.urlopen(f"{prom.url}/api/v1/label/run/values?match[]=training_step").read())
         assert run in body["data"], body
