@@ -169,7 +169,11 @@ def score(trace: Trace, flags: list[bool]) -> Score:
 
 def ours(losses: list[float]) -> list[bool]:
     recs = [parse_trace_line(json.dumps({"step": i + 1, "loss": x, "wall_ms": 1000 * i})) for i, x in enumerate(losses)]
-    res = backtest(recs, default_rules())
+    # dry run: a live backtest stops judging a trace at its first rollback (the run would have been
+    # restored there); a detection benchmark wants every event of the trace judged
+    rules = default_rules().model_copy(deep=True)
+    rules.policy.dry_run = True
+    res = backtest(recs, rules)
     flags = [False] * len(losses)
     for f in res.fired:
         if f["rule"] in ("loss_spike", "divergence", "nonfinite"):
