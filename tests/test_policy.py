@@ -395,3 +395,16 @@ def test_an_old_recovered_blip_does_not_drag_a_later_onset_back():
     assert inc.onset_step == 360 and rb.to_step == 250  # newest checkpoint <= 360 - 100
     assert min(lo for lo, _ in rb.ranges) == (360 - 10) * IDS_PER_STEP  # skip window starts at onset - margin
     assert p.incidents[0].state == "recovered"  # the blip's episode was closed, not merged
+
+
+def test_incidents_view_says_paused_while_awaiting_approval_and_names_dry_runs():
+    from sentinel.cli.incidents_cmd import _outcome
+
+    p, _ = policy(require_approval=True)
+    warm(p)
+    damage(p, 300)
+    assert "paused" in _outcome(p.incidents[0], [])
+    q, _ = policy(dry_run=True)
+    warm(q)
+    damage(q, 300)
+    assert q.incidents[0].closed_at is None and _outcome(q.incidents[0], []).startswith("dry run")

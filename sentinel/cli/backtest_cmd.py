@@ -69,6 +69,15 @@ def _print_tables(trace: str, res) -> None:
         a.add_row(str(act["step"]), act["kind"], "" if act["to_step"] is None else str(act["to_step"]),
                   str(len(act["ranges"])), act["incident_id"] or "", act["reason"])
     console.print(a)
+    if res.incidents:
+        it = Table(title="Incidents (a recovered spike is annotated, not acted on)", title_justify="left")
+        for col in ("onset", "detected", "rule", "state", "spike pattern"):
+            it.add_column(col, justify="right" if col in ("onset", "detected") else "left")
+        for inc in res.incidents[:MAX_ROWS]:
+            it.add_row(str(inc["onset_step"]), str(inc["detect_step"]), inc["rule"], inc["state"], inc.get("pattern") or "")
+        if len(res.incidents) > MAX_ROWS:
+            it.caption = f"... and {len(res.incidents) - MAX_ROWS} more (use --json for all)"
+        console.print(it)
     console.print(f"{res.records} steps, {len(res.flagged)} flagged, {len(res.actions)} actions, {len(res.incidents)} incidents"
                   + (f"; {res.unjudged} later steps not judged (the live run would have rolled back or paused there)"
                      if res.unjudged else ""))

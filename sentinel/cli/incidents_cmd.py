@@ -81,7 +81,10 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
 
 def _outcome(inc, timeline: list[dict]) -> str:
     if inc.closed_at is None:
-        return {"awaiting_approval": "waiting for `sentinel approve`", "escalated": "escalated: automation stopped, a human must act",
+        if inc.actions and all(a.get("dry_run") for a in inc.actions):
+            return "dry run: nothing was sent; one incident held open until the loss is back in band"
+        return {"awaiting_approval": "run paused; waiting for `sentinel approve`",
+                "escalated": "escalated: automation stopped, a human must act",
                 "verifying": "rolled back; verifying recovery", "rollback": "rollback in progress",
                 }.get(inc.state, f"open ({inc.state})")
     for ev in reversed(timeline):
