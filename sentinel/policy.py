@@ -54,8 +54,13 @@ DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "sto
 MAX_EVIDENCE = 50  # per incident: enough to see the shape, bounded so incidents stay small
 SPIKE_PATTERNS = ("one-off", "periodic", "increasing")
 PATTERN_HISTORY = 32  # spike episodes remembered for the pattern (one-off / periodic / increasing)
-PATTERN_IDS = 256  # sample ids kept per episode to recognise the same data coming back
+PATTERN_RANGES = 64  # sample-id ranges kept per episode to recognise the same data coming back
 _PRIORITY = {"divergence": 0, "nonfinite": 1, "loss_spike": 2}  # which anomaly names the incident
+
+
+def _overlap(a: list, b: list) -> bool:
+    """Do two lists of half-open [lo, hi) id ranges share an id?"""
+    return any(lo < hi2 and lo2 < hi for lo, hi in a for lo2, hi2 in b)
 
 
 class Action(BaseModel):
@@ -324,11 +329,11 @@ class RunPolicy:
         """Name the pattern of this run's spike episodes (the seed's spike debug path): one-off,
         periodic (the same interval, or the same batch / data coming back: a data cause), or
         increasing (ever shorter intervals: something is wearing out; page even if each recovered)."""
-        ids = set(rec.sample_ids[:PATTERN_IDS])
+        ranges = merge_ranges(ids_to_ranges(rec.sample_ids))[:PATTERN_RANGES]  # compact: batches are mostly contiguous
         eps = self._episodes
-        same_data = any((rec.batch_fingerprint and e["fp"] == rec.batch_fingerprint) or (ids and ids & set(e["ids"]))
+        same_data = any((rec.batch_fingerprint and e["fp"] == rec.batch_fingerprint) or _overlap(ranges, e["ids"])
                         for e in eps)
-        eps.append({"step": rec.step, "fp": rec.batch_fingerprint, "ids": sorted(ids)})
+        eps.append({"step": rec.step, "fp": rec.batch_fingerprint, "ids": [list(r) for r in ranges]})
         steps = [e["step"] for e in eps]
         gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
         pattern = "one-off"
