@@ -168,7 +168,7 @@ def test_level_shift_rewind_and_state_round_trip():
     sh2.load_state_dict(st)
     assert sh2.state_dict() == st
     sh2.rewind(150)
-    assert all(s <= 150 for s, _ in sh2._mono) and all(s <= 150 for s, _ in sh2.win._fifo)
+    assert all(s <= 150 for s, _ in sh2._mono) and all(s <= 150 for s, _ in sh2._f)
 
 
 def test_persistence_needs_steps_and_seconds():
