@@ -412,7 +412,7 @@ class _LossEval(_Eval):
         self.div_on = v.enabled
         self.nf_on = self.nf_cfg.enabled
 
-    NOISE_EVERY = 64  # the noise level moves slowly; a refresh costs a sort of 64 differences
+    NOISE_EVERY = 16  # a refresh costs a sort of 64 differences; every 64 steps lost 2/144 timely rollbacks
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
         step, x = rec.step, rec.loss
