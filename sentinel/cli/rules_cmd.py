@@ -9,7 +9,7 @@ from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_
 # the knobs worth a glance per rule (the rest are in the file)
 _KEY_PARAMS = ("threshold", "min_ratio", "window", "min_history", "k", "n", "persist_steps", "max_gap_increase",
                "min_value", "min_fraction", "duration_seconds", "max_age_seconds", "stale_seconds", "max_fraction",
-               "max_skew", "max_deviation", "min_steps")
+               "max_skew", "max_deviation", "min_steps", "consecutive", "min_rise")
 
 
 def _require_content(file: str) -> None:
