@@ -284,8 +284,8 @@ def slice_regression_panel() -> timeseries.Panel:
     cur = f"max by (run, slice) (training_validation_slice_loss{{{RUN}}} > 0)"
     return (default_timeseries().title("Validation loss above its 2-hour best, per slice").span(6)
             .description("What TrainingSliceRegressing and the sentinel's slice_regression rule look at: a slice "
-                         "above the 0.05-nat line while the others sit at 0 (still improving) is regressing.")
-            .thresholds(thresholds((None, "green"), (0.05, "red")))
+                         "above the 0.1-nat line while the others sit at 0 (still improving) is regressing.")
+            .thresholds(thresholds((None, "green"), (0.1, "red")))
             .thresholds_style(common_b.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
             .with_target(query(f"{cur} - min_over_time(({cur})[2h:])", "{{slice}}", "A")))
 
