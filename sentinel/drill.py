@@ -179,7 +179,7 @@ class SentinelThread:
         from sentinel.daemon import Daemon, Options
         from sentinel.rules import load_rules
 
-        self.log = log
+        self.log, self.run = log, run
         self.daemon = Daemon(bus.connect(url), Options(rules=load_rules(rules_path), secret=secret, lease_ms=5000),
                              runs=[run], log=self._log)
         self.thread = threading.Thread(target=self.daemon.run_forever, name="sentinel", daemon=True)
@@ -189,6 +189,17 @@ class SentinelThread:
 
     def start(self) -> None:
         self.thread.start()
+
+    def wait_caught_up(self, step: int, timeout: float = 60.0) -> bool:
+        """Wait until the daemon has evaluated the run's record of ``step`` (on a loaded machine it
+        can trail the trainer by many steps, and a page on the last evals must not be lost)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.thread.is_alive():
+            w = self.daemon.watchers.get(self.run)
+            if w is not None and (w.policy.last_step or 0) >= step:
+                return True
+            time.sleep(0.1)
+        return False
 
     def stop(self) -> None:
         self.daemon.stop_requested = True
@@ -297,7 +308,9 @@ def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> Drill
         finally:
             rc = proc.wait()
     if sentinel:
-        time.sleep(0.5)  # let the daemon read the last records and acks
+        last = max(read_steps(spec.run_dir)[0], default=0)
+        sentinel.wait_caught_up(last)
+        time.sleep(0.5)  # and the last acks
         sentinel.stop()
     steps, timeline = read_steps(spec.run_dir)
     if on_tick:
