@@ -296,8 +296,10 @@ def _one_line(source: str, e: ValidationError) -> str:
     return f"{source}: {loc}: {msg}{more}" if loc else f"{source}: {msg}{more}"
 
 
-def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
-    """Parse rules YAML text; ``source`` names it in error messages."""
+def parse_rules(text: str, source: str = "<rules>", allow_empty: bool = True) -> RuleSet:
+    """Parse rules YAML text; ``source`` names it in error messages. An empty document means "all
+    defaults" unless ``allow_empty`` is False (a rules *file* that is empty is almost always a
+    mistake: a truncated copy, a wrong path in a ConfigMap)."""
     try:
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as e:
@@ -310,7 +312,10 @@ def parse_rules(text: str, source: str = "<rules>") -> RuleSet:
         raise RulesError(f"{source}: invalid rules: nested more than {MAX_YAML_DEPTH} levels deep") from None
     if _depth(data, MAX_YAML_DEPTH) > MAX_YAML_DEPTH:
         raise RulesError(f"{source}: invalid rules: nested more than {MAX_YAML_DEPTH} levels deep")
-    if data is None:
+    if data is None or data == {}:
+        if not allow_empty:
+            raise RulesError(f"{source}: the rules file is empty (no rules, no policy); "
+                             "start from sentinel/default_rules.yaml")
         data = {}
     if not isinstance(data, dict):
         raise RulesError(f"{source}: <root>: expected a mapping of settings, got {type(data).__name__}")
@@ -327,7 +332,7 @@ def load_rules(path: str | Path) -> RuleSet:
         text = p.read_text()
     except UnicodeDecodeError:
         raise RulesError(f"{path}: not a text file") from None
-    return parse_rules(text, str(path))
+    return parse_rules(text, str(path), allow_empty=False)
 
 
 def default_rules() -> RuleSet:

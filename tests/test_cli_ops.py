@@ -474,9 +474,11 @@ def test_rules_check_refuses_an_empty_file(tmp_path):
     for name, text in (("empty.yaml", ""), ("blank.yaml", "\n\n"), ("comments.yaml", "# nothing yet\n"), ("map.yaml", "{}\n")):
         f = tmp_path / name
         f.write_text(text)
-        res = cli("rules", "check", str(f))
-        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-        assert res.exit_code == 2 and len(lines) == 1 and "rules file is empty" in lines[0], (name, res.output)
+        for args in (("rules", "check", str(f)), ("run", "--rules", str(f), str(tmp_path)),
+                     ("backtest", "--rules", str(f), str(f))):
+            res = cli(*args)  # the daemon and the backtest refuse it too: never silently the defaults
+            lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+            assert res.exit_code == 2 and len(lines) == 1 and "rules file is empty" in lines[0], (name, args, res.output)
     good = cli("rules", "check", str(REPO / "sentinel" / "default_rules.yaml"))
     assert good.exit_code == 0
 

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from sentinel.cli.rules_cmd import rules as rules_group
-from sentinel.rules import DEFAULT_RULES_PATH, RuleSet, RulesError, default_rules, load_rules
+from sentinel.rules import DEFAULT_RULES_PATH, RuleSet, RulesError, default_rules, load_rules, parse_rules
 
 
 def write(tmp_path: Path, text: str, name: str = "rules.yaml") -> Path:
@@ -61,8 +61,10 @@ def test_yaml_syntax_error_names_line_and_column(tmp_path):
     assert "\n" not in msg and "rules.yaml: line " in msg and "column" in msg
 
 
-def test_empty_file_is_the_defaults(tmp_path):
-    assert load_rules(write(tmp_path, "")) == RuleSet()
+def test_empty_text_is_the_defaults_but_an_empty_file_is_refused(tmp_path):
+    assert parse_rules("") == RuleSet()  # an embedded/empty document: every default
+    with pytest.raises(RulesError, match="rules file is empty"):
+        load_rules(write(tmp_path, "# nothing yet\n"))  # a file: a truncated copy or a wrong path
 
 
 def test_cli_check_ok_and_json(tmp_path):

@@ -12,22 +12,6 @@ _KEY_PARAMS = ("threshold", "min_ratio", "window", "min_history", "k", "n", "per
                "max_skew", "max_deviation", "min_steps", "consecutive", "min_rise")
 
 
-def _require_content(file: str) -> None:
-    """An empty rules file is almost always a mistake (a truncated copy, a wrong path in a
-    ConfigMap): refuse it rather than report the built-in defaults as "valid"."""
-    import yaml
-
-    from pathlib import Path
-
-    try:
-        doc = yaml.safe_load(Path(file).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
-        return  # malformed or nested too deep: load_rules gives the precise one-line error
-    if doc is None or doc == {}:
-        raise SentinelError(f"{file}: the rules file is empty (no rules, no policy); "
-                            "start from sentinel/default_rules.yaml")
-
-
 @click.group("rules")
 def rules() -> None:
     """Rules files: validate them (`sentinel rules check FILE`)."""
@@ -41,7 +25,6 @@ def check(file: str, as_json: bool) -> None:
     """Validate FILE and print a summary of its rules. Exit 2 with a one-line error when invalid."""
     from sentinel.rules import RulesError, load_rules
 
-    _require_content(file)
     try:
         rs = load_rules(file)
     except RulesError as e:
