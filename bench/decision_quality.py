@@ -11,7 +11,8 @@ the ``actions`` and ``flagged`` it returns, the way a held-out judge does:
 2. **Persistent damage drills**: one damage injected per drill into a healthy run, at many onsets
    and seeds per run. Shapes (``DAMAGE``): a jump of 0.25-1.0 nats that never decays, the same
    jump decaying slowly (time constant 300-3000 steps), a slow climb (0.2-0.5 nats over 100-300
-   steps, then held), and NaN from the onset on. A drill is *timely* when some rollback has
+   steps, then held; reported in three bands of steepness, ``CLIMB_BANDS``), and NaN from the
+   onset on. A drill is *timely* when some rollback has
    ``onset <= step <= onset + 50`` and ``to_step <= onset``. Target: >= 95 %.
    (Rollbacks ordered before the onset are false alarms of the healthy part; they are counted.)
 3. **Spike flags** (``flagged``) against two sets of hindsight labels, scored per event with
@@ -129,8 +130,18 @@ def synthetic_healthy(seed: int) -> Run:
     return Run(f"synthetic-{seed}", [round(float(v), 4) for v in x], [int(w) for w in wall])
 
 
-def inject(run: Run, shape: str, onset: int, rng: np.random.Generator) -> list[float]:
-    """The run's losses with one persistent damage starting at 1-based step ``onset``."""
+CLIMB_BANDS = (0.002, 0.004)  # nats per step: climbs are reported in three bands of steepness
+
+
+def climb_band(slope: float) -> str:
+    """'climb <0.002/step', 'climb 0.002-0.004/step' or 'climb >=0.004/step'."""
+    lo, hi = CLIMB_BANDS
+    return f"climb <{lo}/step" if slope < lo else f"climb {lo}-{hi}/step" if slope < hi else f"climb >={hi}/step"
+
+
+def inject(run: Run, shape: str, onset: int, rng: np.random.Generator) -> tuple[list[float], str]:
+    """The run's losses with one persistent damage starting at 1-based step ``onset``, and the
+    drill's label (the shape; for a climb, its band of steepness)."""
     x = np.asarray(run.losses, dtype=float).copy()
     i = onset - 1
     k = np.arange(len(x) - i, dtype=float)
@@ -141,11 +152,12 @@ def inject(run: Run, shape: str, onset: int, rng: np.random.Generator) -> list[f
     elif shape == "climb":
         amp, ln = rng.uniform(0.2, 0.5), rng.uniform(100, 300)
         x[i:] += amp * np.minimum(k + 1, ln) / ln
+        shape = climb_band(amp / ln)
     elif shape == "nan":
         x[i:] = np.nan
     else:
         raise ValueError(shape)
-    return [round(float(v), 4) if math.isfinite(v) else v for v in x]
+    return [round(float(v), 4) if math.isfinite(v) else v for v in x], shape
 
 
 # ------------------------------------------------------------------------------------ scoring
@@ -205,9 +217,9 @@ def evaluate(runs: list[Run], drills_per_shape: int, seed: int = 0) -> Tally:
             for onset in rng.integers(200, n - 120, drills_per_shape):
                 onset = int(onset)
                 end = min(n, onset + HORIZON)  # later steps cannot change a timely verdict
-                dmg = inject(run, shape, onset, rng)[:end]
-                res = run_backtest(run.name, dmg, run.wall_ms[:end])
-                tal.drill(shape, *drill_outcome(res["actions"], onset))
+                dmg, label = inject(run, shape, onset, rng)
+                res = run_backtest(run.name, dmg[:end], run.wall_ms[:end])
+                tal.drill(label, *drill_outcome(res["actions"], onset))
     tal.seconds = time.process_time() - t0
     return tal
 
@@ -228,9 +240,9 @@ def report(title: str, tal: Tally) -> dict:
     print(f"== {title}: {tal.runs} runs, {tal.steps} steps")
     print(f"   healthy as logged: {tal.pauses} pauses ({tal.runs_paused} runs), {tal.rollbacks} rollbacks, {tal.pages} pages")
     print(f"   damage drills: {tot[0]}/{nd} timely ({out['timely_pct']:.1f} %); " + ", ".join(f"{o} {n}" for o, n in zip(OUTCOMES[1:], tot[1:])))
-    for k, v in tal.drills.items():
+    for k, v in sorted(tal.drills.items()):
         md = out["by_shape"][k]["median_delay"]
-        print(f"     {k:10s} " + "  ".join(f"{o} {n:3d}" for o, n in zip(OUTCOMES, v)) + f"  median delay {md if md is not None else '-'}")
+        print(f"     {k:24s} " + "  ".join(f"{o} {n:3d}" for o, n in zip(OUTCOMES, v)) + f"  median delay {md if md is not None else '-'}")
     for k, name in (("flags", "spike flags, all spikes  "), ("flags_clear", "spike flags, clear spikes"),
                     ("olmo", "OLMo-core, all spikes    "), ("olmo_clear", "OLMo-core, clear spikes  ")):
         r = rows[k]

@@ -146,6 +146,11 @@ class DivergenceRule(RuleBase):
     # shifts: a 0.25-nat jump in 0.1-nat noise; the longer median is steadier, so the bar can be lower)
     level_long_sigmas: float = Field(2.2, gt=0)
     min_rise: float = Field(0.02, ge=0)
+    # climb: the last climb_window losses rise as a ramp above the clipped mean of the climb_baseline
+    # losses before them by a ramp-matched z > climb_sigmas (detectors.ClimbTrend); 0 turns it off
+    climb_window: int = Field(48, ge=4)
+    climb_baseline: int = Field(100, ge=4)
+    climb_sigmas: float = Field(7.0, ge=0)
 
 
 class ValDivergenceRule(RuleBase):
@@ -409,7 +414,11 @@ class _LossEval(_Eval):
                                   min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window)
         self.shift_long = d.LevelShift(window=2 * v.level_window, horizon=v.level_horizon, sigmas=v.level_long_sigmas,
                                        min_rise=v.min_rise, warmup=s.min_history + 4 * v.level_window)
+        # warmup: the spike baseline's own, plus the climb's window and baseline (the early descent)
+        self.climb = d.ClimbTrend(window=v.climb_window, baseline=v.climb_baseline, sigmas=v.climb_sigmas or math.inf,
+                                  warmup=s.min_history + v.climb_window + v.climb_baseline)
         self._det_update, self._shift_update, self._long_update = self.det.update, self.shift.update, self.shift_long.update
+        self._climb_update = self.climb.update if v.climb_sigmas > 0 else None
         self.noise = 0.0  # robust per-step sigma of the admitted losses, refreshed every NOISE_EVERY steps
         self._noise_n = 0
         self.nf_run = 0  # consecutive non-finite losses
@@ -428,12 +437,19 @@ class _LossEval(_Eval):
                 self._noise_n = 0
                 self.noise = self.det.noise()
             short, long_ = self._shift_update(step, x, self.noise), self._long_update(step, x, self.noise)
+            climb = self._climb_update is not None and self._climb_update(step, x, self.noise)
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
                 out.append(Finding("divergence", c.severity, c.action, step,
                                    f"loss level {_f(sh.best + sh.excess)} (median of {sh.window}) is {_f(sh.excess)} above "
                                    f"the run's best {_f(sh.best)} (bar {_f(sh.bar)})",
                                    value=x, onset_step=sh.onset(step), anomaly=True))
+            elif climb and self.div_on:
+                c, cl = self.div_cfg, self.climb
+                out.append(Finding("divergence", c.severity, c.action, step,
+                                   f"loss climbing since step {cl.onset()}: up {_f(cl.rise)} over the last {cl.window} steps, "
+                                   f"ramp z={cl.z:.1f} against the level of the {cl.baseline} before (bar {cl.sigmas:g})",
+                                   value=x, onset_step=cl.onset(), anomaly=True))
         if code <= 0:
             self.nf_run = 0
             if self.kofn._flagged:
@@ -467,6 +483,7 @@ class _LossEval(_Eval):
         self.kofn.clear()
         self.shift.rewind(keep_through_step)
         self.shift_long.rewind(keep_through_step)
+        self.climb.rewind(keep_through_step)
         self.nf_run = 0
 
     def reset(self) -> None:
@@ -474,6 +491,7 @@ class _LossEval(_Eval):
         self.kofn.clear()
         self.shift.reset()
         self.shift_long.reset()
+        self.climb.reset()
         self.noise, self._noise_n = 0.0, 0
         self.nf_run = 0
 
@@ -483,6 +501,7 @@ class _LossEval(_Eval):
 
     def state_dict(self) -> dict[str, Any]:
         return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
+                "climb": self.climb.state_dict(),
                 "noise": self.noise, "noise_n": self._noise_n, "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
@@ -492,6 +511,8 @@ class _LossEval(_Eval):
             self.shift.load_state_dict(st["shift"])
         if "shift_long" in st:
             self.shift_long.load_state_dict(st["shift_long"])
+        if "climb" in st:
+            self.climb.load_state_dict(st["climb"])
         self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
         self.nf_run = int(st["nf_run"])
 

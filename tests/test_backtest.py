@@ -125,3 +125,27 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path):
     rules.write_text("rules:\n  loss_spike:\n    threshold: abc\n")
     msg = _one_line_error(CliRunner().invoke(backtest_cmd, ["--rules", str(rules), str(loss_only_trace(tmp_path))]))
     assert "rules.loss_spike.threshold" in msg
+
+
+def _curve_trace(tmp_path: Path, losses: list[float]) -> Path:
+    p = tmp_path / "curve.jsonl"
+    p.write_text("".join(json.dumps({"step": i + 1, "loss": round(x, 4), "wall_ms": 31559 + 150 * i}) + "\n" for i, x in enumerate(losses)))
+    return p
+
+
+def test_healthy_pretraining_curve_with_warmup_cooldown_and_spikes_gets_no_action(tmp_path):
+    from test_detectors import _pretraining
+
+    for seed in (0, 1):
+        res = backtest(load_trace(_curve_trace(tmp_path, _pretraining(2500, seed))), default_rules())
+        assert res.actions == [], res.actions
+
+
+def test_a_steep_climb_is_rolled_back_within_50_steps_to_before_its_start(tmp_path):
+    from test_detectors import _climb, _pretraining
+
+    onset = 1500  # 1-based step of the climb's first raised loss
+    res = backtest(load_trace(_curve_trace(tmp_path, _climb(_pretraining(2500, 5), onset - 1, 0.6, 100))), default_rules())
+    rb = [a for a in res.actions if a["kind"] == "rollback"]
+    assert rb and onset <= rb[0]["step"] <= onset + 50 and rb[0]["to_step"] <= onset, res.actions
+    assert "climbing since" in rb[0]["reason"]  # the climb test, not the slower level test
