@@ -583,7 +583,10 @@ class ClimbTrend:
     over 200 steps (0.0015/step) reaches z ~2.5 by then, inside the healthy range, and is left to
     ``LevelShift`` (later, but still rolled back to before its start).
 
-    ``onset()`` is the window's first step: the ramp the filter matched starts there.
+    ``onset()`` is a window before the window's first step: the ramp the filter matched starts at
+    the window's first step when the climb is caught at once, but a slow climb caught later began
+    earlier (its baseline already rose); a rollback a little early costs steps, one late keeps the
+    damage.
     Cost: a deque append per step; every ``stride`` steps one pass over ``window + baseline`` values
     and a sort of the baseline (its median, for the clip).
     """
@@ -622,7 +625,7 @@ class ClimbTrend:
         return self.z > self.sigmas
 
     def onset(self) -> int:
-        return self._start
+        return max(0, self._start - self.window)
 
     def rewind(self, keep_through_step: int) -> None:
         f = self._f
