@@ -587,11 +587,15 @@ class ClimbTrend:
     the window's first step when the climb is caught at once, but a slow climb caught later began
     earlier (its baseline already rose); a rollback a little early costs steps, one late keeps the
     damage.
-    Cost: a deque append per step; every ``stride`` steps one pass over ``window + baseline`` values
-    and a sort of the baseline (its median, for the clip).
+    Cost: O(1) per step (running sums); the exact clipped pass over ``window + baseline`` values and
+    a sort of the baseline run only when the unclipped z is within ``GATE`` of the bar.
     """
 
-    __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start")
+    __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
+                 "_s0", "_s1", "_b", "_dirty", "_since_sync")
+
+    GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
+    RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
 
     def __init__(self, window: int = 48, baseline: int = 100, sigmas: float = 7.0, warmup: int = 150, stride: int = 4):
         if window < 4 or baseline < 4:
@@ -603,11 +607,32 @@ class ClimbTrend:
         self.reset()
 
     def update(self, step: int, x: float, noise: float) -> bool:
-        """Admit a finite loss; ``noise`` is the current robust per-step sigma. True = climbing."""
+        """Admit a finite loss; ``noise`` is the current robust per-step sigma. True = climbing.
+
+        Per step O(1): running sums of the window (plain and k-weighted) and of the baseline give
+        the unclipped z; clipping only matters with outliers, so the exact clipped z (a pass over
+        ``window + baseline`` values) is computed only when the unclipped one is near the bar."""
         f = self._f
+        full = len(f) == f.maxlen
+        if full and not self._dirty:
+            w, b = self.window, self.baseline
+            x_mid, x_out = f[b][1], f[0][1]  # the window's oldest moves to the baseline; the baseline's oldest leaves
+            self._s1 += w * x - self._s0
+            self._s0 += x - x_mid
+            self._b += x_mid - x_out
+            self._since_sync += 1
         f.append((step, x))
         self.n += 1
+        if not full:
+            self._dirty = True
         if self.n % self.stride or self.n < self.warmup or len(f) < f.maxlen or not noise > 0:
+            return False
+        if self._dirty or self._since_sync >= self.RESYNC:
+            self._sync()
+        scale = noise * math.sqrt(self._norm2 + self._ksum2)
+        ksum = 0.5 * self.window * (self.window + 1)
+        if (self._s1 - self._b / self.baseline * ksum) / scale <= self.sigmas - self.GATE:
+            self.z = self.rise = 0.0  # far below the bar: not worth the exact pass
             return False
         vals = [v for _, v in f]
         b = self.baseline
@@ -619,10 +644,18 @@ class ClimbTrend:
         for k, v in zip(self._kw, vals[b:]):
             r = v - base
             acc += k * (-c if r < -c else c if r > c else r)
-        self.z = acc / (noise * math.sqrt(self._norm2 + self._ksum2))
+        self.z = acc / scale
         self.rise = acc / self._norm2 * self.window  # the fitted ramp's rise over the window, in nats
         self._start = f[b][0]
         return self.z > self.sigmas
+
+    def _sync(self) -> None:
+        vals = [v for _, v in self._f]
+        b = self.baseline
+        self._b = sum(vals[:b])
+        self._s0 = sum(vals[b:])
+        self._s1 = sum(k * v for k, v in zip(self._kw, vals[b:]))
+        self._dirty, self._since_sync = False, 0
 
     def onset(self) -> int:
         return max(0, self._start - self.window)
@@ -631,9 +664,12 @@ class ClimbTrend:
         f = self._f
         while f and f[-1][0] > keep_through_step:
             f.pop()
+        self._dirty = True
 
     def reset(self) -> None:
         self._f: deque[tuple[int, float]] = deque(maxlen=self.window + self.baseline)
+        self._s0 = self._s1 = self._b = 0.0
+        self._dirty, self._since_sync = True, 0
         self.n = 0
         self.z = self.rise = 0.0
         self._start = 0

@@ -222,6 +222,23 @@ def test_climb_trend_leaves_a_slow_climb_to_the_level_test():
     assert not any(ct.update(i, x, 0.1) for i, x in enumerate(xs[:1550]))
 
 
+class _ExactClimb(d.ClimbTrend):
+    __slots__ = ()
+    GATE = math.inf  # always the exact clipped pass
+
+
+def test_climb_trend_running_sums_give_the_exact_verdicts_through_rewinds():
+    fast, exact = d.ClimbTrend(), _ExactClimb()
+    xs = _climb(_pretraining(3000, 7), 1500, 0.3, 200)
+    for i, x in enumerate(xs):
+        assert fast.update(i, x, 0.1) == exact.update(i, x, 0.1), i
+        if fast.z:
+            assert fast.z == pytest.approx(exact.z)
+        if i in (1200, 2000):  # a rollback: the sums are rebuilt
+            fast.rewind(i - 150)
+            exact.rewind(i - 150)
+
+
 def test_persistence_needs_steps_and_seconds():
     p = d.Persistence(min_steps=3, min_seconds=10)
     assert not p.update(1, 0.0, True)
