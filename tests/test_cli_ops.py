@@ -321,11 +321,15 @@ def test_rollback_live_audit_records_on_the_bus(embedded_bus):
     run_dir = embedded_bus.run_dir
     ck = run_dir / "checkpoints" / "step-00000010"
     ck.mkdir(parents=True)
-    (ck / "model.pt").write_bytes(b"weights")
+    from sentinel.protocol import checkpoint_required_files
     from sentinel.rundir import sha256_file
 
-    (ck / "manifest.json").write_text(json.dumps({"format": 1, "step": 10, "files": {"model.pt": sha256_file(ck / "model.pt")},
-                                                 "bytes": 7, "world_size": 1, "created": time.time()}))
+    for name in checkpoint_required_files(world_size=1, sharded=False):  # every file a resumable step needs
+        (ck / name).write_text(json.dumps({"step": 10}) if name == "train_state.json" else "weights")
+    files = {f.name: sha256_file(f) for f in ck.iterdir()}
+    (ck / "manifest.json").write_text(json.dumps({"format": 1, "step": 10, "files": files,
+                                                 "bytes": sum(f.stat().st_size for f in ck.iterdir()),
+                                                 "world_size": 1, "created": time.time()}))
     r = bus.connect(embedded_bus.url)
     k = Keys("run")
     r.set(k.heartbeat, json.dumps({"step": 15, "time": time.time(), "sent": time.time(), "pid": 1}), px=30_000)

@@ -39,6 +39,7 @@ import yaml
 
 from conftest import free_port, require_binary
 from test_metrics import DOCS, _cuda_only, documented
+from sentinel.protocol import REJECT_REASONS
 from trainer.telemetry.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -282,7 +283,8 @@ def test_prometheus_scrapes_every_documented_metric_with_documented_labels(prome
             for s in series:
                 key = tuple(sorted((k, v) for k, v in _labels(s).items() if k not in ("run", "rank")))
                 by_other.setdefault(key, set()).add(s["metric"].get("rank"))
-            for label, values in (("reason", SKIP_REASONS), ("kind", DIRECTIVE_KINDS), ("phase", PHASES)):
+            reasons = REJECT_REASONS if name == "training_directives_rejected_total" else SKIP_REASONS
+            for label, values in (("reason", reasons), ("kind", DIRECTIVE_KINDS), ("phase", PHASES)):
                 if label in row["labels"]:
                     assert {s["metric"][label] for s in series} == set(values), f"{name}: {label} values"
             if per_rank:  # every label combination exists on both ranks (e.g. each phase per rank)
