@@ -206,10 +206,17 @@ def step_time_panel() -> timeseries.Panel:
         return (f"histogram_quantile({p}, sum by (run, rank, le) "
                 f"(rate(training_step_duration_seconds_bucket{{{RUN}}}[{RATE}])))")
 
-    return (default_timeseries().title("Step time p50 / p99 per rank (straggler)").unit("s")
-            .description("A rank slower than the rest is a straggler: every other rank waits for it at the all-reduce.")
-            .with_target(query(q("0.5"), "p50 rank {{rank}}", "A"))
-            .with_target(query(q("0.99"), "p99 rank {{rank}}", "B")))
+    # busy time = the step minus its wait at the all-reduce: under DDP every rank's *wall* step time is
+    # the same (the fast ones wait for the slow one), so only busy time names the straggler (the same
+    # expression as the TrainingRankStraggler alert and the sentinel's rank_straggler rule)
+    busy = (f"sum by (run, rank) (rate(training_step_phase_seconds_sum{{{RUN}, phase=~\"data_wait|forward_backward|optimizer\"}}[{RATE}]))"
+            f" / sum by (run, rank) (rate(training_step_phase_seconds_count{{{RUN}, phase=\"forward_backward\"}}[{RATE}]))")
+    return (default_timeseries().title("Busy time per step per rank (straggler), step time p99").unit("s")
+            .description("Busy time per step (data wait + forward/backward + optimizer, without the all-reduce "
+                         "wait) per rank: a rank above the others is a straggler, every other rank waits for it. "
+                         "Step wall time p99 is the same on every rank under DDP.")
+            .with_target(query(busy, "busy rank {{rank}}", "A"))
+            .with_target(query(q("0.99"), "step p99 rank {{rank}}", "B")))
 
 
 def phase_panel() -> timeseries.Panel:
@@ -343,7 +350,8 @@ def telemetry_panel() -> timeseries.Panel:
                          "expired or invalid. up == 0 names the rank whose endpoint is down.")
             .with_target(query(f"sum by (run, rank) (increase(training_telemetry_dropped_total{{{RUN}}}[{RATE}]))",
                                "dropped rank {{rank}}", "A"))
-            .with_target(query(f"increase(training_directives_rejected_total{{{RUN}}}[{RATE}])", "directives rejected", "B"))
+            .with_target(query(f"sum by (run) (increase(training_directives_rejected_total{{{RUN}}}[{RATE}]))",
+                               "directives rejected", "B"))
             .with_target(query(f"sum by (run, kind) (increase(training_directives_applied_total{{{RUN}}}[{RATE}]))",
                                "applied {{kind}}", "C"))
             .with_target(query(f"up{{{RUN}}}", "up rank {{rank}}", "D")))
