@@ -145,8 +145,10 @@ def test_disk_full_under_the_step_log_loses_nothing(tmp_path, dataset):
     """The volume fills to the last byte after 10 steps and is freed 3 s later: the step log holds
     its records in memory meanwhile and writes them all afterwards; the run finishes normally."""
     free_after = 6.0 if LONG else 3.0
+    # the slow drill (0.1 s a step: 14 s for the 140 steps after the fill) keeps the run going well past the
+    # moment the space comes back, however fast the machine: the final checkpoint must find a writable disk
     run, info = _diskfull(tmp_path, "4m", *BASE_ARGS, "--data", str(dataset), "--max-steps", "150", "--ckpt-every", "0",
-                          fill_at=10, free_after=free_after)
+                          "--inject-fault", "slow@0:0.1", fill_at=10, free_after=free_after)
     out = info["stdout"] + info["stderr"]
     assert "Traceback" not in out and info["rc"] == 0, out[-3000:]
     assert info["lines_while_full"] == info["filled_at_lines"], "nothing reached the full disk"

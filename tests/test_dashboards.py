@@ -276,11 +276,14 @@ def test_every_panel_query_returns_data(tmp_path):
         deadline = time.monotonic() + 120
         while at is None and time.monotonic() < deadline:
             assert trainer.poll() is None, f"trainer exited early ({trainer.returncode}): {train_log.read_text()[-3000:]}"
+            # evaluated at an explicit time, and every panel later at that same time: a later "now - 1 s"
+            # could fall before the scrape that made the condition true (found on an idle machine)
+            t_q = time.time()
             res = prom.query(f'training_step{{run="{run}"}} >= {STEPS - 60} and on (run) '
                              f'training_rollbacks_total{{run="{run}"}} > 0 and on (run) '
-                             f'training_timeline_events_total{{run="{run}", event="mixture_change"}} > 0')  # fmt: skip
+                             f'training_timeline_events_total{{run="{run}", event="mixture_change"}} > 0', t_q)  # fmt: skip
             if res:
-                at = time.time() - 1.0
+                at = t_q
             time.sleep(0.5)
         assert at is not None, f"no rollback then step {STEPS - 60} in time:\n{train_log.read_text()[-3000:]}\n" + (
             (tmp_path / "sentinel.log").read_text()[-3000:])

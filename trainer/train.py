@@ -823,8 +823,8 @@ class Trainer:
         self._flush_readback()
         self.ckpt.wait()
         self._check_checkpoint_age(final=True)
-        env.barrier()
-        self._close_io()
+        self._close_io()  # a collective (the lost-record count): before the barrier, so that no rank
+        env.barrier()  # tears its process group down while another is still inside a collective
 
     def _close_io(self) -> None:
         """Flush the step log and the bus. Step records the disk never took make the exit non-zero."""
