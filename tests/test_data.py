@@ -402,3 +402,48 @@ def test_ensure_prepared_races_safely(tmp_path, ds, monkeypatch):
     assert TokenDataset.open(target, verify=True).meta["tokens"] == ds.meta["tokens"]  # default: one big train shard
     assert os.listdir(target.parent) == ["shakespeare-byte"]  # no temp dirs left behind
     assert ensure_prepared() == target  # already there: returns at once
+
+
+# ---- the seq_len schedule: shorter sequences are pieces of the model.seq_len windows
+
+def test_seq_len_schedule_pieces_are_the_shorter_windows_exactly(ds):
+    """Cut into k pieces, window j at S is exactly the windows j*k .. j*k+k-1 at S/k: every target
+    token once, none repeated, none lost, so the data stream does not depend on the schedule."""
+    from trainer.seqlen import split_windows
+
+    ids = [0, 7, 123, 5000]
+    full = ds.get_many(ids, 64)
+    for n in (64, 32, 16, 8):
+        k = 64 // n
+        pieces = split_windows(full, n)
+        assert pieces.shape == (len(ids) * k, n + 1)
+        want = ds.get_many([j * k + i for j in ids for i in range(k)], n)
+        assert np.array_equal(pieces, want), n
+        targets = pieces[:, 1:].reshape(len(ids), -1)
+        assert np.array_equal(targets, full[:, 1:])
+
+
+def test_seq_len_schedule_config_and_lookup():
+    from trainer.config import ConfigError, resolve
+    from trainer.seqlen import changes_at, pieces_at, seq_len_at
+
+    cfg = resolve(preset="tiny", overrides={"data.seq_len_schedule": [[0, 16], [10, 32], [20, 64]]})
+    assert [seq_len_at(cfg, s) for s in (0, 9, 10, 19, 20, 10_000)] == [16, 16, 32, 32, 64, 64]
+    assert [pieces_at(cfg, s) for s in (0, 10, 20)] == [4, 2, 1]
+    assert [s for s in range(30) if changes_at(cfg, s)] == [10, 20]
+    late = resolve(preset="tiny", overrides={"data.seq_len_schedule": [[5, 32]]})
+    assert [seq_len_at(late, s) for s in (0, 4, 5)] == [64, 64, 32]  # before the first entry: model.seq_len
+    assert seq_len_at(resolve(preset="tiny"), 3) == 64
+    for bad, needle in (
+        ([[0, 48]], "seq_len 48 (from step 0) must divide model.seq_len 64"),
+        ([[0, 8]], "(8) must divide data.micro_batch_size 4"),  # 64/8 pieces do not fill a micro-batch of 4
+        ([[0, 128]], "must divide model.seq_len 64"),
+        ([[5, 16], [5, 32]], "strictly increasing"),
+        ([[0, 0]], "SEQ_LEN values must be >= 1"),
+        ([[0]], "data.seq_len_schedule.0"),
+        ("abc", "data.seq_len_schedule"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            resolve(preset="tiny", overrides={"data.seq_len_schedule": bad})
+        msg = str(e.value)
+        assert needle in msg and "\n" not in msg and "Value error" not in msg, msg

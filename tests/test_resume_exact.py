@@ -10,6 +10,7 @@ skip list (3:40 plus a wide range so the sampler really steps over skipped ids).
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -17,12 +18,16 @@ import pytest
 from trainer.checkpoint import list_checkpoints, verify
 from trainer_helpers import (  # noqa: F401  (fixtures)
     BASE_ARGS,
+    assert_one_line_error,
     assert_same_trajectory,
+    checkpoint_steps,
+    copy_run,
     dataset,
     records,
     refs,
     run_and_kill,
     run_trainer,
+    trajectory,
 )
 
 N2 = 24  # 2N steps, single rank
@@ -159,3 +164,81 @@ def test_fsdp_two_rank_kill_resume_bitwise(tmp_path, dataset, refs):
         files = set(verify(path)["files"])
         assert {"rng-rank0.pt", "rng-rank1.pt", "train_state.json", "dcp/.metadata"} <= files
         assert "model.pt" not in files and any(f.startswith("dcp/") and f.endswith(".distcp") for f in files)
+
+
+# ---- a seq_len schedule: resume exact on either side of a change of length
+
+SCHEDULE = ("--set", "data.seq_len_schedule=[[0,16],[6,32],[14,64]]")  # 4, 2, then 1 sequence(s) per id
+
+
+def _seq_len_markers(run_dir) -> list[tuple[int, str]]:
+    return [(r.step, r.detail) for r in records(run_dir) if getattr(r, "marker", None) == "seq_len_change"]
+
+
+def test_seq_len_schedule_kills_before_and_after_a_change_resume_bitwise(tmp_path, dataset, refs):
+    """Lengths 16 -> 32 (step 6) -> 64 (step 14). SIGKILL before the first change (the restart crosses
+    both), again after the second (the last restart loads a checkpoint taken at 64): bitwise equal to
+    the uninterrupted run. The data stream is the unscheduled one: no id repeated, none skipped."""
+    from trainer.data import Sampler, SkipList, TokenDataset
+
+    ref = refs(*_ref_args(N2, 2, *SCHEDULE))
+    assert _seq_len_markers(ref) == [(6, "seq_len 16->32 (128->256 tokens per step)"),
+                                     (14, "seq_len 32->64 (256->512 tokens per step)")]
+    steps = {s: r for s, r in trajectory(ref).items()}
+    # 8 sequences per step (micro-batch 4 x grad-accum 2): 2, 4, then 8 ids of 64-token windows
+    assert [len(steps[s]["sample_ids"]) for s in (1, 6, 7, 14, 15, N2)] == [2, 2, 4, 4, 8, 8]
+    assert [steps[s]["batch_tokens"] for s in (6, 7, 15)] == [128, 256, 512]
+    assert steps[N2]["tokens"] == sum(r["batch_tokens"] for r in steps.values() if not r["skipped"])
+    ds = TokenDataset.open(dataset)
+    drawn = [i for s in sorted(steps) for i in steps[s]["sample_ids"]]
+    want, _ = Sampler(ds.num_samples(64), 1337, ds.fingerprint).next_ids(len(drawn), SkipList([(3, 40), (20000, 35000)]))
+    assert drawn == want
+
+    rng = random.Random(41)
+    run = tmp_path / "run"
+    first = run_and_kill(run, _args(dataset, N2, 2, *SCHEDULE), rng=rng, kill_step=rng.randint(2, 4), data_dir=dataset)
+    second = run_and_kill(run, [], rng=rng, kill_step=rng.randint(17, 20), data_dir=dataset)
+    assert first.killed and second.killed and first.at_step < 6 and second.at_step >= 17
+    assert 16 <= max(checkpoint_steps(run)) < N2  # the last restart resumes from a checkpoint at seq_len 64
+    state = json.loads((run / "checkpoints" / f"step-{max(checkpoint_steps(run)):08d}" / "train_state.json").read_text())
+    assert (state["seq_len"], state["train_seq_len"]) == (64, 64)
+    _resume(run, dataset=dataset)
+    assert_same_trajectory(ref, run, N2, f"kills at {first.at_step}, {second.at_step}")
+    _assert_resumed(run, [first, second])
+    assert set(_seq_len_markers(run)) == set(_seq_len_markers(ref))
+
+
+def test_seq_len_schedule_resume_with_another_model_seq_len_is_refused(tmp_path, refs):
+    """model.seq_len (the position table, the unit of every sample id) still cannot change on resume:
+    one line that points at the schedule, and the run dir is untouched."""
+    run = copy_run(refs(*_ref_args(N2, 2, *SCHEDULE)), tmp_path / "run")
+    before = (run / "steps.jsonl").read_bytes()
+    p = run_trainer(run, "--max-steps", str(N2 + 4), "--set", "model.seq_len=32")  # the saved schedule no longer fits
+    assert_one_line_error(p, contains="seq_len 64 (from step 14) must divide model.seq_len 32")
+    p = run_trainer(run, "--max-steps", str(N2 + 4), "--set", "model.seq_len=32", "--set", "data.seq_len_schedule=[]")
+    line = assert_one_line_error(p, contains="cannot change model.seq_len")
+    assert "data.seq_len_schedule" in line
+    assert (run / "steps.jsonl").read_bytes() == before
+
+
+def test_seq_len_schedule_bad_value_is_one_line(tmp_path, dataset):
+    p = run_trainer(tmp_path / "run", *BASE_ARGS, "--data", str(dataset), "--max-steps", "2",
+                    "--set", "data.seq_len_schedule=[[0,48]]")
+    assert_one_line_error(p, contains="seq_len 48 (from step 0) must divide model.seq_len 64")
+    assert not (tmp_path / "run" / "steps.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_seq_len_schedule_two_rank_ddp_kill_resume_bitwise(tmp_path, dataset, refs):
+    """torchrun, 2 ranks (gloo DDP): killed before the changes, resumed across both, exact."""
+    sched = ("--set", "data.seq_len_schedule=[[0,16],[5,32],[9,64]]")
+    ref = refs(*_ref_args(N2_DIST, 2, *sched), nproc=2)
+    rng = random.Random(51)
+    run = tmp_path / "run"
+    kill = run_and_kill(run, _args(dataset, N2_DIST, 2, *sched), rng=rng, kill_step=rng.randint(2, 4), nproc=2,
+                        data_dir=dataset)
+    assert kill.killed and kill.at_step < 5
+    _resume(run, nproc=2, dataset=dataset)
+    assert_same_trajectory(ref, run, N2_DIST, f"killed at {kill.at_step}")
+    assert [s for s, _ in _seq_len_markers(ref)] == [5, 9] and set(_seq_len_markers(run)) == set(_seq_len_markers(ref))
+    assert [len(trajectory(ref)[s]["sample_ids"]) for s in (1, 6, 10)] == [4, 8, 16]  # 16 sequences per step

@@ -146,6 +146,8 @@ class TrainStateFile(_Strict):
     source_faults: list[dict] = []
     mixture_weights: dict[Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")], float] | None = None
     seq_len: Annotated[int, Field(ge=1)] | None = None
+    # the seq_len the checkpointed step trained at (data.seq_len_schedule; absent before schedules existed)
+    train_seq_len: Annotated[int, Field(ge=1)] | None = None
 
     _time = field_validator("last_checkpoint_time")(_finite)
 

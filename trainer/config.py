@@ -59,6 +59,20 @@ class DataConfig(_Strict):
     mixture: dict[str, float] | None = Field(
         None, description="mixture datasets: sampling weight per source name (None: the weights it was prepared with)"
     )
+    seq_len_schedule: list[tuple[int, int]] = Field(
+        default_factory=list, description="[[FROM_STEP, SEQ_LEN], ...]: train at SEQ_LEN once FROM_STEP steps are done "
+        "(before the first entry: model.seq_len); see trainer/seqlen.py",
+    )
+
+    @field_validator("seq_len_schedule")
+    @classmethod
+    def _schedule_ordered(cls, v):
+        steps = [s for s, _ in v]
+        if any(s < 0 for s in steps) or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"FROM_STEP values must be >= 0 and strictly increasing (got {steps})")
+        if any(n < 1 for _, n in v):
+            raise ValueError(f"SEQ_LEN values must be >= 1 (got {[n for _, n in v]})")
+        return v
 
 
 class EvalConfig(_Strict):
@@ -221,6 +235,18 @@ class TrainConfig(_Strict):
             raise ValueError("run_id: use letters, digits, '-', '_' or '.'")
         return v
 
+    @model_validator(mode="after")
+    def _schedule_fits(self):
+        # every scheduled length cuts each model.seq_len sample into whole pieces, and a micro-batch
+        # into whole samples (trainer/seqlen.py): sample ids and the data cursor never depend on it
+        full, mb = self.model.seq_len, self.data.micro_batch_size
+        for step, n in self.data.seq_len_schedule:
+            if n > full or full % n or mb % (full // n):
+                raise ValueError(
+                    f"data.seq_len_schedule: seq_len {n} (from step {step}) must divide model.seq_len {full}, and "
+                    f"model.seq_len / seq_len ({full / n:g}) must divide data.micro_batch_size {mb}")
+        return self
+
 
 PRESETS: dict[str, dict] = {
     # CPU smoke: a dozen steps in a few seconds
@@ -249,9 +275,10 @@ PRESETS: dict[str, dict] = {
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
+    """A new dict: nested dicts are copied, so setting a flag later never writes into a preset."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = _deep_merge(out[k] if isinstance(out.get(k), dict) else {}, v) if isinstance(v, dict) else v
     return out
 
 
@@ -264,11 +291,12 @@ def _set_path(d: dict, dotted: str, value) -> None:
 
 def _format_validation(e: ValidationError, source: str) -> str:
     err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-    msg = err["msg"]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
-    return f"{source}: {loc}: {msg}"
+    # a check across sections (a model validator) has no location: its message names the fields
+    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
 
 
 def load_yaml(path: str | Path) -> dict:

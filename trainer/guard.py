@@ -70,6 +70,12 @@ class StepGuard:
         self.count.add_(ok.to(torch.int64))
         return ok.to(torch.float32), reason
 
+    def rebaseline(self) -> None:
+        """Forget the baseline (on the device, no sync): the next ``min_history`` accepted steps build a
+        new one. For a planned change of the loss level, such as a new sequence length."""
+        self.count.zero_()
+        self.streak.zero_()
+
     def state_dict(self) -> dict:
         return {
             "window": self.loss.numel(),

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from sentinel.protocol import Ack, CheckpointInfo, Directive, MarkerRecord, StepRecord, TimelineRecord, merge_ranges
 from trainer import faults as drills
-from trainer import rng, rundir_lock
+from trainer import rng, rundir_lock, seqlen
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -197,6 +197,7 @@ class Trainer:
         except DataError as e:
             raise TrainingError(str(e)) from None
         self.weights_now: dict[str, float] | None = None  # normalised weights of the last step trained
+        self.seq_now: int | None = None  # tokens per sequence of the last step trained (seq_len schedule)
         self.step_source_sums: torch.Tensor | None = None  # per-source loss sums of the last train_step
         # the skip list only grows: config + the run dir's file (which the sentinel may have grown)
         self.skip = SkipList.load(self.run_dir / "skiplist.json")
@@ -248,10 +249,11 @@ class Trainer:
         from trainer.telemetry.mfu import flops_per_token, peak_flops
 
         m = cfg.model
-        self.flops_per_token = flops_per_token(
-            n_params_non_embedding=self.n_params, n_layer=m.n_layer, d_model=m.d_model,
-            seq_len=m.seq_len, vocab_size=m.vocab_size,
-        )
+
+        def fpt(seq_len: int) -> float:  # the attention term grows with the sequence length in effect
+            return flops_per_token(n_params_non_embedding=self.n_params, n_layer=m.n_layer, d_model=m.d_model,
+                                   seq_len=seq_len, vocab_size=m.vocab_size)
+        self.flops_per_token = fpt
         dev_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
         dtype = "bf16" if env.device.type == "cuda" else "fp32"
         self.peak = peak_flops(dev_name, dtype, cfg.telemetry.peak_flops)
@@ -327,6 +329,7 @@ class Trainer:
             "source_faults": [f.model_dump() for f in self.cfg.source_faults],
             "mixture_weights": self.weights_now,
             "seq_len": self.cfg.model.seq_len,
+            "train_seq_len": self.seq_now,
             "last_checkpoint_time": time.time(),
         }
 
@@ -437,8 +440,9 @@ class Trainer:
             # not a bad checkpoint to fall back from: every checkpoint of the run would fail the same way
             was = f"seq_len {ts['seq_len']}" if "seq_len" in ts else f"{ts['sampler']['num_samples']} samples"
             raise TrainingError(f"checkpoint {path.name} was trained at {was}, this run has seq_len {seq} "
-                                f"({self.sampler.num_samples} samples): a run cannot change seq_len (the position "
-                                "table and every sample id depend on it); start a new run dir")
+                                f"({self.sampler.num_samples} samples): a run cannot change model.seq_len (the position "
+                                "table and every sample id depend on it); train shorter sequences first with "
+                                "data.seq_len_schedule, or start a new run dir")
         if ts["guard"]["window"] != self.cfg.guard.window:
             raise TrainingError(f"checkpoint {path.name} has a guard window of {ts['guard']['window']}, "
                                 f"this run {self.cfg.guard.window}; cannot resume exactly")
@@ -474,6 +478,8 @@ class Trainer:
         self.sampler.load_state_dict(ts["sampler"])
         # the weights the checkpointed step trained with: a different config makes a mixture_change marker
         self.weights_now = ts.get("mixture_weights")
+        # likewise the length it trained at (checkpoints from before schedules: model.seq_len)
+        self.seq_now = ts.get("train_seq_len") or ts.get("seq_len")
         self.guard.load_state_dict(ts["guard"])
         if restore_skiplist:
             self.skip.add([tuple(r) for r in ts["skiplist"]])
@@ -640,26 +646,31 @@ class Trainer:
 
     # ================================================================== the step
     def _batch(self) -> tuple[list[int], int, list[torch.Tensor], list[list[int]]]:
-        """The global batch for this step, and this rank's micro-batches (every rank samples identically)."""
-        ids, n_skipped = self.sampler.next_ids(self.global_batch, self.skip)
+        """The global batch for this step, and this rank's micro-batches (every rank samples identically).
+        Under a shorter scheduled seq_len each id yields several sequences, so fewer ids are drawn."""
+        n_ids = self.global_batch // seqlen.pieces_at(self.cfg, self.state.step)
+        ids, n_skipped = self.sampler.next_ids(n_ids, self.skip)
         micro, micro_ids = self.micro_batches(ids)
         return ids, n_skipped, micro, micro_ids
 
     def micro_batches(self, ids: list[int]) -> tuple[list[torch.Tensor], list[list[int]]]:
         """This rank's micro-batches of a global batch: micro m of rank r holds
-        ``ids[(m * world + r) * mb : (m * world + r + 1) * mb]``. Drills are applied here."""
-        d = self.cfg.data
-        world, rank, mb = self.env.world_size, self.env.rank, d.micro_batch_size
-        micro_ids = [ids[(m * world + rank) * mb:(m * world + rank + 1) * mb] for m in range(d.grad_accum)]
+        ``ids[(m * world + r) * q : (m * world + r + 1) * q]``, ``q = micro_batch_size / pieces`` ids cut
+        into ``micro_batch_size`` sequences at the scheduled seq_len (``trainer/seqlen.py``; ``pieces``
+        is 1 without a schedule). Drills are applied to the whole windows, before the cut."""
+        d, step = self.cfg.data, self.state.step
+        world, rank = self.env.world_size, self.env.rank
+        q = d.micro_batch_size // seqlen.pieces_at(self.cfg, step)
+        micro_ids = [ids[(m * world + rank) * q:(m * world + rank + 1) * q] for m in range(d.grad_accum)]
         micro = []
         for mids in micro_ids:
             toks = self.ds.get_many(mids, self.cfg.model.seq_len)
             toks = drills.corrupt_tokens(self.cfg.faults, mids, toks, self.cfg.model.vocab_size)
             if self.cfg.source_faults:
                 names = [self.ds.source_names[k] for k in self.ds.source_index(mids, self.cfg.model.seq_len)]
-                toks = drills.corrupt_source_tokens(self.cfg.source_faults, self.state.step + 1, mids, names, toks,
+                toks = drills.corrupt_source_tokens(self.cfg.source_faults, step + 1, mids, names, toks,
                                                     self.cfg.model.vocab_size)
-            t = torch.from_numpy(toks)
+            t = torch.from_numpy(seqlen.split_windows(toks, seqlen.seq_len_at(self.cfg, step)))
             if self.env.device.type == "cuda":  # a copy from pageable memory would sync the stream
                 t = t.pin_memory()
             micro.append(t.to(self.env.device, non_blocking=True))
@@ -684,8 +695,9 @@ class Trainer:
         src_sum = onehots = None
         if self.per_source:
             src_sum = torch.zeros(self.n_sources, device=self.env.device)
-            onehots = [source_onehot(self.ds.source_index(mids, self.cfg.model.seq_len), self.n_sources, self.env.device)
-                       for mids in micro_ids]
+            # one row per sequence: an id cut into k sequences gives k rows of its source
+            onehots = [source_onehot(np.repeat(self.ds.source_index(mids, self.cfg.model.seq_len), len(toks) // max(1, len(mids))),
+                                     self.n_sources, self.env.device) for toks, mids in zip(micro, micro_ids)]
         for i, toks in enumerate(micro):
             self.state.accum_pos = i
             x, y = toks[:, :-1], toks[:, 1:]
@@ -734,6 +746,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if seqlen.changes_at(self.cfg, self.state.step):  # a planned change of loss level is not a spike:
+            self.guard.rebaseline()  # rebuild the baseline at the new length (a pure function of the step)
         factor, reason = self.guard.check(loss, grad_norm)
         if apply:  # lr stays a Python float: uploading it as a tensor would be a host->device sync
             self.opt.step(lr_value, factor)
@@ -790,7 +804,8 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.start()
         self.model.train()
-        _log(env, f"model: {self.n_params / 1e6:.2f}M non-embedding params; global batch {self.global_batch} x {cfg.model.seq_len} tokens; "
+        sched = f" (seq_len schedule {[list(e) for e in cfg.data.seq_len_schedule]})" if cfg.data.seq_len_schedule else ""
+        _log(env, f"model: {self.n_params / 1e6:.2f}M non-embedding params; global batch {self.global_batch} x {cfg.model.seq_len} tokens{sched}; "
                   f"{env.world_size} rank(s), {cfg.parallelism if env.distributed else 'single'} on {env.device.type}")
         while self.state.step < cfg.max_steps:
             t_ctl = time.perf_counter()
@@ -879,6 +894,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.clock.begin()
         markers = self._step_markers()
+        seq = self.seq_now
         ids, n_skipped, micro, micro_ids = self._batch()
         self.clock.data_ready()
         lr = self.lr_for(self.state.step, ids)
@@ -890,7 +906,8 @@ class Trainer:
         source_counts = None
         if self.step_source_sums is not None:
             tensors["source_sums"] = self.step_source_sums
-            source_counts = np.bincount(self.ds.source_index(ids, cfg.model.seq_len), minlength=self.n_sources).tolist()
+            pieces = cfg.model.seq_len // seq  # sequences (loss rows) per id
+            source_counts = (np.bincount(self.ds.source_index(ids, cfg.model.seq_len), minlength=self.n_sources) * pieces).tolist()
         digest = self._digest()
         if digest is not None:
             tensors["digest"] = digest
@@ -902,7 +919,7 @@ class Trainer:
             "step": self.state.step, "lr": lr, "ids": ids, "n_skipped": n_skipped, "time": time.time(),
             "phases": {**self.clock.latest(), "control": t_control},
             "val": val[0] if val else None, "val_slices": val[1] if val else None, "probe": val[2] if val else None,
-            "t_start": t0, "markers": markers, "source_counts": source_counts,
+            "t_start": t0, "markers": markers, "source_counts": source_counts, "seq_len": seq,
         }
         for values, m in self.readback.submit(tensors, meta):
             self._emit(values, m)
@@ -913,6 +930,10 @@ class Trainer:
         mixture weights in effect for the step about to run."""
         step = self.state.step
         markers = lr_phase_markers(step, self.cfg)
+        seq = seqlen.seq_len_at(self.cfg, step)
+        if self.seq_now is not None and seq != self.seq_now:
+            markers.append(("seq_len_change", seqlen.describe_change(self.seq_now, seq, self.global_batch)))
+        self.seq_now = seq
         if isinstance(self.sampler, MixtureSampler):
             normalised = self.sampler.set_weights(self.mix_weights.at(step + 1))
             weights = dict(zip(self.ds.source_names, normalised))
@@ -932,22 +953,26 @@ class Trainer:
         cfg, env = self.cfg, self.env
         t_tel = time.perf_counter()
         skipped = v["factor"] == 0.0
+        # an id is one model.seq_len window whatever length it was cut into (trainer/seqlen.py), so this is
+        # also micro_batch_size x grad_accum x world sequences of the seq_len in effect (m["seq_len"])
         seq = cfg.model.seq_len
         step_tokens = len(m["ids"]) * seq
         if not skipped:
             self.state.tokens += step_tokens
         ranks = v["ranks"] if isinstance(v["ranks"], list) else [v["ranks"]]
         now = time.time()
-        self._throughput.append((now, step_tokens))
-        tps = None
+        fpt = self.flops_per_token(m["seq_len"]) if self.flops_per_token else 0.0
+        self._throughput.append((now, step_tokens, step_tokens * fpt))
+        tps = mfu = None
         if len(self._throughput) >= 2:
             span = self._throughput[-1][0] - self._throughput[0][0]
-            tps = sum(t for _, t in list(self._throughput)[1:]) / span if span > 0 else None
-        mfu = None
-        if tps and self.peak and self.flops_per_token:
-            from trainer.telemetry.mfu import mfu as mfu_fn
+            recent = list(self._throughput)[1:]
+            tokens = sum(t for _, t, _ in recent)
+            tps = tokens / span if span > 0 else None
+            if tps and self.peak and fpt:  # FLOPs per token averaged over the window (a seq_len change inside it)
+                from trainer.telemetry.mfu import mfu as mfu_fn
 
-            mfu = mfu_fn(tps, self.flops_per_token, self.peak, env.world_size)
+                mfu = mfu_fn(tps, sum(f for _, _, f in recent) / tokens, self.peak, env.world_size)
         val = m["val"]
         loaded = (len(m["ids"]) + m["n_skipped"]) * seq
         useful = 0 if skipped else step_tokens

@@ -174,7 +174,8 @@ def per_sample(tr, micro: list[torch.Tensor], micro_ids: list[list[int]], rng_st
         with torch.set_grad_enabled(not fsdp):
             with tr.autocast:
                 _, tok_loss = model(x, y, reduction="none")
-            per = tok_loss.float().view(x.shape[0], -1).mean(1)
+            # one row per sample id: under a seq_len schedule an id's window is several sequences (rows)
+            per = tok_loss.float().view(len(mids), -1).mean(1)
             for r, sid in enumerate(mids):
                 gn = None
                 if not fsdp:
