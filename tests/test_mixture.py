@@ -470,6 +470,53 @@ def test_corrupt_source_drill_shows_in_that_slice_only(mix_dir, tmp_path):
     assert 'training_timeline_events_total{event="mixture_change",run="run"} 0.0' in text
 
 
+def test_seq_len_schedule_on_a_mixture_marks_counts_and_accounts_the_length_in_effect(mix_dir, tmp_path):
+    """data.seq_len_schedule 32 -> 64 at step 8 on a mixture: the seq_len_change marker and its
+    counter; per-source losses still add up to the step loss (each id is k sequences of its source);
+    tokens per step and MFU's FLOPs per token follow the length in effect."""
+    import signal as _signal
+
+    import torch
+
+    from trainer.config import resolve
+    from trainer.dist import DistEnv
+    from trainer.train import Trainer
+
+    cfg = resolve(preset="tiny", overrides={
+        "max_steps": 30, "eval.every": 10, "checkpoint.every": 0, "data.dir": str(mix_dir), "device": "cpu",
+        "telemetry.metrics_port": 0, "telemetry.peak_flops": 1e12, "optim.warmup_steps": 3, "data.grad_accum": 2,
+        "data.seq_len_schedule": [[0, 32], [8, 64]],
+    })  # fmt: skip
+    sigterm = _signal.getsignal(_signal.SIGTERM)
+    trainer = Trainer(cfg, tmp_path / "run", DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    try:
+        trainer.fit()
+        text = trainer.metrics.exposition().decode()
+    finally:
+        _signal.signal(_signal.SIGTERM, sigterm)
+        trainer.metrics.close()
+        trainer.steplog.close()
+    run = tmp_path / "run"
+    assert ("seq_len_change", 8) in _markers(run)
+    change = next(r for r in records(run) if isinstance(r, MarkerRecord) and r.marker == "seq_len_change")
+    assert change.detail == "seq_len 32->64 (256->512 tokens per step)"
+    assert 'training_timeline_events_total{event="seq_len_change",run="run"} 1.0' in text
+    ds = TokenDataset.open(mix_dir)
+    steps = authoritative_steps(records(run))
+    for s, r in steps.items():
+        assert (len(r.sample_ids), r.batch_tokens) == ((4, 256) if s <= 8 else (8, 512)), s
+        idx = ds.source_index(r.sample_ids, 64)
+        mean = sum(int((idx == k).sum()) * r.source_loss[n] for k, n in enumerate(ds.source_names) if n in r.source_loss)
+        assert mean / len(r.sample_ids) == pytest.approx(r.loss, rel=1e-5), s
+    assert steps[30].tokens == 8 * 256 + 22 * 512 - sum(r.batch_tokens for r in steps.values() if r.skipped)
+    # MFU = tokens/s x FLOPs per token / peak: over a window inside one length, that length's FLOPs
+    fpt = {n: trainer.flops_per_token(n) for n in (32, 64)}
+    assert fpt[32] < fpt[64]
+    for s, n in ((8, 32), (30, 64)):
+        assert steps[s].mfu * 1e12 / steps[s].tokens_per_second == pytest.approx(fpt[n], rel=1e-9), s
+    assert set(steps[10].val_slice_loss) == set(WEIGHTS)  # evaluation stays at model.seq_len
+
+
 def test_changing_seq_len_on_resume_is_refused_not_a_silent_fresh_start(mix_ref, mix_dir, tmp_path):
     """Every checkpoint of the run would fail the same way (position table, sample ids), so falling
     back through them would end in a fresh start that overwrites the run: refuse in one line."""
@@ -477,7 +524,7 @@ def test_changing_seq_len_on_resume_is_refused_not_a_silent_fresh_start(mix_ref,
     before = (run / "steps.jsonl").read_bytes()
     p = run_trainer(run, "--max-steps", str(MIX_STEPS + 4), "--set", "model.seq_len=32", data_dir=mix_dir)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert "cannot change seq_len" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "cannot change model.seq_len" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert (run / "steps.jsonl").read_bytes() == before
 
 

@@ -112,6 +112,38 @@ def test_replay_garbage_drill_names_the_drilled_samples(garbage_run, drop_run):
     assert all(str(i) in r.stdout for i in bad)
 
 
+SEQLEN_STEP = 16
+
+
+@pytest.fixture(scope="module")
+def seqlen_garbage_run(tmp_path_factory) -> tuple[Path, list[int]]:
+    """A run with a seq_len schedule (16, then 32 from step 8, 64 from step 12) and two of step 16's
+    ids drilled to garbage. Its ids come from the plain sampler: tiny's 4 sequences per step are
+    1 id (of 64 tokens) per step up to step 8, 2 up to step 12, then 4; the schedule moves nothing."""
+    from trainer.data import Sampler, TokenDataset, ensure_prepared
+
+    ds = TokenDataset.open(ensure_prepared(tmp_path_factory.getbasetemp() / "offline-data"))
+    sampler = Sampler(ds.num_samples(64), 1337, ds.fingerprint)
+    sampler.next_ids(8 * 1 + 4 * 2 + 3 * 4)
+    bad = sampler.next_ids(4)[0][1::2]
+    faults = [a for i in bad for a in ("--inject-fault", f"garbage@{i}")]
+    return make_run(tmp_path_factory, "seqlen-garbage", "--set", "data.seq_len_schedule=[[0,16],[8,32],[12,64]]", *faults), bad
+
+
+def test_replay_across_a_seq_len_change_is_bitwise_and_names_the_samples(seqlen_garbage_run):
+    """replay-batch restores step 10 (at 32 tokens), fast-forwards across the change to 64 at step 12,
+    reproduces step 16 bitwise and ranks culprits per sample id (one model.seq_len window each)."""
+    run, bad = seqlen_garbage_run
+    rec = records(run)[SEQLEN_STEP]
+    assert len(rec.sample_ids) == 4 and set(bad) <= set(rec.sample_ids)
+    res = replay_json(run, "--step", str(SEQLEN_STEP), "--top", "2")
+    assert res["checkpoint"] == 10 and res["reproduced"] is True
+    assert res["fast_forward"]["steps"] == 5 and res["fast_forward"]["matched"] is True
+    assert res["replayed"]["loss"] == rec.loss and res["replayed"]["grad_norm"] == rec.grad_norm
+    assert sorted(c["id"] for c in res["culprits"]) == sorted(bad)
+    assert res["batch"]["is_cause"] is True
+
+
 LR_STEP = 12  # the drill multiplies this step's LR by 100: its update wrecks the weights, step 13's loss spikes
 
 

@@ -14,7 +14,8 @@ size of the position table and the unit of the data stream:
   keep counting ``model.seq_len`` windows: a change of length mid-run neither repeats nor skips data,
   and a resume on either side of a change is exact (the schedule is a function of the step).
 
-The step at which a new length takes effect gets a ``seq_len_change`` marker.
+The step at which a new length takes effect gets a ``seq_len_change`` marker, and the in-process
+guard rebuilds its loss baseline there (:func:`changes_at`). Validation stays at ``model.seq_len``.
 """
 
 from __future__ import annotations
