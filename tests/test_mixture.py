@@ -431,31 +431,39 @@ def test_mixture_weight_change_on_resume_is_a_marker(mix_ref, mix_dir, tmp_path)
     assert "gamma 0.125->0.333" in late[0].detail  # 2 / (1 + 1 * 3 + 2): the reweight drill still applies
 
 
-def test_corrupt_source_drill_shows_in_that_slice_only(mix_dir, tmp_path):
-    """corrupt_source@gamma:6: from step 6 gamma's samples are garbage, so gamma's training loss
-    jumps while the others' do not; the slice metrics and the timeline counters are exported."""
+def _fit_in_process(run_dir: Path, overrides: dict):
+    """Train the tiny preset with these overrides in this process (one rank, live metrics registry);
+    returns the trainer and its final Prometheus exposition."""
     import signal as _signal
 
     import torch
 
-    from trainer.config import SourceFault, resolve
+    from trainer.config import resolve
     from trainer.dist import DistEnv
     from trainer.train import Trainer
 
-    cfg = resolve(preset="tiny", overrides={
-        "max_steps": 10, "eval.every": 5, "checkpoint.every": 0, "data.dir": str(mix_dir), "device": "cpu",
-        "telemetry.metrics_port": 0, "optim.warmup_steps": 3,
-        "source_faults": [SourceFault.parse("corrupt_source@gamma:6").model_dump()],
-    })  # fmt: skip
+    cfg = resolve(preset="tiny", overrides=overrides)
     sigterm = _signal.getsignal(_signal.SIGTERM)
-    trainer = Trainer(cfg, tmp_path / "run", DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+    trainer = Trainer(cfg, run_dir, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
     try:
         trainer.fit()
-        text = trainer.metrics.exposition().decode()
+        return trainer, trainer.metrics.exposition().decode()
     finally:
         _signal.signal(_signal.SIGTERM, sigterm)
         trainer.metrics.close()
         trainer.steplog.close()
+
+
+def test_corrupt_source_drill_shows_in_that_slice_only(mix_dir, tmp_path):
+    """corrupt_source@gamma:6: from step 6 gamma's samples are garbage, so gamma's training loss
+    jumps while the others' do not; the slice metrics and the timeline counters are exported."""
+    from trainer.config import SourceFault
+
+    _, text = _fit_in_process(tmp_path / "run", {
+        "max_steps": 10, "eval.every": 5, "checkpoint.every": 0, "data.dir": str(mix_dir), "device": "cpu",
+        "telemetry.metrics_port": 0, "optim.warmup_steps": 3,
+        "source_faults": [SourceFault.parse("corrupt_source@gamma:6").model_dump()],
+    })  # fmt: skip
     steps = authoritative_steps(records(tmp_path / "run"))
     before = [steps[s].source_loss["gamma"] for s in range(2, 6) if "gamma" in steps[s].source_loss]
     after = [steps[s].source_loss["gamma"] for s in range(6, 11) if "gamma" in steps[s].source_loss]
@@ -474,28 +482,11 @@ def test_seq_len_schedule_on_a_mixture_marks_counts_and_accounts_the_length_in_e
     """data.seq_len_schedule 32 -> 64 at step 8 on a mixture: the seq_len_change marker and its
     counter; per-source losses still add up to the step loss (each id is k sequences of its source);
     tokens per step and MFU's FLOPs per token follow the length in effect."""
-    import signal as _signal
-
-    import torch
-
-    from trainer.config import resolve
-    from trainer.dist import DistEnv
-    from trainer.train import Trainer
-
-    cfg = resolve(preset="tiny", overrides={
+    trainer, text = _fit_in_process(tmp_path / "run", {
         "max_steps": 30, "eval.every": 10, "checkpoint.every": 0, "data.dir": str(mix_dir), "device": "cpu",
         "telemetry.metrics_port": 0, "telemetry.peak_flops": 1e12, "optim.warmup_steps": 3, "data.grad_accum": 2,
         "data.seq_len_schedule": [[0, 32], [8, 64]],
     })  # fmt: skip
-    sigterm = _signal.getsignal(_signal.SIGTERM)
-    trainer = Trainer(cfg, tmp_path / "run", DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
-    try:
-        trainer.fit()
-        text = trainer.metrics.exposition().decode()
-    finally:
-        _signal.signal(_signal.SIGTERM, sigterm)
-        trainer.metrics.close()
-        trainer.steplog.close()
     run = tmp_path / "run"
     assert ("seq_len_change", 8) in _markers(run)
     change = next(r for r in records(run) if isinstance(r, MarkerRecord) and r.marker == "seq_len_change")
