@@ -122,6 +122,32 @@ def test_training_dashboard_follows_the_inspection_order_with_a_timeline():
     assert len({a["iconColor"] for a in timeline}) == len(timeline)  # one colour per kind of change
 
 
+def test_timeline_annotations_mark_each_event_with_promtool(tmp_path):
+    """Every timeline annotation's exact query, run by promtool on counters that step 0 -> 1 (each event
+    kind, seq_len_change included, at its own moment): it marks the moment of its own events, with the
+    event label (the annotation title), and nothing a minute later nor for another annotation's events."""
+    promtool = _binary("promtool")
+    timeline = [a for a in _load("training.json")["annotations"]["list"] if "training_timeline_events_total" in a.get("expr", "")]
+    kinds = [e for a in timeline for e in re.search(r'event=~"([^"]+)"', a["expr"]).group(1).split("|")]
+    assert "seq_len_change" in kinds
+    # event i's counter is 0 until 3 (i + 1) minutes, then 1 (15 s samples)
+    series = [{"series": f'training_timeline_events_total{{run="r", event="{e}"}}',
+               "values": f"0x{12 * i + 11} 1x{12 * (len(kinds) - i) + 12}"} for i, e in enumerate(kinds)]
+    tests = []
+    for a in timeline:
+        expr = _concrete(a["expr"], "r")
+        for i, e in enumerate(kinds):
+            mine = e in re.search(r'event=~"([^"]+)"', a["expr"]).group(1).split("|")
+            tests.append({"expr": expr, "eval_time": f"{180 * (i + 1)}s",
+                          "exp_samples": [{"labels": f'{{run="r", event="{e}"}}', "value": 1}] if mine else []})
+            tests.append({"expr": expr, "eval_time": f"{180 * (i + 1) + 75}s", "exp_samples": []})
+    spec = tmp_path / "annotations_test.yaml"
+    spec.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "15s", "tests": [
+        {"interval": "15s", "input_series": series, "promql_expr_test": tests}]}))
+    p = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_query_has_ref_id_and_run_scope(name):
     d = _load(name)
