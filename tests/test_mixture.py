@@ -492,6 +492,7 @@ def test_seq_len_schedule_on_a_mixture_marks_counts_and_accounts_the_length_in_e
     change = next(r for r in records(run) if isinstance(r, MarkerRecord) and r.marker == "seq_len_change")
     assert change.detail == "seq_len 32->64 (256->512 tokens per step)"
     assert 'training_timeline_events_total{event="seq_len_change",run="run"} 1.0' in text
+    assert 'training_sequence_length_tokens{run="run"} 64.0' in text
     ds = TokenDataset.open(mix_dir)
     steps = authoritative_steps(records(run))
     for s, r in steps.items():

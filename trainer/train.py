@@ -1027,6 +1027,7 @@ class Trainer:
                 skipped_reason=reason, skipped_samples=m["n_skipped"], loaded_tokens=loaded, useful_tokens=useful, mfu=mfu,
             )
             self.metrics.on_slice_losses(source_loss)
+            self.metrics.set_sequence_length(m["seq_len"])
             if self.bus:
                 self.metrics.set_telemetry_dropped(self.bus.dropped)
         if env.is_main and m["step"] % cfg.telemetry.log_every == 0:

@@ -222,6 +222,10 @@ class TrainerMetrics:
             "training_trained_tokens", "The run's cumulative trained-token position (goes back on rollback)."
         )
         self._tps = gauge("training_tokens_per_second", "Global tokens/s over the recent-step window.")
+        self._seq_len = gauge(
+            "training_sequence_length_tokens",
+            "Tokens per training sequence of the last step: model.seq_len, or the data.seq_len_schedule length in effect.",
+        )
         self._mfu_family = None  # created on the first known MFU: absent when no peak is known
         self._mfu = None
         skipped = Counter("training_skipped_steps", "Steps whose update was dropped, by reason.", RUN + ("reason",), registry=r)
@@ -455,6 +459,11 @@ class TrainerMetrics:
     def set_mixture_weights(self, weights: dict[str, float]) -> None:
         """The sampling weight of each slice now in effect (normalised to sum to 1)."""
         self._set_slice_values("weight", weights)
+
+    def set_sequence_length(self, tokens: int) -> None:
+        """The sequence length the last step trained at (it moves under a seq_len schedule)."""
+        if self.is_global_exporter:
+            self._seq_len.set(tokens)
 
     def on_timeline_event(self, event: str) -> None:
         """Count one timeline event (``TIMELINE_EVENTS``; others are ignored, to bound cardinality)."""
