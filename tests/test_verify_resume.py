@@ -139,6 +139,21 @@ def test_drill_makes_its_own_reference(drop_run, tmp_path):
     assert res["checks"]["params_match_log_at_checkpoint"] is True
 
 
+def test_resume_across_a_seq_len_change_is_equivalent(tmp_path_factory, tmp_path):
+    """A run with data.seq_len_schedule (16, 32 from step 8, 64 from step 12): resuming checkpoint 10
+    (trained at 32) and running across the change to 64 matches the log bitwise, and the state
+    records the length its step trained at."""
+    run = tmp_path / "run"
+    shutil.copytree(make_run(tmp_path_factory, "seqlen", "--set", "model.dropout=0.1",
+                             "--set", "data.seq_len_schedule=[[0,16],[8,32],[12,64]]"), run)
+    state = json.loads((_ckpt(run) / "train_state.json").read_text())
+    assert (state["seq_len"], state["train_seq_len"]) == (64, 32)
+    res = verify_json(run, "--from-step", C, "--steps", "6")
+    assert res["equivalent"] is True and res["steps"] == 6 and res["round_trip"]["identical"]
+    recs = authoritative(run / "steps.jsonl")
+    assert [len(recs[row["step"]].sample_ids) for row in res["rows"]] == [2, 2, 4, 4, 4, 4]  # 32, then 64 tokens
+
+
 @pytest.mark.parametrize("component", list(TAMPER))
 def test_tampered_checkpoint_is_caught_and_named(component, drop_run, tmp_path):
     run = tmp_path / "run"
