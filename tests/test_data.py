@@ -447,3 +447,27 @@ def test_seq_len_schedule_config_and_lookup():
             resolve(preset="tiny", overrides={"data.seq_len_schedule": bad})
         msg = str(e.value)
         assert needle in msg and "\n" not in msg and "Value error" not in msg, msg
+
+
+def test_seq_len_change_rebaselines_the_guard():
+    """A planned change of loss level (a new sequence length) is not a spike: after ``rebaseline``
+    the guard accepts the new level instead of skipping up to max_consecutive_skips steps of data;
+    non-finite steps are still skipped."""
+    import torch
+
+    from trainer.config import GuardConfig
+    from trainer.guard import StepGuard
+
+    def warmed() -> StepGuard:
+        g = StepGuard(GuardConfig(), torch.device("cpu"))
+        for i in range(20):
+            g.check(torch.tensor(3.0 + 0.01 * (i % 3)), torch.tensor(1.0))
+        return g
+
+    jump = torch.tensor(4.0), torch.tensor(1.0)
+    assert float(warmed().check(*jump)[0]) == 0.0  # without: a loss spike, the update is dropped
+    g = warmed()
+    g.rebaseline()
+    assert float(g.check(*jump)[0]) == 1.0
+    assert (g.state_dict()["count"], g.state_dict()["streak"]) == (1, 0)
+    assert float(g.check(torch.tensor(float("nan")), torch.tensor(1.0))[0]) == 0.0
