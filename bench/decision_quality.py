@@ -25,7 +25,9 @@ the ``actions`` and ``flagged`` it returns, the way a held-out judge does:
      for it: a flag below 5 hindsight sigma is a false alarm. Target: F1 >= 0.98, precision >= 0.99.
    The OLMo-core skip-step anchor (mean + 6 sigma of the last 128 losses) is scored alongside.
 
-Runs: the real curves (when the folder exists) and synthetic healthy runs made to look like them
+Runs: the real curves (when the folder exists), the validation curves in ``bench/curves-validation``
+(more public modded-nanogpt record logs, added after the settings were chosen and never tuned on;
+see its README), and synthetic healthy runs made to look like them
 (``synthetic_healthy``): a power-law descent from ~11 to ~3.1-3.6 nats with an lr-cooldown dip at
 the end, per-step noise of 0.05-0.14 nats (Student-t, df 4-10), recovered spikes of 1-5 steps
 (+0.3 to +3 nats), some at a fixed period (data-order spikes), and slow healthy wiggles. Seeds
@@ -253,6 +255,8 @@ def report(title: str, tal: Tally) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--curves", default="/work/shared/curves")
+    ap.add_argument("--validation-curves", default=str(Path(__file__).resolve().parent / "curves-validation"),
+                    help="more real curves, never tuned on: reported as their own set")
     ap.add_argument("--drills", type=int, default=8, help="drills per damage shape per run")
     ap.add_argument("--synthetic", type=int, default=24, help="synthetic healthy runs per set (tuning and held-out)")
     ap.add_argument("--held-out-only", action="store_true")
@@ -262,6 +266,9 @@ def main() -> None:
     folder = Path(a.curves)
     if not a.held_out_only and folder.is_dir() and any(folder.glob("*.jsonl")):
         results.append(report("real curves", evaluate(load_curves(folder), a.drills)))
+    vfolder = Path(a.validation_curves)
+    if not a.held_out_only and vfolder.is_dir() and any(vfolder.glob("*.jsonl")):
+        results.append(report("real curves, validation (never tuned on)", evaluate(load_curves(vfolder), a.drills, 3)))
     if not a.held_out_only:
         results.append(report("synthetic (tuning seeds)", evaluate([synthetic_healthy(s) for s in range(a.synthetic)], max(1, a.drills // 2), 1)))
     held = [synthetic_healthy(HELD_OUT_FROM + s) for s in range(a.synthetic)]

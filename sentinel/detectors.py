@@ -179,6 +179,7 @@ class SpikeDetector:
         "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
         "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
         "z", "ratio", "baseline", "scale", "_gate", "_s", "_fifo", "_size", "_alpha", "recent", "_raw",
+        "noise_floor",
     )
 
     def __init__(
@@ -209,6 +210,7 @@ class SpikeDetector:
         self._gate = min(ratio_spike, ratio_elevated)
         self.recent = recent  # > 0: noise-aware verdicts (see update)
         self._raw: deque[float] = deque(maxlen=2 * recent if recent else 1)  # every finite value, spikes too
+        self.noise_floor = 0.0  # the caller's slow per-step noise sigma (see update); 0: none
         # details of the last verdict, for findings (only meaningful when it was not NORMAL)
         self.z = 0.0
         self.ratio = 1.0
@@ -272,7 +274,12 @@ class SpikeDetector:
             local = MAD_TO_SIGMA * median_of([abs(v - rm) for v in raw])
             if local > scale:
                 scale = local
-                z = (x - med) / scale
+            # ... and never below the run's slow per-step noise (first differences over a few hundred
+            # steps): both MADs come from a few dozen values and now and then understate the spread
+            # by 15-20 %, which is exactly what turned 5-sigma wiggles into 6-sigma flags.
+            if self.noise_floor > scale:
+                scale = self.noise_floor
+            z = (x - med) / scale
         self.z, self.ratio, self.baseline, self.scale = z, ratio, med, scale
         if z >= self.z_spike and ratio >= self.ratio_spike:
             verdict = SPIKE
@@ -592,12 +599,18 @@ class ClimbTrend:
     """
 
     __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
-                 "_s0", "_s1", "_b", "_dirty", "_since_sync")
+                 "_s0", "_s1", "_b", "_dirty", "_since_sync", "phi", "_blocks", "_blk", "_spread")
 
     GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
     RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
+    BLOCKS = 40  # block means (of ``window`` losses each) kept to calibrate ``phi``: ~2000 steps
+    MIN_BLOCKS = 10  # fewer than this: ``phi`` is PHI_UNCALIBRATED
+    PHI_UNCALIBRATED = 1.5  # the run's slow noise is not known yet: assume some
+    PHI_MAX = 4.0
+    CONFIRM = 1.5  # each late quarter's median must stand this many of its sigmas above the baseline's
+    MEDIAN_EFFICIENCY = 1.2533  # sd of a median of n normal values / sd of their mean (sqrt(pi / 2))
 
-    def __init__(self, window: int = 48, baseline: int = 100, sigmas: float = 7.0, warmup: int = 150, stride: int = 4):
+    def __init__(self, window: int = 48, baseline: int = 100, sigmas: float = 5.5, warmup: int = 150, stride: int = 4):
         if window < 4 or baseline < 4:
             raise ValueError("window and baseline must be at least 4")
         self.window, self.baseline, self.sigmas, self.warmup, self.stride = window, baseline, sigmas, warmup, max(1, stride)
@@ -606,14 +619,26 @@ class ClimbTrend:
         self._ksum2 = sum(self._kw) ** 2 / baseline  # the baseline mean's error enters every term
         self.reset()
 
-    def update(self, step: int, x: float, noise: float) -> bool:
+    def update(self, step: int, x: float, noise: float, spike: bool = False) -> bool:
         """Admit a finite loss; ``noise`` is the current robust per-step sigma. True = climbing.
+
+        ``spike``: the spike test flagged this loss. It is held at the previous loss instead: a
+        spike is its own episode, and a cluster of them at the window's end (k-weighted) would
+        otherwise read as a ramp. A climb's losses are not spikes: each is within a few sigma of
+        the one before.
 
         Per step O(1): running sums of the window (plain and k-weighted) and of the baseline give
         the unclipped z; clipping only matters with outliers, so the exact clipped z (a pass over
         ``window + baseline`` values) is computed only when the unclipped one is near the bar."""
         f = self._f
+        if spike and f:
+            x = f[-1][1]
         full = len(f) == f.maxlen
+        if full:  # the window's oldest leaves it: calibration data (see _close_block)
+            blk = self._blk
+            blk.append(f[self.baseline][1])
+            if len(blk) >= self.window:
+                self._close_block(f[self.baseline][0])
         if full and not self._dirty:
             w, b = self.window, self.baseline
             x_mid, x_out = f[b][1], f[0][1]  # the window's oldest moves to the baseline; the baseline's oldest leaves
@@ -629,7 +654,8 @@ class ClimbTrend:
             return False
         if self._dirty or self._since_sync >= self.RESYNC:
             self._sync()
-        scale = noise * math.sqrt(self._norm2 + self._ksum2)
+        self.phi = phi = self._phi(noise)
+        scale = phi * noise * math.sqrt(self._norm2 + self._ksum2)
         ksum = 0.5 * self.window * (self.window + 1)
         if (self._s1 - self._b / self.baseline * ksum) / scale <= self.sigmas - self.GATE:
             self.z = self.rise = 0.0  # far below the bar: not worth the exact pass
@@ -647,7 +673,48 @@ class ClimbTrend:
         self.z = acc / scale
         self.rise = acc / self._norm2 * self.window  # the fitted ramp's rise over the window, in nats
         self._start = f[b][0]
-        return self.z > self.sigmas
+        if self.z <= self.sigmas:
+            return False
+        # The k-weighting favours the newest losses, so a cluster of spikes at the window's end (two
+        # 5-step spikes back to back, +3 sigma each after clipping, at k ~ 40) can pass the bar
+        # alone. A climb also lifts the *medians* of both quarters of the window's second half
+        # above the baseline's median; a recovered spike cluster lifts one at most.
+        q = self.window // 4
+        bar = self.CONFIRM * self.MEDIAN_EFFICIENCY * noise * math.sqrt(1.0 / q + 1.0 / b)
+        w0 = b + self.window - 2 * q
+        return median_of(vals[w0:w0 + q]) - m > bar and median_of(vals[w0 + q:]) - m > bar
+
+    def _close_block(self, step: int) -> None:
+        """Close the current block of losses that have left the window (so a climb in progress
+        cannot raise the calibration that judges it). A block is summarised by its median: a
+        recovered spike of a few steps does not move it (a clipped mean still moved 3x its noise)."""
+        self._blocks.append((step, median_of(self._blk)))
+        self._blk = []
+        self._spread = self._block_spread()
+
+    def _phi(self, noise: float) -> float:
+        """How much more the run's block means wander than white noise of ``noise`` would make them.
+
+        The spread (MAD) of second differences of consecutive block means, against the white-noise
+        value ``noise * sqrt(6 / window)``: a steady descent (even a curving one) cancels in a second
+        difference, slow healthy wiggles do not. The ramp z is divided by it (at least 1), so a run
+        whose loss wanders slowly raises its own bar, and a run with white noise (every public curve
+        measured: 0.6-1.0) keeps the plain one."""
+        spread = self._spread
+        if spread is None or not noise > 0:
+            return self.PHI_UNCALIBRATED
+        phi = spread / (noise * self.MEDIAN_EFFICIENCY * math.sqrt(6.0 / self.window))
+        return 1.0 if phi < 1.0 else self.PHI_MAX if phi > self.PHI_MAX else phi
+
+    def _block_spread(self) -> float | None:
+        """Robust spread (MAD) of the second differences of the kept block means; None: too few."""
+        bl = self._blocks
+        if len(bl) < self.MIN_BLOCKS:
+            return None
+        m = [v for _, v in bl]
+        d2 = [m[i] - 2.0 * m[i - 1] + m[i - 2] for i in range(2, len(m))]
+        md = median_of(d2)
+        return MAD_TO_SIGMA * median_of([abs(v - md) for v in d2])
 
     def _sync(self) -> None:
         vals = [v for _, v in self._f]
@@ -664,6 +731,11 @@ class ClimbTrend:
         f = self._f
         while f and f[-1][0] > keep_through_step:
             f.pop()
+        bl = self._blocks
+        while bl and bl[-1][0] > keep_through_step:
+            bl.pop()
+        self._blk = []
+        self._spread = self._block_spread()
         self._dirty = True
 
     def reset(self) -> None:
@@ -672,12 +744,20 @@ class ClimbTrend:
         self._dirty, self._since_sync = True, 0
         self.n = 0
         self.z = self.rise = 0.0
+        self.phi = self.PHI_UNCALIBRATED
         self._start = 0
+        self._blocks: deque[tuple[int, float]] = deque(maxlen=self.BLOCKS)  # (last step, median)
+        self._blk: list[float] = []  # the block being filled
+        self._spread: float | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": [list(p) for p in self._f], "n": self.n}
+        return {"window": [list(p) for p in self._f], "n": self.n, "blocks": [list(p) for p in self._blocks],
+                "block": list(self._blk)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
         self._f.extend((int(s), float(v)) for s, v in d["window"])
         self.n = int(d["n"])
+        self._blocks.extend((int(s), float(v)) for s, v in d.get("blocks", []))  # older state: uncalibrated
+        self._blk = [float(v) for v in d.get("block", [])][: self.window - 1]
+        self._spread = self._block_spread()

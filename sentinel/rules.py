@@ -147,10 +147,11 @@ class DivergenceRule(RuleBase):
     level_long_sigmas: float = Field(2.2, gt=0)
     min_rise: float = Field(0.02, ge=0)
     # climb: the last climb_window losses rise as a ramp above the clipped mean of the climb_baseline
-    # losses before them by a ramp-matched z > climb_sigmas (detectors.ClimbTrend); 0 turns it off
+    # losses before them by a ramp-matched z > climb_sigmas (detectors.ClimbTrend, which divides z by
+    # the run's own slow-noise factor, so a run whose loss wanders raises its own bar); 0 turns it off
     climb_window: int = Field(48, ge=4)
     climb_baseline: int = Field(100, ge=4)
-    climb_sigmas: float = Field(7.0, ge=0)
+    climb_sigmas: float = Field(5.5, ge=0)
 
 
 class ValDivergenceRule(RuleBase):
@@ -426,6 +427,8 @@ class _LossEval(_Eval):
         self.div_on = v.enabled
         self.nf_on = self.nf_cfg.enabled
 
+    FLOOR = 0.8  # x the per-step noise from first differences, which overstates the level's spread
+    SLOW_ALPHA = 1 / 16  # per refresh: the spike floor's average spans ~256 steps
     NOISE_EVERY = 16  # a refresh costs a sort of 64 differences; every 64 steps lost 2/144 timely rollbacks
 
     def __call__(self, rec: StepRecord, out: list[Finding]) -> None:
@@ -436,8 +439,11 @@ class _LossEval(_Eval):
             if self._noise_n >= self.NOISE_EVERY and len(self.det.window) >= 8:
                 self._noise_n = 0
                 self.noise = self.det.noise()
+                # the spike test's noise floor: a slow average of the per-step noise (~256 steps)
+                slow, now = self.det.noise_floor, self.FLOOR * self.noise
+                self.det.noise_floor = now if slow <= 0 else slow + self.SLOW_ALPHA * (now - slow)
             short, long_ = self._shift_update(step, x, self.noise), self._long_update(step, x, self.noise)
-            climb = self._climb_update is not None and self._climb_update(step, x, self.noise)
+            climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == d.SPIKE)
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
                 out.append(Finding("divergence", c.severity, c.action, step,

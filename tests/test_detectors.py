@@ -123,6 +123,30 @@ def test_noise_aware_spike_bar_rises_in_a_noisy_stretch():
     assert det.update(200, 3.0 + 10 * 0.02) == d.SPIKE  # in a quiet stretch a clear spike still is one
 
 
+def test_spike_bar_never_below_the_runs_slow_noise_floor():
+    """Both MADs come from a few dozen values; the caller's slow per-step noise is a floor under
+    them, so a value 8 of the window's sigmas up but under 6 of the run's is no spike."""
+    rng = random.Random(5)
+    quiet = [3.0 + rng.gauss(0, 0.02) for _ in range(200)]
+    verdicts = {}
+    for floor in (0.0, 0.03):
+        det = d.SpikeDetector(ratio_spike=1.02, ratio_elevated=1.02, recent=32)
+        for i, x in enumerate(quiet):
+            det.update(i, x)
+        det.noise_floor = floor
+        verdicts[floor] = det.update(200, 3.0 + 8 * 0.02)
+    assert verdicts[0.0] == d.SPIKE and verdicts[0.03] != d.SPIKE
+
+
+def test_loss_rule_keeps_a_slow_noise_floor_for_the_spike_test():
+    eng = RuleEngine(default_rules())
+    rng = random.Random(1)
+    for t in range(600):
+        eng.evaluate(rec(t + 1, 3.0 + rng.gauss(0, 0.1)))
+    floor = eng.loss.det.noise_floor
+    assert 0.7 * 0.1 < floor < 0.95 * 0.1  # 0.8 x the per-step sigma from first differences
+
+
 def test_kofn_and_onset():
     k = d.KOfN(3, 5)
     assert not k.update(1, True)
@@ -220,6 +244,64 @@ def test_climb_trend_leaves_a_slow_climb_to_the_level_test():
     ct = d.ClimbTrend()
     xs = _climb(_pretraining(2500, 20), 1500, 0.3, 200)
     assert not any(ct.update(i, x, 0.1) for i, x in enumerate(xs[:1550]))
+
+
+def test_climb_trend_calibrates_its_bar_to_a_run_that_wanders():
+    """Slow healthy wiggles (a few hundredths of a nat over hundreds of steps) make block means
+    wander more than white noise would: phi > 1 raises the bar, and the run is left alone. White
+    noise keeps phi at 1 (the plain bar)."""
+    t = np.arange(4000, dtype=float)
+    rng = np.random.default_rng(4)
+    white = 3.3 + rng.normal(0, 0.1, t.size)
+    wavy = white + 0.05 * np.sin(2 * np.pi * t / 400) + 0.04 * np.sin(2 * np.pi * t / 170 + 1)
+    phis = {}
+    for name, xs in (("white", white), ("wavy", wavy)):
+        ct = d.ClimbTrend()
+        fired = [i for i, x in enumerate(xs) if ct.update(i, float(x), 0.1)]
+        phis[name] = ct.phi
+        assert not fired, (name, fired[:3])
+    assert phis["white"] == 1.0 and phis["wavy"] > 1.3, phis
+    ct = _Uncalibrated()  # the plain bar, without calibration: the wiggles fire it
+    assert any(ct.update(i, float(x), 0.1) for i, x in enumerate(wavy))
+
+
+class _Uncalibrated(d.ClimbTrend):
+    __slots__ = ()
+    MIN_BLOCKS = 10**9
+    PHI_UNCALIBRATED = 1.0
+
+
+def test_climb_trend_ignores_a_spike_cluster_at_the_window_end():
+    """Two 5-step spikes back to back (both recovered) put ~10 clipped +3-sigma terms at high k:
+    enough for the ramp z alone. The losses the spike test flagged are held at the previous
+    loss, and the late quarters' medians must rise too: no climb."""
+    fired_plain = 0
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        xs = list(3.3 + rng.normal(0, 0.1, 1400))
+        for s in (1300, 1305):
+            for j in range(5):
+                xs[s + j] += 2.5 * math.exp(-j / 2.0)
+        spike = [x - 3.3 > 6 * 0.1 for x in xs]  # what the spike test would flag (z >= 6)
+        plain, ct = d.ClimbTrend(), d.ClimbTrend()
+        fired_plain += any(plain.update(i, float(x), 0.1) for i, x in enumerate(xs))
+        assert not any(ct.update(i, float(x), 0.1, spike[i]) for i, x in enumerate(xs)), seed
+    assert fired_plain >= 2  # without the spike flags the k-weighted ramp does fire
+
+
+def test_climb_trend_calibration_survives_state_dict_and_rewind():
+    rng = np.random.default_rng(2)
+    xs = 3.3 + rng.normal(0, 0.1, 1500)
+    a = d.ClimbTrend()
+    for i, x in enumerate(xs[:1200]):
+        a.update(i, float(x), 0.1)
+    b = d.ClimbTrend()
+    b.load_state_dict(a.state_dict())
+    for i, x in enumerate(xs[1200:], start=1200):
+        assert a.update(i, float(x), 0.1) == b.update(i, float(x), 0.1)
+    assert a._spread == b._spread and a._spread is not None
+    a.rewind(700)
+    assert all(s <= 700 for s, _ in a._blocks) and len(a._blocks) >= a.MIN_BLOCKS
 
 
 class _ExactClimb(d.ClimbTrend):
