@@ -134,7 +134,8 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
             stopped_at = None  # the trace's own timeline moved on: judge again
         now[0] = rec.time
         if isinstance(rec, MarkerRecord):
-            continue  # a condition change on the timeline: nothing for the rules to judge
+            policy.on_marker(rec)  # as live: a planned change of the loss level restarts its baselines
+            continue
         if isinstance(rec, TimelineRecord):
             policy.on_timeline(rec)
         else:

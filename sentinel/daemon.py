@@ -220,7 +220,7 @@ class RunWatcher:
             sum(1 for i in self.policy.incidents if i.state not in ("healthy", "escalated") and i.closed_at is None))
         return len(done)
 
-    def _feed(self, rec: StepRecord | TimelineRecord, history: bool) -> None:
+    def _feed(self, rec: StepRecord | TimelineRecord | MarkerRecord, history: bool) -> None:
         """Give one accepted record to the policy. History (an old backlog) informs, never acts."""
         if history and not self.policy.dry_run:
             # replay it as a dry run: detectors and checkpoints learn, pages and rollbacks are not sent
@@ -240,7 +240,8 @@ class RunWatcher:
             self._execute(self.policy.on_step(rec), rec.time)
         elif isinstance(rec, TimelineRecord):
             self._execute(self.policy.on_timeline(rec), rec.time)
-        # markers (warm-up end, decay start, ...) describe conditions for the timeline: nothing to decide
+        else:  # a marker: a planned change of the loss level restarts its baselines (RunPolicy.on_marker)
+            self._execute(self.policy.on_marker(rec), rec.time)
 
     def _end_replay(self) -> None:
         self._replaying = False

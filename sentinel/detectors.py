@@ -738,6 +738,13 @@ class ClimbTrend:
         self._spread = self._block_spread()
         self._dirty = True
 
+    def restart(self) -> None:
+        """Start the window and baseline again (the loss level changed by plan); keep the
+        calibration, which measures the run's noise, not its level."""
+        blocks, spread = self._blocks, self._spread
+        self.reset()
+        self._blocks, self._spread = blocks, spread
+
     def reset(self) -> None:
         self._f: deque[tuple[int, float]] = deque(maxlen=self.window + self.baseline)
         self._s0 = self._s1 = self._b = 0.0

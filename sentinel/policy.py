@@ -46,7 +46,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, Field
 
 from sentinel.detectors import median_of
-from sentinel.protocol import Ack, CheckpointInfo, Event, Incident, StepRecord, TimelineRecord, ids_to_ranges, merge_ranges
+from sentinel.protocol import Ack, CheckpointInfo, Event, Incident, MarkerRecord, StepRecord, TimelineRecord, ids_to_ranges, merge_ranges
 from sentinel.rules import Finding, RuleEngine, RuleSet
 
 ActionKind = Literal["rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now", "page"]
@@ -225,6 +225,20 @@ class RunPolicy:
             if self._state == "suspect":
                 self._close("recovered", s, f"superseded by {rec.kind} to step {s}")
         return self._emit(out)
+
+    LEVEL_MARKERS = ("mixture_change", "seq_len_change")  # planned changes of the loss level
+
+    def on_marker(self, rec: MarkerRecord) -> list[Action]:
+        """A change of training conditions. A new mixture or sequence length moves the loss level
+        by plan: the loss baselines start again, so the new level is not taken for damage (a
+        harder mixture would otherwise read as a level shift and be rolled back). The other
+        markers (end of warmup, start of decay) only annotate the timeline."""
+        if rec.marker in self.LEVEL_MARKERS and rec.timeline >= self.timeline:
+            self.engine.rebaseline()
+            self._event("rebaseline", "info", f"{rec.marker} at step {rec.step}"
+                        + (f" ({rec.detail})" if rec.detail else "") + ": loss baselines restart", step=rec.step,
+                        incident_id=self._current)
+        return self._emit([])
 
     def on_ack(self, ack: Ack) -> list[Action]:
         """A trainer's answer to a directive. A rejected or failed rollback escalates."""

@@ -505,6 +505,18 @@ class _LossEval(_Eval):
         """After an incident has been opened, start counting divergence afresh."""
         self.kofn.clear()
 
+    def rebaseline(self) -> None:
+        """A planned change of the loss level (new data mixture, new sequence length): the spike,
+        level and climb baselines start again from the next loss, so the new level is not judged
+        against the old one. The per-step noise and the climb test's calibration are kept (the
+        noise of a run does not change with its level)."""
+        self.det.reset()
+        self.kofn.clear()
+        self.shift.reset()
+        self.shift_long.reset()
+        self.climb.restart()
+        self.nf_run = 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
                 "climb": self.climb.state_dict(),
@@ -1027,6 +1039,10 @@ class RuleEngine:
 
     def clear_episode(self) -> None:
         self.loss.clear_episode()
+
+    def rebaseline(self) -> None:
+        """A planned change of the loss level (see ``_LossEval.rebaseline``)."""
+        self.loss.rebaseline()
 
     def state_dict(self) -> dict[str, Any]:
         return {n: ev.state_dict() for n, ev in self._evals.items()}

@@ -149,3 +149,17 @@ def test_a_steep_climb_is_rolled_back_within_50_steps_to_before_its_start(tmp_pa
     rb = [a for a in res.actions if a["kind"] == "rollback"]
     assert rb and onset <= rb[0]["step"] <= onset + 50 and rb[0]["to_step"] <= onset, res.actions
     assert "climbing since" in rb[0]["reason"]  # the climb test, not the slower level test
+
+
+def test_a_mixture_change_marker_in_the_trace_makes_its_level_rise_no_damage(tmp_path):
+    """Backtest = live: a marker in a real steps.jsonl restarts the loss baselines as the daemon
+    does, so the planned +10 % level after a mixture change is not rolled back; the same trace
+    without the marker is."""
+    p = loss_only_trace(tmp_path, spikes=(), n=900, shift_from=600)
+    lines = p.read_text().splitlines()
+    marker = json.dumps({"kind": "marker", "run": "r", "step": 599, "marker": "mixture_change", "detail": "web 0.5 -> 0.7",
+                         "time": 31559 / 1000 + 59.9})
+    with_marker = tmp_path / "with_marker.jsonl"
+    with_marker.write_text("\n".join(lines[:599] + [marker] + lines[599:]) + "\n")
+    assert [a["kind"] for a in backtest(load_trace(p), default_rules()).actions] == ["rollback"]
+    assert backtest(load_trace(with_marker), default_rules()).actions == []

@@ -408,3 +408,24 @@ def test_incidents_view_says_paused_while_awaiting_approval_and_names_dry_runs()
     warm(q)
     damage(q, 300)
     assert q.incidents[0].closed_at is None and _outcome(q.incidents[0], []).startswith("dry run")
+
+
+@pytest.mark.parametrize("marker,acts_expected", [("mixture_change", False), ("seq_len_change", False), ("warmup_end", True), (None, True)])
+def test_a_planned_level_change_restarts_the_loss_baselines(marker, acts_expected):
+    """A harder mixture raises the loss by plan: with its marker the new level is the new baseline
+    (no rollback, one 'rebaseline' event); the same rise without it, or after a marker that does
+    not move the level, is damage and is rolled back."""
+    from sentinel.protocol import MarkerRecord
+
+    p, _ = policy()
+    warm(p, upto=600)
+    if marker:
+        p.on_marker(MarkerRecord(run=RUN, step=599, marker=marker, detail="drill", time=1599.0))
+    x, acts = noise(7), []
+    for s in range(600, 900):
+        acts += p.on_step(rec(s, x() + 0.3))  # +0.3 nats (10 %), held
+        if s % 50 == 0:
+            p.on_checkpoint(ckpt(s))
+    assert any(a.kind == "rollback" for a in acts) is acts_expected, [a.kind for a in acts]
+    events = [e.kind for e in p.drain_events()]
+    assert events.count("rebaseline") == (1 if marker in ("mixture_change", "seq_len_change") else 0)
