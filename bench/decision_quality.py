@@ -61,6 +61,7 @@ HORIZON = 4 * WINDOW  # drills are replayed to this many steps after the onset
 OUTCOMES = ("timely", "late", "wrong target", "missed", "false before")
 DAMAGE = ("jump", "jump-decay", "climb", "nan")
 HELD_OUT_FROM = 1000
+SHOW_MISSES = False  # --misses: print every jump, decay or NaN drill that was not timely
 
 
 @dataclass
@@ -221,7 +222,12 @@ def evaluate(runs: list[Run], drills_per_shape: int, seed: int = 0) -> Tally:
                 end = min(n, onset + HORIZON)  # later steps cannot change a timely verdict
                 dmg, label = inject(run, shape, onset, rng)
                 res = run_backtest(run.name, dmg[:end], run.wall_ms[:end])
-                tal.drill(label, *drill_outcome(res["actions"], onset))
+                outcome = drill_outcome(res["actions"], onset)
+                tal.drill(label, *outcome)
+                if SHOW_MISSES and outcome[0] and not label.startswith("climb"):
+                    first = next((a for a in res["actions"] if a["kind"] in ("rollback", "pause")), None)
+                    print(f"   [{OUTCOMES[outcome[0]]}] {run.name} {label} onset {onset}: +{dmg[onset] - run.losses[onset]:.3f} at onset; "
+                          f"first action {first['kind'] + ' at ' + str(first['step']) + ' to ' + str(first.get('to_step')) if first else 'none'}")
     tal.seconds = time.process_time() - t0
     return tal
 
@@ -261,7 +267,10 @@ def main() -> None:
     ap.add_argument("--synthetic", type=int, default=24, help="synthetic healthy runs per set (tuning and held-out)")
     ap.add_argument("--held-out-only", action="store_true")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures to this file")
+    ap.add_argument("--misses", action="store_true", help="print every jump, decay or NaN drill that was not timely")
     a = ap.parse_args()
+    global SHOW_MISSES
+    SHOW_MISSES = a.misses
     results = []
     folder = Path(a.curves)
     if not a.held_out_only and folder.is_dir() and any(folder.glob("*.jsonl")):
