@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -321,9 +322,13 @@ def test_every_panel_query_returns_data(tmp_path):
             for where, expr in _queries(_load(name)):
                 q = _concrete(expr, run)
                 assert "$" not in q, f"{name} {where}: unsubstituted variable in {q}"
+                t_eval = at
                 if where.startswith("annotation "):  # Grafana runs it over the visible range
                     q = f"max_over_time(({q})[{window}:1s])"
-                series = prom.query(q, at)  # asserts status == success: the query parses and evaluates
+                    # a subquery evaluates at whole seconds at or before `at`: the scrape that made the
+                    # readiness query true (a change in its last second) would fall after the last one
+                    t_eval = math.ceil(at)
+                series = prom.query(q, t_eval)  # asserts status == success: the query parses and evaluates
                 if series:
                     continue
                 why = next((w for k, w in EMPTY_OK.items() if k in expr), None)
