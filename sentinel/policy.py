@@ -117,6 +117,7 @@ class RunPolicy:
         self._episodes: deque[dict[str, Any]] = deque(maxlen=PATTERN_HISTORY)  # spike episodes: step, fp, ids
         self.pattern = "none"  # one-off | periodic | increasing, over this run's spike episodes
         self._hang: str | None = None  # id of the open hang incident (beside any anomaly incident)
+        self._rebaselined_at: int | None = None  # steps_seen at the last planned-level rebaseline
 
     # ------------------------------------------------------------------ public interface
 
@@ -227,17 +228,27 @@ class RunPolicy:
         return self._emit(out)
 
     LEVEL_MARKERS = ("mixture_change", "seq_len_change")  # planned changes of the loss level
+    REBASELINE_MIN_STEPS = 200  # at most one rebaseline per this many trained steps
 
     def on_marker(self, rec: MarkerRecord) -> list[Action]:
         """A change of training conditions. A new mixture or sequence length moves the loss level
         by plan: the loss baselines start again, so the new level is not taken for damage (a
         harder mixture would otherwise read as a level shift and be rolled back). The other
         markers (end of warmup, start of decay) only annotate the timeline."""
-        if rec.marker in self.LEVEL_MARKERS and rec.timeline >= self.timeline:
-            self.engine.rebaseline()
-            self._event("rebaseline", "info", f"{rec.marker} at step {rec.step}"
-                        + (f" ({rec.detail})" if rec.detail else "") + ": loss baselines restart", step=rec.step,
+        if rec.marker not in self.LEVEL_MARKERS or rec.timeline < self.timeline:
+            return self._emit([])
+        what = f"{rec.marker} at step {rec.step}" + (f" ({rec.detail})" if rec.detail else "")
+        last = self._rebaselined_at
+        if last is not None and self.steps_seen - last < self.REBASELINE_MIN_STEPS:
+            # the baselines are still re-learning; a run that changed its mixture every few steps
+            # would otherwise never be judged at all
+            self._event("rebaseline_skipped", "warning", f"{what}: within {self.REBASELINE_MIN_STEPS} steps of the "
+                        f"last restart of the loss baselines; kept judging against the new ones", step=rec.step,
                         incident_id=self._current)
+            return self._emit([])
+        self._rebaselined_at = self.steps_seen
+        self.engine.rebaseline()
+        self._event("rebaseline", "info", f"{what}: loss baselines restart", step=rec.step, incident_id=self._current)
         return self._emit([])
 
     def on_ack(self, ack: Ack) -> list[Action]:
@@ -607,6 +618,7 @@ class RunPolicy:
             "pattern": self.pattern,
             "last_fire": self._last_fire,
             "hang": self._hang,
+            "rebaselined_at": self._rebaselined_at,
             "engine": self.engine.state_dict(),
             "events": [e.model_dump(mode="json") for e in self._events],
         }
@@ -629,5 +641,7 @@ class RunPolicy:
         self.pattern = d.get("pattern", "none")
         self._last_fire = {k: list(v) for k, v in d["last_fire"].items()}
         self._hang = d.get("hang")
+        rb = d.get("rebaselined_at")
+        self._rebaselined_at = int(rb) if rb is not None else None
         self.engine.load_state_dict(d["engine"])
         self._events = [Event.model_validate(e) for e in d.get("events", [])]

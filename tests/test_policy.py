@@ -429,3 +429,25 @@ def test_a_planned_level_change_restarts_the_loss_baselines(marker, acts_expecte
     assert any(a.kind == "rollback" for a in acts) is acts_expected, [a.kind for a in acts]
     events = [e.kind for e in p.drain_events()]
     assert events.count("rebaseline") == (1 if marker in ("mixture_change", "seq_len_change") else 0)
+
+
+def test_level_markers_every_few_steps_cannot_keep_the_loss_rule_blind():
+    """One rebaseline per 200 trained steps: a marker storm (a buggy or hostile schedule) leaves
+    the baselines learning once, then judging; real damage after it is still rolled back."""
+    from sentinel.protocol import MarkerRecord
+
+    p, _ = policy()
+    warm(p, upto=600)
+    x, acts = noise(3), []
+    for s in range(600, 1000):
+        p.on_marker(MarkerRecord(run=RUN, step=s - 1, marker="mixture_change", time=1000.0 + s))
+        acts += p.on_step(rec(s, x() + (0.0 if s < 850 else 0.6)))
+        if s % 50 == 0:
+            p.on_checkpoint(ckpt(s))
+    kinds = [e.kind for e in p.drain_events()]
+    assert kinds.count("rebaseline") == 2 and kinds.count("rebaseline_skipped") >= 300  # at 600 and 800
+    assert any(a.kind == "rollback" for a in acts)
+    st = p.state_dict()
+    q, _ = policy()
+    q.load_state_dict(json.loads(json.dumps(st)))
+    assert q._rebaselined_at == p._rebaselined_at
