@@ -499,6 +499,7 @@ class _LossEval(_Eval):
         self.shift_long.reset()
         self.climb.reset()
         self.noise, self._noise_n = 0.0, 0
+        self.det.noise_floor = 0.0
         self.nf_run = 0
 
     def clear_episode(self) -> None:
@@ -520,7 +521,7 @@ class _LossEval(_Eval):
     def state_dict(self) -> dict[str, Any]:
         return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
                 "climb": self.climb.state_dict(),
-                "noise": self.noise, "noise_n": self._noise_n, "nf_run": self.nf_run}
+                "noise": self.noise, "noise_n": self._noise_n, "noise_floor": self.det.noise_floor, "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.det.load_state_dict(st["det"])
@@ -532,6 +533,7 @@ class _LossEval(_Eval):
         if "climb" in st:
             self.climb.load_state_dict(st["climb"])
         self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
+        self.det.noise_floor = float(st.get("noise_floor", 0.0))
         self.nf_run = int(st["nf_run"])
 
 
