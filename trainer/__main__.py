@@ -150,4 +150,14 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun worker leaves without interpreter finalization. Its process group is destroyed
+        # and every file is flushed and closed by now, but the DDP reducer and the trainer still hold
+        # gloo work objects; freeing those while the interpreter is being torn down now and then ends
+        # in std::terminate ("terminate called without an active exception", exit -6) on one rank
+        # after a clean run (seen on 2-rank DDP and FSDP runs). Nothing is left to finalize.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
