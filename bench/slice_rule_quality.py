@@ -11,11 +11,17 @@ Healthy scenarios (a page anywhere is a false page):
 gauss, t3 (Student-t df=3, same scale), ar1 (AR(1) phi=0.9: slowly drifting eval noise),
 outliers (Gaussian + a single eval off by +0.3..+1.0 nats with probability 3%), warmup (a
 20-eval plateau before the descent), cooldown (the last 25 evals all slices drop 0.3 nats fast),
-mixed (t3 noise + AR(1) + outliers + cooldown together).
+mixed (t3 noise + AR(1) + outliers + cooldown together), ar1_common (one AR(1) phi=0.9 drift shared
+by every slice, each with its own loading 0.7-1.3, plus the slice's own Gaussian noise: a drifting
+eval pipeline or checkpoint moves every slice together).
+
+In ``ar1`` every slice drifts on its own, independently of the others: the harder case for a rule
+that compares slices, kept as the main figure. ``ar1_common`` is the other end; real eval noise is
+likely a mix of both.
 
 Regression scenarios: one slice (random) starts rising at eval 60 while the others keep improving:
 ramp (+0.02 nats/eval), slow (+0.01 nats/eval), step (+0.2 nats at once), each under t3 noise and
-ramp also under AR(1) noise. Detected = the first page after the onset names that slice (delay in
+ramp also under AR(1) noise (ramp_ar1: independent, ramp_ar1_common: shared drift). Detected = the first page after the onset names that slice (delay in
 evals from the onset); a page before the onset or naming another slice is a false page.
 
 Seeds 0..N-1 are the tuning set; seeds 10_000.. are held out (never looked at while tuning).
@@ -62,6 +68,7 @@ def simulate(scenario: str, seed: int) -> tuple[np.ndarray, int | None]:
     noise_kind = {"t3": "t3", "ramp": "t3", "slow": "t3", "step": "t3", "ar1": "ar1", "ramp_ar1": "ar1"}.get(scenario, "gauss")
     out = np.empty((N_EVALS, N_SLICES))
     bad = int(rng.integers(N_SLICES)) if scenario in REGRESSIONS else None
+    common = _noise(rng, "ar1", rng.uniform(0.02, 0.05)) if scenario in COMMON else None
     for s in range(N_SLICES):
         base, amp, tau = 2.5 + 0.3 * s + rng.uniform(-0.1, 0.1), rng.uniform(0.8, 2.0), rng.uniform(4, 15)
         drift, scale = rng.uniform(0.0005, 0.004), rng.uniform(0.01, 0.05)
@@ -74,9 +81,11 @@ def simulate(scenario: str, seed: int) -> tuple[np.ndarray, int | None]:
         if scenario in REGRESSIONS and s == bad:
             # the regressing slice stops improving at the onset (its curve is held there) and rises
             k = np.maximum(0, e - ONSET + 1)
-            y = np.where(k > 0, y[ONSET - 1], y) + {"ramp": 0.02 * k, "ramp_ar1": 0.02 * k, "slow": 0.01 * k,
-                                                    "step": 0.2 * (k > 0)}[scenario]
-        if scenario == "mixed":
+            y = np.where(k > 0, y[ONSET - 1], y) + {"ramp": 0.02 * k, "ramp_ar1": 0.02 * k, "ramp_ar1_common": 0.02 * k,
+                                                    "slow": 0.01 * k, "step": 0.2 * (k > 0)}[scenario]
+        if common is not None:
+            y = y + common * rng.uniform(0.7, 1.3) + _noise(rng, "gauss", scale)
+        elif scenario == "mixed":
             y = y + _noise(rng, ["t3", "ar1", "gauss"][s % 3], scale)
         else:
             y = y + _noise(rng, noise_kind, scale)
@@ -87,8 +96,9 @@ def simulate(scenario: str, seed: int) -> tuple[np.ndarray, int | None]:
     return out, bad
 
 
-HEALTHY = ("gauss", "t3", "ar1", "outliers", "warmup", "cooldown", "mixed")
-REGRESSIONS = ("ramp", "ramp_ar1", "slow", "step")
+HEALTHY = ("gauss", "t3", "ar1", "outliers", "warmup", "cooldown", "mixed", "ar1_common")
+REGRESSIONS = ("ramp", "ramp_ar1", "slow", "step", "ramp_ar1_common")
+COMMON = ("ar1_common", "ramp_ar1_common")  # one drift shared by every slice
 
 
 def pages(evals: np.ndarray, field: str = "val_slice_loss") -> list[tuple[int, str]]:
