@@ -286,10 +286,12 @@ def test_split_finds_flags():
     assert _split(["sentinel", "run", "--nope=1"])[2] == ["--nope=1"]
 
 
-def test_sentinel_rules_configmap_is_valid():
-    from sentinel.rules import load_rules
+def test_sentinel_rules_configmap_is_valid_and_is_the_default_rules():
+    """The Kubernetes ConfigMap ships the daemon's defaults: a tuned default changed in one copy
+    only (the climb bar once was) would run different judgement in the cluster than in the bench."""
+    from sentinel.rules import default_rules, load_rules
 
-    load_rules(K8S / "base" / "sentinel-rules.yaml")
+    assert load_rules(K8S / "base" / "sentinel-rules.yaml").model_dump() == default_rules().model_dump()
 
 
 # --------------------------------------------------------------------------------------------
