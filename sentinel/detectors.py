@@ -585,10 +585,18 @@ class ClimbTrend:
     negative (no alarm in the fast early descent or the lr cooldown). Extrapolating a fitted descent
     fires on the curvature of every early run (measured: z 9-15 at steps 150-300).
 
-    What it can reach (measured, docs/benchmarks.md): with sigma ~0.1 nat and the bar at 7, only
-    climbs of about 0.004 nats per step and steeper are caught within 50 steps. A 0.3-nat climb
-    over 200 steps (0.0015/step) reaches z ~2.5 by then, inside the healthy range, and is left to
-    ``LevelShift`` (later, but still rolled back to before its start).
+    The bar is the run's own: z is divided by ``phi`` (``_phi``: how much more the run's block
+    medians wander than white noise would; 1 on every public curve measured), so a run whose loss
+    wanders slowly raises it. Two more guards keep a recovered spike cluster from reading as a
+    ramp: losses the spike test flagged are held at the previous loss (``update``), and the medians
+    of both late quarters of the window must rise too.
+
+    What it can reach (measured, docs/benchmarks.md): with sigma ~0.1 nat and the bar at 5.5, only
+    steep climbs (about 0.004 nats per step and more) are caught within 50 steps, and not all of
+    them (2 of 5 drills on the real and validation curves; 10 of 71 at 0.002-0.004). A 0.3-nat climb
+    over 200 steps (0.0015/step) reaches z ~1.3 by then (the healthy descent subtracted), inside
+    the healthy range, and is left to later evaluations and ``LevelShift`` (later, but still
+    rolled back to before its start).
 
     ``onset()`` is a window before the window's first step: the ramp the filter matched starts at
     the window's first step when the climb is caught at once, but a slow climb caught later began
