@@ -565,3 +565,21 @@ def test_inject_fault_cli_routes_mixture_drills(tmp_path):
                         "--inject-fault", "corrupt_source@nosuch:3", "--telemetry", "off", "--max-steps", "1"],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "unknown source" in p.stderr, p.stderr
+
+
+def test_mixture_weight_changes_are_a_pure_function_of_the_step(mix_dir):
+    """The in-process guard rebuilds its baseline where the sampling weights change (a planned level
+    shift, like a new seq_len): exactly at a reweight drill's first step, never where a factor leaves
+    the normalised weights as they were, and never at step 0."""
+    from trainer.config import SourceFault, resolve
+    from trainer.slices import MixtureWeights
+
+    ds = TokenDataset.open(mix_dir)
+    cfg = resolve(preset="tiny", overrides={"source_faults": [
+        SourceFault.parse("reweight@beta:3:9").model_dump(),
+        SourceFault.parse("corrupt_source@alpha:5").model_dump(),
+    ]})
+    mw = MixtureWeights(ds, cfg)
+    assert [s for s in range(30) if mw.changes_at(s)] == [8]  # index 8 = the 1-based step 9
+    cfg.data.mixture = {n: 2.0 for n in ds.source_names}  # every weight doubled: same mixture
+    assert not any(MixtureWeights(ds, cfg).changes_at(s) for s in range(30) if s != 8)

@@ -72,7 +72,7 @@ class StepGuard:
 
     def rebaseline(self) -> None:
         """Forget the baseline (on the device, no sync): the next ``min_history`` accepted steps build a
-        new one. For a planned change of the loss level, such as a new sequence length."""
+        new one. For a planned change of the loss level: a new sequence length or mixture."""
         self.count.zero_()
         self.streak.zero_()
 

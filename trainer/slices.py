@@ -71,6 +71,20 @@ class MixtureWeights:
             w[name] = w.get(name, 0.0) * factor
         return w
 
+    def changes_at(self, step: int) -> bool:
+        """Whether the step with 0-based index ``step`` samples with other (normalised) weights than
+        the one before it: a planned change of the loss level, like a new sequence length. A pure
+        function of the config and the step, so resume, replay and verify-resume agree."""
+        if step <= 0:
+            return False
+        before, after = _normalised(self.at(step)), _normalised(self.at(step + 1))
+        return any(abs(before.get(n, 0.0) - w) > 1e-12 for n, w in after.items())
+
+
+def _normalised(w: dict[str, float]) -> dict[str, float]:
+    total = sum(w.values())
+    return {n: v / total for n, v in w.items()} if total > 0 else dict(w)
+
 
 def describe_change(before: dict[str, float] | None, after: dict[str, float]) -> str:
     """``pydoc 0.300->0.600, shakespeare 0.500->0.286`` for the sources whose weight moved."""

@@ -746,8 +746,11 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        if seqlen.changes_at(self.cfg, self.state.step):  # a planned change of loss level is not a spike:
-            self.guard.rebaseline()  # rebuild the baseline at the new length (a pure function of the step)
+        step = self.state.step
+        if seqlen.changes_at(self.cfg, step) or self.mix_weights.changes_at(step):
+            # a planned change of the loss level (new length or mixture) is not a spike: rebuild the
+            # baseline (a pure function of the config and the step, as the sentinel's own rebaseline)
+            self.guard.rebaseline()
         factor, reason = self.guard.check(loss, grad_norm)
         if apply:  # lr stays a Python float: uploading it as a tensor would be a host->device sync
             self.opt.step(lr_value, factor)
