@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import deque
+from collections.abc import Sequence
 from itertools import islice
+from operator import mul, sub
 from typing import Any
 
 # verdict codes returned by SpikeDetector.update (ints, not enums: this is the per-step hot path)
@@ -299,7 +301,7 @@ class SpikeDetector:
         """Robust per-step noise sigma: from first differences of the recent values when they are
         kept (a falling loss does not count as spread), else the admitted window's MAD."""
         if self.recent and len(self._raw) >= 8:
-            return diff_sigma(list(self._raw))
+            return diff_sigma(self._raw)
         return MAD_TO_SIGMA * self.window.mad()
 
     def level(self) -> float | None:
@@ -407,12 +409,12 @@ class Persistence:
         self.since_step, self.since_time, self.count = d["since_step"], d["since_time"], int(d["count"])
 
 
-def diff_sigma(xs: list[float]) -> float:
+def diff_sigma(xs: Sequence[float]) -> float:
     """Robust per-step noise sigma from first differences: a trend (a falling loss) cancels out,
     which a MAD around the median does not (it counts the descent as spread)."""
     # |difference| about zero, not about the median difference: the per-step drift of a loss
     # curve (~1e-4 nats) is nothing next to its noise, and one sort instead of two
-    d = sorted([abs(b - a) for a, b in zip(xs, xs[1:])])
+    d = sorted(map(abs, map(sub, islice(xs, 1, None), xs)))
     if not d:
         return 0.0
     h = len(d) >> 1
@@ -494,7 +496,7 @@ class LevelShift:
     """
 
     __slots__ = ("window", "stride", "horizon", "sigmas", "min_rise", "warmup", "n", "_pending", "_mono",
-                 "_above_since", "_f", "excess", "best", "bar")
+                 "_above_since", "_v", "_st", "excess", "best", "bar")
 
     def __init__(self, window: int = 24, horizon: int = 500, sigmas: float = 2.5, min_rise: float = 0.02, warmup: int = 100):
         self.window, self.horizon, self.sigmas, self.min_rise, self.warmup = window, horizon, sigmas, min_rise, warmup
@@ -503,12 +505,27 @@ class LevelShift:
 
     def update(self, step: int, x: float, noise: float) -> bool:
         """Admit a finite loss; ``noise`` is the current robust per-step sigma. True = shifted."""
-        f = self._f
-        f.append((step, x))
-        self.n += 1
-        if self.n % self.stride or len(f) < self.window:
+        return self.feed([step], [x], noise)
+
+    def feed(self, steps: list[int], xs: list[float], noise: float) -> bool:
+        """Admit several finite losses at once (``xs`` at ``steps``); the verdict is the last one's.
+
+        The same as ``update`` on each in turn, provided no verdict is due before the last loss
+        (the caller batches the steps between verdicts: a multiple of ``stride`` can only be the
+        last); otherwise it falls back to one at a time."""
+        n0, k, s = self.n, len(xs), self.stride
+        if k > 1 and (n0 + k - 1) // s != n0 // s:
+            for i in range(k - 1):
+                self.feed(steps[i:i + 1], xs[i:i + 1], noise)
+            return self.feed(steps[-1:], xs[-1:], noise)
+        v = self._v
+        v.extend(xs)
+        self._st.extend(steps)
+        self.n = n = n0 + k
+        if n % s or len(v) < self.window:
             return False
-        srt = sorted([v for _, v in f])
+        step = steps[-1]
+        srt = sorted(v)
         h = self.window >> 1
         m = srt[h] if self.window & 1 else 0.5 * (srt[h - 1] + srt[h])
         pend, mono = self._pending, self._mono
@@ -541,13 +558,18 @@ class LevelShift:
         return max(0, since - self.window)  # a whole window back: a rollback a little early costs steps, one late keeps the damage
 
     def rewind(self, keep_through_step: int) -> None:
-        for q in (self._f, self._pending, self._mono):
+        st, v = self._st, self._v
+        while st and st[-1] > keep_through_step:
+            st.pop()
+            v.pop()
+        for q in (self._pending, self._mono):
             while q and q[-1][0] > keep_through_step:
                 q.pop()
         self._above_since = None
 
     def reset(self) -> None:
-        self._f: deque[tuple[int, float]] = deque(maxlen=self.window)
+        self._v: deque[float] = deque(maxlen=self.window)  # the window's losses ...
+        self._st: deque[int] = deque(maxlen=self.window)  # ... and their steps
         self.n = 0
         self._pending: deque[tuple[int, float]] = deque()
         self._mono: deque[tuple[int, float]] = deque()
@@ -555,12 +577,14 @@ class LevelShift:
         self.excess = self.best = self.bar = 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": [list(p) for p in self._f], "n": self.n, "pending": [list(p) for p in self._pending],
+        return {"window": [[s, v] for s, v in zip(self._st, self._v)], "n": self.n, "pending": [list(p) for p in self._pending],
                 "mono": [list(p) for p in self._mono], "above_since": self._above_since}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
-        self._f.extend((int(s), float(v)) for s, v in d["window"])
+        for s, v in d["window"]:
+            self._st.append(int(s))
+            self._v.append(float(v))
         self.n = int(d["n"])
         self._pending = deque((int(s), float(v)) for s, v in d["pending"])
         self._mono = deque((int(s), float(v)) for s, v in d["mono"])

@@ -420,8 +420,15 @@ class _LossEval(_Eval):
         # warmup: the spike baseline's own, plus the climb's window and baseline (the early descent)
         self.climb = d.ClimbTrend(window=v.climb_window, baseline=v.climb_baseline, sigmas=v.climb_sigmas or math.inf,
                                   warmup=s.min_history + v.climb_window + v.climb_baseline)
-        self._det_update, self._shift_update, self._long_update = self.det.update, self.shift.update, self.shift_long.update
+        self._det_update, self._shift_feed, self._long_feed = self.det.update, self.shift.feed, self.shift_long.feed
         self._climb_update = self.climb.update if v.climb_sigmas > 0 else None
+        # The level tests judge only every few admitted losses (their strides); in between, the
+        # losses wait here and are fed in one call per test at the next verdict step (the same
+        # verdicts, one call instead of one per step per test).
+        self._every = math.gcd(self.shift.stride, self.shift_long.stride)
+        self._pend_st: list[int] = []
+        self._pend_x: list[float] = []
+        self._due = self._every
         self.noise = 0.0  # robust per-step sigma of the admitted losses, refreshed every NOISE_EVERY steps
         self._noise_n = 0
         self.nf_run = 0  # consecutive non-finite losses
@@ -444,8 +451,14 @@ class _LossEval(_Eval):
                 # the spike test's noise floor: a slow average of the per-step noise (~256 steps)
                 slow, now = self.det.noise_floor, self.FLOOR * self.noise
                 self.det.noise_floor = now if slow <= 0 else slow + self.SLOW_ALPHA * (now - slow)
-            short, long_ = self._shift_update(step, x, self.noise), self._long_update(step, x, self.noise)
-            climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == d.SPIKE)
+            self._pend_st.append(step)
+            self._pend_x.append(x)
+            self._due -= 1
+            if self._due:
+                short = long_ = False
+            else:
+                short, long_ = self._flush()
+            climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == 2)  # 2: SPIKE
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
                 out.append(Finding("divergence", c.severity, c.action, step,
@@ -483,10 +496,25 @@ class _LossEval(_Eval):
                                f"{len(kn._flagged)} of the last {kn.n} steps anomalous (loss {_f(x)}, baseline {_f(det.baseline)})",
                                value=x, onset_step=kn.onset(), anomaly=True))
 
+    def _flush(self) -> tuple[bool, bool]:
+        """Feed the waiting losses to the two level tests: (short level, long level)."""
+        st, xs, noise = self._pend_st, self._pend_x, self.noise
+        short, long_ = self._shift_feed(st, xs, noise), self._long_feed(st, xs, noise)
+        self._pend_st, self._pend_x = [], []
+        self._due = self._every - self.shift.n % self._every
+        return short, long_
+
+    def _settle(self) -> None:
+        """Before the tests' state is read or changed between verdict steps: feed what waits (no
+        verdict can be due: the next one is at the next multiple of the stride)."""
+        if self._pend_x:
+            self._flush()
+
     def level(self) -> float | None:
         return self.det.level()
 
     def rewind(self, keep_through_step: int) -> None:
+        self._settle()
         self.det.rewind(keep_through_step)
         self.kofn.clear()
         self.shift.rewind(keep_through_step)
@@ -495,6 +523,7 @@ class _LossEval(_Eval):
         self.nf_run = 0
 
     def reset(self) -> None:
+        self._pend_st, self._pend_x, self._due = [], [], self._every
         self.det.reset()
         self.kofn.clear()
         self.shift.reset()
@@ -513,14 +542,17 @@ class _LossEval(_Eval):
         level and climb baselines start again from the next loss, so the new level is not judged
         against the old one. The per-step noise and the climb test's calibration are kept (the
         noise of a run does not change with its level)."""
+        self._settle()
         self.det.reset()
         self.kofn.clear()
         self.shift.reset()
         self.shift_long.reset()
         self.climb.restart()
+        self._due = self._every
         self.nf_run = 0
 
     def state_dict(self) -> dict[str, Any]:
+        self._settle()
         return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
                 "climb": self.climb.state_dict(),
                 "noise": self.noise, "noise_n": self._noise_n, "noise_floor": self.det.noise_floor, "nf_run": self.nf_run}
@@ -537,6 +569,8 @@ class _LossEval(_Eval):
         self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
         self.det.noise_floor = float(st.get("noise_floor", 0.0))
         self.nf_run = int(st["nf_run"])
+        self._pend_st, self._pend_x = [], []
+        self._due = self._every - self.shift.n % self._every
 
 
 class _GradEval(_Eval):

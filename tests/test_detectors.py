@@ -184,8 +184,8 @@ def test_level_shift_catches_persistent_damage_with_an_onset_at_or_before_it(sha
 
 
 @pytest.mark.parametrize("make,queues", [
-    (lambda: d.LevelShift(window=8, horizon=100, warmup=20), ("_mono", "_f")),
-    (lambda: d.ClimbTrend(window=8, baseline=16, warmup=20), ("_f",)),
+    (lambda: d.LevelShift(window=8, horizon=100, warmup=20), ("_mono",)),
+    (lambda: d.ClimbTrend(window=8, baseline=16, warmup=20), ()),
 ])
 def test_trend_detectors_rewind_and_state_round_trip(make, queues):
     sh = make()
@@ -197,6 +197,10 @@ def test_trend_detectors_rewind_and_state_round_trip(make, queues):
     assert sh2.state_dict() == st
     sh2.rewind(150)
     assert all(s <= 150 for q in queues for s, _ in getattr(sh2, q))
+    sh3 = make()
+    sh3.load_state_dict(st)
+    sh3.rewind(197)  # the window keeps exactly the losses through the restored step
+    assert sh3.state_dict()["window"] == [p for p in st["window"] if p[0] <= 197] != []
 
 
 def _pretraining(n: int, seed: int, sigma: float = 0.1) -> list[float]:
@@ -471,6 +475,46 @@ def test_disabled_rules_do_not_fire():
     xs = healthy(300)
     xs[250] = 6.0
     assert all(f.rule != "loss_spike" for f in run(e, [rec(i, x) for i, x in enumerate(xs)]))
+
+
+@pytest.mark.parametrize("cut", [301, 302, 303])
+def test_engine_state_dict_round_trip_between_level_verdicts(cut):
+    """The loss rule feeds the level tests in batches between their verdict steps; a state saved
+    (or a rollback) mid-batch must lose nothing and change no later finding."""
+    import json
+
+    xs = healthy(700)
+    for i in range(500, 700):
+        xs[i] += 0.004 * (i - 500)  # a climb, so the level and climb tests fire after the cut
+    recs = [rec(i, x) for i, x in enumerate(xs)]
+    ref = RuleEngine(default_rules())
+    want = [f.to_dict() for f in run(ref, recs)]
+    e1, e2 = RuleEngine(default_rules()), RuleEngine(default_rules())
+    run(e1, recs[:cut])
+    st = e1.state_dict()
+    assert st["loss"]["shift"]["window"][-1][0] == cut - 1  # the losses waiting for the next verdict are saved
+    e2.load_state_dict(json.loads(json.dumps(st)))
+    assert any(f["rule"] == "divergence" for f in want)
+    assert [f.to_dict() for f in run(e2, recs[cut:])] == [f for f in want if f["step"] >= cut]
+    e3 = RuleEngine(default_rules())
+    run(e3, recs[:cut])
+    e3.rewind(cut - 3)  # a rollback mid-batch drops exactly the steps after the restored one
+    run(e3, recs[cut - 2:cut + 20])
+    steps = [s for s, _ in e3.state_dict()["loss"]["shift"]["window"]]
+    assert steps == list(range(cut + 20 - len(steps), cut + 20))
+
+
+def test_level_shift_fed_in_batches_gives_the_per_step_verdicts():
+    xs = _climb(_pretraining(2000, 3), 1200, 0.4, 150)
+    one, many = d.LevelShift(), d.LevelShift()
+    got = []
+    for i in range(0, len(xs), 4):
+        steps, vals = list(range(i, min(i + 4, len(xs)))), [float(x) for x in xs[i:i + 4]]
+        per = [one.update(s, v, 0.1) for s, v in zip(steps, vals)]
+        assert not any(per[:-1])  # verdicts only at multiples of the stride
+        got.append((per[-1], many.feed(steps, vals, 0.1)))
+    assert all(a == b for a, b in got) and any(a for a, _ in got)
+    assert one.state_dict() == many.state_dict()
 
 
 def test_engine_state_dict_round_trip():
