@@ -19,7 +19,9 @@ own timestamps so cooldowns and rate limits replay as they would have live. What
 - Findings (``flagged``) are reported for judged records only.
 
 ``load_trace`` is tolerant: a line needs only ``step`` and ``loss``; missing StepRecord fields get
-neutral values (``grad_norm = 0`` means "not reported" to the rules).
+neutral values (``grad_norm = 0`` means "not reported" to the rules). A malformed line (not JSON,
+a wrong type, a missing field) is rejected with a one-line reason naming the file and line, and
+the read goes on (``sentinel backtest`` counts them; ``--strict`` stops at the first instead).
 """
 
 from __future__ import annotations
@@ -73,8 +75,7 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         if k not in obj:
             raise SchemaError(f"{where}: a step line needs at least 'step' and 'loss' (missing {k!r})")
     if "time" not in obj:
-        wall = obj.get("wall_ms")
-        obj["time"] = float(wall) / 1000.0 if isinstance(wall, (int, float)) else float(obj["step"])
+        obj["time"] = _time_of(obj)
     loss = obj["loss"]
     obj.setdefault("loss_max_rank", loss)
     obj.setdefault("grad_norm", 0.0)
@@ -85,6 +86,20 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         return StepRecord.from_json(obj)
     except SchemaError as e:
         raise SchemaError(f"{where}: {e}") from None
+
+
+def _time_of(obj: dict[str, Any]) -> float:
+    """Seconds for a line without ``time``: ``wall_ms`` / 1000, else the step number (a clock that
+    only moves forward); 0.0 when neither is a number (the step is then rejected by the schema)."""
+    for v, scale in ((obj.get("wall_ms"), 1000.0), (obj.get("step"), 1.0)):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            try:
+                t = float(v) / scale
+            except OverflowError:  # an integer beyond float range
+                continue
+            if t == t and abs(t) != float("inf"):
+                return t
+    return 0.0
 
 
 def load_trace(path: str | Path, *, rejected: list[str] | None = None) -> list[StepRecord | TimelineRecord]:

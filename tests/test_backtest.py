@@ -87,7 +87,8 @@ def test_cli_json_shape_on_loss_only_trace(tmp_path):
     r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500)), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert set(data) == {"flagged", "actions", "records", "unjudged", "incidents"}
+    assert set(data) == {"flagged", "actions", "records", "unjudged", "incidents", "rejected_lines"}
+    assert data["rejected_lines"] == 0
     assert data["flagged"][0] == 400 and data["actions"][0]["kind"] == "rollback"
     assert [i["state"] for i in data["incidents"]][0] == "recovered"
 
@@ -117,14 +118,61 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path):
     assert "missing.jsonl" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(tmp_path / "missing.jsonl")]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 1, "loss": 3.0}\n{not json\n')
-    assert "bad.jsonl:2" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(bad)]))
+    assert "bad.jsonl:2" in _one_line_error(CliRunner().invoke(backtest_cmd, ["--strict", str(bad)]))
     noloss = tmp_path / "noloss.jsonl"
     noloss.write_text('{"step": 1}\n')
-    assert "loss" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(noloss)]))
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(noloss)]))
+    assert "no step records" in msg and "loss" in msg
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  loss_spike:\n    threshold: abc\n")
     msg = _one_line_error(CliRunner().invoke(backtest_cmd, ["--rules", str(rules), str(loss_only_trace(tmp_path))]))
     assert "rules.loss_spike.threshold" in msg
+
+
+HOSTILE_LINES = [
+    '{"step": "x", "loss": 3.0}',  # a step that is not a number (it once reached float() unguarded)
+    '{"step": [1], "loss": 3.0}',
+    '{"step": 1e999, "loss": 3.0}',
+    '{"step": 7, "loss": null}',
+    '{"step": 7}',
+    '["step", 7]',
+    'garbage',
+    '{"kind": ["marker"], "step": 7, "loss": 3.0}',
+    '{"kind": "rollback", "step": 7}',
+    "[" * 50_000,
+]
+# odd but readable: taken (a string number, a wall clock that is not one) or judged harmless (a step
+# from far in the future or the past is stale or out of order for the policy, not a wedge)
+ODD_LINES = [
+    '{"step": 123456789012345678901234567890123456789012345678901234567890, "loss": 3.0, "wall_ms": 1e400}',
+    '{"step": 9223372036854775807, "loss": 3.0}',
+    '{"step": -5, "loss": 3.0}',
+    '{"step": 250, "loss": 1e308}',
+    '{"step": 7, "loss": "3.0"}',
+    '{"step": 7, "loss": 3.0, "wall_ms": "soon"}',
+]
+
+
+def test_hostile_lines_are_rejected_counted_and_the_curve_still_judged(tmp_path):
+    """One bad line must not cost the whole judgement: it is skipped and counted (the default),
+    and --strict stops at it with one line."""
+    losses = [3.0 + 0.02 * ((i * 7919) % 13 - 6) / 6 for i in range(600)]
+    for i in range(400, 600):
+        losses[i] += 1.0  # persistent damage: the verdict must survive the bad lines
+    good = [json.dumps({"step": i + 1, "loss": round(x, 4), "wall_ms": 1000 * i}) for i, x in enumerate(losses)]
+    lines = good[:300] + HOSTILE_LINES + ODD_LINES + good[300:]
+    trace = tmp_path / "hostile.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    r = CliRunner().invoke(backtest_cmd, [str(trace), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert out["rejected_lines"] == len(HOSTILE_LINES) and out["records"] >= 400
+    assert any(a["kind"] == "rollback" and a["to_step"] <= 400 for a in out["actions"]), out["actions"]
+    assert f"skipped {len(HOSTILE_LINES)} malformed line(s)" in r.stderr
+    for i, bad in enumerate(HOSTILE_LINES):  # each alone, strict: one line naming the file and line
+        p = tmp_path / f"bad{i}.jsonl"
+        p.write_text(good[0] + "\n" + bad + "\n" + good[1] + "\n")
+        assert f"bad{i}.jsonl:2" in _one_line_error(CliRunner().invoke(backtest_cmd, ["--strict", str(p)])), bad[:80]
 
 
 def _curve_trace(tmp_path: Path, losses: list[float]) -> Path:

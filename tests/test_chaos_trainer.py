@@ -410,14 +410,14 @@ def test_demo_and_backtest_bad_input_is_one_line(tmp_path):
     nested = "[" * 100_000 + "]" * 100_000
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"step": 1, "loss": 3.0}\n' + nested + "\n" + '{"step": 2, "loss": 3.1}\n')
-    r = CliRunner().invoke(cli, ["backtest", str(trace)])
+    r = CliRunner().invoke(cli, ["backtest", "--strict", str(trace)])
     assert r.exit_code == 2 and "t.jsonl:2: not valid JSON (nested too deeply)" in r.output, r.output
-    r = CliRunner().invoke(cli, ["backtest", "--skip-bad-lines", "--json", str(trace)])
+    r = CliRunner().invoke(cli, ["backtest", "--json", str(trace)])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["records"] == 2 and out["rejected_lines"] == 1
     report("rules / demo / backtest hostile input", tried=len(HOSTILE_RULES) + 5, handled=len(HOSTILE_RULES) + 5,
-           lost="0 (backtest --skip-bad-lines: 1 bad line counted, 2 records kept)")
+           lost="0 (backtest: 1 bad line skipped and counted, 2 records kept)")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,30 +20,37 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 @click.option("--rules", "rules_path", default=None, metavar="FILE", help="Rules YAML (default: the built-in defaults).")
 @click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=0),
               help="Assume a checkpoint every N steps when deciding rollbacks (0: assume none).")
-@click.option("--skip-bad-lines", is_flag=True,
-              help="Skip and count malformed lines (reported on stderr and as rejected_lines in --json) instead of stopping.")
+@click.option("--strict", is_flag=True,
+              help="Stop at the first malformed line (exit 2) instead of skipping and counting it.")
+@click.option("--skip-bad-lines", is_flag=True, hidden=True)  # the default now; kept so old scripts still run
 @json_option
 @friendly_errors
-def backtest(trace: str, rules_path: str | None, checkpoint_every: int, skip_bad_lines: bool, as_json: bool) -> None:
+def backtest(trace: str, rules_path: str | None, checkpoint_every: int, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
     """Run the rules offline over TRACE.jsonl (a steps.jsonl, or lines with just step and loss).
 
-    Prints the flagged steps and the actions the policy would have taken.
+    Prints the flagged steps and the actions the policy would have taken. A malformed line is
+    skipped and counted (a warning on stderr, rejected_lines in --json); a file with no valid step
+    line at all is an error.
     """
     from sentinel.backtest import backtest as run_backtest
     from sentinel.backtest import load_trace
+    from sentinel.protocol import StepRecord
     from sentinel.rules import RulesError, default_rules, load_rules
 
     try:
         rules = load_rules(rules_path) if rules_path else default_rules()
     except RulesError as e:
         raise SentinelError(str(e)) from None
-    rejected: list[str] | None = [] if skip_bad_lines else None
+    rejected: list[str] | None = None if strict else []
     records = load_trace(trace, rejected=rejected)
+    if not any(isinstance(r, StepRecord) for r in records):
+        why = f" ({len(rejected)} malformed line(s); first: {rejected[0]})" if rejected else ""
+        raise SentinelError(f"no step records in {trace}{why}")
     if rejected:
         click.echo(f"warning: skipped {len(rejected)} malformed line(s) of {trace}; first: {rejected[0]}", err=True)
     res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None)
     if as_json:
-        emit_json({**res.to_json(), **({"rejected_lines": len(rejected)} if rejected is not None else {})})
+        emit_json({**res.to_json(), "rejected_lines": len(rejected or [])})
         return
     _print_tables(trace, res)
 
