@@ -631,7 +631,8 @@ class ClimbTrend:
     """
 
     __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
-                 "_s0", "_s1", "_b", "_dirty", "_since_sync", "phi", "_blocks", "_blk", "_spread")
+                 "_s0", "_s1", "_b", "_dirty", "_since_sync", "phi", "_blocks", "_blk", "_spread",
+                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread")
 
     GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
     RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
@@ -649,6 +650,9 @@ class ClimbTrend:
         self._kw = [float(k) for k in range(1, window + 1)]
         self._norm2 = sum(k * k for k in self._kw)
         self._ksum2 = sum(self._kw) ** 2 / baseline  # the baseline mean's error enters every term
+        self._zden = math.sqrt(self._norm2 + self._ksum2)  # z's sd under "no climb", in units of sigma
+        self._ksum = 0.5 * window * (window + 1)
+        self._maxlen = window + baseline
         self.reset()
 
     def update(self, step: int, x: float, noise: float, spike: bool = False) -> bool:
@@ -665,31 +669,35 @@ class ClimbTrend:
         f = self._f
         if spike and f:
             x = f[-1][1]
-        full = len(f) == f.maxlen
-        if full:  # the window's oldest leaves it: calibration data (see _close_block)
-            blk = self._blk
-            blk.append(f[self.baseline][1])
+        if len(f) == self._maxlen:
+            mid_step, x_mid = f[self.baseline]  # the window's oldest moves to the baseline
+            blk = self._blk  # ... and, once it has left the window, calibrates phi (see _close_block)
+            blk.append(x_mid)
             if len(blk) >= self.window:
-                self._close_block(f[self.baseline][0])
-        if full and not self._dirty:
-            w, b = self.window, self.baseline
-            x_mid, x_out = f[b][1], f[0][1]  # the window's oldest moves to the baseline; the baseline's oldest leaves
-            self._s1 += w * x - self._s0
-            self._s0 += x - x_mid
-            self._b += x_mid - x_out
-            self._since_sync += 1
-        f.append((step, x))
-        self.n += 1
-        if not full:
+                self._close_block(mid_step)
+            if not self._dirty:
+                s0 = self._s0
+                self._s1 += self.window * x - s0
+                self._s0 = s0 + (x - x_mid)
+                self._b += x_mid - f[0][1]  # the baseline's oldest leaves
+                self._since_sync += 1
+            f.append((step, x))
+            self.n = n = self.n + 1
+        else:
+            f.append((step, x))
+            self.n = n = self.n + 1
             self._dirty = True
-        if self.n % self.stride or self.n < self.warmup or len(f) < f.maxlen or not noise > 0:
+            if len(f) < self._maxlen:
+                return False
+        if n % self.stride or n < self.warmup or not noise > 0:
             return False
         if self._dirty or self._since_sync >= self.RESYNC:
             self._sync()
-        self.phi = phi = self._phi(noise)
-        scale = phi * noise * math.sqrt(self._norm2 + self._ksum2)
-        ksum = 0.5 * self.window * (self.window + 1)
-        if (self._s1 - self._b / self.baseline * ksum) / scale <= self.sigmas - self.GATE:
+        if noise != self._phi_noise or self._spread is not self._phi_spread:  # both change rarely
+            self._phi_noise, self._phi_spread = noise, self._spread
+            self.phi = self._phi(noise)
+        scale = self.phi * noise * self._zden
+        if (self._s1 - self._b / self.baseline * self._ksum) / scale <= self.sigmas - self.GATE:
             self.z = self.rise = 0.0  # far below the bar: not worth the exact pass
             return False
         vals = [v for _, v in f]
@@ -784,6 +792,7 @@ class ClimbTrend:
         self.n = 0
         self.z = self.rise = 0.0
         self.phi = self.PHI_UNCALIBRATED
+        self._phi_noise, self._phi_spread = -1.0, None  # what ``phi`` was last computed from
         self._start = 0
         self._blocks: deque[tuple[int, float]] = deque(maxlen=self.BLOCKS)  # (last step, median)
         self._blk: list[float] = []  # the block being filled
