@@ -107,6 +107,8 @@ def resolve_url(run_dir: str | os.PathLike | None = None, redis_url: str | None 
             raise BusError(
                 f"no control bus for {run_dir}: {f} does not exist (start the run, or pass --redis-url / set {ENV_URL})"
             ) from None
+        except (OSError, UnicodeDecodeError) as e:  # a directory, binary garbage: no URL to try
+            raise BusError(f"no control bus for {run_dir}: {f} is unreadable ({getattr(e, 'strerror', None) or e.__class__.__name__})") from None
         if not url:
             raise BusError(f"no control bus for {run_dir}: {f} is empty")
         from sentinel.embedded import with_password  # the embedded bus's password sits beside its url

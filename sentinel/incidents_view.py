@@ -21,11 +21,39 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from sentinel.protocol import finite_or_none
+
 DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
 DIRECTIVE_TTL_S = 600.0  # the daemon's directive lifetime (sentinel.daemon.DIRECTIVE_TTL_S)
 ACK_WORDS = {"applied": "acked", "duplicate": "acked (duplicate)", "rejected": "rejected", "failed": "failed"}
 NOT_SENT = "not sent"
 DRY_RUN = "would send (dry run)"
+
+
+def _typed(act: dict[str, Any]) -> dict[str, Any]:
+    """The fields of an action this module reads, each of its type or None: actions are free-form
+    dicts from the bus or a run dir's mirror, and a hostile one ("kind": [1], "time": "x") must
+    read as "not sent", never raise."""
+    def text(k):
+        v = act.get(k)
+        return v if isinstance(v, str) else None
+
+    return {"kind": text("kind"), "directive_id": text("directive_id"), "idempotency_key": text("idempotency_key") or "",
+            "incident_id": text("incident_id"), "outcome": text("outcome"), "time": finite_or_none(act.get("time")),
+            "dry_run": bool(act.get("dry_run"))}
+
+
+def _log_entry(d: dict[str, Any]) -> dict[str, Any]:
+    """A ``directives.jsonl`` entry with the same care: strings or None, a finite time or 0."""
+    return {"id": d.get("id") if isinstance(d.get("id"), str) else None,
+            "incident_id": d.get("incident_id") if isinstance(d.get("incident_id"), str) else None,
+            "kind": d.get("kind") if isinstance(d.get("kind"), str) else None,
+            "status": d.get("status") if isinstance(d.get("status"), str) else None,
+            "time": finite_or_none(d.get("time")) or 0.0}
+
+
+def _status_word(status: Any) -> str:
+    return ACK_WORDS.get(status, str(status)) if isinstance(status, str) else str(status)
 
 
 def action_outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks: dict[str, dict],
@@ -35,41 +63,42 @@ def action_outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks:
     ``applied``: the bus's idempotency hash (None without a bus); ``acks``: directive id -> Ack dict;
     ``trainer_log``: the trainer's ``directives.jsonl`` entries."""
     now = time.time() if now is None else now
-    kind = act.get("kind")
-    if act.get("dry_run"):
+    act = _typed(act)
+    kind = act["kind"]
+    if act["dry_run"]:
         return {"sent": False, "outcome": DRY_RUN, "directive_id": None}
-    did = act.get("directive_id")
+    did = act["directive_id"]
     if kind == "page":
-        sent = bool(applied and applied.get(act.get("idempotency_key", ""))) or act.get("outcome") == "paged"
+        sent = bool(applied and applied.get(act["idempotency_key"])) or act["outcome"] == "paged"
         return {"sent": sent, "outcome": "paged" if sent else NOT_SENT, "directive_id": None}
     if kind not in DIRECTIVE_KINDS:
-        return {"sent": False, "outcome": str(act.get("outcome") or NOT_SENT), "directive_id": did}
+        return {"sent": False, "outcome": act["outcome"] or NOT_SENT, "directive_id": did}
     if did is None and applied is not None:
-        did = applied.get(act.get("idempotency_key", ""))
+        did = applied.get(act["idempotency_key"])
+    log = [_log_entry(d) for d in trainer_log if isinstance(d, dict)]
     if did is None and applied is None:  # no bus: the trainer's own log, by incident and kind
-        hit = next((d for d in trainer_log if d.get("incident_id") == act.get("incident_id") and d.get("kind") == kind
-                    and d.get("time", 0) >= act.get("time", 0) - 1), None)
+        hit = next((d for d in log if d["incident_id"] == act["incident_id"] and d["kind"] == kind
+                    and d["time"] >= (act["time"] or 0.0) - 1), None)
         if hit is not None:
-            return {"sent": True, "outcome": ACK_WORDS.get(hit.get("status"), str(hit.get("status"))),
-                    "directive_id": hit.get("id")}
+            return {"sent": True, "outcome": _status_word(hit["status"]), "directive_id": hit["id"]}
     if did is None:
-        recorded = act.get("outcome")
+        recorded = act["outcome"]
         if recorded == "prepared":  # a manual offline rollback: written to the run dir, applied at the next start
             return {"sent": True, "outcome": "prepared (next start)", "directive_id": None}
         return {"sent": False, "outcome": NOT_SENT, "directive_id": None}
     ack = acks.get(did)
     if ack is None:
-        hit = next((d for d in trainer_log if d.get("id") == did), None)
+        hit = next((d for d in log if d["id"] == did), None)
         if hit is not None:
-            ack = {"status": hit.get("status")}
+            ack = {"status": hit["status"]}
     if ack is not None:
-        return {"sent": True, "outcome": ACK_WORDS.get(ack.get("status"), str(ack.get("status"))), "directive_id": did}
-    recorded = act.get("outcome")
+        return {"sent": True, "outcome": _status_word(ack.get("status")), "directive_id": did}
+    recorded = act["outcome"]
     if recorded in ("timeout", "timed out"):
         return {"sent": True, "outcome": "timed out", "directive_id": did}
     if recorded in ACK_WORDS:
         return {"sent": True, "outcome": ACK_WORDS[recorded], "directive_id": did}
-    issued = act.get("time") or now
+    issued = act["time"] or now
     expired = now - issued > DIRECTIVE_TTL_S
     return {"sent": True, "outcome": "timed out" if expired else "waiting for ack", "directive_id": did}
 

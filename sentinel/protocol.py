@@ -443,6 +443,18 @@ def is_finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def finite_or_none(x: Any) -> float | None:
+    """``x`` as a finite float, else None: for numbers in free-form dicts read from files ("x", a
+    list, a bool, NaN, an integer too big for a float)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 # --------------------------------------------------------------------------------------------
 # Run-directory files both sides read and write (formats are part of the contract)
 # --------------------------------------------------------------------------------------------
@@ -513,7 +525,7 @@ def _bad_int(name: str, x: int, lo: int, hi: int) -> str | None:
 
 
 def record_range_error(rec: _Record) -> str | None:
-    """None when every number in a step/timeline/ack/event record is plausible, else what is not.
+    """None when every number in a step/timeline/ack/event/incident record is plausible, else what is not.
 
     A NaN or +inf loss or grad norm is legitimate (that is what the NaN rule watches for); a
     negative one, -inf, a finite value beyond float32, a negative step or count, or a non-finite
@@ -540,6 +552,13 @@ def record_range_error(rec: _Record) -> str | None:
     elif isinstance(rec, MarkerRecord):
         checks += [_bad_int("step", rec.step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
                    _bad_float("time", rec.time, nonfinite_ok=False)]
+    elif isinstance(rec, Incident):  # the daemon's own record, but read back from a file or a shared bus
+        checks += [_bad_int(name, x, 0, MAX_STEP) for name, x in (("onset_step", rec.onset_step),
+                   ("detect_step", rec.detect_step), ("rollback_to", rec.rollback_to)) if x is not None]
+        checks += [_bad_float(name, x, nonfinite_ok=False) for name, x in (("opened_at", rec.opened_at),
+                   ("closed_at", rec.closed_at)) if x is not None]
+        checks += [f"skip range {lo}:{hi} is out of range" for lo, hi in rec.skip_ranges + rec.suspects
+                   if not 0 <= lo < hi <= MAX_COUNT][:1]
     elif isinstance(rec, (Ack, Event)):
         if rec.step is not None:
             checks.append(_bad_int("step", rec.step, 0, MAX_STEP))

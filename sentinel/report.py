@@ -161,10 +161,10 @@ def lr_phases(segments: list[Segment], markers: list, config: dict | None) -> li
     warm = next((m.step for m in markers if m.marker == "warmup_end"), None)
     decay = next((m.step for m in markers if m.marker == "decay_start"), None)
     optim = (config or {}).get("optim") or {}
-    max_steps = (config or {}).get("max_steps")
-    decay_end = optim.get("decay_steps") or max_steps
-    if warm is None and "warmup_steps" in optim:
-        warm = int(optim["warmup_steps"])
+    optim = optim if isinstance(optim, dict) else {}
+    decay_end = _steps_or_none(optim.get("decay_steps")) or _steps_or_none((config or {}).get("max_steps"))
+    if warm is None:
+        warm = _steps_or_none(optim.get("warmup_steps"))
     if decay is None and warm is not None and (optim or markers):
         decay = warm  # warmup_cosine: the decay starts right after the warmup
     if warm is None and decay is None:
@@ -182,6 +182,13 @@ def lr_phases(segments: list[Segment], markers: list, config: dict | None) -> li
     if decay_end and int(decay_end) < last:
         out.append(("floor", int(decay_end) + 1, last))
     return [p for p in out if p[1] <= p[2]]
+
+
+def _steps_or_none(x: Any) -> int | None:
+    """A step count from the run config, or None when it is not one ("x", a list, NaN, 1e999)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (0 <= x <= 2**53):  # NaN fails the range too
+        return None
+    return int(x)
 
 
 def _phases_from_shape(segments: list[Segment]) -> list[tuple[str, int, int]]:

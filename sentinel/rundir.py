@@ -32,7 +32,10 @@ from typing import Any, Iterable
 
 from sentinel.protocol import (
     Incident,
+    MAX_COUNT,
     MAX_SAMPLE_ID,
+    MAX_STEP,
+    MAX_TIMELINE,
     SchemaError,
     StepRecord,
     TimelineRecord,
@@ -40,8 +43,11 @@ from sentinel.protocol import (
     authoritative_steps,
     checkpoint_dir_name,
     checkpoint_required_files,
+    finite_or_none,
+    loads_bounded,
     merge_ranges,
     parse_step_line,
+    record_range_error,
     sha256_file,
 )
 
@@ -63,6 +69,30 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 class RunDirError(Exception):
     """A one-line problem with a run directory (missing, unreadable, malformed file)."""
+
+
+def load_json_file(path: Path, what: str | None = None) -> Any:
+    """A whole JSON document from a run-dir file. ``FileNotFoundError`` passes through; anything
+    else unreadable (not UTF-8, not JSON, nested 50,000 deep, a directory) is one ``RunDirError``
+    line naming the file, never a RecursionError or UnicodeDecodeError."""
+    what = f"{what} {path}" if what else str(path)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise
+    except UnicodeDecodeError:
+        raise RunDirError(f"{what} is unreadable: not UTF-8") from None
+    except RecursionError:
+        raise RunDirError(f"{what} is unreadable: JSON nested too deep") from None
+    except ValueError as e:
+        raise RunDirError(f"{what} is unreadable: {e}") from None
+    except OSError as e:
+        raise RunDirError(f"{what} is unreadable: {e.strerror or e}") from None
+
+
+def _int_in(x: Any, lo: int, hi: int) -> int | None:
+    """``x`` when it is an int (not a bool) in [lo, hi], else None."""
+    return x if isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,6 +167,17 @@ def tail_lines(path: str | os.PathLike, n: int, block: int = 1 << 16) -> list[by
     return lines[-n:] if n else []
 
 
+def parse_file_record(line: bytes | str) -> StepRecord | TimelineRecord:
+    """One line of ``steps.jsonl``, held to the same bounds as a record from the bus (a negative or
+    10**60 step, a -inf loss, a non-finite time): a line no trainer writes is a ``SchemaError``, so a
+    hostile line cannot stretch a status or a report to step 10**60."""
+    rec = parse_step_line(line)
+    bad = record_range_error(rec)
+    if bad:
+        raise SchemaError(f"steps.jsonl: {bad}", "out_of_range")
+    return rec
+
+
 def tail_records(run_dir: str | os.PathLike, n: int = 1000) -> list[StepRecord | TimelineRecord]:
     """The last ``n`` records of ``steps.jsonl`` (malformed lines are skipped); [] if there is none."""
     path = Path(run_dir) / STEPS
@@ -145,7 +186,7 @@ def tail_records(run_dir: str | os.PathLike, n: int = 1000) -> list[StepRecord |
     out = []
     for line in tail_lines(path, n):
         try:
-            out.append(parse_step_line(line))
+            out.append(parse_file_record(line))
         except SchemaError:
             continue
     return out
@@ -162,7 +203,7 @@ def read_records(run_dir: str | os.PathLike):
                 return
             if line.strip():
                 try:
-                    yield parse_step_line(line)
+                    yield parse_file_record(line)
                 except SchemaError:
                     continue
 
@@ -220,8 +261,10 @@ class Checkpoint:
             "step": self.step, "name": self.name, "path": str(self.path), "bytes": self.bytes, "created": self.created,
             "age_seconds": (time.time() - self.created) if self.created else None, "verified": self.status,
             "checksum": self.checksum, "problem": self.problem, "verify_resume": self.verify_resume,
-            "timeline": (self.manifest or {}).get("timeline"), "tokens": (self.manifest or {}).get("tokens"),
-            "world_size": (self.manifest or {}).get("world_size"),
+            # from the manifest: shown only when they are what the trainer writes (a hostile "x" is "-")
+            "timeline": _int_in((self.manifest or {}).get("timeline"), 0, MAX_TIMELINE),
+            "tokens": _int_in((self.manifest or {}).get("tokens"), 0, MAX_COUNT),
+            "world_size": _int_in((self.manifest or {}).get("world_size"), 1, 1 << 20),
         }
 
 
@@ -242,11 +285,11 @@ def check_checkpoint(path: Path, *, rehash: bool = True) -> tuple[str, str | Non
     if not mpath.is_file():
         return "incomplete", "no manifest (the write never finished)", None
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = load_json_file(mpath)
         files = manifest["files"]
         if not isinstance(files, dict):
             raise TypeError
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, RunDirError, KeyError, TypeError):
         return "corrupt", "manifest.json is unreadable", None
     if manifest.get("format") != CHECKPOINT_FORMAT:
         return "corrupt", f"unsupported checkpoint format {manifest.get('format')!r}", manifest
@@ -276,8 +319,8 @@ def read_verified(run_dir: str | os.PathLike) -> dict[int, dict]:
     """``checkpoints/verified.json`` written by ``sentinel verify-resume``: {step: {"verified", "time", ...}}."""
     p = Path(run_dir) / CKPT_DIR / VERIFIED
     try:
-        raw = json.loads(p.read_text())
-    except (OSError, ValueError):
+        raw = load_json_file(p)
+    except (OSError, RunDirError):  # an annotation: unreadable, the checkpoints are only not marked verified
         return {}
     out: dict[int, dict] = {}
     if isinstance(raw, dict):
@@ -304,8 +347,9 @@ def checkpoint_steps(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def load_checkpoint(step: int, path: Path, verified: dict[int, dict] | None = None, *, rehash: bool = True) -> Checkpoint:
     state, problem, manifest = check_checkpoint(path, rehash=rehash)
-    size = int(manifest["bytes"]) if manifest and isinstance(manifest.get("bytes"), int) else _dir_bytes(path)
-    created = manifest.get("created") if manifest else None
+    size = _int_in((manifest or {}).get("bytes"), 0, MAX_COUNT)
+    size = _dir_bytes(path) if size is None else size
+    created = finite_or_none(manifest.get("created")) if manifest else None
     if created is None:
         try:
             created = path.stat().st_mtime
@@ -331,9 +375,9 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int, *, rehash: bool = Tru
 def checkpoint_skip_ranges(ck: Checkpoint) -> list[tuple[int, int]]:
     """The skip list saved in a checkpoint's train state (re-added when the trainer resumes from it)."""
     try:
-        ts = json.loads((ck.path / "train_state.json").read_text())
+        ts = load_json_file(ck.path / "train_state.json")
         return merge_ranges((int(lo), int(hi)) for lo, hi in ts.get("skiplist", []))
-    except (OSError, ValueError, TypeError):
+    except (OSError, RunDirError, ValueError, TypeError, AttributeError, OverflowError):
         return []
 
 
@@ -346,14 +390,12 @@ def read_skiplist(run_dir: str | os.PathLike) -> list[tuple[int, int]]:
     """``skiplist.json`` as merged [lo, hi) ranges; a missing file is an empty list."""
     p = Path(run_dir) / SKIPLIST
     try:
-        raw = json.loads(p.read_text())
+        raw = load_json_file(p, "skip list")
     except FileNotFoundError:
         return []
-    except (OSError, ValueError) as e:
-        raise RunDirError(f"skip list {p} is unreadable: {e}") from None
     try:
         ranges = [(int(lo), int(hi)) for lo, hi in raw]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise RunDirError(f"skip list {p} is malformed: expected [[lo, hi], ...]") from None
     if any(not 0 <= lo <= hi <= MAX_SAMPLE_ID for lo, hi in ranges):
         raise RunDirError(f"skip list {p} is malformed: ids must satisfy 0 <= lo <= hi <= {MAX_SAMPLE_ID} (int64)")
@@ -455,14 +497,22 @@ def fmt_ranges(ranges, limit: int = 6) -> str:
 
 
 def read_pending_rollback(run_dir: str | os.PathLike) -> dict | None:
+    """The plan in ``pending_rollback.json``, or None; a plan without a valid ``to_step`` and
+    ``ranges`` is a ``RunDirError`` naming the file (the trainer could not apply it either)."""
     p = Path(run_dir) / PENDING
     try:
-        data = json.loads(p.read_text())
+        data = load_json_file(p)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        raise RunDirError(f"{p} is unreadable: {e}") from None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{p} is malformed: expected a JSON object")
+    if _int_in(data.get("to_step"), 0, MAX_STEP) is None:
+        raise RunDirError(f"{p} is malformed: to_step {str(data.get('to_step'))[:40]!r} is not a step")
+    ranges = data.get("ranges", [])
+    if not isinstance(ranges, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(_int_in(x, 0, MAX_SAMPLE_ID) is not None for x in r) for r in ranges):
+        raise RunDirError(f"{p} is malformed: ranges must be [[lo, hi], ...] sample ids")
+    return data
 
 
 def write_pending_rollback(run_dir: str | os.PathLike, *, to_step: int, ranges, reason: str | None, id: str,
@@ -481,9 +531,9 @@ def _read_jsonl(path: Path, tail: int | None = None) -> list[dict]:
     lines = tail_lines(path, tail) if tail else path.read_bytes().splitlines()
     out = []
     for line in lines:
-        try:
-            obj = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+        try:  # bounded: a line nested 50,000 deep is a RecursionError inside json, not a ValueError
+            obj = loads_bounded(line, path.name)
+        except SchemaError:
             continue
         if isinstance(obj, dict):
             out.append(obj)
@@ -514,20 +564,28 @@ def append_audit(run_dir: str | os.PathLike, record: dict[str, Any]) -> dict[str
 
 def read_incidents_log(run_dir: str | os.PathLike) -> list[Incident]:
     """Every incident in ``RUN_DIR/incidents.jsonl`` (last line per id wins), oldest first; [] when
-    the file is absent. Malformed or torn lines are skipped."""
+    the file is absent. Malformed, torn or out-of-range lines are skipped."""
     latest: dict[str, Incident] = {}
     for obj in _read_jsonl(Path(run_dir) / INCIDENTS_LOG):
-        try:
-            inc = Incident.from_json(obj)
-        except SchemaError:
-            continue
-        latest[inc.id] = inc
+        inc = parse_incident(obj)
+        if inc is not None:
+            latest[inc.id] = inc
     return sorted(latest.values(), key=lambda i: i.opened_at)
+
+
+def parse_incident(raw: str | bytes | dict) -> Incident | None:
+    """An incident from the mirror or the bus's incidents hash, or None when it is malformed or out
+    of range (an onset at step 10**400, an opening time of NaN: no view can place it)."""
+    try:
+        inc = Incident.from_json(raw)
+    except SchemaError:
+        return None
+    return inc if record_range_error(inc) is None else None
 
 
 def read_pages_log(run_dir: str | os.PathLike, tail: int | None = None) -> list[dict]:
     """The pages in ``RUN_DIR/pages.jsonl``, oldest first, each with exactly ``PAGE_FIELDS``.
-    Lines that are not a page (no numeric time or no summary: torn, hostile) are skipped."""
+    Lines that are not a page (no finite numeric time or no summary: torn, hostile) are skipped."""
     out = []
     for obj in _read_jsonl(Path(run_dir) / PAGES_LOG, tail):
         page = normalize_page(obj)
@@ -540,12 +598,12 @@ def normalize_page(obj: Any) -> dict | None:
     """A page dict with exactly ``PAGE_FIELDS`` and sane types, or None when ``obj`` is not a page."""
     if not isinstance(obj, dict):
         return None
-    t, summary = obj.get("time"), obj.get("summary")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not isinstance(summary, str):
+    t, summary = finite_or_none(obj.get("time")), obj.get("summary")
+    if t is None or not isinstance(summary, str):
         return None
     to = obj.get("delivered_to")
     return {
-        "time": float(t), "run": str(obj.get("run") or ""), "severity": str(obj.get("severity") or "critical"),
+        "time": t, "run": str(obj.get("run") or ""), "severity": str(obj.get("severity") or "critical"),
         "summary": summary, "incident_id": obj["incident_id"] if isinstance(obj.get("incident_id"), str) else None,
         "rule": obj["rule"] if isinstance(obj.get("rule"), str) else None,
         "delivered_to": [str(x) for x in to] if isinstance(to, list) else [],

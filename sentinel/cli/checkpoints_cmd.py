@@ -63,6 +63,7 @@ def checkpoints(run, quick, redis_url, as_json):
 
 def _checkpoints(run, quick, redis_url, as_json):
     from sentinel import rundir
+    from sentinel.protocol import finite_or_none
     from sentinel.runref import fmt_bytes, fmt_duration, resolve
 
     ref = resolve(run, redis_url)
@@ -90,9 +91,10 @@ def _checkpoints(run, quick, redis_url, as_json):
         st = r["verified"]
         detail = r.get("problem") or ""
         vr = r.get("verify_resume")
-        if vr and st in ("resume_verified", "failed") and vr.get("time"):
-            detail = f"verify-resume {fmt_duration(time.time() - float(vr['time']))} ago"
-        if pending and int(pending.get("to_step", -1)) == r["step"]:
+        vtime = finite_or_none(vr.get("time")) if vr else None
+        if vtime and st in ("resume_verified", "failed"):
+            detail = f"verify-resume {fmt_duration(time.time() - vtime)} ago"
+        if pending and pending["to_step"] == r["step"]:
             detail = (detail + "; " if detail else "") + "[yellow]pending rollback target[/]"
         t.add_row(str(r["step"]), fmt_duration(r.get("age_seconds")), fmt_bytes(r.get("bytes")),
                   "-" if r.get("timeline") is None else str(r["timeline"]),

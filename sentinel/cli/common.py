@@ -87,6 +87,19 @@ def emit_runs(runs: list[dict], as_json: bool, render) -> None:
     console.print(render(runs))
 
 
+def fmt_clock(t, fmt: str = "%H:%M:%S") -> str:
+    """A wall-clock time for a table; "?" for a value no clock can show (a corrupt or hostile line's
+    "x", NaN or 1e30 must not take the whole view down with it)."""
+    import time
+
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return "?"
+    try:
+        return time.strftime(fmt, time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
 def looks_like_run_dir(run: str) -> bool:
     p = Path(run)
     return p.is_dir() or os.sep in run or run.startswith(".")

@@ -12,7 +12,8 @@ import time
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, emit_runs, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import SentinelError, emit_json, emit_runs, fmt_clock, friendly_errors, json_option, redis_url_option
+from sentinel.protocol import finite_or_none
 
 EVENTS_SCAN = 20_000  # newest events read per run to build timelines
 APPROVABLE = ("awaiting_approval", "escalated")
@@ -23,7 +24,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
     from sentinel import bus, rundir
     from sentinel.incidents_view import annotate_actions
     from sentinel.rundir import read_incidents_log
-    from sentinel.protocol import Ack, Event, Incident, SchemaError
+    from sentinel.protocol import Ack, Event, SchemaError
 
     out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "incidents": []}
     trainer_log = rundir.read_directives_log(ref.run_dir, tail=2000) if ref.run_dir else []
@@ -40,12 +41,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
             entries = ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN)
             applied = ref.r.hgetall(ref.keys.applied)
             ack_entries = ref.r.xrevrange(ref.keys.acks, count=EVENTS_SCAN)
-        incs = []
-        for v in raw.values():
-            try:
-                incs.append(Incident.from_json(v))
-            except SchemaError:
-                continue
+        incs = [i for i in map(rundir.parse_incident, raw.values()) if i is not None]
         acks = {}
         for _eid, fields in ack_entries:
             try:
@@ -146,7 +142,7 @@ def _render(runs: list[dict]):
                 tt.add_column("event", ratio=1)
                 sev = {"critical": "red", "warning": "yellow"}
                 for e in tl[-30:]:
-                    tt.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])),
+                    tt.add_row(fmt_clock(e["time"]),
                                "" if e.get("step") is None else str(e["step"]),
                                Text.assemble((e["kind"], sev.get(e["severity"], "bold")), " ", e["message"]))
                 body.append(tt)
@@ -161,7 +157,7 @@ def _render(runs: list[dict]):
 
 
 def _ts(t):
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    return fmt_clock(t, "%Y-%m-%d %H:%M:%S") if t else "-"
 
 
 _OUTCOME_STYLE = {"acked": "green", "acked (duplicate)": "green", "rejected": "bold red", "failed": "bold red",
@@ -192,13 +188,13 @@ def _actions_table(inc: dict) -> list:
         what = str(a.get("kind"))
         if a.get("to_step") is not None:
             what += f" to {a['to_step']}"
-        rs = [tuple(r) for r in a.get("ranges") or []]
+        rs = _ranges(a.get("ranges"))
         if rs:
             what += f", skip {rundir.count(rs)}"
         who = str(a.get("issuer") or "")
         why = str(a.get("reason") or "") + (f" (by {who})" if who.startswith("cli:") else "")
         outcome = a.get("outcome") or ""
-        at.add_row(time.strftime("%H:%M:%S", time.localtime(a["time"])) if a.get("time") else "-", what,
+        at.add_row(fmt_clock(a["time"]) if a.get("time") else "-", what,
                    Text(outcome, style=_OUTCOME_STYLE.get(outcome, "")), Text(why))
     if hidden:
         at.caption = f"{hidden} more decided but not sent (rate limit, duplicate, hands off); --json lists them"
@@ -220,7 +216,7 @@ def _files_table(run: dict):
     rows += [(d.get("time"), d.get("step", ""),
               f"{d.get('kind')} {d.get('status')} by {d.get('issuer', '?')}: {d.get('reason') or ''}")
              for d in run.get("directives", [])]
-    for r in sorted(rows, key=lambda x: x[0] or 0):
+    for r in sorted(rows, key=lambda x: finite_or_none(x[0]) or 0.0):
         t.add_row(_ts(r[0]), "" if r[1] is None else str(r[1]), Text(r[2].rstrip(": ")))
     return t
 
@@ -236,7 +232,20 @@ def _attach_report(ref, run: dict, incident_id: str | None) -> None:
 
 
 def _num(x, fmt):
-    return "" if x is None else format(x, fmt)
+    if x is None:
+        return ""
+    try:
+        return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)[:20]
+    except OverflowError:  # an integer beyond float range, from a hostile line
+        return "?"
+
+
+def _ranges(raw) -> list[tuple[int, int]]:
+    """An action's sample ranges as [lo, hi) int pairs; a malformed list (from a file) counts as none."""
+    try:
+        return [(int(lo), int(hi)) for lo, hi in raw or []]
+    except (TypeError, ValueError):
+        return []
 
 
 @click.command("incidents")

@@ -7,11 +7,9 @@ restart forgot them, the run directory's mirror still answers: both are merged, 
 
 from __future__ import annotations
 
-import time
-
 import click
 
-from sentinel.cli.common import emit_runs, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import emit_runs, fmt_clock, friendly_errors, json_option, redis_url_option
 
 EVENTS_SCAN = 20_000  # newest events read per run
 
@@ -79,7 +77,7 @@ def _render(runs: list[dict]):
             if p["incident_id"]:
                 summary.append(f"\nincident {p['incident_id']}", style="dim")
             to = Text("\n".join(p["delivered_to"]) or "-", style="" if "alertmanager" in p["delivered_to"] else "red")
-            t.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(p["time"])), Text(sev[:4], style=style),
+            t.add_row(fmt_clock(p["time"], "%m-%d %H:%M:%S"), Text(sev[:4], style=style),
                       Text(rule), summary, to)
         parts.append(t)
         if any("alertmanager" not in p["delivered_to"] for p in run["pages"]):

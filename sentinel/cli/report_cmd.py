@@ -30,7 +30,7 @@ def load_incidents(ref) -> tuple[list, str]:
     source = "incidents.jsonl" if incs else "none"
     if ref.r is not None:
         from sentinel import bus
-        from sentinel.protocol import Incident, SchemaError
+        from sentinel.rundir import parse_incident
 
         known = {i.id for i in incs}
         try:
@@ -39,11 +39,8 @@ def load_incidents(ref) -> tuple[list, str]:
         except bus.BusError:
             raw = {}
         for v in raw.values():
-            try:
-                inc = Incident.from_json(v)
-            except SchemaError:
-                continue
-            if inc.id not in known:
+            inc = parse_incident(v)
+            if inc is not None and inc.id not in known:
                 incs.append(inc)
                 source = "bus" if source == "none" else f"{source} + bus"
     return sorted(incs, key=lambda i: i.opened_at), source
@@ -63,7 +60,7 @@ def build(ref, incident_id: str | None = None):
     incs, source = load_incidents(ref)
     try:
         cfg = yaml.safe_load((run_dir / rundir.CONFIG).read_text()) if (run_dir / rundir.CONFIG).is_file() else None
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, RecursionError, yaml.YAMLError):  # not UTF-8, nested 50,000 deep: no phases from it
         cfg = None
     data = gather(ref.run, records, skiplist=rundir.read_skiplist(run_dir), incidents=incs,
                   directives=rundir.read_directives_log(run_dir), config=cfg if isinstance(cfg, dict) else None)

@@ -170,7 +170,10 @@ def build_plan(ref, *, to_step, before_step, checkpoint, skips, reason) -> dict:
                     j = bisect_right(los, sid) - 1
                     if j >= 0 and sid < skips[j][1]:
                         seen += 1
-    pending = rundir.read_pending_rollback(ref.run_dir) if ref.run_dir else None
+    try:
+        pending = rundir.read_pending_rollback(ref.run_dir) if ref.run_dir else None
+    except rundir.RunDirError as e:  # a new plan replaces a broken one: say so, never refuse to write it
+        pending = {"to_step": "?", "unreadable": str(e)}
     writing = False
     if not live and ref.run_dir is not None:
         mt = rundir.steps_mtime(ref.run_dir)

@@ -1,0 +1,382 @@
+"""Hostile run-directory files never give a traceback in an offline command.
+
+Every file a run directory holds is written in hostile variants (a wrong type where a number goes,
+a huge integer, 1e999 / NaN / Infinity, a JSON list instead of an object, a line nested 50,000
+deep, truncated JSON, binary garbage, an empty file), and every offline read command that reads it
+runs on the result, human and ``--json``, through click's CliRunner. The contract:
+
+* never a traceback;
+* a line-oriented log (steps, incidents, pages, directives, audit): the bad line is skipped and the
+  command exits 0 still showing the good lines;
+* a single-document file (manifest, config, skip list, ...): exit 0 (the command copes, e.g. a
+  manifest read as ``corrupt``), or exit 2 with one line ``error: ...`` naming the file.
+
+One real tiny run (shared with test_report by name) is the template; each case copies it, so no
+case trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from sentinel.cli import main
+from sentinel.protocol import Incident
+
+DEEP = 50_000
+HOLE = "__HOSTILE__"  # placeholder a raw value replaces, so the JSON text can be anything at all
+
+# raw JSON (or YAML) text put where a value goes
+VALUES = {
+    "text": '"x"',
+    "list": "[1, 2]",
+    "object": "{}",
+    "null": "null",
+    "bool": "true",
+    "negative": "-1",
+    "huge": "1" + "0" * 60,
+    "vast": "1" + "0" * 400,  # an int no float can hold
+    "far": "1e30",  # finite and below float32's max, but no clock reaches it
+    "1e999": "1e999",
+    "nan": "NaN",
+    "inf": "Infinity",
+    "-inf": "-Infinity",
+    "deep": "[" * DEEP + "]" * DEEP,
+}
+# a config is read by the report (~0.5 s a picture): fewer values, YAML's spelling of NaN and infinity
+YAML_VALUES = {"text": '"x"', "list": "[1, 2]", "null": "null", "bool": "true", "vast": VALUES["vast"], "nan": ".nan",
+               "inf": ".inf", "deep": VALUES["deep"]}
+GARBAGE = bytes(random.Random(7).randrange(256) for _ in range(300)).replace(b"\n", b"\x00")
+# whole-line (or whole-file) replacements
+SHAPES = {
+    "list": b"[1, 2, 3]",
+    "string": b'"just a string"',
+    "number": b"42",
+    "null": b"null",
+    "empty-object": b"{}",
+    "deep": b"[" * DEEP + b"]" * DEEP,
+    "deep-object": b'{"a": ' * DEEP + b"1" + b"}" * DEEP,
+    "binary": GARBAGE,
+    "nul-bytes": b"\x00" * 64,
+}
+
+CKPT = "checkpoints/step-00000030"
+RUN_NAME = "run"
+
+
+# ------------------------------------------------------------------ the template run
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    """A real 30-step run plus one good line in every log the daemon and the CLI write."""
+    from offline_helpers import make_run
+
+    src = make_run(tmp_path_factory, "report", steps=30, every=10)
+    d = tmp_path_factory.mktemp("hostile") / RUN_NAME
+    shutil.copytree(src, d)
+    now = time.time()
+    inc = Incident(id=f"{RUN_NAME}-t0-s21", run=RUN_NAME, state="healthy", rule="loss_spike", onset_step=21,
+                   detect_step=23, opened_at=now - 100, closed_at=now - 50, rollback_to=20, skip_ranges=[(5, 9)],
+                   evidence=[{"step": 21, "loss": 9.5}],
+                   actions=[{"kind": "rollback", "time": now - 90, "incident_id": f"{RUN_NAME}-t0-s21", "to_step": 20,
+                             "outcome": "applied", "directive_id": "d1", "idempotency_key": "k1"}])
+    (d / "incidents.jsonl").write_text(inc.to_json() + "\n")
+    (d / "pages.jsonl").write_text(json.dumps({"time": now - 80, "run": RUN_NAME, "severity": "critical",
+                                               "summary": "GOOD PAGE", "incident_id": inc.id, "rule": "loss_spike",
+                                               "delivered_to": ["log"]}) + "\n")
+    (d / "directives.jsonl").write_text(json.dumps({"id": "d1", "kind": "rollback", "status": "applied", "step": 20,
+                                                    "timeline": 1, "time": now - 85, "incident_id": inc.id}) + "\n")
+    (d / "audit.jsonl").write_text(json.dumps({"time": now - 70, "action": "skip-add", "who": "op", "run": RUN_NAME,
+                                               "ranges": [[5, 9]], "reason": "GOOD AUDIT"}) + "\n")
+    (d / "skiplist.json").write_text("[[5, 9]]")
+    (d / "checkpoints" / "verified.json").write_text(json.dumps(
+        {"30": {"verified": "resume_verified", "time": now - 60, "steps": 5}}))
+    (d / "pending_rollback.json").write_text(json.dumps(
+        {"to_step": 20, "ranges": [[5, 9]], "reason": "GOOD", "id": "p1", "created": now - 10,
+         "checkpoint": "step-00000020", "incident_id": inc.id}, indent=1))
+    return d
+
+
+# ------------------------------------------------------------------ hostile variants
+def _with_hole(obj, path: tuple) -> str:
+    """``obj`` as JSON text with the value at ``path`` replaced by the placeholder."""
+    obj = json.loads(json.dumps(obj))
+    cur = obj
+    for k in path[:-1]:
+        cur = cur[k]
+    cur[path[-1]] = HOLE
+    return json.dumps(obj)
+
+
+def _leaves(obj, prefix: tuple = ()) -> list[tuple]:
+    """Paths to every value of a JSON object, down to the items of its items (an incident's actions[0].time)."""
+    out = []
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+    for k, v in items:
+        out.append(prefix + (k,))
+        if len(prefix) < 2 and isinstance(v, (dict, list)) and v:
+            out += _leaves(v, prefix + (k,))
+    return out
+
+
+# the field that tells lines apart (an incident's id, a page's summary): each hostile line gets its own,
+# so that "the last line per id wins" cannot hide it behind the good one
+DISTINCT = {"incidents.jsonl": "id", "pages.jsonl": "summary", "directives.jsonl": "id", "audit.jsonl": "reason"}
+
+
+def hostile_lines(good: bytes, values: dict[str, str], distinct: str | None = None) -> list[bytes]:
+    """Every field of the good line ``good`` set in turn to each hostile value, plus whole-line shapes."""
+    obj = json.loads(good)
+    out = []
+    for n, path in enumerate(_leaves(obj)):
+        for m, raw in enumerate(values.values()):
+            own = {**obj, distinct: f"hostile-{n}-{m}"} if distinct and path != (distinct,) else obj
+            out.append(_with_hole(own, path).replace(json.dumps(HOLE), raw).encode())
+    out += list(SHAPES.values())
+    out += [good[: len(good) // 2], good[:-1] + b"\xff\xfe"]  # torn; valid JSON prefix, then not UTF-8
+    return out
+
+
+def hostile_documents(good: bytes, *, yaml_doc: bool = False, fields: list[tuple] | None = None) -> dict[str, bytes]:
+    """Variants of a whole document: each field (``fields``, default all) set to each hostile value,
+    and whole-file shapes."""
+    out: dict[str, bytes] = {"empty": b"", "blank": b"\n\n", "truncated": good[: len(good) // 2]}
+    out.update({f"shape-{k}": v for k, v in SHAPES.items()})
+    obj = yaml.safe_load(good) if yaml_doc else json.loads(good)
+    if isinstance(obj, (dict, list)):
+        for path in fields or _leaves(obj):
+            text = _with_hole(obj, path)
+            for name, raw in (YAML_VALUES if yaml_doc else VALUES).items():
+                out[f"{'.'.join(map(str, path))}={name}"] = text.replace(json.dumps(HOLE), raw).encode()
+    return out
+
+
+# ------------------------------------------------------------------ the commands
+def commands(run: Path, out_png: Path) -> dict[str, list[str]]:
+    r = str(run)
+    return {
+        "status": ["status", r], "status --json": ["status", r, "--json"],
+        "incidents": ["incidents", r], "incidents --json": ["incidents", r, "--json"],
+        "pages": ["pages", r], "pages --json": ["pages", r, "--json"],
+        "checkpoints": ["checkpoints", r], "checkpoints --json": ["checkpoints", r, "--json"],
+        "checkpoints --quick": ["checkpoints", r, "--quick", "--json"],
+        "skip-list": ["skip-list", r, "show"], "skip-list --json": ["skip-list", r, "show", "--json"],
+        "rollback --dry-run": ["rollback", r, "--to-step", "20", "--dry-run", "--json"],
+        "report --json": ["report", r, "--out", str(out_png), "--json"],
+        "report": ["report", r, "--out", str(out_png)],
+        "backtest": ["backtest", str(run / "steps.jsonl")], "backtest --json": ["backtest", str(run / "steps.jsonl"), "--json"],
+    }
+
+
+ALL = ("status", "status --json", "incidents", "incidents --json", "pages", "pages --json", "checkpoints",
+       "checkpoints --json", "checkpoints --quick", "skip-list", "skip-list --json", "rollback --dry-run")
+# which commands read which file (report renders a PNG: ~1 s, so only where it reads the file)
+READERS = {
+    "steps.jsonl": ("status", "status --json", "rollback --dry-run", "report --json", "report", "backtest", "backtest --json"),
+    "incidents.jsonl": ("incidents", "incidents --json", "status --json", "report --json", "report"),
+    "pages.jsonl": ("pages", "pages --json", "status --json"),
+    "directives.jsonl": ("incidents", "incidents --json", "status", "status --json", "report --json"),
+    "audit.jsonl": ("incidents", "incidents --json"),
+    "skiplist.json": ("skip-list", "skip-list --json", "rollback --dry-run", "report --json", "status --json"),
+    "config.yaml": ("status --json", "skip-list --json", "report --json"),  # every command reads run_id
+    "pending_rollback.json": ("status", "status --json", "checkpoints", "checkpoints --json", "skip-list",
+                              "skip-list --json", "rollback --dry-run"),
+    "checkpoints/verified.json": ("checkpoints", "checkpoints --json", "checkpoints --quick", "rollback --dry-run"),
+    f"{CKPT}/manifest.json": ("checkpoints", "checkpoints --json", "checkpoints --quick", "status", "status --json",
+                              "rollback --dry-run", "skip-list --json"),
+    f"{CKPT}/train_state.json": ("checkpoints --quick", "skip-list --json", "rollback --dry-run"),
+    "run.json": ("status --json", "checkpoints --json", "skip-list --json"),
+    "bus/url": ALL,
+}
+# the fields of a document its readers use, where the document has many more (a config, a train state)
+FIELDS = {
+    "config.yaml": [("run_id",), ("max_steps",), ("optim",), ("optim", "warmup_steps"), ("optim", "decay_steps"),
+                    ("data",), ("data", "skip")],
+    f"{CKPT}/train_state.json": [("skiplist",), ("step",), ("timeline",)],
+}
+LOGS = ("steps.jsonl", "incidents.jsonl", "pages.jsonl", "directives.jsonl", "audit.jsonl")
+
+
+def run_all(run: Path, names, tmp_path: Path) -> dict[str, object]:
+    """Run each command; return {name: Result}; a traceback is turned into a readable failure."""
+    cmds = commands(run, tmp_path / "r.png")
+    results = {}
+    for name in names:
+        res = CliRunner().invoke(main, cmds[name])
+        results[name] = res
+    return results
+
+
+def check_no_traceback(results: dict, where: str) -> list[str]:
+    problems = []
+    for name, res in results.items():
+        if res.exception is not None and not isinstance(res.exception, SystemExit):
+            last = traceback.format_exception_only(res.exception)[-1].strip()
+            ours = [f for f in traceback.extract_tb(res.exception.__traceback__) if "/sentinel/" in f.filename]
+            at = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else ""
+            problems.append(f"{where} | {name}: {last[:200]}{at}")
+        elif "Traceback" in res.output:
+            problems.append(f"{where} | {name}: traceback in the output")
+    return problems
+
+
+def one_line_error_or_ok(res, name_in_error: str) -> str | None:
+    if res.exit_code == 0:
+        return None
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    if res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and name_in_error in lines[0]:
+        return None
+    return f"exit {res.exit_code}, stderr {res.stderr[-300:]!r}"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_bus(monkeypatch):
+    monkeypatch.delenv("SENTINEL_REDIS_URL", raising=False)
+    monkeypatch.setenv("COLUMNS", "100")
+
+
+def _copy(template: Path, tmp_path: Path) -> Path:
+    return shutil.copytree(template, tmp_path / RUN_NAME)
+
+
+# ------------------------------------------------------------------ line logs: skip, count, go on
+def _good_shown(rel: str, results: dict) -> list[str]:
+    """The good lines of the log are still what the commands show."""
+    bad = []
+
+    def js(name):
+        r = results.get(name)
+        return json.loads(r.stdout) if r is not None and r.exit_code == 0 else None
+
+    if rel == "steps.jsonl":
+        st = js("status --json")
+        if not st or st["runs"][0]["step"] != 30:
+            bad.append(f"status --json no longer shows step 30: {st and st['runs'][0].get('step')}")
+        bt = js("backtest --json")
+        if not bt or not bt.get("rejected_lines"):
+            bad.append(f"backtest --json did not count the rejected lines: {bt and bt.get('rejected_lines')}")
+        rp = js("report --json")
+        if not rp or rp["steps"] != 30:
+            bad.append(f"report --json lost good steps: {rp and rp.get('steps')}")
+    elif rel == "incidents.jsonl":
+        inc = js("incidents --json")
+        ids = [i["id"] for i in inc["runs"][0]["incidents"]] if inc else []
+        if f"{RUN_NAME}-t0-s21" not in ids:
+            bad.append(f"incidents --json lost the good incident: {ids[:5]}")
+    elif rel == "pages.jsonl":
+        pg = js("pages --json")
+        if not pg or "GOOD PAGE" not in [p["summary"] for p in pg["runs"][0]["pages"]]:
+            bad.append("pages --json lost the good page")
+    elif rel == "audit.jsonl":
+        inc = js("incidents --json")
+        if not inc or "GOOD AUDIT" not in [a.get("reason") for a in inc["runs"][0].get("audit", [])]:
+            bad.append("incidents --json lost the good audit line")
+    elif rel == "directives.jsonl":
+        inc = js("incidents --json")
+        if not inc or "d1" not in [d.get("id") for d in inc["runs"][0].get("directives", [])]:
+            bad.append("incidents --json lost the good directive")
+    for name, res in results.items():
+        if res.exit_code != 0:
+            bad.append(f"{name}: exit {res.exit_code} on a log with good lines: {res.output[-300:]!r}")
+    return bad
+
+
+@pytest.mark.parametrize("rel", LOGS + ("audit.jsonl-alone", "directives.jsonl-alone"))
+def test_hostile_lines_in_a_log_are_skipped_and_good_lines_shown(rel, template, tmp_path):
+    run = _copy(template, tmp_path)
+    if rel.endswith("-alone"):  # no incidents: `sentinel incidents` lists the audit and directives logs instead
+        rel = rel.removesuffix("-alone")
+        (run / "incidents.jsonl").unlink()
+    path = run / rel
+    good = path.read_bytes().splitlines(keepends=True)
+    # the log's first good line as the template of every hostile one; the good lines stay around them
+    sample = good[1] if rel == "steps.jsonl" else good[0]
+    bad = hostile_lines(sample.rstrip(b"\n"), VALUES, DISTINCT.get(rel))
+    if rel == "steps.jsonl":  # hostile lines amid the steps, the last good step stays last
+        body = b"".join(good[:15]) + b"".join(b + b"\n" for b in bad) + b"".join(good[15:])
+    else:
+        body = b"".join(b + b"\n" for b in bad) + b"".join(good)
+    path.write_bytes(body)
+    results = run_all(run, READERS[rel], tmp_path)
+    problems = check_no_traceback(results, rel) or _good_shown(rel, results)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("variant", ["empty", "blank", "binary-only", "torn-only", "deep-only"])
+@pytest.mark.parametrize("rel", LOGS)
+def test_a_log_with_nothing_readable_is_no_traceback(rel, variant, template, tmp_path):
+    run = _copy(template, tmp_path)
+    first = (run / rel).read_bytes().splitlines()[0]
+    body = {"empty": b"", "blank": b"\n \n", "binary-only": GARBAGE + b"\n", "torn-only": first[: len(first) // 2],
+            "deep-only": SHAPES["deep"] + b"\n"}[variant]
+    (run / rel).write_bytes(body)
+    results = run_all(run, READERS[rel], tmp_path)
+    problems = check_no_traceback(results, f"{rel}[{variant}]")
+    for name, res in results.items():
+        why = one_line_error_or_ok(res, rel)
+        if why:
+            problems.append(f"{rel}[{variant}] | {name}: {why}")
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------ whole documents: cope, or one line naming the file
+DOCS = ("skiplist.json", "config.yaml", "pending_rollback.json", "checkpoints/verified.json", f"{CKPT}/manifest.json",
+        f"{CKPT}/train_state.json", "run.json", "bus/url")
+
+
+@pytest.mark.parametrize("rel", DOCS)
+def test_hostile_documents_give_no_traceback(rel, template, tmp_path):
+    run = _copy(template, tmp_path)
+    path = run / rel
+    if rel == "bus/url":
+        path.parent.mkdir(exist_ok=True)
+        variants = {"empty": b"", "binary": GARBAGE, "text": b"not a url", "deep": SHAPES["deep"],
+                    "no-port": b"redis://127.0.0.1:notaport/0", "nul": b"redis://\x00", "unix": b"unix:///nonexistent"}
+    else:
+        variants = hostile_documents(path.read_bytes(), yaml_doc=rel.endswith(".yaml"), fields=FIELDS.get(rel))
+    problems: list[str] = []
+    for name, body in variants.items():
+        path.write_bytes(body)
+        readers = READERS[rel]
+        if rel == "config.yaml" and name.startswith(("run_id=", "data")):  # the report (~0.5 s) reads optim, max_steps
+            readers = readers[:-1]
+        results = run_all(run, readers, tmp_path)
+        tb = check_no_traceback(results, f"{rel}[{name}]")
+        problems += tb
+        if tb:
+            continue
+        for cmd, res in results.items():
+            why = one_line_error_or_ok(res, Path(rel).name)
+            if why:
+                problems.append(f"{rel}[{name}] | {cmd}: {why}")
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:60])
+
+
+def test_hostile_checkpoint_directory_names_and_files(template, tmp_path):
+    """Odd entries under checkpoints/: a step dir that is a file, a manifest that is a directory,
+    a step number beyond int64, a manifest that is binary."""
+    run = _copy(template, tmp_path)
+    ck = run / "checkpoints"
+    (ck / "step-99999999999999999999999999").mkdir()
+    (ck / "step-00000040").write_bytes(GARBAGE)
+    (ck / "step-00000050").mkdir()
+    (ck / "step-00000050" / "manifest.json").mkdir()
+    (ck / "step-00000060").mkdir()
+    (ck / "step-00000060" / "manifest.json").write_bytes(GARBAGE)
+    results = run_all(run, ALL, tmp_path)
+    problems = check_no_traceback(results, "checkpoints/")
+    for cmd, res in results.items():
+        why = one_line_error_or_ok(res, "checkpoints")
+        if why:
+            problems.append(f"checkpoints/ | {cmd}: {why}")
+    assert not problems, "\n".join(problems)
+    cps = json.loads(results["checkpoints --json"].stdout)
+    assert 30 in [c["step"] for c in cps["runs"][0]["checkpoints"]] if "runs" in cps else True
