@@ -44,6 +44,10 @@ from sentinel.rules import default_rules  # noqa: E402
 
 SCORE_FROM = 100  # steps before this are not scored
 TOL = 3  # a flag up to this many steps after an event's end still detects it
+# Here flags at most this many steps apart are one alarm, for every detector alike: a dry run keeps
+# judging after a damage finding (live, the first one rolls back), and the level tests give their
+# verdicts every 4-8 steps, so one lasting episode is a train of findings, not one false alarm each.
+ALARM_GAP = 8
 OURS = "sentinel (loss_spike + divergence)"
 
 
@@ -146,11 +150,11 @@ def synthetic(seed: int, n: int = 4000) -> Trace:
 # ------------------------------------------------------------------------------------ scoring
 
 
-def score(trace: Trace, flags: list[bool]) -> Score:
-    """Alarm-level scoring: consecutive flags form one alarm (an alarm raised during an event and
-    still on after it is one alarm, not a new false one)."""
+def score(trace: Trace, flags: list[bool], gap: int = 1) -> Score:
+    """Alarm-level scoring: flags at most ``gap`` steps apart (consecutive ones by default) form one
+    alarm (an alarm raised during an event and still on after it is one alarm, not a new false one)."""
     sc = Score()
-    alarms = _group([i for i in range(SCORE_FROM, len(flags)) if flags[i]])
+    alarms = _group([i for i in range(SCORE_FROM, len(flags)) if flags[i]], gap=gap)
     starts = [a for a, _ in alarms]
     used = set()
     for a, b in trace.events:
@@ -188,7 +192,7 @@ def evaluate(traces: list[Trace]) -> dict[str, Score]:
     total = {name: Score() for name in DETECTORS}
     for tr in traces:
         for name, fn in DETECTORS.items():
-            total[name].add(score(tr, fn(tr.losses)))
+            total[name].add(score(tr, fn(tr.losses), gap=ALARM_GAP))
     return total
 
 

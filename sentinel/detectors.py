@@ -181,7 +181,7 @@ class SpikeDetector:
         "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
         "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
         "z", "ratio", "baseline", "scale", "_gate", "_s", "_fifo", "_size", "_alpha", "recent", "_raw",
-        "noise_floor",
+        "noise_floor", "noise_cap",
     )
 
     def __init__(
@@ -213,6 +213,7 @@ class SpikeDetector:
         self.recent = recent  # > 0: noise-aware verdicts (see update)
         self._raw: deque[float] = deque(maxlen=2 * recent if recent else 1)  # every finite value, spikes too
         self.noise_floor = 0.0  # the caller's slow per-step noise sigma (see update); 0: none
+        self.noise_cap = 0.0  # the most the spread may be taken as: a multiple of the per-step noise; 0: none
         # details of the last verdict, for findings (only meaningful when it was not NORMAL)
         self.z = 0.0
         self.ratio = 1.0
@@ -276,6 +277,11 @@ class SpikeDetector:
             local = MAD_TO_SIGMA * median_of([abs(v - rm) for v in raw])
             if local > scale:
                 scale = local
+            # ... but a MAD around a median counts a fast descent as spread (128 losses falling
+            # 0.5 nat early in a run): capped by the caller's per-step noise from first differences,
+            # which a trend does not inflate (a clear early spike at z 8 in hindsight went unflagged)
+            if 0.0 < self.noise_cap < scale:
+                scale = self.noise_cap
             # ... and never below the run's slow per-step noise (first differences over a few hundred
             # steps): both MADs come from a few dozen values and now and then understate the spread
             # by 15-20 %, which is exactly what turned 5-sigma wiggles into 6-sigma flags.

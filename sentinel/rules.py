@@ -437,6 +437,7 @@ class _LossEval(_Eval):
         self.nf_on = self.nf_cfg.enabled
 
     FLOOR = 0.8  # x the per-step noise from first differences, which overstates the level's spread
+    CAP = 1.5  # x the same noise: the most the spike test's spread may be (a MAD counts a descent as spread)
     SLOW_ALPHA = 1 / 16  # per refresh: the spike floor's average spans ~256 steps
     NOISE_EVERY = 16  # a refresh costs a sort of 64 differences; every 64 steps lost 2/144 timely rollbacks
 
@@ -451,6 +452,7 @@ class _LossEval(_Eval):
                 # the spike test's noise floor: a slow average of the per-step noise (~256 steps)
                 slow, now = self.det.noise_floor, self.FLOOR * self.noise
                 self.det.noise_floor = now if slow <= 0 else slow + self.SLOW_ALPHA * (now - slow)
+                self.det.noise_cap = self.CAP * self.noise
             self._pend_st.append(step)
             self._pend_x.append(x)
             self._due -= 1
@@ -530,7 +532,7 @@ class _LossEval(_Eval):
         self.shift_long.reset()
         self.climb.reset()
         self.noise, self._noise_n = 0.0, 0
-        self.det.noise_floor = 0.0
+        self.det.noise_floor = self.det.noise_cap = 0.0
         self.nf_run = 0
 
     def clear_episode(self) -> None:
@@ -568,6 +570,7 @@ class _LossEval(_Eval):
             self.climb.load_state_dict(st["climb"])
         self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
         self.det.noise_floor = float(st.get("noise_floor", 0.0))
+        self.det.noise_cap = self.CAP * self.noise
         self.nf_run = int(st["nf_run"])
         self._pend_st, self._pend_x = [], []
         self._due = self._every - self.shift.n % self._every
