@@ -192,20 +192,23 @@ def tail_records(run_dir: str | os.PathLike, n: int = 1000) -> list[StepRecord |
     return out
 
 
-def read_records(run_dir: str | os.PathLike):
-    """Every record of ``steps.jsonl``, in order (streamed; a torn tail line is skipped)."""
+def read_records(run_dir: str | os.PathLike, rejected: list[str] | None = None):
+    """Every record of ``steps.jsonl``, in order (streamed; a torn tail line is skipped). A malformed
+    or out-of-range line is skipped, and its one-line reason ("steps.jsonl:N: ...") appended to
+    ``rejected`` when given."""
     path = Path(run_dir) / STEPS
     if not path.is_file():
         return
     with open(path, "rb") as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
                 return
             if line.strip():
                 try:
                     yield parse_file_record(line)
-                except SchemaError:
-                    continue
+                except SchemaError as e:
+                    if rejected is not None:
+                        rejected.append(f"{STEPS}:{n}: {e}")
 
 
 def effective_steps(records: Iterable) -> list[StepRecord]:

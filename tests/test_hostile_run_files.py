@@ -266,6 +266,11 @@ def _good_shown(rel: str, results: dict) -> list[str]:
         rp = js("report --json")
         if not rp or rp["steps"] != 30:
             bad.append(f"report --json lost good steps: {rp and rp.get('steps')}")
+        elif not rp["rejected_lines"] or not rp["first_rejected"].startswith("steps.jsonl:16: "):
+            bad.append(f"report --json did not count the rejected lines: {rp['rejected_lines']} {rp['first_rejected']}")
+        human = results.get("report")
+        if human is None or "warning: skipped" not in human.stderr:
+            bad.append("report did not warn about the skipped lines")
     elif rel == "incidents.jsonl":
         inc = js("incidents --json")
         ids = [i["id"] for i in inc["runs"][0]["incidents"]] if inc else []
@@ -380,3 +385,23 @@ def test_hostile_checkpoint_directory_names_and_files(template, tmp_path):
     assert not problems, "\n".join(problems)
     cps = json.loads(results["checkpoints --json"].stdout)
     assert 30 in [c["step"] for c in cps["runs"][0]["checkpoints"]] if "runs" in cps else True
+
+
+# ------------------------------------------------------------------ the offline tools that import torch
+@pytest.mark.parametrize("variant", ["deep", "deep-object", "binary", "list", "empty-object", "truncated", "steps=text"])
+def test_replay_and_verify_refuse_a_hostile_config_in_one_line(variant, template, tmp_path):
+    """replay-batch and verify-resume read config.yaml through the trainer's loader before any
+    worker starts: a hostile one is one line naming the file (a 50,000-deep or binary config was a
+    RecursionError / UnicodeDecodeError). Step 999 does not exist, so nothing is ever launched."""
+    run = _copy(template, tmp_path)
+    good = (run / "config.yaml").read_bytes()
+    body = {"truncated": good[: len(good) // 3], "steps=text": good.replace(b"max_steps: 30", b"max_steps: x")}.get(
+        variant) or SHAPES[variant]
+    (run / "config.yaml").write_bytes(body)
+    for cmd in (["replay-batch", str(run), "--step", "999"], ["verify-resume", str(run), "--from-step", "999"]):
+        res = CliRunner().invoke(main, cmd)
+        problems = check_no_traceback({cmd[0]: res}, f"config.yaml[{variant}]")
+        assert not problems, problems
+        # {} and a cut-short config can still be valid YAML for defaults: then it is step 999 that is missing
+        why = one_line_error_or_ok(res, "" if variant in ("empty-object", "truncated") else "config.yaml")
+        assert res.exit_code == 2 and why is None, (cmd[0], why, res.output[-300:])

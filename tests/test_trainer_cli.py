@@ -164,6 +164,7 @@ BAD_CONFIGS = {
     "wrong-nested-type": ("optim:\n  lr: [1, 2]\n", "optim.lr"),
     "invalid-yaml": ("model: [unclosed\n  d_model: 3\n", "invalid YAML"),
     "not-a-mapping": ("- 1\n- 2\n", "mapping"),
+    "too-deep": ("[" * 50_000 + "]" * 50_000, "nested too deep"),  # was a RecursionError traceback
 }
 
 

@@ -309,6 +309,10 @@ def load_yaml(path: str | Path) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise ConfigError(f"{p}: invalid YAML{where}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    except RecursionError:  # [[[[... 50,000 deep: the parser recurses per level
+        raise ConfigError(f"{p}: invalid YAML (nested too deep)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping")
     return data

@@ -54,9 +54,11 @@ def build(ref, incident_id: str | None = None):
     from sentinel.report import STATE_WORDS, gather
 
     run_dir = ref.run_dir
-    records = list(rundir.read_records(run_dir))
+    rejected: list[str] = []
+    records = list(rundir.read_records(run_dir, rejected))
     if not any(r.kind == "step" for r in records):
-        raise SentinelError(f"{run_dir / rundir.STEPS} has no step records yet: nothing to draw")
+        why = f" ({len(rejected)} malformed line(s); first: {rejected[0]})" if rejected else ""
+        raise SentinelError(f"{run_dir / rundir.STEPS} has no step records yet: nothing to draw{why}")
     incs, source = load_incidents(ref)
     try:
         cfg = yaml.safe_load((run_dir / rundir.CONFIG).read_text()) if (run_dir / rundir.CONFIG).is_file() else None
@@ -74,7 +76,7 @@ def build(ref, incident_id: str | None = None):
         data.focus = (max(0, lo), hi)
         data.title_note = (f"incident {inc['id']}: {inc['rule']}, onset step {inc['onset']}, detected {inc['detect']}, "
                            f"{STATE_WORDS.get(inc['state'], inc['state'])}")
-    return data, source
+    return data, source, rejected
 
 
 def write_report(ref, out: str | Path | None = None, incident_id: str | None = None) -> dict:
@@ -84,14 +86,15 @@ def write_report(ref, out: str | Path | None = None, incident_id: str | None = N
     if ref.run_dir is None:
         raise SentinelError(f"run {ref.run}: its run directory is not on this machine; run `sentinel report RUN_DIR` "
                             "on the host that has it")
-    data, source = build(ref, incident_id)
+    data, source, rejected = build(ref, incident_id)
     path = render(data, Path(out) if out else default_path(ref.run_dir, incident_id))
     return {"run": ref.run, "path": str(path), "incident": incident_id, "incidents_source": source,
             "steps": sum(len(s.steps) for s in data.segments if not s.abandoned),
             "abandoned_steps": sum(len(s.steps) for s in data.segments if s.abandoned),
             "incidents": len(data.incidents), "rollbacks": len(data.rollbacks), "guard_skips": len(data.guard_skips),
             "skip_windows": [list(w) for w in data.skip_windows],
-            "phases": [list(p) for p in data.phases]}
+            "phases": [list(p) for p in data.phases],
+            "rejected_lines": len(rejected), "first_rejected": rejected[0] if rejected else None}
 
 
 @click.command("report")
@@ -116,6 +119,8 @@ def report(run, incident_id, out, redis_url, as_json):
     if as_json:
         emit_json(res)
         return
+    if res["rejected_lines"]:
+        click.echo(f"warning: skipped {res['rejected_lines']} malformed line(s); first: {res['first_rejected']}", err=True)
     click.echo(f"report: {res['path']}")
     click.echo(f"  {res['steps']} steps ({res['abandoned_steps']} abandoned by rollbacks), {res['incidents']} incident(s) "
                f"from {res['incidents_source']}, {res['rollbacks']} rollback(s), {res['guard_skips']} guard skip(s)")
