@@ -58,6 +58,23 @@ class TrainingError(Exception):
     """A one-line, user-facing reason the run cannot start or continue."""
 
 
+def _read_pending_plan(path: Path) -> tuple[dict | None, str | None]:
+    """(plan, None) from ``pending_rollback.json`` (written by ``sentinel rollback`` offline), or
+    (None, why) when it is not one: a hostile or corrupt plan is refused in one line, not applied
+    half-way and not silently dropped (the operator asked for a rollback)."""
+    fix = "fix it or write a new plan with `sentinel rollback`, then start again"
+    try:
+        plan = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested 50,000 deep
+        return None, f"{path} is unreadable ({type(e).__name__}): {fix}"
+    step = plan.get("to_step") if isinstance(plan, dict) else None
+    ranges = plan.get("ranges", []) if isinstance(plan, dict) else None
+    if (not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(ranges, list)
+            or not all(isinstance(r, list) and len(r) == 2 for r in ranges)):
+        return None, f'{path} is malformed (expected {{"to_step": N, "ranges": [[lo, hi], ...]}}): {fix}'
+    return plan, None
+
+
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps completed
@@ -595,10 +612,12 @@ class Trainer:
         env.barrier()
         self._load_applied_directives()
         pending = self.run_dir / "pending_rollback.json"
-        plan = None
+        plan, bad = None, None
         if env.is_main and pending.is_file():
-            plan = json.loads(pending.read_text())
-        plan = env.broadcast_object(plan)
+            plan, bad = _read_pending_plan(pending)
+        plan, bad = env.broadcast_object((plan, bad))
+        if bad:  # every rank stops with the same line; the plan stays on disk for the operator to fix
+            raise TrainingError(bad)
         if plan is not None:
             self.skip.add([tuple(r) for r in plan.get("ranges", [])])
             self._persist_skiplist()
