@@ -528,19 +528,37 @@ def write_pending_rollback(run_dir: str | os.PathLike, *, to_step: int, ranges, 
     return p
 
 
-def _read_jsonl(path: Path, tail: int | None = None) -> list[dict]:
+def _read_jsonl(path: Path, tail: int | None = None, rejected: list[str] | None = None) -> list[dict]:
+    """The JSON objects of a JSONL file (its last ``tail`` lines when given); see ``_jsonl_objects``."""
+    return [obj for _, obj in _jsonl_objects(path, tail, rejected)]
+
+
+def _jsonl_objects(path: Path, tail: int | None = None, rejected: list[str] | None = None) -> list[tuple[str, dict]]:
+    """(where, object) for each JSON object line of a JSONL file; a line that is not one is skipped,
+    and its one-line reason appended to ``rejected`` when given."""
     if not path.is_file():
         return []
     lines = tail_lines(path, tail) if tail else path.read_bytes().splitlines()
     out = []
-    for line in lines:
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{n}" if not tail else f"{path.name} (line {n} of the last {len(lines)})"
         try:  # bounded: a line nested 50,000 deep is a RecursionError inside json, not a ValueError
-            obj = loads_bounded(line, path.name)
-        except SchemaError:
+            obj = loads_bounded(line, where)
+        except SchemaError as e:
+            _reject(rejected, str(e))
             continue
         if isinstance(obj, dict):
-            out.append(obj)
+            out.append((where, obj))
+        else:
+            _reject(rejected, f"{where}: expected a JSON object")
     return out
+
+
+def _reject(rejected: list[str] | None, why: str) -> None:
+    if rejected is not None:
+        rejected.append(why)
 
 
 def read_directives_log(run_dir: str | os.PathLike, tail: int | None = None) -> list[dict]:
@@ -565,14 +583,17 @@ def append_audit(run_dir: str | os.PathLike, record: dict[str, Any]) -> dict[str
     return rec
 
 
-def read_incidents_log(run_dir: str | os.PathLike) -> list[Incident]:
+def read_incidents_log(run_dir: str | os.PathLike, rejected: list[str] | None = None) -> list[Incident]:
     """Every incident in ``RUN_DIR/incidents.jsonl`` (last line per id wins), oldest first; [] when
-    the file is absent. Malformed, torn or out-of-range lines are skipped."""
+    the file is absent. Malformed, torn or out-of-range lines are skipped (and their reasons
+    appended to ``rejected`` when given)."""
     latest: dict[str, Incident] = {}
-    for obj in _read_jsonl(Path(run_dir) / INCIDENTS_LOG):
+    for where, obj in _jsonl_objects(Path(run_dir) / INCIDENTS_LOG, rejected=rejected):
         inc = parse_incident(obj)
         if inc is not None:
             latest[inc.id] = inc
+        else:
+            _reject(rejected, f"{where}: not a valid incident (a field missing, of the wrong type or out of range)")
     return sorted(latest.values(), key=lambda i: i.opened_at)
 
 
@@ -586,14 +607,17 @@ def parse_incident(raw: str | bytes | dict) -> Incident | None:
     return inc if record_range_error(inc) is None else None
 
 
-def read_pages_log(run_dir: str | os.PathLike, tail: int | None = None) -> list[dict]:
+def read_pages_log(run_dir: str | os.PathLike, tail: int | None = None, rejected: list[str] | None = None) -> list[dict]:
     """The pages in ``RUN_DIR/pages.jsonl``, oldest first, each with exactly ``PAGE_FIELDS``.
-    Lines that are not a page (no finite numeric time or no summary: torn, hostile) are skipped."""
+    Lines that are not a page (no finite numeric time or no summary: torn, hostile) are skipped (and
+    their reasons appended to ``rejected`` when given)."""
     out = []
-    for obj in _read_jsonl(Path(run_dir) / PAGES_LOG, tail):
+    for where, obj in _jsonl_objects(Path(run_dir) / PAGES_LOG, tail, rejected):
         page = normalize_page(obj)
         if page is not None:
             out.append(page)
+        else:
+            _reject(rejected, f"{where}: not a page (no finite time or no summary)")
     return out
 
 

@@ -18,6 +18,7 @@ case trains.
 from __future__ import annotations
 
 import json
+import re
 import os
 import random
 import shutil
@@ -276,10 +277,12 @@ def _good_shown(rel: str, results: dict) -> list[str]:
         ids = [i["id"] for i in inc["runs"][0]["incidents"]] if inc else []
         if f"{RUN_NAME}-t0-s21" not in ids:
             bad.append(f"incidents --json lost the good incident: {ids[:5]}")
+        bad += _counted("incidents", inc, results)
     elif rel == "pages.jsonl":
         pg = js("pages --json")
         if not pg or "GOOD PAGE" not in [p["summary"] for p in pg["runs"][0]["pages"]]:
             bad.append("pages --json lost the good page")
+        bad += _counted("pages", pg, results)
     elif rel == "audit.jsonl":
         inc = js("incidents --json")
         if not inc or "GOOD AUDIT" not in [a.get("reason") for a in inc["runs"][0].get("audit", [])]:
@@ -291,6 +294,20 @@ def _good_shown(rel: str, results: dict) -> list[str]:
     for name, res in results.items():
         if res.exit_code != 0:
             bad.append(f"{name}: exit {res.exit_code} on a log with good lines: {res.output[-300:]!r}")
+    return bad
+
+
+def _counted(cmd: str, as_json: dict | None, results: dict) -> list[str]:
+    """The skipped lines are counted (--json: rejected_lines, first_rejected naming the file and the
+    line) and said on stderr by the human view."""
+    log = f"{cmd}.jsonl"
+    run = as_json["runs"][0] if as_json else {}
+    bad = []
+    if not run.get("rejected_lines") or not re.match(rf"{log}:\d+: ", str(run.get("first_rejected"))):
+        bad.append(f"{cmd} --json did not count the skipped lines: {run.get('rejected_lines')} {run.get('first_rejected')}")
+    human = results.get(cmd)
+    if human is None or f"skipped {run.get('rejected_lines')} malformed line(s) of the run directory; first: {log}:" not in human.stderr:
+        bad.append(f"{cmd} did not warn about the skipped lines: {human and human.stderr[-300:]!r}")
     return bad
 
 

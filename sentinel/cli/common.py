@@ -79,6 +79,10 @@ def emit_runs(runs: list[dict], as_json: bool, render) -> None:
     if as_json:
         emit_json({"runs": runs})
         return
+    for run in runs:  # what a view skipped is said, on stderr so the table stays clean
+        if run.get("rejected_lines"):
+            click.echo(f"warning: {run.get('run')}: skipped {run['rejected_lines']} malformed line(s) of the run directory; "
+                       f"first: {run.get('first_rejected')}", err=True)
     from sentinel.cli.status_cmd import console_for_output
 
     console = console_for_output()

@@ -27,13 +27,14 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
     from sentinel.protocol import Ack, Event, SchemaError
 
     out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "incidents": []}
+    rejected: list[str] = []  # malformed lines of the run directory's incidents.jsonl, skipped
     trainer_log = rundir.read_directives_log(ref.run_dir, tail=2000) if ref.run_dir else []
     if ref.r is None:
         # no bus: what the run directory remembers (the incidents mirror, manual actions, applied directives)
         out["note"] = ref.bus_note
         out["audit"] = rundir.read_audit(ref.run_dir, tail=200) if ref.run_dir else []
         out["directives"] = trainer_log[-200:]
-        incs = read_incidents_log(ref.run_dir) if ref.run_dir else []
+        incs = read_incidents_log(ref.run_dir, rejected) if ref.run_dir else []
         entries, applied, acks = [], None, {}
     else:
         with bus.bus_errors(ref.r):
@@ -51,7 +52,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
             acks.setdefault(a.directive_id, a.model_dump(mode="json"))
         if ref.run_dir is not None:  # a restarted bus forgot what the run dir's mirror remembers
             known = {i.id for i in incs}
-            incs += [i for i in read_incidents_log(ref.run_dir) if i.id not in known]
+            incs += [i for i in read_incidents_log(ref.run_dir, rejected) if i.id not in known]
     by_id: dict[str, list[dict]] = {}
     for eid, fields in reversed(entries):
         try:
@@ -72,6 +73,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
         d["outcome"] = _outcome(inc, d["timeline"])
         annotate_actions(d, applied=applied, acks=acks, trainer_log=trainer_log)
         out["incidents"].append(d)
+    out["rejected_lines"], out["first_rejected"] = len(rejected), (rejected[0] if rejected else None)
     return out
 
 

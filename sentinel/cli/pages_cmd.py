@@ -37,8 +37,10 @@ def run_pages(ref, limit: int | None = None) -> dict:
     else:
         out["note"] = ref.bus_note
     if ref.run_dir is not None:  # the mirror: all of it without a bus, what a restarted bus forgot with one
-        for page in rundir.read_pages_log(ref.run_dir):
+        rejected: list[str] = []
+        for page in rundir.read_pages_log(ref.run_dir, rejected=rejected):
             pages.setdefault((round(page["time"], 3), page["summary"]), page)
+        out["rejected_lines"], out["first_rejected"] = len(rejected), (rejected[0] if rejected else None)
         if ref.r is not None and (ref.run_dir / rundir.PAGES_LOG).is_file():
             out["source"] = "bus+files"
     ordered = sorted(pages.values(), key=lambda p: p["time"])
