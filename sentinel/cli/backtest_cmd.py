@@ -75,7 +75,10 @@ def _print_tables(trace: str, res) -> None:
     for act in res.actions:
         a.add_row(str(act["step"]), act["kind"], "" if act["to_step"] is None else str(act["to_step"]),
                   str(len(act["ranges"])), act["incident_id"] or "", act["reason"])
-    console.print(a)
+    if res.actions:
+        console.print(a)
+    else:
+        console.print("[green]Actions the policy would take: none[/] (no rollback, pause or page)")
     if res.incidents:
         it = Table(title="Incidents (a recovered spike is annotated, not acted on)", title_justify="left")
         for col in ("onset", "detected", "rule", "state", "spike pattern"):
