@@ -178,17 +178,21 @@ def parse_file_record(line: bytes | str) -> StepRecord | TimelineRecord:
     return rec
 
 
-def tail_records(run_dir: str | os.PathLike, n: int = 1000) -> list[StepRecord | TimelineRecord]:
-    """The last ``n`` records of ``steps.jsonl`` (malformed lines are skipped); [] if there is none."""
+def tail_records(run_dir: str | os.PathLike, n: int = 1000, rejected: list[str] | None = None) -> list[StepRecord | TimelineRecord]:
+    """The last ``n`` records of ``steps.jsonl``; [] if there is none. A malformed line is skipped,
+    and its one-line reason appended to ``rejected`` when given."""
     path = Path(run_dir) / STEPS
     if not path.is_file():
         return []
     out = []
-    for line in tail_lines(path, n):
+    lines = tail_lines(path, n)
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             out.append(parse_file_record(line))
-        except SchemaError:
-            continue
+        except SchemaError as e:
+            _reject(rejected, f"{STEPS} (line {i} of the last {len(lines)}): {e}")
     return out
 
 

@@ -261,6 +261,10 @@ def _good_shown(rel: str, results: dict) -> list[str]:
         st = js("status --json")
         if not st or st["runs"][0]["step"] != 30:
             bad.append(f"status --json no longer shows step 30: {st and st['runs'][0].get('step')}")
+        elif not st["runs"][0].get("rejected_lines") or not str(st["runs"][0].get("first_rejected")).startswith("steps.jsonl (line "):
+            bad.append(f"status --json did not count the skipped lines: {st['runs'][0].get('first_rejected')}")
+        if "status" in results and "malformed line(s) of the run directory; first: steps.jsonl (line " not in results["status"].stderr:
+            bad.append(f"status did not warn about the skipped lines: {results['status'].stderr[-300:]!r}")
         bt = js("backtest --json")
         if not bt or not bt.get("rejected_lines"):
             bad.append(f"backtest --json did not count the rejected lines: {bt and bt.get('rejected_lines')}")

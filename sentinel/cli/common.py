@@ -79,16 +79,21 @@ def emit_runs(runs: list[dict], as_json: bool, render) -> None:
     if as_json:
         emit_json({"runs": runs})
         return
-    for run in runs:  # what a view skipped is said, on stderr so the table stays clean
-        if run.get("rejected_lines"):
-            click.echo(f"warning: {run.get('run')}: skipped {run['rejected_lines']} malformed line(s) of the run directory; "
-                       f"first: {run.get('first_rejected')}", err=True)
+    warn_rejected(runs)
     from sentinel.cli.status_cmd import console_for_output
 
     console = console_for_output()
     if not runs:
         console.print("[dim]no runs registered on the bus[/]")
     console.print(render(runs))
+
+
+def warn_rejected(runs: list[dict]) -> None:
+    """What a view skipped is said, on stderr so that the table stays clean."""
+    for run in runs:
+        if run.get("rejected_lines"):
+            click.echo(f"warning: {run.get('run')}: skipped {run['rejected_lines']} malformed line(s) of the run directory; "
+                       f"first: {run.get('first_rejected')}", err=True)
 
 
 def fmt_clock(t, fmt: str = "%H:%M:%S") -> str:

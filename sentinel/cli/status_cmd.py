@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import emit_json, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import emit_json, friendly_errors, json_option, redis_url_option, warn_rejected
 
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
 LOSS_BAND = 1.20  # loss above 1.2x its recent median is out of band
@@ -51,7 +51,9 @@ def run_status(ref, now: float | None = None) -> dict:
                 continue
         hb = ref.heartbeat()
     if not records and ref.run_dir is not None:
-        records = rundir.tail_records(ref.run_dir, WINDOW)
+        rejected: list[str] = []
+        records = rundir.tail_records(ref.run_dir, WINDOW, rejected)
+        row["rejected_lines"], row["first_rejected"] = len(rejected), (rejected[0] if rejected else None)
         if ref.r is not None:
             row["source"] = "bus+files"
     s = rundir.summarize(records, now)
@@ -334,6 +336,7 @@ def _status(runs, watch, interval, redis_url, as_json):
         if as_json:
             emit_json({"runs": rows, "time": time.time()})
             return
+        warn_rejected(rows)
         console_for_output().print(render(rows, errors))
         return
     try:
