@@ -597,3 +597,23 @@ def test_views_are_readable_at_80_columns(run_copy):
     assert "…" not in skips and "1000:1010" in skips and "10" in skips
     wide = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["status", d]).stdout
     assert "tokens/s" in wide and wide.count("\n") < status.count("\n")  # the one-row table when there is room
+
+
+@pytest.mark.parametrize("args", [
+    ["backtest", "--checkpoint-every", "-1", "x.jsonl"],
+    ["status", "--interval", "abc"],
+    ["nosuch"],
+    ["backtest"],
+    ["backtest", "--bogus", "x.jsonl"],
+    ["pages", "--limit", "0"],
+    ["rollback", "runs/x", "--to-step", "ten"],
+])
+def test_a_bad_flag_is_one_line_too(args):
+    """Click's usage errors (a bad value, an unknown option or command, a missing argument) are one
+    `error:` line naming where to look, like every other error; not usage + hint + error."""
+    from sentinel.cli import main as cli
+
+    r = CliRunner().invoke(cli, args)
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "--help`)" in lines[0], r.output
+    assert "Traceback" not in r.output and "Usage:" not in r.output

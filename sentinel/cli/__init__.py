@@ -7,6 +7,7 @@ so ``sentinel --help`` is instant and the torch-free commands never import torch
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -35,6 +36,29 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 
 class LazyGroup(click.Group):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Click's own handling, except that a usage error (a bad flag value, an unknown option or
+        command, a missing argument) is one line, like every other error of this CLI, instead of
+        usage + hint + error."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `sentinel` or `sentinel rules` alone: the help, as click shows it
+                e.show()
+                sys.exit(e.exit_code)
+            where = e.ctx.command_path if e.ctx is not None else "sentinel"
+            click.echo(f"error: {e.format_message()} (see `{where} --help`)", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+
     def list_commands(self, ctx):
         return list(COMMANDS)
 
