@@ -442,3 +442,45 @@ def test_trainer_refuses_a_hostile_pending_rollback_in_one_line(variant, templat
     before = (run / "steps.jsonl").read_bytes()
     assert_one_line_error(run_trainer(run, timeout=120), contains="pending_rollback.json")
     assert (run / "pending_rollback.json").read_bytes() == body and (run / "steps.jsonl").read_bytes() == before
+
+
+# ------------------------------------------------------------------ the daemon on a hostile run dir
+HOSTILE_CONFIGS = {"deep": b"[" * 50_000, "binary": b"\xff\xfe\x00\x01garbage", "list": b"[1, 2]\n", "number": b"42\n"}
+
+
+@pytest.mark.parametrize("variant", sorted(HOSTILE_CONFIGS))
+def test_run_id_of_a_hostile_config_is_the_directory_name(variant, tmp_path):
+    from sentinel.rundir import run_id_of
+
+    d = tmp_path / "myrun"
+    d.mkdir()
+    (d / "config.yaml").write_bytes(HOSTILE_CONFIGS[variant])
+    assert run_id_of(d) == "myrun"
+
+
+def test_the_daemon_watches_a_run_dir_whose_config_is_hostile(embedded_bus):
+    """`sentinel run RUN_DIR` read config.yaml for the run id with its own unguarded copy of
+    ``rundir.run_id_of``: a config nested 50,000 deep was a RecursionError traceback at start."""
+    import signal
+    import subprocess
+    import sys
+
+    run = embedded_bus.run_dir  # a run dir with a live embedded bus
+    (run / "config.yaml").write_bytes(HOSTILE_CONFIGS["deep"])
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("SENTINEL_REDIS_URL", None)
+    p = subprocess.Popen([sys.executable, "-m", "sentinel", "run", str(run), "--metrics-port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    out = ""
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and p.poll() is None and f"watching run {run.name}" not in out:
+            out += p.stdout.readline()
+        assert f"watching run {run.name}" in out, out[-2000:]
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+        rest, _ = p.communicate(timeout=60)
+        out += rest
+    assert "Traceback" not in out, out[-2000:]
+    assert p.returncode == 0, out[-2000:]

@@ -49,6 +49,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     from sentinel.daemon import Daemon, Options
     from sentinel.fleet import Fleet, Member
     from sentinel.metrics import SentinelMetrics
+    from sentinel.rundir import run_id_of
     from sentinel.rules import RulesError, default_rules, load_rules
 
     for r in runs:
@@ -60,7 +61,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
                    alertmanager_url=alertmanager_url, lease_ms=lease_ms,
-                   run_dirs={_run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
+                   run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer
     log = _console_log()
@@ -108,6 +109,7 @@ def _bus_groups(runs, redis_url, secret_file) -> dict[tuple[str, bytes, Path | N
 
     from sentinel import bus
     from sentinel.embedded import restart_if_dead
+    from sentinel.rundir import run_id_of
 
     groups: dict[tuple[str, bytes, Path | None], list[str]] = {}
     shared = redis_url or os.environ.get(bus.ENV_URL)
@@ -118,7 +120,7 @@ def _bus_groups(runs, redis_url, secret_file) -> dict[tuple[str, bytes, Path | N
             # the supervisor's first job: a dead embedded bus is restarted before we connect to it
             url = restart_if_dead(p)[0] if embedded else bus.resolve_url(p, redis_url)
             key = (url, bus.load_secret(p, secret_file), p.resolve() if embedded else None)
-            groups.setdefault(key, []).append(_run_id_of(p))
+            groups.setdefault(key, []).append(run_id_of(p))
         else:
             key = (bus.resolve_url(None, redis_url), bus.load_secret(None, secret_file), None)
             ids = groups.setdefault(key, [])
@@ -131,18 +133,3 @@ NO_ALERTMANAGER_WARNING = (
     "WARNING: no --alertmanager-url: pages reach NOBODY. They go only to this log, the bus's events "
     "stream and RUN_DIR/pages.jsonl (`sentinel pages RUN`); pass --alertmanager-url http://HOST:9093 to "
     "notify the on-call engineer.")
-
-
-def _run_id_of(run_dir: Path) -> str:
-    """The run id a trainer uses for this dir: config.yaml's run_id, else the directory name."""
-    import yaml
-
-    cfg = run_dir / "config.yaml"
-    if cfg.is_file():
-        try:
-            rid = (yaml.safe_load(cfg.read_text()) or {}).get("run_id")
-            if rid:
-                return str(rid)
-        except yaml.YAMLError:
-            pass
-    return run_dir.resolve().name
