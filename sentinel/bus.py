@@ -148,6 +148,10 @@ def load_secret(run_dir: str | os.PathLike | None = None, secret_file: str | os.
         raise BusError(f"secret file {path} does not exist") from None
     except PermissionError:
         raise BusError(f"secret file {path} is not readable by this user") from None
+    except IsADirectoryError:
+        raise BusError(f"secret file {path} is a directory") from None
+    except UnicodeDecodeError:  # never echo its bytes: it is a secret, even when it is a broken one
+        raise BusError(f"secret file {path} is not UTF-8 text") from None
     if not text:
         raise BusError(f"secret file {path} is empty")
     return text.encode()

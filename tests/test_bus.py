@@ -81,6 +81,14 @@ def test_load_secret_precedence_and_permissions(tmp_path, monkeypatch):
         bus.load_secret(tmp_path)
     with pytest.raises(BusError, match="does not exist"):
         bus.load_secret(secret_file=tmp_path / "nope")
+    f.write_bytes(b"\xff\xfe\x00k3y")  # a broken secret: one line that names the file, not its bytes
+    with pytest.raises(BusError, match="not UTF-8 text") as ei:
+        bus.load_secret(tmp_path)
+    assert "k3y" not in str(ei.value) and "\\x" not in str(ei.value)
+    sub = tmp_path / "dir.key"
+    sub.mkdir(mode=0o700)
+    with pytest.raises(BusError, match="is a directory"):
+        bus.load_secret(secret_file=sub)
 
 
 def test_connect_unreachable_is_one_line_and_fast():
