@@ -460,6 +460,24 @@ def finite_or_none(x: Any) -> float | None:
 # --------------------------------------------------------------------------------------------
 
 CHECKPOINT_MANIFEST = "manifest.json"  # written last; sha256 per file under "files"
+PENDING_ROLLBACK = "pending_rollback.json"  # an offline rollback plan, applied at the trainer's next start
+
+
+def pending_rollback_error(plan: Any) -> str | None:
+    """None when ``plan`` (parsed ``pending_rollback.json``) is a plan both sides can apply:
+    ``{"to_step": N, "ranges": [[lo, hi], ...], ...}``; else what is wrong with it, in a few words."""
+    def is_int(x: Any, hi: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= hi
+
+    if not isinstance(plan, dict):
+        return "expected a JSON object"
+    if not is_int(plan.get("to_step"), MAX_STEP):
+        return f"to_step {str(plan.get('to_step'))[:40]!r} is not a step"
+    ranges = plan.get("ranges", [])
+    if not isinstance(ranges, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(is_int(x, MAX_SAMPLE_ID) for x in r) for r in ranges):
+        return "ranges must be [[lo, hi], ...] sample ids"
+    return None
 
 
 def checkpoint_required_files(world_size: int, sharded: bool) -> list[str]:

@@ -34,8 +34,8 @@ from sentinel.protocol import (
     Incident,
     MAX_COUNT,
     MAX_SAMPLE_ID,
-    MAX_STEP,
     MAX_TIMELINE,
+    PENDING_ROLLBACK,
     SchemaError,
     StepRecord,
     TimelineRecord,
@@ -47,13 +47,14 @@ from sentinel.protocol import (
     loads_bounded,
     merge_ranges,
     parse_step_line,
+    pending_rollback_error,
     record_range_error,
     sha256_file,
 )
 
 STEPS = "steps.jsonl"
 SKIPLIST = "skiplist.json"
-PENDING = "pending_rollback.json"
+PENDING = PENDING_ROLLBACK
 DIRECTIVES_LOG = "directives.jsonl"
 AUDIT = "audit.jsonl"
 INCIDENTS_LOG = "incidents.jsonl"
@@ -511,14 +512,9 @@ def read_pending_rollback(run_dir: str | os.PathLike) -> dict | None:
         data = load_json_file(p)
     except FileNotFoundError:
         return None
-    if not isinstance(data, dict):
-        raise RunDirError(f"{p} is malformed: expected a JSON object")
-    if _int_in(data.get("to_step"), 0, MAX_STEP) is None:
-        raise RunDirError(f"{p} is malformed: to_step {str(data.get('to_step'))[:40]!r} is not a step")
-    ranges = data.get("ranges", [])
-    if not isinstance(ranges, list) or not all(
-            isinstance(r, list) and len(r) == 2 and all(_int_in(x, 0, MAX_SAMPLE_ID) is not None for x in r) for r in ranges):
-        raise RunDirError(f"{p} is malformed: ranges must be [[lo, hi], ...] sample ids")
+    bad = pending_rollback_error(data)
+    if bad:
+        raise RunDirError(f"{p} is malformed: {bad}")
     return data
 
 

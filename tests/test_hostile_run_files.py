@@ -429,7 +429,7 @@ def test_replay_and_verify_refuse_a_hostile_config_in_one_line(variant, template
 
 
 # ------------------------------------------------------------------ the other side: the trainer's start
-@pytest.mark.parametrize("variant", ["deep", "binary", "list", "to_step=text", "to_step=null", "ranges=number"])
+@pytest.mark.parametrize("variant", ["deep", "binary", "list", "to_step=text", "to_step=null", "ranges=number", "ranges=text"])
 def test_trainer_refuses_a_hostile_pending_rollback_in_one_line(variant, template, tmp_path):
     """A pending_rollback.json no `sentinel rollback` wrote stops the trainer's start with one line
     naming it (it was a RecursionError / TypeError traceback), and the plan stays for the operator."""
@@ -437,7 +437,8 @@ def test_trainer_refuses_a_hostile_pending_rollback_in_one_line(variant, templat
 
     run = _copy(template, tmp_path)
     body = {"to_step=text": b'{"to_step": "x", "ranges": []}', "to_step=null": b'{"to_step": null, "ranges": []}',
-            "ranges=number": b'{"to_step": 20, "ranges": [5]}'}.get(variant) or SHAPES[variant]
+            "ranges=number": b'{"to_step": 20, "ranges": [5]}',
+            "ranges=text": b'{"to_step": 20, "ranges": [["a", "b"]]}'}.get(variant) or SHAPES[variant]
     (run / "pending_rollback.json").write_bytes(body)
     before = (run / "steps.jsonl").read_bytes()
     assert_one_line_error(run_trainer(run, timeout=120), contains="pending_rollback.json")

@@ -26,7 +26,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sentinel.protocol import Ack, CheckpointInfo, Directive, MarkerRecord, StepRecord, TimelineRecord, merge_ranges
+from sentinel.protocol import (
+    PENDING_ROLLBACK,
+    Ack,
+    CheckpointInfo,
+    Directive,
+    MarkerRecord,
+    SchemaError,
+    StepRecord,
+    TimelineRecord,
+    loads_bounded,
+    merge_ranges,
+    pending_rollback_error,
+)
 from trainer import faults as drills
 from trainer import rng, rundir_lock, seqlen
 from trainer.checkpoint import (
@@ -64,14 +76,14 @@ def _read_pending_plan(path: Path) -> tuple[dict | None, str | None]:
     half-way and not silently dropped (the operator asked for a rollback)."""
     fix = "fix it or write a new plan with `sentinel rollback`, then start again"
     try:
-        plan = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested 50,000 deep
-        return None, f"{path} is unreadable ({type(e).__name__}): {fix}"
-    step = plan.get("to_step") if isinstance(plan, dict) else None
-    ranges = plan.get("ranges", []) if isinstance(plan, dict) else None
-    if (not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(ranges, list)
-            or not all(isinstance(r, list) and len(r) == 2 for r in ranges)):
-        return None, f'{path} is malformed (expected {{"to_step": N, "ranges": [[lo, hi], ...]}}): {fix}'
+        plan = loads_bounded(path.read_bytes(), path.name)  # not UTF-8, not JSON, nested 50,000 deep: one line
+    except OSError as e:
+        return None, f"{path} is unreadable ({e.strerror or type(e).__name__}): {fix}"
+    except SchemaError as e:
+        return None, f"{path} is unreadable ({e}): {fix}"
+    bad = pending_rollback_error(plan)
+    if bad:
+        return None, f"{path} is malformed ({bad}): {fix}"
     return plan, None
 
 
@@ -611,7 +623,7 @@ class Trainer:
         self.ckpt.clean_partial()
         env.barrier()
         self._load_applied_directives()
-        pending = self.run_dir / "pending_rollback.json"
+        pending = self.run_dir / PENDING_ROLLBACK
         plan, bad = None, None
         if env.is_main and pending.is_file():
             plan, bad = _read_pending_plan(pending)
