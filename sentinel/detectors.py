@@ -14,7 +14,9 @@ outliers cannot move.
 Cost: ``SortedWindow`` keeps its values sorted with ``bisect`` (an O(log n) search and a memmove of
 at most ``size`` floats, which for the window sizes used here is a few hundred nanoseconds). The
 median is O(1) and the MAD is O(log n) (a k-th-smallest search over two sorted runs). The MAD is only
-computed when a cheap ratio gate says the value might be anomalous.
+computed when a cheap ratio gate says the value might be anomalous. ``SpikeDetector`` goes one step
+further: on the common path it only appends to the window's FIFO and leaves the sorted copy stale,
+which is rebuilt (one C sort) when a verdict or a reader needs it, a few times per hundred steps.
 """
 
 from __future__ import annotations
@@ -47,9 +49,14 @@ class SortedWindow:
 
     The FIFO remembers steps so that a rollback can drop exactly the values recorded after the
     restored step (``rewind``) instead of throwing the whole baseline away.
+
+    The sorted copy may be *stale* (``append_unsorted``): then it is rebuilt from the FIFO by the
+    next reader. A stable sort of the FIFO puts equal values in FIFO order, which is where
+    ``insort`` (after its equals) and ``del s[bisect_left(...)]`` (the oldest of its equals) keep
+    them too, so both ways give the same list.
     """
 
-    __slots__ = ("size", "_fifo", "_sorted", "_mad_cache")
+    __slots__ = ("size", "_fifo", "_sorted", "_mad_cache", "_stale")
 
     def __init__(self, size: int):
         if size < 3:
@@ -58,11 +65,15 @@ class SortedWindow:
         self._fifo: deque[tuple[int, float]] = deque()
         self._sorted: list[float] = []
         self._mad_cache: float | None = None
+        self._stale = False  # True: ``_sorted`` lags the FIFO; ``_sorted_now`` rebuilds it
 
     def __len__(self) -> int:
-        return len(self._sorted)
+        return len(self._fifo)
 
     def push(self, step: int, x: float) -> None:
+        if self._stale:
+            self.append_unsorted(step, x)
+            return
         s = self._sorted
         if len(s) >= self.size:
             _, old = self._fifo.popleft()
@@ -71,21 +82,40 @@ class SortedWindow:
         self._fifo.append((step, x))
         self._mad_cache = None
 
-    def median(self) -> float:
+    def append_unsorted(self, step: int, x: float) -> None:
+        """``push`` without keeping the sorted copy: O(1). For a writer that reads the order
+        statistics much less often than it pushes (the sort then costs less than the inserts)."""
+        f = self._fifo
+        if len(f) >= self.size:
+            f.popleft()
+        f.append((step, x))
+        self._stale = True
+
+    def _sorted_now(self) -> list[float]:
+        """The sorted values, rebuilt in place if stale (aliases of the list stay valid)."""
         s = self._sorted
+        if self._stale:
+            s[:] = [x for _, x in self._fifo]
+            s.sort()
+            self._stale = False
+            self._mad_cache = None
+        return s
+
+    def median(self) -> float:
+        s = self._sorted_now()
         n = len(s)
         h = n >> 1
         return s[h] if n & 1 else 0.5 * (s[h - 1] + s[h])
 
     def quantile(self, q: float) -> float:
         """Nearest-rank quantile (cheap; used for bands, not for statistics that need interpolation)."""
-        s = self._sorted
+        s = self._sorted_now()
         return s[min(len(s) - 1, max(0, int(q * len(s))))]
 
     def mad(self) -> float:
         """Median absolute deviation from the median, exact, in O(log n)."""
+        s = self._sorted_now()
         if self._mad_cache is None:
-            s = self._sorted
             n = len(s)
             m = self.median()
             p = bisect_left(s, m)
@@ -100,13 +130,15 @@ class SortedWindow:
         f, s = self._fifo, self._sorted
         while f and f[-1][0] > keep_through_step:
             _, x = f.pop()
-            del s[bisect_left(s, x)]
+            if not self._stale:
+                del s[bisect_left(s, x)]
         self._mad_cache = None
 
     def clear(self) -> None:
         self._fifo.clear()
         self._sorted.clear()
         self._mad_cache = None
+        self._stale = False
 
     def values(self) -> list[float]:
         return [x for _, x in self._fifo]
@@ -180,7 +212,7 @@ class SpikeDetector:
     __slots__ = (
         "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
         "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
-        "z", "ratio", "baseline", "scale", "_gate", "_s", "_fifo", "_size", "_alpha", "recent", "_raw",
+        "z", "ratio", "baseline", "scale", "_gate", "_fifo", "_size", "_alpha", "recent", "_raw",
         "noise_floor", "noise_cap",
     )
 
@@ -201,7 +233,7 @@ class SpikeDetector:
         self.window = SortedWindow(window)
         self.ema = Ema(ema_alpha)
         # aliases of the window's containers (the same objects, never rebound) for the hot path
-        self._s, self._fifo, self._size, self._alpha = self.window._sorted, self.window._fifo, window, ema_alpha
+        self._fifo, self._size, self._alpha = self.window._fifo, window, ema_alpha
         self.min_history = max(3, min_history)
         self.z_spike, self.ratio_spike = z_spike, ratio_spike
         self.z_elevated, self.ratio_elevated = z_elevated, ratio_elevated
@@ -232,34 +264,36 @@ class SpikeDetector:
         """Classify ``x`` and (unless anomalous) admit it to the baseline. Returns a verdict code.
 
         The window push and EMA update are written inline: this runs for every step of every run.
+        The common path only appends to the window's FIFO (``SortedWindow.append_unsorted``): the
+        order statistics are needed only past the ratio gate (~2 % of healthy loss steps), where
+        one sort of the window costs less than the inserts it replaces.
         """
         if x - x != 0.0:  # NaN or +-inf (inf - inf is NaN)
             self._note_refusal(True)
             return NONFINITE
-        self._raw.append(x)
+        if self.recent:
+            self._raw.append(x)
         w = self.window
-        s = self._s
+        fifo = self._fifo
         ema = self.ema
         level = ema.value
-        if len(s) < self.min_history:
+        if len(fifo) < self.min_history:
             w.push(step, x)
             ema.value = x if level is None else level + self._alpha * (x - level)
             return WARMUP
         ratio = x / level if level > 0 else (math.inf if x > 0 else 1.0)
-        if ratio < self._gate:  # the common case: O(log n), no MAD needed
-            fifo = self._fifo
-            if len(s) >= self._size:
-                del s[bisect_left(s, fifo.popleft()[1])]
-            insort(s, x)
+        if ratio < self._gate:  # the common case: O(1), no order statistics needed
+            if len(fifo) >= self._size:
+                fifo.popleft()
             fifo.append((step, x))
-            w._mad_cache = None
+            w._stale = True
             ema.value = level + self._alpha * (x - level)
             if self._refused_count:
                 self._note_refusal(False)
             return NORMAL
         med = w.median()
         scale = MAD_TO_SIGMA * w.mad()
-        if self.recent and len(s) >= self.recent:
+        if self.recent and len(fifo) >= self.recent:
             # noise-aware: the level is the median of the most recent admitted values (the long
             # median lags a falling loss, understating early spikes) ...
             med = median_of([v for _, v in islice(reversed(self._fifo), self.recent)])
