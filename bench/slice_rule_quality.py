@@ -112,7 +112,7 @@ def pages(evals: np.ndarray, field: str = "val_slice_loss") -> list[tuple[int, s
                                          tokens=step, batch_fingerprint="f", time=float(step), timeline=0,
                                          sample_ids=[], **{field: {n: float(x) for n, x in zip(NAMES, row)}})
         out: list = []
-        ev(rec, out)
+        ev(rec.__dict__, out)  # evaluators take the record's field dict
         found += [(i, f.detail) for f in out]
     return found
 
