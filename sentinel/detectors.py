@@ -26,7 +26,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
-from operator import mul, sub
+from operator import itemgetter, mul, sub
 from typing import Any
 
 # verdict codes returned by SpikeDetector.update (ints, not enums: this is the per-step hot path)
@@ -95,7 +95,7 @@ class SortedWindow:
         """The sorted values, rebuilt in place if stale (aliases of the list stay valid)."""
         s = self._sorted
         if self._stale:
-            s[:] = [x for _, x in self._fifo]
+            s[:] = map(_second, self._fifo)
             s.sort()
             self._stale = False
             self._mad_cache = None
@@ -151,6 +151,9 @@ class SortedWindow:
         self.clear()
         for st, x in d["items"]:
             self.push(int(st), float(x))
+
+
+_second = itemgetter(1)
 
 
 def _kth_distance(s: list[float], m: float, p: int, k: int) -> float:
@@ -212,7 +215,7 @@ class SpikeDetector:
     __slots__ = (
         "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
         "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
-        "z", "ratio", "baseline", "scale", "_gate", "_fifo", "_size", "_alpha", "recent", "_raw",
+        "z", "ratio", "baseline", "scale", "_gate", "_fifo", "_size", "_alpha", "recent", "_raw", "_dabs",
         "noise_floor", "noise_cap",
     )
 
@@ -244,6 +247,8 @@ class SpikeDetector:
         self._gate = min(ratio_spike, ratio_elevated)
         self.recent = recent  # > 0: noise-aware verdicts (see update)
         self._raw: deque[float] = deque(maxlen=2 * recent if recent else 1)  # every finite value, spikes too
+        # |differences| of consecutive _raw values, kept as they arrive: noise() then only sorts them
+        self._dabs: deque[float] = deque(maxlen=max(1, 2 * recent - 1))
         self.noise_floor = 0.0  # the caller's slow per-step noise sigma (see update); 0: none
         self.noise_cap = 0.0  # the most the spread may be taken as: a multiple of the per-step noise; 0: none
         # details of the last verdict, for findings (only meaningful when it was not NORMAL)
@@ -272,18 +277,22 @@ class SpikeDetector:
             self._note_refusal(True)
             return NONFINITE
         if self.recent:
-            self._raw.append(x)
+            raw = self._raw
+            if raw:
+                self._dabs.append(abs(x - raw[-1]))
+            raw.append(x)
         w = self.window
         fifo = self._fifo
         ema = self.ema
         level = ema.value
-        if len(fifo) < self.min_history:
+        n = len(fifo)
+        if n < self.min_history:
             w.push(step, x)
             ema.value = x if level is None else level + self._alpha * (x - level)
             return WARMUP
         ratio = x / level if level > 0 else (math.inf if x > 0 else 1.0)
         if ratio < self._gate:  # the common case: O(1), no order statistics needed
-            if len(fifo) >= self._size:
+            if n >= self._size:
                 fifo.popleft()
             fifo.append((step, x))
             w._stale = True
@@ -306,16 +315,18 @@ class SpikeDetector:
             # recent value, spikes included: the admitted window leaves values above 3 sigma out,
             # so its MAD understates the noise, and a noisy stretch should raise its own bar (the
             # false flags sat at 4-5 sigma of local noise). Only needed when z could pass a bar.
-            raw = list(self._raw)
-            rm = median_of(raw)
-            local = MAD_TO_SIGMA * median_of([abs(v - rm) for v in raw])
-            if local > scale:
-                scale = local
+            cap = self.noise_cap
+            if not 0.0 < cap <= scale:  # else the cap below decides alone: the local MAD could only raise scale
+                raw = list(self._raw)
+                rm = median_of(raw)
+                local = MAD_TO_SIGMA * median_of([abs(v - rm) for v in raw])
+                if local > scale:
+                    scale = local
             # ... but a MAD around a median counts a fast descent as spread (128 losses falling
             # 0.5 nat early in a run): capped by the caller's per-step noise from first differences,
             # which a trend does not inflate (a clear early spike at z 8 in hindsight went unflagged)
-            if 0.0 < self.noise_cap < scale:
-                scale = self.noise_cap
+            if 0.0 < cap < scale:
+                scale = cap
             # ... and never below the run's slow per-step noise (first differences over a few hundred
             # steps): both MADs come from a few dozen values and now and then understate the spread
             # by 15-20 %, which is exactly what turned 5-sigma wiggles into 6-sigma flags.
@@ -341,7 +352,7 @@ class SpikeDetector:
         """Robust per-step noise sigma: from first differences of the recent values when they are
         kept (a falling loss does not count as spread), else the admitted window's MAD."""
         if self.recent and len(self._raw) >= 8:
-            return diff_sigma(self._raw)
+            return _abs_diff_sigma(self._dabs)  # = diff_sigma(self._raw): the same differences, kept per step
         return MAD_TO_SIGMA * self.window.mad()
 
     def level(self) -> float | None:
@@ -454,7 +465,12 @@ def diff_sigma(xs: Sequence[float]) -> float:
     which a MAD around the median does not (it counts the descent as spread)."""
     # |difference| about zero, not about the median difference: the per-step drift of a loss
     # curve (~1e-4 nats) is nothing next to its noise, and one sort instead of two
-    d = sorted(map(abs, map(sub, islice(xs, 1, None), xs)))
+    return _abs_diff_sigma(map(abs, map(sub, islice(xs, 1, None), xs)))
+
+
+def _abs_diff_sigma(abs_diffs) -> float:
+    """``diff_sigma`` from the absolute first differences themselves."""
+    d = sorted(abs_diffs)
     if not d:
         return 0.0
     h = len(d) >> 1
