@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,18 @@ return 0
 """
 
 DIRECTIVE_TTL_S = 600.0  # a directive nobody applied within 10 minutes is stale: the trainer rejects it
+
+
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as the state saves them
+
+
+def _count(v: object, none: bool = False) -> int | None:
+    """A non-negative int from a saved state (a bool, float or text there is corruption)."""
+    if v is None and none:
+        return None
+    if type(v) is not int or v < 0:
+        raise ValueError("not a count")
+    return v
 
 
 def _stream_id_tuple(eid: str) -> tuple[int, int]:
@@ -139,18 +152,22 @@ class RunWatcher:
         raw = bus.raw(self.r).get(self.keys.policy)
         if not raw:
             return
-        try:
+        try:  # every field checked before any is taken: a half-loaded state is worse than none
             st = json.loads(raw)
+            ids = (st["last_id"], st.get("acks_id", "0-0"), st.get("approvals_id", "0-0"))
+            if not all(isinstance(i, str) and _STREAM_ID.fullmatch(i) for i in ids):
+                raise ValueError("stream ids")
+            seen = {_count(s) for s in st.get("checkpoints_seen", [])}
+            gate = st.get("gate") or {}
+            gate = {"timeline": _count(gate.get("timeline"), none=True), "last_step": _count(gate.get("last_step"), none=True)}
             self.policy.load_state_dict(st["policy"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # corrupt or hostile: start afresh, loudly
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:  # corrupt or hostile: start afresh, loudly
             self.log(f"[{self.run}] persisted policy state is unreadable ({e.__class__.__name__}); starting from a fresh state")
             self.policy = RunPolicy(self.run, self.opts.rules, dry_run=self.opts.dry_run, require_approval=self.opts.require_approval)
             return
-        self.last_id = st["last_id"]
-        self.acks_id = st.get("acks_id", "0-0")
-        self.approvals_id = st.get("approvals_id", "0-0")
-        self.checkpoints_seen = set(st.get("checkpoints_seen", []))
-        self.gate.load_state_dict(st.get("gate"))
+        self.last_id, self.acks_id, self.approvals_id = ids
+        self.checkpoints_seen = seen
+        self.gate.load_state_dict(gate)
         if st["policy"].get("samples") is None:
             self._restore_samples()
         self.log(f"[{self.run}] resumed policy state at stream id {self.last_id} (state {self.policy.state})")

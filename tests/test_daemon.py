@@ -234,6 +234,48 @@ def test_policy_state_round_trips_through_redis(redis_url, unique_run):
     assert r.xlen(k.directives) == 1
 
 
+@pytest.mark.parametrize("raw", [
+    "[" * 100_000 + "]" * 100_000,  # nested past the recursion limit
+    "INF-COUNT",  # a real saved state whose first count is 1e999 (an int() of inf)
+    '{"policy": 5}', "not json", '{"policy": {"state": "healthy"}}',
+    "NO-LAST-ID", "GATE-TEXT", "SEEN-TEXT",  # a real saved state with one field broken
+], ids=["deep", "inf-count", "number", "text", "partial", "no-last-id", "gate-text", "seen-text"])
+def test_an_unreadable_persisted_policy_state_starts_fresh(redis_url, unique_run, raw):
+    """The daemon's own saved state in Redis is input too: whatever is there, the leader starts
+    (from a fresh policy, saying so) and goes on judging steps."""
+    import re
+
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    if raw in ("INF-COUNT", "NO-LAST-ID", "GATE-TEXT", "SEEN-TEXT"):
+        kind = raw
+        d0 = make_daemon(r, run, "z")
+        publish_steps(r, run, range(1, 80))
+        pump(d0, until=lambda: d0.watchers.get(run) is not None and d0.watchers[run].leader, min_iter=3)
+        for w in d0.watchers.values():
+            w.release()
+        saved = r.get(k.policy)
+        saved = saved if isinstance(saved, str) else saved.decode()
+        if kind == "INF-COUNT":
+            raw, n = re.subn(r'"n": \d+', '"n": 1e999', saved, count=1)
+            assert n == 1
+        else:
+            st = json.loads(saved)
+            if kind == "NO-LAST-ID":
+                del st["last_id"]
+            elif kind == "GATE-TEXT":
+                st["gate"] = "x"
+            else:
+                st["checkpoints_seen"] = ["x"]
+            raw = json.dumps(st)
+        r.delete(k.steps)
+    r.set(k.policy, raw)
+    d = make_daemon(r, run, "a")
+    incident_run(r, run)
+    pump(d, until=lambda: r.xlen(k.directives) > 0)
+    assert d.watchers[run].leader and r.xlen(k.directives) == 1
+
+
 # ------------------------------------------------------------------ leader lease
 
 
