@@ -146,6 +146,9 @@ class DivergenceRule(RuleBase):
     # shifts: a 0.25-nat jump in 0.1-nat noise; the longer median is steadier, so the bar can be lower)
     level_long_sigmas: float = Field(2.2, gt=0)
     min_rise: float = Field(0.02, ge=0)
+    # jump: the median of the last level_window losses above the median of the level_window before
+    # them by jump_sigmas x the sd of that difference (from the per-step noise); 0 turns it off
+    jump_sigmas: float = Field(5.0, ge=0)
     # climb: the last climb_window losses rise as a ramp above the clipped mean of the climb_baseline
     # losses before them by a ramp-matched z > climb_sigmas (detectors.ClimbTrend, which divides z by
     # the run's own slow-noise factor, so a run whose loss wanders raises its own bar); 0 turns it off
@@ -438,7 +441,7 @@ class _LossEval(_Eval):
         )
         self.kofn = d.KOfN(min(v.k, v.n), v.n)
         self.shift = d.LevelShift(window=v.level_window, horizon=v.level_horizon, sigmas=v.level_sigmas,
-                                  min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window)
+                                  min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window, jump_sigmas=v.jump_sigmas)
         self.shift_long = d.LevelShift(window=2 * v.level_window, horizon=v.level_horizon, sigmas=v.level_long_sigmas,
                                        min_rise=v.min_rise, warmup=s.min_history + 4 * v.level_window)
         # warmup: the spike baseline's own, plus the climb's window and baseline (the early descent)
@@ -488,9 +491,10 @@ class _LossEval(_Eval):
             climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == 2)  # 2: SPIKE
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
+                ref = "the run's best" if sh.kind == "level" else f"the median of the {sh.window} before,"
                 out.append(Finding("divergence", c.severity, c.action, step,
                                    f"loss level {_f(sh.best + sh.excess)} (median of {sh.window}) is {_f(sh.excess)} above "
-                                   f"the run's best {_f(sh.best)} (bar {_f(sh.bar)})",
+                                   f"{ref} {_f(sh.best)} (bar {_f(sh.bar)})",
                                    value=x, onset_step=sh.onset(step), anomaly=True))
             elif climb and self.div_on:
                 c, cl = self.div_cfg, self.climb

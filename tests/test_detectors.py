@@ -183,6 +183,65 @@ def test_level_shift_catches_persistent_damage_with_an_onset_at_or_before_it(sha
     assert sh.onset(fired[0]) <= 1500 + (0 if shape == "jump" else 100)
 
 
+def _jumped(seed: int, onset: int, amp: float) -> list[float]:
+    """A run in its fast early descent (0.002-0.003 nats/step around step 250, sigma 0.08) with a
+    persistent jump of ``amp`` nats at ``onset``."""
+    rng = random.Random(seed)
+    return [3.2 + 7.7 * (1 + t / 8) ** -0.6 + rng.gauss(0, 0.08) + (amp if t >= onset else 0.0) for t in range(900)]
+
+
+def test_level_shift_jump_test_catches_a_small_jump_in_the_fast_descent():
+    """+0.25 nats at step 250 (3 sigma): the descent undercuts the pre-jump best before the median
+    stands a bar above it, so the best-level test alone never fires; the window-before test fires
+    within 50 steps, with an onset at or before the jump."""
+    late = 0
+    for seed in range(6):
+        xs = _jumped(seed, 250, 0.25)
+        sh = d.LevelShift(window=24, warmup=100, sigmas=3.0, jump_sigmas=5.0)
+        plain = d.LevelShift(window=24, warmup=100, sigmas=3.0)
+        first = next(i for i, x in enumerate(xs) if sh.update(i, x, 0.08))
+        assert 250 <= first <= 300, (seed, first, sh.kind)
+        assert sh.onset(first) <= 250
+        p = next((i for i, x in enumerate(xs) if plain.update(i, x, 0.08)), 10**9)
+        late += p > 300
+    assert late >= 5  # without the jump test: late or missed
+
+
+def test_level_shift_jump_test_ignores_spike_clusters_and_dips():
+    """Half a window of recovered spikes lifts the median of the window but not its lower quartile;
+    a dip lowers the quartile of the window before but not its median: neither is a jump."""
+    median_fired = 0
+    for seed in range(6):
+        xs = _jumped(seed, 10**9, 0.0)
+        rng = random.Random(100 + seed)
+        for s in range(300, 880, 60):
+            if s // 60 % 2:  # a cluster: 12 elevated losses of 24, two decaying spikes back to back
+                for j in range(12):
+                    xs[s + j] += (1.2 if j < 6 else 2.0) * math.exp(-(j % 6) / 3) + 0.2 * rng.random()
+            else:  # a dip of 10 steps (a few easy batches)
+                for j in range(10):
+                    xs[s + j] -= 0.25
+        sh = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0)  # the jump test alone
+        median_only = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0)
+        median_only._jzq = -math.inf  # its quartile bar drops to the floor (2 % of the level)
+        assert not [i for i, x in enumerate(xs) if sh.update(i, x, 0.08)], seed
+        median_fired += any(median_only.update(i, x, 0.08) for i, x in enumerate(xs))
+    assert median_fired >= 3  # the median alone would have taken the clusters for jumps
+
+
+def test_level_shift_loads_a_state_saved_before_the_jump_test():
+    sh = d.LevelShift(window=8, horizon=100, warmup=20, jump_sigmas=5.0)
+    for i, x in enumerate(_falling(200, 2)):
+        sh.update(i, x, 0.1)
+    st = sh.state_dict()
+    assert all(len(p) == 3 for p in st["pending"])
+    old = {**st, "pending": [p[:2] for p in st["pending"]]}
+    sh2 = d.LevelShift(window=8, horizon=100, warmup=20, jump_sigmas=5.0)
+    sh2.load_state_dict(old)  # no quartiles: those windows are not judged for a jump
+    for i, x in enumerate(_falling(300, 2)[200:], start=200):
+        assert sh2.update(i, x, 0.1) == sh.update(i, x, 0.1)
+
+
 @pytest.mark.parametrize("make,queues", [
     (lambda: d.LevelShift(window=8, horizon=100, warmup=20), ("_mono",)),
     (lambda: d.ClimbTrend(window=8, baseline=16, warmup=20), ()),
