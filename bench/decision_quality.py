@@ -258,6 +258,21 @@ def report(title: str, tal: Tally) -> dict:
     return out
 
 
+def healthy_only(seeds: range, json_out: str | None) -> None:
+    """Pauses and rollbacks on fresh synthetic healthy runs, one line per run that had any."""
+    bad = []
+    for seed in seeds:
+        run = synthetic_healthy(seed)
+        acts = [a for a in run_backtest(run.name, run.losses, run.wall_ms)["actions"] if a["kind"] in ("pause", "rollback")]
+        if acts:
+            bad.append({"seed": seed, "steps": len(run.losses), "first": {k: acts[0][k] for k in ("kind", "step", "reason")}})
+            print(f"   seed {seed}: {acts[0]['kind']} at step {acts[0]['step']}: {acts[0]['reason'][:100]}")
+    print(f"== fresh synthetic healthy runs (seeds {seeds.start}-{seeds.stop - 1}): "
+          f"{len(bad)} of {len(seeds)} with a pause or rollback")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"seeds": [seeds.start, seeds.stop], "runs_with_actions": bad}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--curves", default="/work/shared/curves")
@@ -268,7 +283,14 @@ def main() -> None:
     ap.add_argument("--held-out-only", action="store_true")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the figures to this file")
     ap.add_argument("--misses", action="store_true", help="print every jump, decay or NaN drill that was not timely")
+    ap.add_argument("--healthy-seeds", default=None, metavar="A-B",
+                    help="only: pauses and rollbacks on fresh synthetic healthy runs of seeds A..B-1 (no drills), "
+                         "to check a setting's false-alarm rate on runs it was never chosen on")
     a = ap.parse_args()
+    if a.healthy_seeds:
+        lo, _, hi = a.healthy_seeds.partition("-")
+        healthy_only(range(int(lo), int(hi)), a.json_out)
+        return
     global SHOW_MISSES
     SHOW_MISSES = a.misses
     results = []
