@@ -56,6 +56,44 @@ def test_sorted_window_rewind_drops_later_steps():
     assert w.median() == 2.0
 
 
+def test_sorted_window_stale_copy_is_the_list_insort_keeps():
+    """``append_unsorted`` (the spike test's common path) leaves the sorted copy stale; the next
+    reader rebuilds it, and it must be exactly the list eager ``push`` keeps, after rewinds too
+    (values with many ties, so the order of equal values is exercised)."""
+    rng = random.Random(3)
+    eager, lazy = d.SortedWindow(16), d.SortedWindow(16)
+    step = 0
+    for i in range(600):
+        step += 1
+        x = float(rng.choice([1, 2, 2, 3, 5])) + (0.5 if rng.random() < 0.2 else 0.0)
+        eager.push(step, x)
+        if rng.random() < 0.8:
+            lazy.append_unsorted(step, x)
+        else:
+            lazy.push(step, x)
+        if i % 97 == 96:
+            step -= 5
+            eager.rewind(step)
+            lazy.rewind(step)
+        if rng.random() < 0.3:
+            assert (lazy.median(), lazy.mad(), lazy.quantile(0.9)) == (eager.median(), eager.mad(), eager.quantile(0.9))
+            assert lazy._sorted == eager._sorted and lazy.values() == eager.values()
+        assert len(lazy) == len(eager)
+    assert lazy.state_dict() == eager.state_dict()
+
+
+def test_spike_detector_noise_from_kept_differences_equals_diff_sigma():
+    """The noise refresh sorts the |first differences| kept as values arrive: bit-identical to
+    ``diff_sigma`` over the recent values, NaNs and spikes in the stream included."""
+    det = d.SpikeDetector(recent=32)
+    rng = random.Random(5)
+    for s in range(1, 400):
+        x = 3.0 + rng.gauss(0, 0.05) + (2.0 if s % 97 == 0 else 0.0)
+        det.update(s, math.nan if s % 151 == 0 else x)
+        if s > 8:
+            assert det.noise() == d.diff_sigma(det._raw)
+
+
 def test_spike_detector_fires_on_spike_not_on_noise():
     det = d.SpikeDetector()
     codes = [det.update(i, x) for i, x in enumerate(healthy(3000))]

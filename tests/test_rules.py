@@ -23,6 +23,19 @@ def test_default_file_equals_schema_defaults():
     assert DEFAULT_RULES_PATH.is_file()
 
 
+def test_parsed_rules_text_is_remembered_but_never_shared():
+    """The YAML of a rules text is parsed once per process; each call still gets its own RuleSet,
+    so changing one (the CLI and tests do) cannot change the next."""
+    a, b = default_rules(), default_rules()
+    assert a == b and a is not b
+    a.rules.loss_spike.threshold = 9.0
+    a.rules.slice_regression.fields.append("probe_loss")
+    assert default_rules() == b and default_rules().rules.loss_spike.threshold == b.rules.loss_spike.threshold != 9.0
+    assert default_rules().rules.slice_regression.fields == ["val_slice_loss", "probe_loss"]
+    text = "rules:\n  loss_spike: {threshold: 7.0}\n"
+    assert parse_rules(text) == parse_rules(text) and parse_rules(text).rules.loss_spike.threshold == 7.0
+
+
 def test_partial_file_inherits_defaults(tmp_path):
     rs = load_rules(write(tmp_path, "rules:\n  loss_spike:\n    threshold: 7.5\npolicy:\n  max_rollbacks_per_hour: 5\n"))
     assert rs.rules.loss_spike.threshold == 7.5
