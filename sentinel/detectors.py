@@ -541,9 +541,13 @@ class LevelShift:
     caller (``SpikeDetector.noise``: from first differences, so a fast early descent does not count
     as noise), because a 0.1-nat move is nothing in a noisy run and a lot in a quiet one.
 
+    With ``jump_sigmas`` > 0 it also compares each window with the window just before it (see
+    ``feed``): in a fast early descent the descent itself soon undercuts the pre-jump best, so a
+    small jump there never stands a bar above the best, but it does stand above its own past.
+
     ``onset()`` estimates where the shift began: the first step of the current elevated stretch
     (median above half the bar), less a window (the median lags a jump by half a window, and a
-    slow climb by more).
+    slow climb by more); for a jump, two windows back.
 
     Cost per step: a deque append. Every ``stride`` steps (a sixth of the window, at least 4): a
     sort of the window (the median) and a sliding minimum (amortised O(1)). A verdict every few
