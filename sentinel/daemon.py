@@ -45,8 +45,14 @@ from sentinel.rules import RuleSet
 
 # compare-and-renew: only the holder may extend its lease
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t == 'string' and redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if t ~= 'none' and (t ~= 'string' or redis.call('PTTL', KEYS[1]) == -1) then
+  -- no sentinel writes a lease without a TTL or of another type: it would hold the run forever
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
 end
 return 0
 """
@@ -58,6 +64,13 @@ return 0
 """
 
 DIRECTIVE_TTL_S = 600.0  # a directive nobody applied within 10 minutes is stale: the trainer rejects it
+
+
+def _is_file(p: Path) -> bool:
+    try:  # a bus-given path may be too long for the OS (ENAMETOOLONG is not swallowed by is_file)
+        return p.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 _STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as the state saves them
@@ -127,7 +140,12 @@ class RunWatcher:
     # ------------------------------------------------------------------ leadership
     def renew_lease(self) -> bool:
         me, ttl = self.opts.consumer, self.opts.lease_ms
-        got = bool(self.r.set(self.keys.leader, me, nx=True, px=ttl)) or bool(self.r.eval(_RENEW, 1, self.keys.leader, me, ttl))
+        got = bool(self.r.set(self.keys.leader, me, nx=True, px=ttl))
+        if not got:
+            renewed = self.r.eval(_RENEW, 1, self.keys.leader, me, ttl)
+            if renewed == 2:
+                self._rejected("leader", Verdict(None, "no_lease", "the leader key held no lease (no TTL, or not a string); taken over"))
+            got = bool(renewed)
         if got and not self.leader:
             self.log(f"[{self.run}] leader lease acquired by {me}")
             self._load_state()
@@ -274,6 +292,30 @@ class RunWatcher:
             self.log(f"[{self.run}] rejected {stream} entry ({v.reason}): {v.detail[:200]}"
                      + " (further ones counted in sentinel_records_rejected_total, logged once a minute)")
 
+    def _read_trusting_type(self, what: str, read):
+        """``read(raw client)``, or None when the key holds another Redis type (WRONGTYPE): anyone
+        with bus access can write one, and retrying cannot fix it, so it must not stop the run's
+        judging. Counted in sentinel_records_rejected_total{stream=what, reason="wrong_type"}."""
+        try:
+            return read(bus.raw(self.r))
+        except redis.ResponseError as e:
+            if not str(e).startswith("WRONGTYPE"):
+                raise
+            self._rejected(what, Verdict(None, "wrong_type", f"the {what} key holds another Redis type; ignored"))
+            return None
+
+    def _write_own(self, what: str, key: str, write):
+        """``write()`` to a hash only the sentinel writes; a key of another type there (WRONGTYPE) is
+        replaced once, counted: otherwise every write fails and the run is never judged again."""
+        try:
+            return write()
+        except redis.ResponseError as e:
+            if not str(e).startswith("WRONGTYPE"):
+                raise
+            self._rejected(what, Verdict(None, "wrong_type", f"the {what} key held another Redis type; replaced"))
+            self.r.delete(key)
+            return write()
+
     def _refresh_checkpoints(self) -> None:
         """Mirror the bus's checkpoint hash: new or rewritten entries in, deleted ones out.
 
@@ -281,7 +323,7 @@ class RunWatcher:
         that left the hash must leave the policy too (a failover must not resurrect it).
         """
         current: dict[int, bytes] = {}
-        for k, raw in bus.raw(self.r).hgetall(self.keys.checkpoints).items():
+        for k, raw in (self._read_trusting_type("checkpoints", lambda r: r.hgetall(self.keys.checkpoints)) or {}).items():
             try:
                 current[int(k)] = raw
             except ValueError:
@@ -381,7 +423,7 @@ class RunWatcher:
             self._execute(self.policy.approve(d.incident_id), None)
 
     def _heartbeat_time(self) -> float | None:
-        raw = bus.raw(self.r).get(self.keys.heartbeat)
+        raw = self._read_trusting_type("heartbeat", lambda r: r.get(self.keys.heartbeat))
         if not raw:
             return None
         try:
@@ -417,7 +459,7 @@ class RunWatcher:
             bus.publish(self.r, self.keys.events, ev)
         incidents = {i.id: i.to_json() for i in self.policy.incidents}
         if events and incidents:
-            self.r.hset(self.keys.incidents, mapping=incidents)
+            self._write_own("incidents", self.keys.incidents, lambda: self.r.hset(self.keys.incidents, mapping=incidents))
             self._mirror_incidents(incidents)
         return len(events)
 
@@ -428,9 +470,9 @@ class RunWatcher:
         if self._run_dir is None:
             d = self.opts.run_dirs.get(self.run)
             if d is None:
-                raw = bus.raw(self.r).hget(self.keys.info, "run_dir")  # trainer-written: may be anything
+                raw = self._read_trusting_type("info", lambda r: r.hget(self.keys.info, "run_dir"))  # trainer-written: may be anything
                 d = Path(raw.decode("utf-8", "replace")) if raw else None
-                if d is not None and not (d / rundir.CONFIG).is_file():
+                if d is not None and not _is_file(d / rundir.CONFIG):
                     d = None  # only ever write into a real run directory
             if d is not None and Path(d).is_dir():
                 self._run_dir = Path(d)
@@ -480,7 +522,7 @@ class RunWatcher:
                 d = Directive(run=self.run, kind=a.kind, ranges=a.ranges, to_step=a.to_step, reason=a.reason,
                               incident_id=a.incident_id, issuer=f"sentinel:{self.opts.consumer}",
                               expires_at=now + DIRECTIVE_TTL_S).signed(self.opts.secret)
-                if not self.r.hsetnx(self.keys.applied, a.idempotency_key, d.id):
+                if not self._write_own("applied", self.keys.applied, lambda: self.r.hsetnx(self.keys.applied, a.idempotency_key, d.id)):
                     self.m.actions.labels(self.run, a.kind, "duplicate").inc()
                     continue
                 bus.publish(self.r, self.keys.directives, d)
@@ -491,7 +533,7 @@ class RunWatcher:
                 self.log(f"[{self.run}] sent {a.kind}" + (f" to step {a.to_step}" if a.to_step is not None else "")
                          + (f", skipping {sum(h - l for l, h in a.ranges)} samples" if a.ranges else "") + f": {a.reason}")
             elif a.kind == "page":
-                if not self.r.hsetnx(self.keys.applied, a.idempotency_key, "page"):
+                if not self._write_own("applied", self.keys.applied, lambda: self.r.hsetnx(self.keys.applied, a.idempotency_key, "page")):
                     self.m.actions.labels(self.run, "page", "duplicate").inc()
                     continue
                 rule = self._page_rule(a)

@@ -51,14 +51,19 @@ class RunRef:
         """The trainer's heartbeat ({"step", "time", "sent", "pid"}) if the key exists, else None."""
         if self.r is None:
             return None
-        with bus.bus_errors(self.r):
-            raw = self.r.get(self.keys.heartbeat)
+        try:
+            with bus.bus_errors(self.r):
+                raw = self.r.get(self.keys.heartbeat)
+        except bus.BusError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            return {}  # a key of another type is there: a heartbeat nobody can read, not an absent one
         if not raw:
             return None
         try:
             hb = json.loads(raw)
             return hb if isinstance(hb, dict) else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # anyone with bus access can write it: nested 100,000 deep too
             return {}
 
     def trainer_attached(self) -> bool:
@@ -129,9 +134,7 @@ def resolve(run: str, redis_url: str | None = None, *, need_bus: bool = False) -
         hint = f" (known runs: {', '.join(known[:10])}{', ...' if len(known) > 10 else ''})" if known else " (no runs registered)"
         raise RunRefError(f"run {run!r} is not known to the control bus at {bus.redact_url(explicit)}{hint}")
     info = _info(r, run)
-    rd = info.get("run_dir")
-    run_dir = Path(rd) if rd and Path(rd).is_dir() else None
-    return RunRef(run, run_dir, r, explicit, info=info)
+    return RunRef(run, local_dir(info.get("run_dir")), r, explicit, info=info)
 
 
 def all_runs(redis_url: str | None) -> list[RunRef]:
@@ -144,8 +147,7 @@ def all_runs(redis_url: str | None) -> list[RunRef]:
         except ValueError:
             continue
         info = _info(r, rid)
-        rd = info.get("run_dir")
-        out.append(RunRef(rid, Path(rd) if rd and Path(rd).is_dir() else None, r, url, info=info))
+        out.append(RunRef(rid, local_dir(info.get("run_dir")), r, url, info=info))
     return out
 
 
@@ -155,9 +157,25 @@ def resolve_many(runs: tuple[str, ...] | list[str], redis_url: str | None) -> li
     return [resolve(x, redis_url) for x in runs]
 
 
+def local_dir(path: str | None) -> Path | None:
+    """The trainer-registered run dir as a local directory, else None. The info hash is anyone's to
+    write: a path too long for the OS, or with a NUL byte, is just not a directory here."""
+    if not path:
+        return None
+    try:
+        return Path(path) if Path(path).is_dir() else None
+    except (OSError, ValueError):
+        return None
+
+
 def _info(r, run: str) -> dict[str, str]:
-    with bus.bus_errors(r):
-        return dict(r.hgetall(Keys(run).info) or {})
+    try:
+        with bus.bus_errors(r):
+            return dict(r.hgetall(Keys(run).info) or {})
+    except bus.BusError as e:
+        if "WRONGTYPE" not in str(e):
+            raise
+        return {}  # not a hash: metadata nobody can read; the run's keys still are what they are
 
 
 def issuer() -> str:
@@ -206,7 +224,10 @@ def fmt_duration(sec: float | None) -> str:
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "-"
-    x = float(n)
+    try:
+        x = float(n)
+    except (OverflowError, TypeError, ValueError):  # a bus entry's size of 400 digits
+        return "?"
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if x < 1000 or unit == "TB":
             return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"

@@ -71,7 +71,7 @@ def current_ranges(ref) -> tuple[list[tuple[int, int]], str]:
         raw = ref.r.get(ref.keys.skiplist)
     try:
         ranges = [(int(lo), int(hi)) for lo, hi in json.loads(raw or "[]")]
-    except (ValueError, TypeError, RecursionError):
+    except (ValueError, TypeError, OverflowError, RecursionError):  # OverflowError: int(1e999)
         raise SentinelError(f"the bus's skip list for run {ref.run} is malformed") from None
     if any(not 0 <= lo <= hi <= MAX_SAMPLE_ID for lo, hi in ranges):
         raise SentinelError(f"the bus's skip list for run {ref.run} is malformed: ids beyond int64")

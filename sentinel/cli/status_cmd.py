@@ -32,7 +32,7 @@ def hung_after_seconds(records) -> float:
 def run_status(ref, now: float | None = None) -> dict:
     """Everything status shows for one run, as a JSON-able dict."""
     from sentinel import bus, rundir
-    from sentinel.protocol import Ack, CheckpointInfo, Incident, SchemaError
+    from sentinel.protocol import MAX_SAMPLE_ID, Ack, CheckpointInfo, Incident, SchemaError, finite_or_none
     from sentinel.runref import HEARTBEAT_STALE_S
 
     now = time.time() if now is None else now
@@ -72,11 +72,12 @@ def run_status(ref, now: float | None = None) -> dict:
         row["heartbeat_age_seconds"] = None
         row["last_step_age_seconds"] = max(0.0, now - s.last_time) if s.last_time else None
     else:
-        sent = hb.get("sent") or hb.get("time")
-        age = (now - float(sent)) if isinstance(sent, (int, float)) else None
-        step_time = hb.get("time")
+        # anyone with bus access can write the heartbeat: a time of 1e999 or 400 digits is no time
+        sent = finite_or_none(hb.get("sent")) or finite_or_none(hb.get("time"))
+        age = (now - sent) if sent is not None else None
+        step_time = finite_or_none(hb.get("time"))
         # "sent" is the bus thread's heartbeat (the process lives); "time" is the last step it published
-        step_age = max(0.0, now - float(step_time)) if isinstance(step_time, (int, float)) and step_time > 0 else None
+        step_age = max(0.0, now - step_time) if step_time is not None and step_time > 0 else None
         row["heartbeat_age_seconds"] = age
         row["last_step_age_seconds"] = step_age
         row["hung_after_seconds"] = hung_after_seconds(records)
@@ -88,7 +89,8 @@ def run_status(ref, now: float | None = None) -> dict:
             row["state"] = "hung"
         else:
             row["state"] = "live"
-        if isinstance(hb.get("step"), int) and (row.get("step") is None or hb["step"] > row["step"]):
+        hb_step = hb.get("step")
+        if type(hb_step) is int and 0 <= hb_step <= MAX_SAMPLE_ID and (row.get("step") is None or hb_step > row["step"]):
             row["step"] = hb["step"]
 
     # checkpoints: the newest one's age

@@ -444,9 +444,14 @@ class BusClient:
         if not keep:
             return
         try:
-            gone = [f for f in r.hkeys(self.keys.checkpoints) if f.isdigit() and int(f) < max(keep) and int(f) not in keep]
+            # field names are anyone's to write: only plain step numbers count (int() refuses >4300 digits)
+            steps = {f: int(f) for f in r.hkeys(self.keys.checkpoints) if f.isdigit() and len(f) <= 20}
+            gone = [f for f, s in steps.items() if s < max(keep) and s not in keep]
             if gone:
                 r.hdel(self.keys.checkpoints, *gone)
+        except redis.ResponseError as e:
+            # e.g. WRONGTYPE: retrying cannot fix it, and must not hold back the step records behind it
+            self._log_limited("retention", "checkpoint retention on the bus skipped: %s", _short(e))
         except BaseException:
             with self._lock:
                 if self._retain is None:
