@@ -12,13 +12,13 @@ import time
 
 import click
 
-from sentinel.cli.common import emit_json, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, friendly_errors, json_option, redis_url_option, warn_rejected
 
 STATUS_STYLE = {"resume_verified": "bold green", "checksum_ok": "green", "unverified": "yellow", "failed": "bold red",
                 "corrupt": "bold red", "incomplete": "red"}
 
 
-def checkpoint_rows(ref, *, rehash: bool = True) -> tuple[list[dict], str]:
+def checkpoint_rows(ref, *, rehash: bool = True, rejected: list[str] | None = None) -> tuple[list[dict], str]:
     """(rows newest first, source) for a run: its directory when local, else the bus's checkpoints hash."""
     from sentinel import bus, rundir
     from sentinel.protocol import CheckpointInfo, SchemaError
@@ -29,10 +29,12 @@ def checkpoint_rows(ref, *, rehash: bool = True) -> tuple[list[dict], str]:
     with bus.bus_errors(ref.r):
         raw = ref.r.hgetall(ref.keys.checkpoints)
     now = time.time()
-    for v in raw.values():
+    for k, v in raw.items():
         try:
             ci = CheckpointInfo.from_json(v)
         except SchemaError:
+            if rejected is not None:
+                rejected.append(bus_entry("checkpoints", k))
             continue
         rows.append({"step": ci.step, "name": rundir.step_dir_name(ci.step), "path": ci.path, "bytes": ci.bytes,
                      "created": ci.created, "age_seconds": now - ci.created, "verified": ci.verified, "checksum": None,
@@ -69,12 +71,16 @@ def _checkpoints(run, quick, redis_url, as_json):
     ref = resolve(run, redis_url)
     if ref.run_dir is None and ref.r is None:  # pragma: no cover - resolve() guarantees one of them
         raise click.ClickException("nothing to read")
-    rows, source = checkpoint_rows(ref, rehash=not quick)
+    rejected: list[str] = []
+    rows, source = checkpoint_rows(ref, rehash=not quick, rejected=rejected)
     pending = rundir.read_pending_rollback(ref.run_dir) if ref.run_dir else None
+    out = {"run": ref.run, "run_dir": str(ref.run_dir) if ref.run_dir else None, "source": source,
+           "checkpoints": rows, "pending_rollback": pending}
+    count_bus_entries(out, rejected)
     if as_json:
-        emit_json({"run": ref.run, "run_dir": str(ref.run_dir) if ref.run_dir else None, "source": source,
-                   "checkpoints": rows, "pending_rollback": pending})
+        emit_json(out)
         return
+    warn_rejected([out])
     from rich.table import Table
     from rich.text import Text
 

@@ -94,6 +94,21 @@ def warn_rejected(runs: list[dict]) -> None:
         if run.get("rejected_lines"):
             click.echo(f"warning: {run.get('run')}: skipped {run['rejected_lines']} malformed line(s) of the run directory; "
                        f"first: {run.get('first_rejected')}", err=True)
+        if run.get("rejected_bus_entries"):
+            click.echo(f"warning: {run.get('run')}: skipped {run['rejected_bus_entries']} malformed entr(y/ies) of the control "
+                       f"bus; first: {run.get('first_rejected_bus_entry')}", err=True)
+
+
+def bus_entry(hash_name: str, field) -> str:
+    """Names a skipped entry of a bus hash for the operator: the hash and its field, cut short. Never
+    the value (it may be a megabyte of anything)."""
+    f = field.decode("utf-8", "replace") if isinstance(field, bytes) else str(field)
+    return f"{hash_name} hash, field {f[:40]!r}" + ("..." if len(f) > 40 else "")
+
+
+def count_bus_entries(out: dict, rejected: list[str]) -> None:
+    """The ``--json`` fields saying what the view skipped on the bus (and what warn_rejected says)."""
+    out["rejected_bus_entries"], out["first_rejected_bus_entry"] = len(rejected), (rejected[0] if rejected else None)
 
 
 def fmt_clock(t, fmt: str = "%H:%M:%S") -> str:

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, emit_runs, fmt_clock, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, fmt_clock, friendly_errors, json_option, redis_url_option
 from sentinel.protocol import finite_or_none
 
 EVENTS_SCAN = 20_000  # newest events read per run to build timelines
@@ -28,6 +28,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
 
     out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "incidents": []}
     rejected: list[str] = []  # malformed lines of the run directory's incidents.jsonl, skipped
+    bad_entries: list[str] = []  # malformed entries of the bus's incidents hash, skipped
     trainer_log = rundir.read_directives_log(ref.run_dir, tail=2000) if ref.run_dir else []
     if ref.r is None:
         # no bus: what the run directory remembers (the incidents mirror, manual actions, applied directives)
@@ -42,7 +43,13 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
             entries = ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN)
             applied = ref.r.hgetall(ref.keys.applied)
             ack_entries = ref.r.xrevrange(ref.keys.acks, count=EVENTS_SCAN)
-        incs = [i for i in map(rundir.parse_incident, raw.values()) if i is not None]
+        incs = []
+        for field, v in raw.items():
+            inc = rundir.parse_incident(v)
+            if inc is None:
+                bad_entries.append(bus_entry("incidents", field))
+            else:
+                incs.append(inc)
         acks = {}
         for _eid, fields in ack_entries:
             try:
@@ -74,6 +81,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
         annotate_actions(d, applied=applied, acks=acks, trainer_log=trainer_log)
         out["incidents"].append(d)
     out["rejected_lines"], out["first_rejected"] = len(rejected), (rejected[0] if rejected else None)
+    count_bus_entries(out, bad_entries)
     return out
 
 

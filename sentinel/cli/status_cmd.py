@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import emit_json, friendly_errors, json_option, redis_url_option, warn_rejected
+from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, friendly_errors, json_option, redis_url_option, warn_rejected
 
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
 LOSS_BAND = 1.20  # loss above 1.2x its recent median is out of band
@@ -95,13 +95,15 @@ def run_status(ref, now: float | None = None) -> dict:
 
     # checkpoints: the newest one's age
     newest = None
+    bad_entries: list[str] = []  # malformed entries of the bus's hashes, skipped
     if ref.r is not None:
         with bus.bus_errors(ref.r):
             raw = ref.r.hgetall(ref.keys.checkpoints)
-        for v in raw.values():
+        for field, v in raw.items():
             try:
                 ci = CheckpointInfo.from_json(v)
             except SchemaError:
+                bad_entries.append(bus_entry("checkpoints", field))
                 continue
             if newest is None or ci.created > newest:
                 newest = ci.created
@@ -121,10 +123,11 @@ def run_status(ref, now: float | None = None) -> dict:
     if ref.r is not None:
         with bus.bus_errors(ref.r):
             inc_raw = ref.r.hgetall(ref.keys.incidents)
-        for v in inc_raw.values():
+        for field, v in inc_raw.items():
             try:
                 inc = Incident.from_json(v)
             except SchemaError:
+                bad_entries.append(bus_entry("incidents", field))
                 continue
             if inc.closed_at is None:
                 open_ids.append(inc.id)
@@ -157,6 +160,7 @@ def run_status(ref, now: float | None = None) -> dict:
         if pending:
             row["pending_rollback"] = pending
     row["last_action"] = last
+    count_bus_entries(row, bad_entries)
     loss, med = row.get("loss"), row.get("loss_median")
     row["loss_out_of_band"] = bool(loss is not None and med and (loss != loss or loss > LOSS_BAND * med))
     return row
