@@ -135,7 +135,17 @@ class RunWatcher:
         self._incidents_mirror: rundir.JsonlMirror | None = None
         self._pages_mirror: rundir.JsonlMirror | None = None
         self._mirrored: dict[str, str] = {}  # incident id -> the JSON last appended to incidents.jsonl
-        bus.ensure_group(r, self.keys.steps, STEP_CONSUMER_GROUP)
+        self.ensure_steps()
+
+    def ensure_steps(self) -> None:
+        """The steps stream and its consumer group. A key of another type there would stop every run
+        this daemon watches (one XREADGROUP reads them all) and refuse every record the trainer
+        sends, for good: it holds no step, so it is replaced, counted."""
+        t = self.r.type(self.keys.steps)
+        if (t.decode() if isinstance(t, bytes) else t) not in ("stream", "none"):
+            self._rejected("steps", Verdict(None, "wrong_type", "the steps key held another Redis type; replaced"))
+            self.r.delete(self.keys.steps)
+        bus.ensure_group(self.r, self.keys.steps, STEP_CONSUMER_GROUP)
 
     # ------------------------------------------------------------------ leadership
     def renew_lease(self) -> bool:
@@ -298,19 +308,19 @@ class RunWatcher:
         judging. Counted in sentinel_records_rejected_total{stream=what, reason="wrong_type"}."""
         try:
             return read(bus.raw(self.r))
-        except redis.ResponseError as e:
-            if not str(e).startswith("WRONGTYPE"):
+        except (redis.ResponseError, bus.BusError) as e:
+            if "WRONGTYPE" not in str(e):
                 raise
             self._rejected(what, Verdict(None, "wrong_type", f"the {what} key holds another Redis type; ignored"))
             return None
 
     def _write_own(self, what: str, key: str, write):
-        """``write()`` to a hash only the sentinel writes; a key of another type there (WRONGTYPE) is
+        """``write()`` to a key the sentinel writes (a hash, the events or directives stream); a key of another type there (WRONGTYPE) is
         replaced once, counted: otherwise every write fails and the run is never judged again."""
         try:
             return write()
-        except redis.ResponseError as e:
-            if not str(e).startswith("WRONGTYPE"):
+        except (redis.ResponseError, bus.BusError) as e:
+            if "WRONGTYPE" not in str(e):
                 raise
             self._rejected(what, Verdict(None, "wrong_type", f"the {what} key held another Redis type; replaced"))
             self.r.delete(key)
@@ -394,7 +404,7 @@ class RunWatcher:
                 self._trimmed_unlogged = 0
 
     def _read_acks(self) -> None:
-        for e in bus.read_stream(self.r, self.keys.acks, self.acks_id, count=1000):
+        for e in self._read_trusting_type("acks", lambda _: bus.read_stream(self.r, self.keys.acks, self.acks_id, count=1000)) or []:
             self.acks_id = e.id
             v = check_ack(e, self.run, self.opts.secret)
             if v.record is None:
@@ -407,7 +417,7 @@ class RunWatcher:
             self._execute(self.policy.on_ack(a), None)
 
     def _read_approvals(self) -> None:
-        for e in bus.read_stream(self.r, self.keys.approvals, self.approvals_id, count=100):
+        for e in self._read_trusting_type("approvals", lambda _: bus.read_stream(self.r, self.keys.approvals, self.approvals_id, count=100)) or []:
             self.approvals_id = e.id
             try:
                 d = bus.decode(e, Directive)
@@ -456,7 +466,7 @@ class RunWatcher:
                 self.log(f"[{self.run}] " + (f"BACKLOG (step {ev.step}, older than {self.opts.backlog_age_s:.0f}s): "
                                              f"not acting on history, would have sent" if history else "DRY RUN: would send")
                          + f" {act.get('kind')} ({act.get('reason')})")
-            bus.publish(self.r, self.keys.events, ev)
+            self._write_own("events", self.keys.events, lambda: bus.publish(self.r, self.keys.events, ev))
         incidents = {i.id: i.to_json() for i in self.policy.incidents}
         if events and incidents:
             self._write_own("incidents", self.keys.incidents, lambda: self.r.hset(self.keys.incidents, mapping=incidents))
@@ -525,7 +535,7 @@ class RunWatcher:
                 if not self._write_own("applied", self.keys.applied, lambda: self.r.hsetnx(self.keys.applied, a.idempotency_key, d.id)):
                     self.m.actions.labels(self.run, a.kind, "duplicate").inc()
                     continue
-                bus.publish(self.r, self.keys.directives, d)
+                self._write_own("directives", self.keys.directives, lambda: bus.publish(self.r, self.keys.directives, d))
                 if published_at is not None:
                     self.m.latency.labels(self.run).observe(max(0.0, time.time() - published_at))
                 self.m.actions.labels(self.run, a.kind, "sent").inc()
@@ -547,9 +557,9 @@ class RunWatcher:
                     delivered.append("run_dir")
                 page = {"time": now, "run": self.run, "severity": severity, "summary": a.reason,
                         "incident_id": a.incident_id, "rule": rule, "delivered_to": delivered}
-                bus.publish(self.r, self.keys.events, Event(run=self.run, kind="page", severity=severity, message=a.reason,
-                                                           incident_id=a.incident_id, time=now,
-                                                           data={"rule": rule, "delivered_to": delivered}))
+                ev = Event(run=self.run, kind="page", severity=severity, message=a.reason, incident_id=a.incident_id, time=now,
+                           data={"rule": rule, "delivered_to": delivered})
+                self._write_own("events", self.keys.events, lambda: bus.publish(self.r, self.keys.events, ev))
                 self._mirror_page(page)
                 self.m.actions.labels(self.run, "page", "sent").inc()
                 self.m.last_action.labels(self.run, "page").set(now)
@@ -611,8 +621,15 @@ class Daemon:
         by_stream = {w.keys.steps: w for w in led}
         for w in led:
             w.check_overload(now)
-        entries = bus.read_group(self.r, list(by_stream), STEP_CONSUMER_GROUP, self.opts.consumer,
-                                 count=self.opts.batch, block_ms=block_ms)
+        try:
+            entries = bus.read_group(self.r, list(by_stream), STEP_CONSUMER_GROUP, self.opts.consumer,
+                                     count=self.opts.batch, block_ms=block_ms)
+        except bus.BusError as e:
+            if "WRONGTYPE" not in str(e):
+                raise
+            for w in led:  # a steps key turned into another type under us
+                w.ensure_steps()
+            return 0
         grouped: dict[str, list[bus.Entry]] = {s: [] for s in by_stream}
         for e in entries:
             grouped[e.stream].append(e)

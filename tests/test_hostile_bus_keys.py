@@ -373,3 +373,29 @@ def test_the_trainers_retention_read_never_holds_back_step_records(hostile, embe
     assert _steps_in_stream(r, unique_run) == [1, 2, 3, 4, 5]
     if hostile != "WRONGTYPE":  # retention did its job on the good fields and left the rest alone
         assert set(bus.raw(r).hkeys(k.checkpoints)) == {b"9" * 5000, b"\xff\xfe", b"-5", b"20"}
+
+
+@pytest.mark.parametrize("key", ["directives", "events", "acks", "approvals", "steps-at-start", "steps-mid-run"])
+def test_a_stream_key_of_the_wrong_type_does_not_stop_the_daemon(key, embedded_bus, unique_run):
+    """A string where a stream goes. Before the fix every ``iterate`` raised WRONGTYPE: the run was
+    never judged again (steps: one XREADGROUP reads every watched run, so it would stop them all).
+    The streams the daemon writes, and the steps stream (no step can be in a string), are replaced;
+    acks and approvals are read as empty. Each is counted."""
+    r = bus.connect(embedded_bus.url)
+    run, k = unique_run, Keys(unique_run)
+    name = getattr(k, key.split("-")[0])
+    if key == "steps-at-start":
+        r.set(name, "a string")
+    d = make_daemon(r, run)
+    pump(d, until=lambda: d.watchers.get(run) is not None and d.watchers[run].leader, min_iter=2)
+    if key == "steps-mid-run":
+        r.delete(name)
+        r.set(name, "a string")
+        pump(d, until=lambda: r.type(name) == "stream", min_iter=2)
+    elif not key.startswith("steps"):
+        r.set(name, "a string")
+    incident_run(r, run)
+    pump(d, until=lambda: r.xlen(k.directives) > 0)
+    assert sample(d, "sentinel_steps_processed_total", run=run) == NAN_STEP
+    stream = key.split("-")[0]
+    assert sample(d, "sentinel_records_rejected_total", run=run, stream=stream, reason="wrong_type") >= 1
