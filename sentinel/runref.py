@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sentinel import bus
-from sentinel.cli.common import SentinelError, looks_like_run_dir
+from sentinel.cli.common import WRONG_TYPE, SentinelError, looks_like_run_dir, read_unless_wrong_type
 from sentinel.protocol import Keys
 from sentinel.rundir import RunDirError, require_run_dir, run_id_of
 
@@ -51,12 +51,8 @@ class RunRef:
         """The trainer's heartbeat ({"step", "time", "sent", "pid"}) if the key exists, else None."""
         if self.r is None:
             return None
-        try:
-            with bus.bus_errors(self.r):
-                raw = self.r.get(self.keys.heartbeat)
-        except bus.BusError as e:
-            if "WRONGTYPE" not in str(e):
-                raise
+        raw = read_unless_wrong_type(self.r, lambda: self.r.get(self.keys.heartbeat))
+        if raw is WRONG_TYPE:
             return {}  # a key of another type is there: a heartbeat nobody can read, not an absent one
         if not raw:
             return None
@@ -169,13 +165,9 @@ def local_dir(path: str | None) -> Path | None:
 
 
 def _info(r, run: str) -> dict[str, str]:
-    try:
-        with bus.bus_errors(r):
-            return dict(r.hgetall(Keys(run).info) or {})
-    except bus.BusError as e:
-        if "WRONGTYPE" not in str(e):
-            raise
-        return {}  # not a hash: metadata nobody can read; the run's keys still are what they are
+    info = read_unless_wrong_type(r, lambda: r.hgetall(Keys(run).info))
+    # not a hash: metadata nobody can read; the run's other keys still are what they are
+    return {} if info is WRONG_TYPE else dict(info or {})
 
 
 def issuer() -> str:

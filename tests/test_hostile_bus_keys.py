@@ -251,8 +251,9 @@ WRONG_TYPE_READERS = {**READERS, "runs": ("status (all) --json", "incidents (all
 
 @pytest.mark.parametrize("key", sorted(WRONG_TYPE_READERS))
 def test_a_key_of_the_wrong_redis_type_is_one_line_or_skipped(key, embedded_bus, unique_run):
-    """WRONGTYPE: a hash where a string goes and the reverse. Metadata the commands can do without
-    (the info hash, the heartbeat) no longer stops them; the rest is one ``error:`` line."""
+    """WRONGTYPE: a hash where a string goes and the reverse. What a view can do without (the info
+    hash, the heartbeat, the checkpoints / incidents / applied hashes) no longer stops it: skipped,
+    and for the hashes counted; the rest is one ``error:`` line that says what is wrong."""
     r = bus.connect(embedded_bus.url)
     k = _good_run(r, unique_run)
     name = Keys.RUNS if key == "runs" else getattr(k, key)
@@ -263,10 +264,21 @@ def test_a_key_of_the_wrong_redis_type_is_one_line_or_skipped(key, embedded_bus,
         r.set(name, "a string")
     cmds = _commands(unique_run, embedded_bus.url)
     results = {c: CliRunner().invoke(main, cmds[c]) for c in WRONG_TYPE_READERS[key]}
-    problems = _problems(results, f"{key}=WRONGTYPE", ok=("status --json",) if key in ("heartbeat", "info") else ())
+    ok = {"heartbeat": ("status --json",), "info": ("status --json",),
+          "checkpoints": ("status --json", "checkpoints", "checkpoints --json"),
+          "incidents": ("status --json", "incidents", "incidents --json", "incidents (all) --json"),
+          "applied": ("incidents", "incidents --json")}.get(key, ())
+    problems = _problems(results, f"{key}=WRONGTYPE", ok=ok)
     for c, res in results.items():
-        if res.exit_code == 2 and "approve" not in c and "WRONGTYPE" not in res.stderr:
+        if res.exit_code == 2 and "approve" not in c and not ("WRONGTYPE" in res.stderr or "wrong Redis type" in res.stderr):
             problems.append(f"{key}=WRONGTYPE | {c}: the error does not say what is wrong: {res.stderr[-200:]!r}")
+    if not problems and key in ("checkpoints", "incidents", "applied"):
+        for c in ok:
+            if c.endswith("--json"):
+                out = json.loads(results[c].stdout)
+                row = out if c == "checkpoints --json" else out["runs"][0]
+                if row["rejected_bus_entries"] != 1 or row["first_rejected_bus_entry"] != f"{key} key, of the wrong Redis type":
+                    problems.append(f"{key}=WRONGTYPE | {c}: not counted: {row.get('first_rejected_bus_entry')!r}")
     assert not problems, "\n".join(problems)
 
 

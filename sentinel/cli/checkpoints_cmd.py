@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, friendly_errors, json_option, redis_url_option, warn_rejected
+from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected
 
 STATUS_STYLE = {"resume_verified": "bold green", "checksum_ok": "green", "unverified": "yellow", "failed": "bold red",
                 "corrupt": "bold red", "incomplete": "red"}
@@ -26,8 +26,11 @@ def checkpoint_rows(ref, *, rehash: bool = True, rejected: list[str] | None = No
     if ref.run_dir is not None:
         return [c.to_json() for c in rundir.list_checkpoints(ref.run_dir, rehash=rehash)], "files"
     rows = []
-    with bus.bus_errors(ref.r):
-        raw = ref.r.hgetall(ref.keys.checkpoints)
+    if rejected is None:
+        with bus.bus_errors(ref.r):
+            raw = ref.r.hgetall(ref.keys.checkpoints)
+    else:
+        raw = read_or_reject(ref.r, "checkpoints", lambda: ref.r.hgetall(ref.keys.checkpoints), rejected, {})
     now = time.time()
     for k, v in raw.items():
         try:

@@ -106,6 +106,33 @@ def bus_entry(hash_name: str, field) -> str:
     return f"{hash_name} hash, field {f[:40]!r}" + ("..." if len(f) > 40 else "")
 
 
+WRONG_TYPE = object()  # what ``read_unless_wrong_type`` returns for a key of another Redis type
+
+
+def read_unless_wrong_type(r, read):
+    """``read()`` with one-line bus errors, or ``WRONG_TYPE`` when the key holds another Redis type:
+    anyone with bus access can SET a hash's name, and a view must not die of it."""
+    from sentinel import bus
+
+    try:
+        with bus.bus_errors(r):
+            return read()
+    except bus.BusError as e:
+        if "WRONGTYPE" not in str(e):
+            raise
+        return WRONG_TYPE
+
+
+def read_or_reject(r, what: str, read, rejected: list[str], empty):
+    """``read()``; a key of the wrong Redis type is skipped and counted like a malformed entry, so
+    that the view still shows the rest."""
+    got = read_unless_wrong_type(r, read)
+    if got is WRONG_TYPE:
+        rejected.append(f"{what} key, of the wrong Redis type")
+        return empty
+    return got
+
+
 def count_bus_entries(out: dict, rejected: list[str]) -> None:
     """The ``--json`` fields saying what the view skipped on the bus (and what warn_rejected says)."""
     out["rejected_bus_entries"], out["first_rejected_bus_entry"] = len(rejected), (rejected[0] if rejected else None)

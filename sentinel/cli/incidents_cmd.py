@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, fmt_clock, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, read_or_reject, fmt_clock, friendly_errors, json_option, redis_url_option
 from sentinel.protocol import finite_or_none
 
 EVENTS_SCAN = 20_000  # newest events read per run to build timelines
@@ -38,11 +38,10 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
         incs = read_incidents_log(ref.run_dir, rejected) if ref.run_dir else []
         entries, applied, acks = [], None, {}
     else:
-        with bus.bus_errors(ref.r):
-            raw = ref.r.hgetall(ref.keys.incidents)
-            entries = ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN)
-            applied = ref.r.hgetall(ref.keys.applied)
-            ack_entries = ref.r.xrevrange(ref.keys.acks, count=EVENTS_SCAN)
+        raw = read_or_reject(ref.r, "incidents", lambda: ref.r.hgetall(ref.keys.incidents), bad_entries, {})
+        entries = read_or_reject(ref.r, "events", lambda: ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN), bad_entries, [])
+        applied = read_or_reject(ref.r, "applied", lambda: ref.r.hgetall(ref.keys.applied), bad_entries, {})
+        ack_entries = read_or_reject(ref.r, "acks", lambda: ref.r.xrevrange(ref.keys.acks, count=EVENTS_SCAN), bad_entries, [])
         incs = []
         for field, v in raw.items():
             inc = rundir.parse_incident(v)

@@ -16,7 +16,7 @@ import uuid
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import WRONG_TYPE, SentinelError, emit_json, friendly_errors, json_option, read_unless_wrong_type, redis_url_option
 
 ACTIONS = ("show", "add", "remove")
 
@@ -62,13 +62,14 @@ def current_ranges(ref) -> tuple[list[tuple[int, int]], str]:
     """The run's skip list: ``skiplist.json`` when the run dir is here, else the bus's copy."""
     import json
 
-    from sentinel import bus, rundir
+    from sentinel import rundir
     from sentinel.protocol import MAX_SAMPLE_ID, merge_ranges
 
     if ref.run_dir is not None:
         return rundir.read_skiplist(ref.run_dir), "file"
-    with bus.bus_errors(ref.r):
-        raw = ref.r.get(ref.keys.skiplist)
+    raw = read_unless_wrong_type(ref.r, lambda: ref.r.get(ref.keys.skiplist))
+    if raw is WRONG_TYPE:
+        raise SentinelError(f"the bus's skip list for run {ref.run} is malformed: a key of the wrong Redis type")
     try:
         ranges = [(int(lo), int(hi)) for lo, hi in json.loads(raw or "[]")]
     except (ValueError, TypeError, OverflowError, RecursionError):  # OverflowError: int(1e999)

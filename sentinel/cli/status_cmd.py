@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, friendly_errors, json_option, redis_url_option, warn_rejected
+from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected
 
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
 LOSS_BAND = 1.20  # loss above 1.2x its recent median is out of band
@@ -97,8 +97,7 @@ def run_status(ref, now: float | None = None) -> dict:
     newest = None
     bad_entries: list[str] = []  # malformed entries of the bus's hashes, skipped
     if ref.r is not None:
-        with bus.bus_errors(ref.r):
-            raw = ref.r.hgetall(ref.keys.checkpoints)
+        raw = read_or_reject(ref.r, "checkpoints", lambda: ref.r.hgetall(ref.keys.checkpoints), bad_entries, {})
         for field, v in raw.items():
             try:
                 ci = CheckpointInfo.from_json(v)
@@ -121,8 +120,7 @@ def run_status(ref, now: float | None = None) -> dict:
     # incidents
     open_ids: list[str] = []
     if ref.r is not None:
-        with bus.bus_errors(ref.r):
-            inc_raw = ref.r.hgetall(ref.keys.incidents)
+        inc_raw = read_or_reject(ref.r, "incidents", lambda: ref.r.hgetall(ref.keys.incidents), bad_entries, {})
         for field, v in inc_raw.items():
             try:
                 inc = Incident.from_json(v)
