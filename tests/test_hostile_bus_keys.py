@@ -113,6 +113,7 @@ def _commands(run: str, url: str) -> dict[str, list[str]]:
         "rollback --dry-run": ["rollback", run, "--to-step", "10", "--dry-run", "--json", *u],
         "pages --json": ["pages", run, "--json", *u],
         "approve": ["approve", f"{run}-{GOOD_INCIDENT}", *u],  # exit 2: the incident waits for no approval
+        "approve hostile": ["approve", "hostile", *u],  # the hostile entry itself, by its field name: one line
     }
 
 
@@ -120,7 +121,8 @@ READERS = {
     "heartbeat": ("status", "status --json", "status (all) --json", "rollback --dry-run"),
     "skiplist": ("skip-list", "skip-list --json"),
     "checkpoints": ("status --json", "status (all) --json", "checkpoints", "checkpoints --json", "rollback --dry-run"),
-    "incidents": ("status --json", "status (all) --json", "incidents", "incidents --json", "incidents (all) --json", "approve"),
+    "incidents": ("status --json", "status (all) --json", "incidents", "incidents --json", "incidents (all) --json", "approve",
+                  "approve hostile"),
     "applied": ("incidents", "incidents --json"),
     "info": ("status", "status --json", "status (all) --json", "checkpoints --json", "incidents --json", "skip-list --json",
              "rollback --dry-run", "pages --json", "approve"),
@@ -289,10 +291,15 @@ def test_hostile_members_of_the_run_registry_are_left_out(embedded_bus, unique_r
     bus.raw(r).sadd(Keys.RUNS, b"[" * 10_000, b"x" * 100_000)  # valid run ids: listed, with no data
     cmds = _commands(unique_run, embedded_bus.url)
     results = {c: CliRunner().invoke(main, cmds[c]) for c in ("status (all) --json", "incidents (all) --json")}
+    # an approval searched for in every run (no --run): a run (sorted first) whose incidents key is a string is looked past
+    bus.raw(r).sadd(Keys.RUNS, b"a-wrongtype-run")
+    r.set(Keys("a-wrongtype-run").incidents, "a string")
+    results["approve"] = CliRunner().invoke(main, cmds["approve"])
     results["status (all)"] = CliRunner().invoke(main, ["status", "--redis-url", embedded_bus.url])
-    assert not _problems(results, "runs", ok=tuple(results)), _problems(results, "runs")
+    assert not _problems(results, "runs", ok=tuple(c for c in results if c != "approve")), _problems(results, "runs")
+    assert "nothing to approve" in results["approve"].stderr, results["approve"].stderr  # found, past the broken run
     runs = [x["run"] for x in json.loads(results["status (all) --json"].stdout)["runs"]]
-    assert unique_run in runs and len(runs) == 3, [x[:20] for x in runs]
+    assert unique_run in runs and len(runs) == 3, [x[:20] for x in runs]  # the two valid ids of no run, and ours
 
 
 # ------------------------------------------------------------------ the daemon

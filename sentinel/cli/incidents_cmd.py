@@ -12,7 +12,8 @@ import time
 
 import click
 
-from sentinel.cli.common import SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, read_or_reject, fmt_clock, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import (WRONG_TYPE, SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, fmt_clock,
+                                 friendly_errors, json_option, read_or_reject, read_unless_wrong_type, redis_url_option)
 from sentinel.protocol import finite_or_none
 
 EVENTS_SCAN = 20_000  # newest events read per run to build timelines
@@ -295,7 +296,6 @@ def _incidents(runs, only_open, incident_id, redis_url, as_json):
 
 def find_incident(incident_id: str, run: str | None, redis_url: str | None):
     """(RunRef, Incident) for an incident id: in ``--run``'s incidents hash, else in every registered run's."""
-    from sentinel import bus
     from sentinel.protocol import Incident
     from sentinel.runref import all_runs, resolve
 
@@ -310,10 +310,9 @@ def find_incident(incident_id: str, run: str | None, redis_url: str | None):
             if isinstance(e, RunRefError):
                 raise RunRefError(f"{e}; or pass --run RUN_DIR") from None
             raise
-    for ref in refs:
-        with bus.bus_errors(ref.r):
-            raw = ref.r.hget(ref.keys.incidents, incident_id)
-        if raw:
+    for ref in refs:  # a run whose incidents key is of another type holds no incident: look on
+        raw = read_unless_wrong_type(ref.r, lambda: ref.r.hget(ref.keys.incidents, incident_id))
+        if raw and raw is not WRONG_TYPE:
             return ref, Incident.from_json(raw)
     where = f"run {refs[0].run}" if run else f"any of the {len(refs)} run(s) on the bus"
     raise SentinelError(f"incident {incident_id} not found in {where}")
