@@ -328,12 +328,12 @@ def _plant(r, k: Keys, key: str, value: bytes | None) -> None:
 
 
 @pytest.mark.parametrize("key", DAEMON_KEYS)
-def test_the_daemon_judges_steps_past_a_hostile_key(key, embedded_bus, unique_run):
+def test_the_daemon_judges_steps_past_a_hostile_key(key, redis_url, unique_run):
     """The daemon keeps iterating and still sends its rollback. Before the fix: a WRONGTYPE
     heartbeat, checkpoints, info, incidents or applied key raised out of every ``iterate`` (the
     daemon logged a bus error and retried forever: the run was never judged again), a too-long
     run_dir was an OSError, and a leader key without a TTL held the lease forever."""
-    r = bus.connect(embedded_bus.url)
+    r = bus.connect(redis_url)  # both servers: the lease script's TYPE / PTTL must hold on each
     failures = []
     for n, name in enumerate((*DAEMON_VALUES, "WRONGTYPE")):
         if key == "checkpoints" and name == "WRONGTYPE":
