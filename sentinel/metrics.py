@@ -30,7 +30,8 @@ class SentinelMetrics:
         self.episodes = Counter("sentinel_anomaly_episodes", "Anomaly episodes closed, by outcome: recovered (annotated, no action) or damage.",
                                 ["run", "outcome"], registry=r)
         self.bus_errors = Counter("sentinel_bus_errors", "Control-bus errors (each retried).", registry=r)
-        # stream: steps/acks/approvals/checkpoints; reason: protocol.REJECT_REASONS (both small, fixed)
+        # stream: a bus key's short name (steps, acks, approvals, checkpoints, heartbeat, info, leader, incidents,
+        # applied, events, directives); reason: protocol.REJECT_REASONS (both small, fixed)
         self.rejected = Counter("sentinel_records_rejected", "Bus entries refused (acknowledged, never re-read), by stream and reason.",
                                 ["run", "stream", "reason"], registry=r)
         self.trimmed = Counter("sentinel_records_trimmed_unread", "Step records the capped stream trimmed before this sentinel read them.",

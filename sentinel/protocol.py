@@ -39,6 +39,8 @@ REJECT_REASONS = (
     "wrong_run",  # names another run
     "out_of_order",  # a step older than one already seen on its timeline, or an abandoned timeline
     "duplicate",  # the same step twice on one timeline (a re-delivery, or a replay)
+    "wrong_type",  # a bus key that holds another Redis type than this protocol's (set by someone else)
+    "no_lease",  # a leader key with no TTL or of another type: it would hold the run's lease forever
 )
 
 MAX_RECORD_BYTES = 1 << 20  # a step record of a 4096-sample global batch is ~60 KB
