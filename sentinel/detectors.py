@@ -300,12 +300,20 @@ class SpikeDetector:
             if self._refused_count:
                 self._note_refusal(False)
             return NORMAL
-        med = w.median()
-        scale = MAD_TO_SIGMA * w.mad()
         if self.recent and len(fifo) >= self.recent:
             # noise-aware: the level is the median of the most recent admitted values (the long
             # median lags a falling loss, understating early spikes) ...
-            med = median_of([v for _, v in islice(reversed(self._fifo), self.recent)])
+            med = median_of([v for _, v in islice(reversed(fifo), self.recent)])
+            if self._normal_below_floor(x, med):
+                self.ratio, self.baseline = ratio, med
+                w.push(step, x)
+                ema.update(x)
+                self._note_refusal(False)
+                return NORMAL
+            scale = MAD_TO_SIGMA * w.mad()
+        else:
+            med = w.median()
+            scale = MAD_TO_SIGMA * w.mad()
         floor = self.scale_floor * abs(med)
         if scale < floor:
             scale = floor
@@ -347,6 +355,17 @@ class SpikeDetector:
         else:
             self._note_refusal(True)
         return verdict
+
+    def _normal_below_floor(self, x: float, med: float) -> bool:
+        """True when ``x`` is NORMAL whatever the spread: its excess over ``med`` is under the lower
+        bar in units of the noise floor. Every path of ``update`` that can flag ``x`` divides that
+        excess by a spread of at least the floor (z below the elevated bar stays NORMAL, and z at
+        or above it takes the floor as the least spread), so the window's sort and MADs can be
+        skipped (about 20 us, on about half of the losses past the ratio gate). Only with the
+        spike bar at or above the elevated one, so that a z below the elevated bar flags nothing.
+        ``z`` and ``scale`` are then not computed: they are read only for a flagged value."""
+        nf = self.noise_floor
+        return nf > 0.0 and self.z_spike >= self.z_elevated and (x - med) / nf < self.z_elevated
 
     def noise(self) -> float:
         """Robust per-step noise sigma: from first differences of the recent values when they are

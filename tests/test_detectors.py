@@ -176,6 +176,37 @@ def test_spike_bar_never_below_the_runs_slow_noise_floor():
     assert verdicts[0.0] == d.SPIKE and verdicts[0.03] != d.SPIKE
 
 
+class _NoFloorShortcut(d.SpikeDetector):
+    __slots__ = ()
+
+    def _normal_below_floor(self, x: float, med: float) -> bool:
+        return False  # always the full path: the window's sort, its MAD and the local MAD
+
+
+@pytest.mark.parametrize("z_spike", [6.0, 2.5])  # 2.5: a spike bar under the elevated one turns the shortcut off
+def test_spike_floor_shortcut_gives_the_same_verdicts(z_spike):
+    """A value whose excess is under the elevated bar in noise-floor units is NORMAL without the
+    window's order statistics; verdicts and the baseline (read by the divergence finding) equal
+    the full path's, with spikes, a noise floor and cap that move, and a rewind."""
+    xs = _pretraining(4000, 11, sigma=0.05)
+    kw = dict(z_spike=z_spike, ratio_spike=1.08, z_elevated=3.0, ratio_elevated=1.02, recent=32)
+    fast, full = d.SpikeDetector(**kw), _NoFloorShortcut(**kw)
+    flagged = 0
+    for i, x in enumerate(xs):
+        if i % 16 == 0 and i >= 64:
+            for det in (fast, full):
+                det.noise_floor, det.noise_cap = 0.8 * det.noise(), 1.5 * det.noise()
+        v = fast.update(i, x)
+        assert v == full.update(i, x), i
+        assert fast.baseline == full.baseline and fast.ratio == full.ratio
+        flagged += v > 0
+        if i == 2500:
+            fast.rewind(2300)
+            full.rewind(2300)
+    assert flagged > 20
+    assert fast.window.values() == full.window.values() and fast.level() == full.level()
+
+
 def test_loss_rule_keeps_a_slow_noise_floor_for_the_spike_test():
     eng = RuleEngine(default_rules())
     rng = random.Random(1)
