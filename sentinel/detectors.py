@@ -701,6 +701,9 @@ class LevelShift:
         self._above_since = d["above_since"]
 
 
+_STALE = object()  # ClimbTrend._spread: to be recomputed from the blocks
+
+
 class ClimbTrend:
     """A slow climb: the last ``window`` losses rise, as a ramp, above the level just before them.
 
@@ -741,8 +744,8 @@ class ClimbTrend:
     """
 
     __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
-                 "_s0", "_s1", "_b", "_dirty", "_since_sync", "phi", "_blocks", "_blk", "_spread",
-                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread")
+                 "_s0", "_s1", "_b", "_dirty", "_since_sync", "_phi_val", "_blocks", "_blk", "_spread",
+                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread", "_last_noise")
 
     GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
     RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
@@ -803,12 +806,19 @@ class ClimbTrend:
             return False
         if self._dirty or self._since_sync >= self.RESYNC:
             self._sync()
-        if noise != self._phi_noise or self._spread is not self._phi_spread:  # both change rarely
-            self._phi_noise, self._phi_spread = noise, self._spread
-            self.phi = self._phi(noise)
-        scale = self.phi * noise * self._zden
-        if (self._s1 - self._b / self.baseline * self._ksum) / scale <= self.sigmas - self.GATE:
+        self._last_noise = noise
+        ramp = self._s1 - self._b / self.baseline * self._ksum  # the unclipped filter: z x its scale
+        gate = self.sigmas - self.GATE
+        if self._below_gate_whatever_phi(ramp, noise, gate):
             self.z = self.rise = 0.0  # far below the bar: not worth the exact pass
+            return False
+        spread = self._spread_now()
+        if noise != self._phi_noise or spread is not self._phi_spread:  # both change rarely
+            self._phi_noise, self._phi_spread = noise, spread
+            self._phi_val = self._phi(noise)
+        scale = self._phi_val * noise * self._zden
+        if ramp / scale <= gate:
+            self.z = self.rise = 0.0
             return False
         vals = [v for _, v in f]
         b = self.baseline
@@ -834,13 +844,35 @@ class ClimbTrend:
         w0 = b + self.window - 2 * q
         return median_of(vals[w0:w0 + q]) - m > bar and median_of(vals[w0 + q:]) - m > bar
 
+    def _below_gate_whatever_phi(self, ramp: float, noise: float, gate: float) -> bool:
+        """Is the unclipped z (``ramp / (phi * noise * zden)``) at most ``gate`` for any ``phi`` the
+        calibration can give? phi is at least ``min(1, PHI_UNCALIBRATED)``: a larger phi only
+        shrinks a positive z (rounding is monotone), and a z <= 0 is under any gate >= 0. On a
+        healthy run this decides nearly every verdict, so the calibration (a sort of the block
+        medians' differences, ~10 us) is computed only for the few that it does not."""
+        if ramp <= 0.0:
+            return gate >= 0.0
+        least = self.PHI_UNCALIBRATED if self.PHI_UNCALIBRATED < 1.0 else 1.0
+        return ramp / (least * noise * self._zden) <= gate
+
+    @property
+    def phi(self) -> float:
+        """The run's slow-noise factor for the noise of the last verdict and the current calibration."""
+        return self._phi(self._last_noise)
+
     def _close_block(self, step: int) -> None:
         """Close the current block of losses that have left the window (so a climb in progress
         cannot raise the calibration that judges it). A block is summarised by its median: a
         recovered spike of a few steps does not move it (a clipped mean still moved 3x its noise)."""
         self._blocks.append((step, median_of(self._blk)))
         self._blk = []
-        self._spread = self._block_spread()
+        self._spread = _STALE  # recomputed when a verdict needs it (_spread_now)
+
+    def _spread_now(self) -> float | None:
+        """``_block_spread`` of the current blocks, computed once after they change."""
+        if self._spread is _STALE:
+            self._spread = self._block_spread()
+        return self._spread
 
     def _phi(self, noise: float) -> float:
         """How much more the run's block means wander than white noise of ``noise`` would make them.
@@ -850,7 +882,7 @@ class ClimbTrend:
         difference, slow healthy wiggles do not. The ramp z is divided by it (at least 1), so a run
         whose loss wanders slowly raises its own bar, and a run with white noise (every public curve
         measured: 0.6-1.0) keeps the plain one."""
-        spread = self._spread
+        spread = self._spread_now()
         if spread is None or not noise > 0:
             return self.PHI_UNCALIBRATED
         phi = spread / (noise * self.MEDIAN_EFFICIENCY * math.sqrt(6.0 / self.window))
@@ -885,7 +917,7 @@ class ClimbTrend:
         while bl and bl[-1][0] > keep_through_step:
             bl.pop()
         self._blk = []
-        self._spread = self._block_spread()
+        self._spread = _STALE
         self._dirty = True
 
     def restart(self) -> None:
@@ -901,12 +933,13 @@ class ClimbTrend:
         self._dirty, self._since_sync = True, 0
         self.n = 0
         self.z = self.rise = 0.0
-        self.phi = self.PHI_UNCALIBRATED
-        self._phi_noise, self._phi_spread = -1.0, None  # what ``phi`` was last computed from
+        self._phi_val = self.PHI_UNCALIBRATED
+        self._phi_noise, self._phi_spread = -1.0, None  # what ``_phi_val`` was last computed from
+        self._last_noise = 0.0
         self._start = 0
         self._blocks: deque[tuple[int, float]] = deque(maxlen=self.BLOCKS)  # (last step, median)
         self._blk: list[float] = []  # the block being filled
-        self._spread: float | None = None
+        self._spread: float | None | object = None  # _STALE: the blocks changed since it was computed
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [list(p) for p in self._f], "n": self.n, "blocks": [list(p) for p in self._blocks],
@@ -918,4 +951,4 @@ class ClimbTrend:
         self.n = int(d["n"])
         self._blocks.extend((int(s), float(v)) for s, v in d.get("blocks", []))  # older state: uncalibrated
         self._blk = [float(v) for v in d.get("block", [])][: self.window - 1]
-        self._spread = self._block_spread()
+        self._spread = _STALE

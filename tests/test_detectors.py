@@ -431,9 +431,46 @@ def test_climb_trend_calibration_survives_state_dict_and_rewind():
     b.load_state_dict(a.state_dict())
     for i, x in enumerate(xs[1200:], start=1200):
         assert a.update(i, float(x), 0.1) == b.update(i, float(x), 0.1)
-    assert a._spread == b._spread and a._spread is not None
+    assert a._spread_now() == b._spread_now() and a._spread_now() is not None
     a.rewind(700)
     assert all(s <= 700 for s, _ in a._blocks) and len(a._blocks) >= a.MIN_BLOCKS
+
+
+class _EagerCalibration(d.ClimbTrend):
+    __slots__ = ()
+
+    def _below_gate_whatever_phi(self, ramp: float, noise: float, gate: float) -> bool:
+        return False  # phi (and the block spread under it) at every verdict
+
+    def _close_block(self, step: int) -> None:
+        super()._close_block(step)
+        self._spread_now()
+
+
+@pytest.mark.parametrize("sigmas", [5.5, 2.0])  # 2.0: a gate below zero, where only a positive ramp may skip
+def test_climb_trend_calibration_on_demand_gives_the_same_verdicts(sigmas):
+    """The calibration is computed only for verdicts that the least phi does not decide: the same
+    verdicts and z as computing it at every verdict, on a wandering run with a climb, noise that
+    changes, a rewind and a restart."""
+    t = np.arange(5000, dtype=float)
+    rng = np.random.default_rng(9)
+    wavy = 3.3 + rng.normal(0, 0.1, t.size) + 0.05 * np.sin(2 * np.pi * t / 400) + 0.04 * np.sin(2 * np.pi * t / 170 + 1)
+    xs = _climb([float(x) for x in wavy], 3500, 0.6, 150)
+    lazy, eager = d.ClimbTrend(sigmas=sigmas), _EagerCalibration(sigmas=sigmas)
+    fired = 0
+    for i, x in enumerate(xs):
+        noise = 0.1 if i < 2000 else 0.105
+        v = lazy.update(i, x, noise)
+        assert v == eager.update(i, x, noise), i
+        assert lazy.z == eager.z and lazy.rise == eager.rise
+        fired += v
+        if i == 2600:
+            lazy.rewind(2450)
+            eager.rewind(2450)
+        if i == 4200:
+            lazy.restart()
+            eager.restart()
+    assert fired and lazy.phi == eager.phi > 1.0
 
 
 class _ExactClimb(d.ClimbTrend):
