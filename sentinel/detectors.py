@@ -271,7 +271,8 @@ class SpikeDetector:
         The window push and EMA update are written inline: this runs for every step of every run.
         The common path only appends to the window's FIFO (``SortedWindow.append_unsorted``): the
         order statistics are needed only past the ratio gate (~2 % of healthy loss steps), where
-        one sort of the window costs less than the inserts it replaces.
+        one sort of the window costs less than the inserts it replaces, and not even there when
+        the noise floor alone keeps the value NORMAL (``_normal_below_floor``).
         """
         if x - x != 0.0:  # NaN or +-inf (inf - inf is NaN)
             self._note_refusal(True)
@@ -740,7 +741,8 @@ class ClimbTrend:
     earlier (its baseline already rose); a rollback a little early costs steps, one late keeps the
     damage.
     Cost: O(1) per step (running sums); the exact clipped pass over ``window + baseline`` values and
-    a sort of the baseline run only when the unclipped z is within ``GATE`` of the bar.
+    a sort of the baseline run only when the unclipped z is within ``GATE`` of the bar, and the
+    calibration only for the verdicts that its least value does not decide.
     """
 
     __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
