@@ -362,7 +362,7 @@ class SpikeDetector:
         bar in units of the noise floor. Every path of ``update`` that can flag ``x`` divides that
         excess by a spread of at least the floor (z below the elevated bar stays NORMAL, and z at
         or above it takes the floor as the least spread), so the window's sort and MADs can be
-        skipped (about 20 us, on about half of the losses past the ratio gate). Only with the
+        skipped (about 20 us, on ~40 % of the losses past the ratio gate). Only with the
         spike bar at or above the elevated one, so that a z below the elevated bar flags nothing.
         ``z`` and ``scale`` are then not computed: they are read only for a flagged value."""
         nf = self.noise_floor
