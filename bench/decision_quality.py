@@ -62,6 +62,8 @@ OUTCOMES = ("timely", "late", "wrong target", "missed", "false before")
 DAMAGE = ("jump", "jump-decay", "climb", "nan")
 HELD_OUT_FROM = 1000
 SHOW_MISSES = False  # --misses: print every jump, decay or NaN drill that was not timely
+ONSETS: tuple[int, int] | None = None  # --onsets A-B: drill onsets in [A, B) instead of [200, n - 120]
+INITIAL_CHECKPOINT = True  # --no-initial-checkpoint: assume no checkpoint of step 0 (as before the trainer saved one)
 
 
 @dataclass
@@ -169,7 +171,7 @@ def inject(run: Run, shape: str, onset: int, rng: np.random.Generator) -> tuple[
 def run_backtest(name: str, losses: list[float], wall_ms: list[int]):
     lines = (json.dumps({"step": i + 1, "loss": x, "wall_ms": w}) for i, (x, w) in enumerate(zip(losses, wall_ms)))
     recs = [parse_trace_line(line, default_run=name) for line in lines]
-    return backtest(recs, default_rules(), checkpoint_every=100).to_json()
+    return backtest(recs, default_rules(), checkpoint_every=100, initial_checkpoint=INITIAL_CHECKPOINT).to_json()
 
 
 def score_flags(run: Run, flagged: list[int]) -> tuple[Score, ...]:
@@ -217,7 +219,8 @@ def evaluate(runs: list[Run], drills_per_shape: int, seed: int = 0) -> Tally:
             sc.add(o)
         n = len(run.losses)
         for shape in DAMAGE:
-            for onset in rng.integers(200, n - 120, drills_per_shape):
+            lo, hi = ONSETS or (200, n - 120)
+            for onset in rng.integers(lo, min(hi, n - 120), drills_per_shape):
                 onset = int(onset)
                 end = min(n, onset + HORIZON)  # later steps cannot change a timely verdict
                 dmg, label = inject(run, shape, onset, rng)
@@ -286,7 +289,17 @@ def main() -> None:
     ap.add_argument("--healthy-seeds", default=None, metavar="A-B",
                     help="only: pauses and rollbacks on fresh synthetic healthy runs of seeds A..B-1 (no drills), "
                          "to check a setting's false-alarm rate on runs it was never chosen on")
+    ap.add_argument("--onsets", default=None, metavar="A-B",
+                    help="draw drill onsets in [A, B) instead of [200, n - 120] (e.g. 60-200: damage in the early "
+                         "descent and before the first periodic checkpoint)")
+    ap.add_argument("--no-initial-checkpoint", action="store_true",
+                    help="assume no checkpoint of the initial state (step 0): the figures before the trainer saved one")
     a = ap.parse_args()
+    global ONSETS, INITIAL_CHECKPOINT
+    if a.onsets:
+        lo, _, hi = a.onsets.partition("-")
+        ONSETS = (int(lo), int(hi))
+    INITIAL_CHECKPOINT = not a.no_initial_checkpoint
     if a.healthy_seeds:
         lo, _, hi = a.healthy_seeds.partition("-")
         healthy_only(range(int(lo), int(hi)), a.json_out)

@@ -5,8 +5,10 @@ Backtest = live. It drives the very ``RunPolicy`` the daemon uses, in the mode t
 own timestamps so cooldowns and rate limits replay as they would have live. What it assumes, and why:
 
 - **Checkpoints.** A log rarely says which checkpoints existed, so one is assumed every
-  ``checkpoint_every`` steps (as most trainers are configured); ``None``/0 assumes none (every
-  incident then escalates).
+  ``checkpoint_every`` steps (as most trainers are configured), and one of the initial state
+  (step 0) when the trace begins within the first interval (``initial_checkpoint``: our trainer
+  saves it on a fresh start, so damage before the first periodic save is rolled back to a restart
+  that skips its data, not only paged); ``None``/0 assumes none (every incident then escalates).
 - **No guard information means no guard.** A loss-only trace (``{"step", "loss", "wall_ms"}``) has
   ``skipped = false`` on every step: the backtest never assumes that an in-process guard would have
   skipped a spike. (The policy judges a spike by the steps after it either way.)
@@ -129,7 +131,8 @@ def _simulated_checkpoint(rec: StepRecord) -> CheckpointInfo:
 
 
 def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | None = None, *,
-             checkpoint_every: int | None = 100, checkpoints: Iterable[CheckpointInfo] = ()) -> BacktestResult:
+             checkpoint_every: int | None = 100, checkpoints: Iterable[CheckpointInfo] = (),
+             initial_checkpoint: bool = True) -> BacktestResult:
     """Replay ``records`` through the live RunPolicy; return flagged steps, findings and actions."""
     rules = rules or default_rules()
     now = [0.0]
@@ -142,6 +145,11 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
             policy = RunPolicy(rec.run, rules, clock=lambda: now[0])
             for c in checkpoints:
                 policy.on_checkpoint(c)
+            first = rec.from_step if isinstance(rec, TimelineRecord) else rec.step
+            if checkpoint_every and initial_checkpoint and first <= checkpoint_every:
+                policy.on_checkpoint(CheckpointInfo(run=rec.run, step=0, path="<assumed>/step-00000000", created=rec.time,
+                                                    bytes=0, manifest_sha256="", timeline=rec.timeline, verified="unverified",
+                                                    world_size=getattr(rec, "world_size", 1)))
         if stopped_at is not None:
             if rec.timeline <= stopped_at:
                 res.unjudged += isinstance(rec, StepRecord)

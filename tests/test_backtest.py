@@ -51,6 +51,31 @@ def test_backtest_without_checkpoints_escalates_once(tmp_path):
     assert [a["kind"] for a in res.actions] == ["pause", "page"]  # paused: nothing after it is judged
 
 
+def _nan_from(tmp_path: Path, onset: int, n: int = 200, first: int = 1) -> Path:
+    rng = random.Random(2)
+    lines = [json.dumps({"step": s, "loss": round(3.0 * (1 + rng.gauss(0, 0.01)), 4) if s < onset else "NaN"})
+             for s in range(first, n + 1)]
+    p = tmp_path / "nan.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_damage_before_the_first_periodic_checkpoint_rolls_back_to_the_initial_state(tmp_path):
+    """The trainer saves step 0 on a fresh start, so the backtest assumes it for a trace that starts
+    there: a NaN at step 40 is a rollback to step 0, not a pause. Without it (or for a trace that
+    starts mid-run, whose step 0 retention deleted long ago) the policy can only escalate."""
+    res = backtest(load_trace(_nan_from(tmp_path, 40)), default_rules())
+    [act] = res.actions
+    assert act["kind"] == "rollback" and act["to_step"] == 0 and 40 <= act["step"] <= 45
+    res = backtest(load_trace(_nan_from(tmp_path, 40)), default_rules(), initial_checkpoint=False)
+    assert [a["kind"] for a in res.actions] == ["pause", "page"]
+    r = CliRunner().invoke(backtest_cmd, [str(_nan_from(tmp_path, 40)), "--no-initial-checkpoint", "--json"])
+    assert r.exit_code == 0, r.output
+    assert [a["kind"] for a in json.loads(r.output)["actions"]] == ["pause", "page"]
+    res = backtest(load_trace(_nan_from(tmp_path, 540, n=700, first=501)), default_rules())
+    assert [a["kind"] for a in res.actions] == ["pause", "page"]  # 501..539: no checkpoint before the onset
+
+
 def test_full_steps_jsonl_with_timeline_records(tmp_path):
     rng = random.Random(1)
     recs: list = [TimelineRecord(kind="start", run="r", from_step=0, timeline=0, time=0.0)]

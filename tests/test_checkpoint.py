@@ -11,6 +11,8 @@ import os
 import re
 import resource
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,31 @@ def test_retention_keep_last_and_every(tmp_path, dataset):
     assert checkpoint_steps(run) == [5, 10, 15, 18, 19, 20]
     for step, path in list_checkpoints(run / "checkpoints"):
         verify(path)
+
+
+def test_initial_checkpoint_is_a_rollback_target_that_replays_bitwise(tmp_path, dataset, refs):
+    """A fresh start saves the initial state (step 0) too, so damage before the first periodic save
+    can be rolled back instead of only paged. Rolling back to it and training again reproduces the
+    run that never stopped, bit for bit; ``checkpoint.initial=false`` opts out."""
+    args = ["--max-steps", "8", "--ckpt-every", "4", *COMMON]
+    ref = refs(*args)
+    assert checkpoint_steps(ref) == [0, 4, 8]
+    _check_layout(ref / "checkpoints" / "step-00000000", 0, 1)
+    run = copy_run(ref, tmp_path / "run")
+    p = subprocess.run([sys.executable, "-m", "sentinel", "rollback", str(run), "--to-step", "0", "--yes",
+                        "--reason", "drill", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["plan"]["steps_lost"] == 8
+    run_trainer(run, data_dir=dataset, check=True)
+    marks = [r for r in records(run) if getattr(r, "kind", "step") == "rollback"]
+    assert len(marks) == 1 and marks[0].from_step == 0
+    assert_same_trajectory(ref, run, 8, "rolled back to the initial checkpoint")
+
+    off = tmp_path / "off"
+    run_trainer(off, *BASE_ARGS, "--data", str(dataset), *args, "--set", "checkpoint.initial=false",
+                data_dir=dataset, check=True)
+    assert checkpoint_steps(off) == [4, 8]
+    assert_same_trajectory(ref, off, 8, "saving the initial state changes nothing in training")
 
 
 def test_async_checkpoints_valid_and_retained(tmp_path, dataset, refs):
@@ -326,7 +353,7 @@ def test_failed_checkpoint_write_never_damages_previous(tmp_path, dataset, mode)
     run_trainer(run, *BASE_ARGS, "--data", str(dataset), "--max-steps", "8", "--ckpt-every", "4", *extra,
                 data_dir=dataset, check=True)
     before = {s: verify(p) for s, p in list_checkpoints(run / "checkpoints")}
-    assert sorted(before) == [4, 8]
+    assert sorted(before) == [0, 4, 8]  # the initial state, then every 4 steps
     digests = {s: {n: _sha(run / "checkpoints" / f"step-{s:08d}" / n) for n in m["files"]} for s, m in before.items()}
 
     p = run_trainer(run, "--max-steps", "16", data_dir=dataset, preexec_fn=_limit_file_size(200_000))
@@ -343,7 +370,7 @@ def test_failed_checkpoint_write_never_damages_previous(tmp_path, dataset, mode)
     assert len(final) == 1 and "newest valid checkpoint is step 8" in final[0], p.stderr
     assert max(_steps(run)) == 16  # every step record written (the step log is small enough)
     # the previous checkpoints are intact, byte for byte, and nothing half-written is left
-    assert checkpoint_steps(run) == [4, 8]
+    assert checkpoint_steps(run) == [0, 4, 8]
     for s, m in before.items():
         ck = run / "checkpoints" / f"step-{s:08d}"
         assert verify(ck)["files"] == m["files"]

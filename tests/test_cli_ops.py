@@ -7,6 +7,7 @@ themselves must stay torch-free: checked in a fresh interpreter.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def test_checkpoints_verification_states(run_copy):
 
     out = cli_json("checkpoints", str(run_copy))
     st = {c["step"]: c["verified"] for c in out["checkpoints"]}
-    assert st == {30: "resume_verified", 20: "corrupt", 10: "incomplete"}
+    assert st == {30: "resume_verified", 20: "corrupt", 10: "incomplete", 0: "checksum_ok"}  # 0: the initial state
     by = {c["step"]: c for c in out["checkpoints"]}
     assert "sha256" in by[20]["problem"] and by[30]["bytes"] > 0 and by[30]["age_seconds"] >= 0
     human = cli("checkpoints", str(run_copy))
@@ -170,8 +171,8 @@ def test_checkpoints_verification_states(run_copy):
     bad = cli("rollback", str(run_copy), "--to-step", "20", "--yes")
     assert bad.exit_code == 2 and "corrupt" in bad.stderr
     assert not (run_copy / "pending_rollback.json").exists()
-    # --before-step passes over the bad ones
-    assert cli("rollback", str(run_copy), "--before-step", "22", "--dry-run").exit_code == 2  # 20 corrupt, 10 incomplete
+    # --before-step passes over the bad ones (20 corrupt, 10 incomplete): back to the initial state
+    assert cli_json("rollback", str(run_copy), "--before-step", "22", "--dry-run")["plan"]["target"]["step"] == 0
     plan = cli_json("rollback", str(run_copy), "--before-step", "32", "--dry-run")["plan"]
     assert plan["target"]["step"] == 30 and plan["target"]["verified"] == "resume_verified"
 
@@ -398,6 +399,7 @@ def test_approve_writes_a_verifiable_approval(embedded_bus):
 # ------------------------------------------------------------------ bad input: one line, no traceback
 def test_bad_input_is_one_line_everywhere(run_copy, redis_server, tmp_path):
     d = str(run_copy)
+    shutil.rmtree(run_copy / "checkpoints" / "step-00000000")  # the initial state: before 10, nothing is left
     missing = str(tmp_path / "no-such-run")
     dead = "redis://127.0.0.1:1"
     cases = [
@@ -415,7 +417,7 @@ def test_bad_input_is_one_line_everywhere(run_copy, redis_server, tmp_path):
         # a missing step / checkpoint / incident
         (("rollback", d, "--to-step", "15", "--yes"), "no checkpoint at step 15"),
         (("rollback", d, "--checkpoint", "step-00000990", "--yes"), "no checkpoint at step 990"),
-        (("rollback", d, "--before-step", "5", "--yes"), "no usable checkpoint"),
+        (("rollback", d, "--before-step", "5", "--yes"), "no usable checkpoint"),  # step 0 removed above
         (("approve", "nope", "--redis-url", redis_server.url), "not found"),
         # Redis unreachable
         (("status", "--redis-url", dead), "cannot reach Redis"),
@@ -496,6 +498,9 @@ def test_rollback_before_onset_never_picks_a_checkpoint_that_holds_the_damage(ru
     assert cli_json("rollback", str(run_copy), "--before-step", "22", "--dry-run")["plan"]["target"]["step"] == 20
     help_text = " ".join(cli("rollback", "--help").stdout.split())
     assert "ONSET-2" in help_text and "after N updates" in help_text
+    # before the first periodic save only the initial state (step 0) holds no damage
+    assert cli_json("rollback", str(run_copy), "--before-step", "11", "--dry-run")["plan"]["target"]["step"] == 0
+    shutil.rmtree(run_copy / "checkpoints" / "step-00000000")
     res = cli("rollback", str(run_copy), "--before-step", "11", "--dry-run")
     assert res.exit_code == 2 and "no usable checkpoint at or before step 9" in res.stderr
 

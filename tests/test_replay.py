@@ -201,6 +201,7 @@ def test_replay_end_to_end_subprocess(drop_run):
 def corrupt_run(drop_run, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("corrupt") / "run"
     shutil.copytree(drop_run, run)
+    shutil.rmtree(run / "checkpoints" / "step-00000000")  # the initial state: a valid fallback otherwise
     with open(run / "checkpoints" / "step-00000010" / "model.pt", "r+b") as f:
         f.seek(100)
         f.write(b"\x00garbage\x00")
@@ -210,7 +211,7 @@ def corrupt_run(drop_run, tmp_path_factory) -> Path:
 BAD_REPLAY = {
     "missing run": (lambda d, c, t: [t / "nope", "--step", "3"], "run directory not found"),
     "missing step": (lambda d, c, t: [d, "--step", "999"], "step 999 is not in the step log"),
-    "no checkpoint": (lambda d, c, t: [d, "--step", "5"], "no valid checkpoint at or before step 4"),
+    "no checkpoint": (lambda d, c, t: [c, "--step", "5"], "no valid checkpoint at or before step 4"),
     "corrupt checkpoint": (lambda d, c, t: [c, "--step", "14", "--checkpoint", "10"], "fails its sha256 check"),
     "only corrupt checkpoints": (lambda d, c, t: [c, "--step", "14"], "no valid checkpoint at or before step 13"),
 }

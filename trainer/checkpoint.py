@@ -441,13 +441,15 @@ class Checkpointer:
         return final, total
 
     def _retain(self) -> None:
-        """Keep the newest ``keep_last`` valid checkpoints plus every ``keep_every``-th step forever."""
+        """Keep the newest ``keep_last`` valid checkpoints plus every ``keep_every``-th step forever.
+        The initial state (step 0) is not a ``keep_every`` milestone: it is there for damage in the first
+        interval, and retires like any other checkpoint once ``keep_last`` newer ones exist."""
         kept = 0
         for step, path in list_checkpoints(self.root):
             if not (path / MANIFEST).is_file():
                 continue
             kept += 1
-            if kept <= self.keep_last or (self.keep_every and step % self.keep_every == 0):
+            if kept <= self.keep_last or (self.keep_every and step and step % self.keep_every == 0):
                 continue
             shutil.rmtree(path, ignore_errors=True)
 

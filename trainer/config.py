@@ -85,6 +85,11 @@ class CheckpointConfig(_Strict):
     every: int = Field(50, ge=0, description="save every K steps; 0 disables periodic saves")
     keep_last: int = Field(3, ge=1)
     keep_every: int = Field(0, ge=0, description="also keep every K-th step forever; 0 disables")
+    initial: bool = Field(
+        True, description="on a fresh start, also save the initial state (step 0) before the first step, so that "
+        "damage in the first interval can be rolled back (a restart that skips its data) instead of only paged; "
+        "retention treats it like any other checkpoint",
+    )
     async_save: bool = False
     max_age_steps: int = Field(
         0, ge=0, description="when saves fail, stop (non-zero exit) once the newest valid checkpoint is more than N "

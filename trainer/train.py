@@ -625,6 +625,7 @@ class Trainer:
         self._load_applied_directives()
         pending = self.run_dir / PENDING_ROLLBACK
         plan, bad = None, None
+        fresh = False
         if env.is_main and pending.is_file():
             plan, bad = _read_pending_plan(pending)
         plan, bad = env.broadcast_object((plan, bad))
@@ -649,6 +650,7 @@ class Trainer:
                 self.state.timeline = self._previous_timeline() + 1
                 self._mark("start", 0)
                 _log(env, f"run {self.run_id}: fresh start")
+                fresh = True
             else:
                 self.state.timeline = self._previous_timeline() + 1
                 self._mark("resume", resumed, checkpoint=f"step-{resumed:08d}")
@@ -668,6 +670,10 @@ class Trainer:
             tmp.write_text(json.dumps(info, indent=1))
             os.replace(tmp, self.run_dir / "run.json")
         env.barrier()
+        if fresh and self.cfg.checkpoint.initial and self.cfg.checkpoint.every:
+            # the initial state is a rollback target too: without it, damage before the first periodic
+            # save can only be paged, and a NaN at step 30 would stop the run for a human
+            self.save_checkpoint()
 
     def _previous_timeline(self) -> int:
         last = -1

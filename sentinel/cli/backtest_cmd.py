@@ -1,7 +1,7 @@
 """`sentinel backtest`: run the rules offline over a recorded step log.
 
 The same RunPolicy and rules as the daemon, in the mode the daemon runs (see sentinel/backtest.py for
-what it assumes: checkpoints every N steps, no guard unless the trace says so, no judging of records
+what it assumes: checkpoints at step 0 and every N steps, no guard unless the trace says so, no judging of records
 a rollback or pause would have prevented), so "what would it have done on last
 week's run?" and "would this rules change have paged us?" have exact answers before deploying.
 """
@@ -20,12 +20,16 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 @click.option("--rules", "rules_path", default=None, metavar="FILE", help="Rules YAML (default: the built-in defaults).")
 @click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=0),
               help="Assume a checkpoint every N steps when deciding rollbacks (0: assume none).")
+@click.option("--initial-checkpoint/--no-initial-checkpoint", default=True, show_default=True,
+              help="Also assume the initial state (step 0) was saved, as the trainer does on a fresh start "
+                   "(only for a trace that begins within the first N steps).")
 @click.option("--strict", is_flag=True,
               help="Stop at the first malformed line (exit 2) instead of skipping and counting it.")
 @click.option("--skip-bad-lines", is_flag=True, hidden=True)  # the default now; kept so old scripts still run
 @json_option
 @friendly_errors
-def backtest(trace: str, rules_path: str | None, checkpoint_every: int, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
+def backtest(trace: str, rules_path: str | None, checkpoint_every: int, initial_checkpoint: bool, strict: bool,
+             skip_bad_lines: bool, as_json: bool) -> None:
     """Run the rules offline over TRACE.jsonl (a steps.jsonl, or lines with just step and loss).
 
     Prints the flagged steps and the actions the policy would have taken. A malformed line is
@@ -48,7 +52,7 @@ def backtest(trace: str, rules_path: str | None, checkpoint_every: int, strict: 
         raise SentinelError(f"no step records in {trace}{why}")
     if rejected:
         click.echo(f"warning: skipped {len(rejected)} malformed line(s) of {trace}; first: {rejected[0]}", err=True)
-    res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None)
+    res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None, initial_checkpoint=initial_checkpoint)
     if as_json:
         emit_json({**res.to_json(), "rejected_lines": len(rejected or [])})
         return
