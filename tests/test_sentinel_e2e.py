@@ -15,6 +15,8 @@
 * ``test_trainer_survives_a_30s_redis_outage``: Debian redis-server SIGSTOPped for 30 s under a live
   trainer: training keeps stepping, nothing is dropped, and records published after Redis returns
   (and those buffered during the outage) arrive in the stream; directives work again.
+* ``test_damage_before_the_first_periodic_checkpoint_*``: a NaN sample at step 5 with checkpoints every
+  20: the live sentinel rolls back to the initial state (step 0) the trainer saved at start.
 * ``test_malformed_rules_exit_2``: ``sentinel run --rules bad.yaml``: exit 2, one line, no traceback.
 """
 
@@ -375,6 +377,42 @@ def test_sentinel_killed_mid_incident_no_duplicate_rollback(restart_as, data_dir
         assert (metric(m, "sentinel_actions_total", action="rollback", outcome="duplicate") or 0) <= 1
     if restart_as == "other-consumer":
         assert takeover_s >= lease / 1000 * 0.5, "took over before the dead leader's lease could expire"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_damage_before_the_first_periodic_checkpoint_rolls_back_to_the_initial_state(data_dir, tmp_path, unique_run, procs):
+    """A NaN sample at step 5, checkpoints every 20: the only checkpoint before the onset is the
+    initial state the trainer saved at start. The live sentinel rolls back to it (no pause, no
+    page), the sample is skipped, and the run finishes."""
+    from sentinel.embedded import ensure_embedded, stop_embedded
+
+    run_dir = tmp_path / unique_run
+    url = ensure_embedded(run_dir)
+    r = bus.connect(url)
+    k = Keys(unique_run)
+    rules = run_dir / "rules.yaml"
+    rules.write_text(KILL_RULES)
+    try:
+        s1, log1 = start_sentinel(procs, run_dir, rules, "sentinel-a", lease_ms=5000, tag="1")
+        wait_for(lambda: r.get(k.leader) == "sentinel-a", 30, "the sentinel to take the lease", proc=s1, log=log1)
+        fid = fault_sample(data_dir, 5)
+        tr = start_trainer(procs, run_dir, data_dir, url, steps=120, fault=f"nan@{fid}", ckpt_every=20)
+        assert tr.wait(150) == 0, tail(run_dir / "trainer.log")
+        dirs = [Directive.from_json(f["json"]) for _e, f in r.xrange(k.directives)]
+        acks = acks_by_id(r, unique_run)
+        s1.send_signal(signal.SIGTERM)
+        assert s1.wait(20) == 0, tail(log1)
+    finally:
+        procs.kill_all()
+        stop_embedded(run_dir)
+    assert [d.kind for d in dirs] == ["rollback"], dirs
+    (d,) = dirs
+    assert d.to_step == 0 and acks[d.id].status == "applied", (d, acks)
+    _steps, timeline = read_steps(run_dir)
+    rollbacks = [t for t in timeline if t.kind == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0].from_step == 0 and any(lo <= fid < hi for lo, hi in rollbacks[0].skip_ranges)
+    assert max(_steps) == 120, sorted(_steps)[-3:]
 
 
 # ------------------------------------------------------------------ 2b. forged directives
