@@ -154,6 +154,20 @@ def test_resume_across_a_seq_len_change_is_equivalent(tmp_path_factory, tmp_path
     assert [len(recs[row["step"]].sample_ids) for row in res["rows"]] == [2, 2, 4, 4, 4, 4]  # 32, then 64 tokens
 
 
+def test_the_initial_checkpoint_is_equivalent(tmp_path_factory, tmp_path):
+    """Checkpoint 0 (the state a fresh start saves before step 1) resumes as that fresh start: it
+    trained at no length yet, so the reloaded state must not claim one (it came back as
+    model.seq_len, failed the save->load->save check and was marked ``failed``, which took it out
+    of the rollback targets), and no seq_len_change is invented at step 1 of a schedule."""
+    run = tmp_path / "run"
+    shutil.copytree(make_run(tmp_path_factory, "seqlen", "--set", "model.dropout=0.1",
+                             "--set", "data.seq_len_schedule=[[0,16],[8,32],[12,64]]"), run)
+    assert json.loads((_ckpt(run, 0) / "train_state.json").read_text())["train_seq_len"] is None
+    res = verify_json(run, "--from-step", "0", "--steps", "9")
+    assert res["equivalent"] is True and res["round_trip"]["identical"], res["round_trip"]
+    assert verified(run)["0"]["verified"] == "resume_verified"
+
+
 @pytest.mark.parametrize("component", list(TAMPER))
 def test_tampered_checkpoint_is_caught_and_named(component, drop_run, tmp_path):
     run = tmp_path / "run"

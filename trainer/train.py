@@ -507,8 +507,9 @@ class Trainer:
         self.sampler.load_state_dict(ts["sampler"])
         # the weights the checkpointed step trained with: a different config makes a mixture_change marker
         self.weights_now = ts.get("mixture_weights")
-        # likewise the length it trained at (checkpoints from before schedules: model.seq_len)
-        self.seq_now = ts.get("train_seq_len") or ts.get("seq_len")
+        # likewise the length it trained at (checkpoints from before schedules: model.seq_len); the
+        # initial state (step 0) trained nothing, and must come back as a fresh start has it
+        self.seq_now = ts.get("train_seq_len") or (ts.get("seq_len") if ts["step"] else None)
         self.guard.load_state_dict(ts["guard"])
         if restore_skiplist:
             self.skip.add([tuple(r) for r in ts["skiplist"]])
