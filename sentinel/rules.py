@@ -149,6 +149,9 @@ class DivergenceRule(RuleBase):
     # jump: the median of the last level_window losses above the median of the level_window before
     # them by jump_sigmas x the sd of that difference (from the per-step noise); 0 turns it off
     jump_sigmas: float = Field(5.0, ge=0)
+    # ... crediting the window after with this fraction of the run's recent descent (the slowest of
+    # three spans of the last ~100 steps): healthy, a falling loss makes the window after lower; 0: off
+    jump_detrend: float = Field(0.5, ge=0, le=1)
     # climb: the last climb_window losses rise as a ramp above the clipped mean of the climb_baseline
     # losses before them by a ramp-matched z > climb_sigmas (detectors.ClimbTrend, which divides z by
     # the run's own slow-noise factor, so a run whose loss wanders raises its own bar); 0 turns it off
@@ -441,7 +444,8 @@ class _LossEval(_Eval):
         )
         self.kofn = d.KOfN(min(v.k, v.n), v.n)
         self.shift = d.LevelShift(window=v.level_window, horizon=v.level_horizon, sigmas=v.level_sigmas,
-                                  min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window, jump_sigmas=v.jump_sigmas)
+                                  min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window, jump_sigmas=v.jump_sigmas,
+                                  jump_detrend=v.jump_detrend)
         self.shift_long = d.LevelShift(window=2 * v.level_window, horizon=v.level_horizon, sigmas=v.level_long_sigmas,
                                        min_rise=v.min_rise, warmup=s.min_history + 4 * v.level_window)
         # warmup: the spike baseline's own, plus the climb's window and baseline (the early descent)
@@ -491,7 +495,8 @@ class _LossEval(_Eval):
             climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == 2)  # 2: SPIKE
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
-                ref = "the run's best" if sh.kind == "level" else f"the median of the {sh.window} before,"
+                ref = ("the run's best" if sh.kind == "level" else f"the median of the {sh.window} before,"
+                       if not sh.credit else f"the median of the {sh.window} before less {_f(sh.credit)} of expected descent,")
                 out.append(Finding("divergence", c.severity, c.action, step,
                                    f"loss level {_f(sh.best + sh.excess)} (median of {sh.window}) is {_f(sh.excess)} above "
                                    f"{ref} {_f(sh.best)} (bar {_f(sh.bar)})",

@@ -224,6 +224,31 @@ def test_a_steep_climb_is_rolled_back_within_50_steps_to_before_its_start(tmp_pa
     assert "climbing since" in rb[0]["reason"]  # the climb test, not the slower level test
 
 
+def test_a_small_jump_in_the_fast_early_descent_is_rolled_back_within_50_steps(tmp_path):
+    """+0.3 nats at step 130, where the loss still falls ~0.005 nats a step: the jump test credits
+    the window after with half the run's recent descent and rolls back within 50 steps on every
+    seed; with the credit off (``jump_detrend: 0``) most of these are late or missed."""
+    from test_detectors import _pretraining
+
+    from sentinel.rules import parse_rules
+
+    onset, credited, plain = 130, [], 0
+    no_credit = parse_rules("version: 1\nrules:\n  divergence:\n    jump_detrend: 0\n")
+    for seed in range(8):
+        xs = [x + (0.3 if i >= onset - 1 else 0.0) for i, x in enumerate(_pretraining(600, seed))]
+        trace = load_trace(_curve_trace(tmp_path, xs))
+        for rules in (default_rules(), no_credit):
+            rb = [a for a in backtest(trace, rules).actions if a["kind"] == "rollback"]
+            timely = bool(rb) and onset <= rb[0]["step"] <= onset + 50 and rb[0]["to_step"] <= onset
+            if rules is no_credit:
+                plain += timely
+            else:
+                assert timely, (seed, rb)
+                credited.append(rb[0]["reason"])
+    assert plain <= 3
+    assert any("expected descent" in r for r in credited), credited
+
+
 def test_a_mixture_change_marker_in_the_trace_makes_its_level_rise_no_damage(tmp_path):
     """Backtest = live: a marker in a real steps.jsonl restarts the loss baselines as the daemon
     does, so the planned +10 % level after a mixture change is not rolled back; the same trace

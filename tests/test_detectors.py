@@ -276,6 +276,41 @@ def test_level_shift_jump_test_catches_a_small_jump_in_the_fast_descent():
     assert late >= 5  # without the jump test: late or missed
 
 
+def test_level_shift_jump_test_credits_the_recent_descent():
+    """+0.25 nats at step 150, where this descent falls ~0.005 nats a step: the window after the
+    jump is lower than the one before by about one window of descent (0.12 nats), so the plain
+    jump test never fires; credited with half the recent descent (its slowest third, so less than
+    half of the descent here), it fires within 25 steps on most seeds, with an onset at or before
+    the jump."""
+    plain_fired, credited = 0, []
+    for seed in range(12):
+        xs = _jumped(seed, 150, 0.25)
+        sh = d.LevelShift(window=24, warmup=100, sigmas=3.0, jump_sigmas=5.0, jump_detrend=0.5)
+        plain = d.LevelShift(window=24, warmup=100, sigmas=3.0, jump_sigmas=5.0)
+        first = next((i for i, x in enumerate(xs[:200]) if sh.update(i, x, 0.08)), None)
+        if first is not None:
+            assert 150 <= first <= 175 and sh.kind == "jump" and sh.onset(first) <= 150, (seed, first)
+            assert 0 < sh.credit < 0.15
+            credited.append(seed)
+        plain_fired += any(plain.update(i, x, 0.08) for i, x in enumerate(xs[:200]))
+    assert len(credited) >= 8
+    assert plain_fired == 0
+
+
+def test_level_shift_descent_credit_carries_on_the_slowest_span():
+    """On a healthy power-law start (the descent slows ~5x over steps 100-300) the credit carries
+    on the slowest span's rate at half weight: no jump on 40 seeds. At full weight it takes the
+    slowing descent for a jump on most seeds: the weight matters."""
+    full_fired = 0
+    for seed in range(40):
+        xs = _jumped(seed, 10**9, 0.0)
+        sh = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0, jump_detrend=0.5)
+        full = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0, jump_detrend=1.0)
+        assert not [i for i, x in enumerate(xs) if sh.update(i, x, 0.08)], seed
+        full_fired += any(full.update(i, x, 0.08) for i, x in enumerate(xs))
+    assert full_fired >= 35
+
+
 def test_level_shift_jump_test_ignores_spike_clusters_and_dips():
     """Half a window of recovered spikes lifts the median of the window but not its lower quartile;
     a dip lowers the quartile of the window before but not its median: neither is a jump."""
@@ -290,7 +325,7 @@ def test_level_shift_jump_test_ignores_spike_clusters_and_dips():
             else:  # a dip of 10 steps (a few easy batches)
                 for j in range(10):
                     xs[s + j] -= 0.25
-        sh = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0)  # the jump test alone
+        sh = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0, jump_detrend=0.5)  # the jump test alone
         median_only = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0)
         median_only._jzq = -math.inf  # its quartile bar drops to the floor (2 % of the level)
         assert not [i for i, x in enumerate(xs) if sh.update(i, x, 0.08)], seed
@@ -313,6 +348,7 @@ def test_level_shift_loads_a_state_saved_before_the_jump_test():
 
 @pytest.mark.parametrize("make,queues", [
     (lambda: d.LevelShift(window=8, horizon=100, warmup=20), ("_mono",)),
+    (lambda: d.LevelShift(window=8, horizon=100, warmup=20, jump_sigmas=5.0, jump_detrend=0.5), ("_mono", "_hist")),
     (lambda: d.ClimbTrend(window=8, baseline=16, warmup=20), ()),
 ])
 def test_trend_detectors_rewind_and_state_round_trip(make, queues):
