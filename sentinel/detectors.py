@@ -568,6 +568,9 @@ class LevelShift:
     showed over the ~100 steps before: healthy, the window after is *lower* by about one window of
     descent, which a jump must first make up (see ``_descent``).
 
+    A level verdict also needs the window's lower quartile ``QUARTILE_SIGMAS`` noise sigmas above
+    the best: a shift lifts the whole window, recovered spikes bunched into it only its median.
+
     ``onset()`` estimates where the shift began: the first step of the current elevated stretch
     (median above half the bar), less a window (the median lags a jump by half a window, and a
     slow climb by more); for a jump, two windows back.
@@ -583,6 +586,7 @@ class LevelShift:
                  "jump_detrend", "_hist", "_hist_min", "credit")
 
     SEGMENTS = 3  # the descent's rate is the slowest of this many consecutive spans of past medians
+    QUARTILE_SIGMAS = 1.0  # a level verdict also needs the window's lower quartile this many noise sigmas above the best
 
     def __init__(self, window: int = 24, horizon: int = 500, sigmas: float = 2.5, min_rise: float = 0.02, warmup: int = 100,
                  jump_sigmas: float = 0.0, jump_detrend: float = 0.0):
@@ -651,7 +655,9 @@ class LevelShift:
             self.excess, self.best, self.bar = ex, best, bar
             if self._above_since is None:
                 self._above_since = step
-            if ex > bar:
+            if ex > bar and q - best > self.QUARTILE_SIGMAS * noise:
+                # a shift lifts the whole window; recovered spikes bunched into it (14 of 24 losses
+                # in three multi-step spikes) lift its median past the bar but not its lower quartile
                 self.kind = "level"
                 return True
         else:

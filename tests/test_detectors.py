@@ -333,6 +333,32 @@ def test_level_shift_jump_test_ignores_spike_clusters_and_dips():
     assert median_fired >= 3  # the median alone would have taken the clusters for jumps
 
 
+def test_level_shift_takes_bunched_recovered_spikes_for_no_level():
+    """Three multi-step spikes within 20 steps (13 of 24 losses elevated, the loss back in band
+    between and after them, as on a fresh synthetic healthy run): the window's median stands a
+    bar above the best, its lower quartile does not. A shift lifts both."""
+
+    class MedianOnly(d.LevelShift):
+        __slots__ = ()
+        QUARTILE_SIGMAS = -math.inf
+
+    median_fired = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        xs = [3.45 + rng.gauss(0, 0.07) for _ in range(900)]
+        for s, amps in ((600, (2.1, 1.2, 0.7, 0.5, 0.3)), (606, (2.5, 1.6, 0.8, 0.5)), (618, (2.6, 1.5, 2.3, 1.2))):
+            for j, a in enumerate(amps):
+                xs[s + j] += a
+        sh = d.LevelShift(window=24, warmup=100, sigmas=3.0, jump_sigmas=5.0, jump_detrend=0.5)
+        assert not [i for i, x in enumerate(xs) if sh.update(i, x, 0.07)], seed
+        mo = MedianOnly(window=24, warmup=100, sigmas=3.0)
+        median_fired += any(mo.update(i, x, 0.07) for i, x in enumerate(xs))
+        shifted = d.LevelShift(window=24, warmup=100, sigmas=3.0)  # the same run, +0.3 nats (4 sigma) from step 600
+        first = next(i for i, x in enumerate(xs[:600] + [x + 0.3 for x in xs[600:]]) if shifted.update(i, x, 0.07))
+        assert 600 < first <= 630 and shifted.kind == "level", (seed, first)
+    assert median_fired == 10
+
+
 def test_level_shift_loads_a_state_saved_before_the_jump_test():
     sh = d.LevelShift(window=8, horizon=100, warmup=20, jump_sigmas=5.0)
     for i, x in enumerate(_falling(200, 2)):
