@@ -673,23 +673,18 @@ class LevelShift:
             jb = self.jump_sigmas * noise
             floor_j = floor if floor > 0 else 0.0
             bm, bq = max(jb * self._jz, floor_j), max(jb * self._jzq, floor_j)
-            credit = 0.0
-            if self.jump_detrend and len(self._hist) >= self._hist_min:
-                # the slowest span's rate is at most the whole stretch's: skip the spans when even
-                # that credit could not carry both comparisons past their bars (most verdicts)
-                (s0, m0), (s2, m2) = self._hist[0], self._hist[-1]
-                most = self.jump_detrend * (m0 - m2) / (s2 - s0) * self.window if s2 > s0 else 0.0
-                if m - v + most > bm and q - q0 + most > bq:
-                    credit = self._descent()
+            short = max(bm - (m - v), bq - (q - q0))  # what a credit must make up for a jump
+            credit = self._descent(short) if self.jump_detrend and short >= 0.0 else 0.0
             if m - v + credit > bm and q - q0 + credit > bq:
                 # ``best`` is the level expected of this window: the one before, less the credited descent
                 self.kind, self.excess, self.best, self.bar, self.credit = "jump", m - v + credit, v - credit, bm, credit
                 return True
         return False
 
-    def _descent(self) -> float:
+    def _descent(self, short: float) -> float:
         """How far a healthy descent would take the next window below the last closed one, times
-        ``jump_detrend``: 0 unless the past window medians fell over each of ``SEGMENTS`` consecutive
+        ``jump_detrend``; 0 when even the largest credit possible would not exceed ``short`` (the
+        slowest span's rate is at most the whole stretch's: most verdicts end there), and 0 unless the past window medians fell over each of ``SEGMENTS`` consecutive
         spans of the last ~4 windows (~32 steps each). The slowest span's rate is carried on:
         - a descent slows, so an older rate over-predicts the next window's descent (carrying on
           the whole 4-window rate at half weight rolled back 22 of 24 synthetic power-law starts
@@ -703,9 +698,11 @@ class LevelShift:
         n = len(hist)
         if n < self._hist_min:
             return 0.0
+        (s_prev, m_prev), (s_end, m_end) = hist[0], hist[-1]
+        if s_end <= s_prev or self.jump_detrend * (m_prev - m_end) / (s_end - s_prev) * self.window <= short:
+            return 0.0
         k = self.SEGMENTS
         rate = math.inf
-        s_prev, m_prev = hist[0]
         for j in range(1, k + 1):
             s_j, m_j = hist[(n - 1) * j // k]
             if not (m_prev > m_j and s_prev < s_j):

@@ -495,8 +495,12 @@ class _LossEval(_Eval):
             climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == 2)  # 2: SPIKE
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
-                ref = ("the run's best" if sh.kind == "level" else f"the median of the {sh.window} before,"
-                       if not sh.credit else f"the median of the {sh.window} before less {_f(sh.credit)} of expected descent,")
+                if sh.kind == "level":
+                    ref = "the run's best"
+                elif sh.credit:
+                    ref = f"the median of the {sh.window} before less {_f(sh.credit)} of expected descent,"
+                else:
+                    ref = f"the median of the {sh.window} before,"
                 out.append(Finding("divergence", c.severity, c.action, step,
                                    f"loss level {_f(sh.best + sh.excess)} (median of {sh.window}) is {_f(sh.excess)} above "
                                    f"{ref} {_f(sh.best)} (bar {_f(sh.bar)})",
