@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import numpy as np
 import pytest
@@ -326,7 +327,7 @@ def test_level_shift_jump_test_ignores_spike_clusters_and_dips():
                 for j in range(10):
                     xs[s + j] -= 0.25
         sh = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0, jump_detrend=0.5)  # the jump test alone
-        median_only = d.LevelShift(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0)
+        median_only = _UnmeasuredWander(window=24, warmup=100, sigmas=100.0, jump_sigmas=5.0)  # (the clusters also raise the wander)
         median_only._jzq = -math.inf  # its quartile bar drops to the floor (2 % of the level)
         assert not [i for i, x in enumerate(xs) if sh.update(i, x, 0.08)], seed
         median_fired += any(median_only.update(i, x, 0.08) for i, x in enumerate(xs))
@@ -774,3 +775,69 @@ def test_a_clear_spike_in_the_fast_early_descent_is_flagged(seed):
     assert spikes(_LossEval.CAP) == [200]  # and nothing else in the descent
     if seed != 1:
         assert spikes(0.0) == []  # the cap is what finds it
+
+
+class _UnmeasuredWander(d.LevelShift):
+    """The level test as it was before it measured how far a run's level wanders."""
+
+    __slots__ = ()
+
+    def _wander(self, noise: float) -> float:
+        return 1.0
+
+
+def _smoothed(seed: int, n: int = 3000, alpha: float = 0.3, jump_at: int | None = None, amp: float = 0.0) -> list[float]:
+    """A healthy falling run with a recovered spike every 97 steps, logged as an EMA (``alpha``)
+    of its losses, as some trainers and exports do; optionally a persistent jump."""
+    rng = random.Random(seed)
+    xs = _falling(n, seed)
+    for s in range(150, n, 97):
+        xs[s] += rng.uniform(0.5, 2.0)
+    if jump_at is not None:
+        for i in range(jump_at, n):
+            xs[i] += amp
+    out, m = [], xs[0]
+    for x in xs:
+        m = alpha * x + (1 - alpha) * m
+        out.append(m)
+    return out
+
+
+def _diff_noise(xs: list[float]) -> float:
+    """The per-step noise the engine hands the level tests: robust, from first differences."""
+    df = [b - a for a, b in zip(xs, xs[1:])]
+    md = statistics.median(df)
+    return 1.4826 * statistics.median([abs(v - md) for v in df]) / math.sqrt(2)
+
+
+def test_level_shift_measures_how_far_a_smoothed_loss_wanders():
+    """An EMA-logged loss has first differences ~4x smaller than its level's real spread: judged
+    at that noise, the level and jump tests fire 49-139 times per healthy run (every public curve
+    smoothed so rolled back); measuring the window medians' wander, never after calibration, and a
+    +0.3-nat jump is still caught within 30 steps."""
+    def fires(cls, xs):
+        sh = cls(window=24, warmup=100, sigmas=3.0, min_rise=0.02, jump_sigmas=5.0, jump_detrend=0.5)
+        nz = _diff_noise(xs)
+        return [i for i, x in enumerate(xs) if sh.update(i, x, nz) and i >= 400]
+
+    unmeasured = 0
+    for seed in range(6):
+        xs = _smoothed(seed)
+        assert fires(d.LevelShift, xs) == [], seed
+        unmeasured += len(fires(_UnmeasuredWander, xs)) > 0
+        jumped = fires(d.LevelShift, _smoothed(seed, jump_at=2000, amp=0.3))
+        assert jumped and 2000 <= jumped[0] <= 2030, (seed, jumped[:3])
+    assert unmeasured == 6
+
+
+def test_level_shift_wander_leaves_white_noise_runs_alone():
+    """On independent losses the measured wander stays at 1 (the slack covers its own error): a
+    +0.25-nat jump is caught at the same step as by the test that does not measure it."""
+    for seed in range(4):
+        xs = _falling(3000, seed)
+        for i in range(1800, 3000):
+            xs[i] += 0.25
+        a, b = d.LevelShift(window=24, sigmas=3.0, jump_sigmas=5.0), _UnmeasuredWander(window=24, sigmas=3.0, jump_sigmas=5.0)
+        fa = [i for i, x in enumerate(xs) if a.update(i, x, 0.1)]
+        fb = [i for i, x in enumerate(xs) if b.update(i, x, 0.1)]
+        assert fa[0] == fb[0] and 1800 <= fa[0] <= 1830, (seed, fa[:3], fb[:3])
