@@ -1,0 +1,89 @@
+"""Healthy real curves as other trainers would have logged them: does the sentinel still keep quiet?
+
+    python bench/logging_variants.py [--variants ema0.3,ema0.1,mean10,every10] [--json out.json]
+
+The public curves (``../shared/curves`` and ``bench/curves-validation``) log rank 0's raw loss at
+every step. Other logs do not: some print an EMA of the loss (a "smoothed loss"), some the mean over
+a logging interval, some only every k-th step. Each variant is applied to every healthy real curve
+and replayed through the CLI's own backtest path (``parse_trace_line`` + ``sentinel.backtest`` with
+the default rules, a checkpoint every 100 steps and one of step 0), and the pauses and rollbacks
+are counted: every curve finished healthy, so each one is a false alarm. Variants:
+
+- ``emaA``: an exponential moving average with weight A on the newest loss, logged every step
+  (A = 0.1 is TensorBoard's smoothing 0.9);
+- ``meanK``: the mean of each K steps, logged at the K-th (a logging interval, as in Megatron or
+  the Hugging Face Trainer);
+- ``everyK``: the raw loss of every K-th step only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decision_quality import Run, load_curves  # noqa: E402
+
+from sentinel.backtest import backtest, parse_trace_line  # noqa: E402
+from sentinel.rules import default_rules  # noqa: E402
+
+DEFAULT = "ema0.5,ema0.3,ema0.2,ema0.1,mean10,every10"
+
+
+def logged(run: Run, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, losses, wall_ms) of ``run`` as ``variant`` would have logged it."""
+    x = np.asarray(run.losses, dtype=float)
+    w = np.asarray(run.wall_ms, dtype=np.int64)
+    s = np.arange(1, len(x) + 1)
+    if variant.startswith("ema"):
+        a, m, out = float(variant[3:]), x[0], np.empty_like(x)
+        for i, v in enumerate(x):
+            m = a * v + (1.0 - a) * m
+            out[i] = m
+        return s, out, w
+    if variant.startswith("mean"):
+        k = int(variant[4:])
+        n = len(x) // k * k
+        return s[k - 1:n:k], x[:n].reshape(-1, k).mean(axis=1), w[k - 1:n:k]
+    if variant.startswith("every"):
+        k = int(variant[5:])
+        return s[k - 1::k], x[k - 1::k], w[k - 1::k]
+    raise ValueError(f"unknown variant {variant!r} (emaA, meanK, everyK)")
+
+
+def replay(name: str, steps, losses, wall) -> list[dict]:
+    lines = (json.dumps({"step": int(s), "loss": round(float(x), 4), "wall_ms": int(t)}) for s, x, t in zip(steps, losses, wall))
+    recs = [parse_trace_line(line, default_run=name) for line in lines]
+    return backtest(recs, default_rules(), checkpoint_every=100, initial_checkpoint=True).to_json()["actions"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--curves", default="/work/shared/curves")
+    ap.add_argument("--validation-curves", default=str(Path(__file__).resolve().parent / "curves-validation"))
+    ap.add_argument("--variants", default=DEFAULT)
+    ap.add_argument("--json", dest="json_out", default=None)
+    a = ap.parse_args()
+    runs = [r for f in (a.curves, a.validation_curves) if Path(f).is_dir() for r in load_curves(Path(f))]
+    results = []
+    for variant in a.variants.split(","):
+        bad = []
+        for run in runs:
+            acts = [x for x in replay(run.name, *logged(run, variant)) if x["kind"] in ("pause", "rollback")]
+            if acts:
+                bad.append({"run": run.name, "kind": acts[0]["kind"], "step": acts[0]["step"], "reason": acts[0]["reason"]})
+                print(f"   {variant} {run.name}: {acts[0]['kind']} at step {acts[0]['step']}: {acts[0]['reason'][:110]}")
+        print(f"== {variant}: {len(bad)} of {len(runs)} healthy real runs with a pause or rollback", flush=True)
+        results.append({"variant": variant, "runs": len(runs), "runs_with_actions": len(bad), "first_actions": bad})
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
