@@ -571,6 +571,10 @@ class LevelShift:
     A level verdict also needs the window's lower quartile ``QUARTILE_SIGMAS`` noise sigmas above
     the best: a shift lifts the whole window, recovered spikes bunched into it only its median.
 
+    A verdict that passes its bars at the per-step noise is judged again at the noise the run's
+    level really shows (``_still_past``, ``_wander``): for a loss logged smoothed, or one that
+    drifts, first differences understate how far window medians wander by 3-10x.
+
     ``onset()`` estimates where the shift began: the first step of the current elevated stretch
     (median above half the bar), less a window (the median lags a jump by half a window, and a
     slow climb by more); for a jump, two windows back.
