@@ -718,12 +718,14 @@ class LevelShift:
         """How much more the run's window medians wander than independent losses of per-step
         ``noise`` would make them, less ``WANDER_SLACK``, at least 1.
 
-        From the robust spread (MAD) of second differences of window medians a window apart, each
-        spanning three windows (a steady or curving descent cancels in them), against the white-noise
-        value ``noise * 1.2533 * sqrt(6 / window)``. The last two windows' worth are left out: a jump
-        the test is judging must not raise its own bar. Measured over 128 of them (~5 windows of
-        independent information, so the ratio of a white-noise run wanders: 1st-99th percentile
-        0.55-1.9 on the public curves, hence the slack); an EMA of 0.3 gives 2-9, of 0.1 5-30."""
+        Second differences of window medians a window apart (each spans three windows; a steady
+        descent cancels in them) are differenced again three windows apart (no data in common; a
+        curvature that changes slowly cancels too), and the robust spread (MAD) of those is set
+        against its white-noise value ``noise * 1.2533 * sqrt(12 / window)``. The last two windows'
+        worth are left out: a jump the test is judging must not raise its own bar. Up to 128 of them
+        (~5 windows of independent information, so the ratio of a white-noise run wanders: 1st-99th
+        percentile 0.55-1.9 on the public curves, hence the slack); an EMA of 0.3 gives 2-9, of 0.1
+        5-30."""
         d2, lag = self._d2, self._lag
         n = len(d2) - 2 * lag  # the newest two windows' worth left out
         if n - 3 * lag < self.WANDER_MIN or not noise > 0:
