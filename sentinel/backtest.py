@@ -67,6 +67,12 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
     if not isinstance(obj, dict):
         raise SchemaError(f"{where}: expected a JSON object")
     kind = obj.get("kind", "step")
+    if kind == "step":
+        # null is "not reported" for every field but the two a step line is about: exported tables
+        # (pandas, W&B) write a missing grad norm or val loss as null, and one such column must not
+        # cost every line. A null loss stays an error: that row is no training step.
+        for k in [k for k, v in obj.items() if v is None and k not in ("step", "loss")]:
+            del obj[k]
     obj.setdefault("run", default_run)
     if kind != "step":
         try:

@@ -671,8 +671,7 @@ class LevelShift:
                 # a shift lifts the whole window; recovered spikes bunched into it (14 of 24 losses
                 # in three multi-step spikes) lift its median past the bar but not its lower quartile
                 self.kind = "level"
-                if self.wander > 1.0:
-                    self.bar = max(self.sigmas * noise * self.wander, floor)
+                self.bar = max(self.sigmas * noise * self.wander, floor)  # the bar it passed (the same unless the level wanders)
                 return True
         else:
             self._above_since = None
@@ -691,10 +690,10 @@ class LevelShift:
             credit = self._descent(short) if self.jump_detrend and short >= 0.0 else 0.0
             if m - v + credit > bm and q - q0 + credit > bq and self._still_past(
                     m - v + credit, q - q0 + credit, noise, self.jump_sigmas * self._jz, self.jump_sigmas * self._jzq, floor_j, floor_j):
-                # ``best`` is the level expected of this window: the one before, less the credited descent
-                if self.wander > 1.0:
-                    bm = max(jb * self._jz * self.wander, floor_j)
-                self.kind, self.excess, self.best, self.bar, self.credit = "jump", m - v + credit, v - credit, bm, credit
+                # ``best`` is the level expected of this window: the one before, less the credited descent;
+                # the bar is the one it passed (the same as ``bm`` unless the level wanders)
+                self.kind, self.excess, self.best, self.credit = "jump", m - v + credit, v - credit, credit
+                self.bar = max(jb * self._jz * self.wander, floor_j)
                 return True
         return False
 

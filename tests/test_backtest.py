@@ -200,6 +200,24 @@ def test_hostile_lines_are_rejected_counted_and_the_curve_still_judged(tmp_path)
         assert f"bad{i}.jsonl:2" in _one_line_error(CliRunner().invoke(backtest_cmd, ["--strict", str(p)])), bad[:80]
 
 
+def test_null_fields_of_an_exported_table_mean_not_reported(tmp_path):
+    """pandas and W&B exports write a missing grad norm, val loss or clock as null: such a line is
+    a step without that field, not a malformed line; a null loss is no training step and is
+    skipped and counted."""
+    rows = [{"step": i + 1, "loss": 3.0 + 0.01 * (i % 5), "wall_ms": None, "grad_norm": None,
+             "val_loss": 3.1 if i % 50 == 0 else None, "lr": None, "run": None} for i in range(300)]
+    rows[120]["loss"] = None
+    trace = tmp_path / "export.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = CliRunner().invoke(backtest_cmd, [str(trace), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert out["records"] == 299 and out["rejected_lines"] == 1 and out["actions"] == [], out
+    assert "export.jsonl:121" in r.stderr and "loss" in r.stderr
+    recs = load_trace(trace, rejected=[])
+    assert recs[50].val_loss == 3.1 and recs[51].val_loss is None and recs[0].grad_norm == 0.0
+
+
 def _curve_trace(tmp_path: Path, losses: list[float]) -> Path:
     p = tmp_path / "curve.jsonl"
     p.write_text("".join(json.dumps({"step": i + 1, "loss": round(x, 4), "wall_ms": 31559 + 150 * i}) + "\n" for i, x in enumerate(losses)))
