@@ -444,7 +444,7 @@ class _LossEval(_Eval):
         )
         self.kofn = d.KOfN(min(v.k, v.n), v.n)
         self.shift = d.LevelShift(window=v.level_window, horizon=v.level_horizon, sigmas=v.level_sigmas,
-                                  min_rise=v.min_rise, warmup=s.min_history + 2 * v.level_window, jump_sigmas=v.jump_sigmas,
+                                  min_rise=v.min_rise, warmup=s.min_history + v.level_window, jump_sigmas=v.jump_sigmas,
                                   jump_detrend=v.jump_detrend)
         self.shift_long = d.LevelShift(window=2 * v.level_window, horizon=v.level_horizon, sigmas=v.level_long_sigmas,
                                        min_rise=v.min_rise, warmup=s.min_history + 4 * v.level_window)
