@@ -71,6 +71,9 @@ class Action(BaseModel):
     incident_id: str | None
     to_step: int | None = None
     ranges: list[tuple[int, int]] = Field(default_factory=list)
+    # a rollback's data window in steps, first and last: the samples of these steps are the ones in
+    # ``ranges`` (empty when the records carried no sample ids, as in a loss-only trace)
+    skip_steps: tuple[int, int] | None = None
     reason: str
     idempotency_key: str  # deterministic: a restarted daemon that replays the same input gets the same key
 
@@ -394,7 +397,8 @@ class RunPolicy:
         ids = [i for s, ids in self._samples if lo <= s <= step for i in ids]
         inc.rollback_to = target
         inc.skip_ranges = merge_ranges(ids_to_ranges(ids))
-        act = self._incident_action(inc, "rollback", f"{rule}: {why}", to_step=target, ranges=inc.skip_ranges)
+        act = self._incident_action(inc, "rollback", f"{rule}: {why}", to_step=target, ranges=inc.skip_ranges,
+                                    skip_steps=(max(lo, 0), step))
         if self.require_approval:
             # do not keep training on damaged weights while a human decides
             self._pending[inc.id] = act.model_dump(mode="json")

@@ -116,12 +116,18 @@ def test_cli_json_shape_on_loss_only_trace(tmp_path):
     assert data["rejected_lines"] == 0
     assert data["flagged"][0] == 400 and data["actions"][0]["kind"] == "rollback"
     assert [i["state"] for i in data["incidents"]][0] == "recovered"
+    # the data window the rollback skips: from the policy's margin before the onset through the
+    # detection step; a loss-only trace has no sample ids to name
+    rb = data["actions"][0]
+    lo, hi = rb["skip_steps"]
+    assert lo < 500 <= hi == rb["step"] and rb["ranges"] == []
 
 
 def test_cli_table_output(tmp_path):
-    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500))])
+    r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500))], env={"COLUMNS": "220"})  # no cell wraps
     assert r.exit_code == 0, r.output
     assert "loss_spike" in r.output and "rollback" in r.output and "not judged" in r.output
+    assert "no sample ids in the trace" in r.output  # what a rollback would skip, said plainly
 
 
 def test_cli_custom_rules(tmp_path):

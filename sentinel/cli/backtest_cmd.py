@@ -59,6 +59,16 @@ def backtest(trace: str, rules_path: str | None, checkpoint_every: int, initial_
     _print_tables(trace, res)
 
 
+def _skipped(act: dict) -> str:
+    """What a rollback skips: its sample-id ranges, and the steps they came from."""
+    steps = act.get("skip_steps")
+    where = f"steps {steps[0]}-{steps[1]}" if steps else ""
+    if act["ranges"]:
+        n = sum(hi - lo for lo, hi in act["ranges"])
+        return f"{n} samples ({len(act['ranges'])} ranges), {where}" if where else f"{n} samples ({len(act['ranges'])} ranges)"
+    return f"{where} (no sample ids in the trace)" if where else ""
+
+
 def _print_tables(trace: str, res) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -74,11 +84,11 @@ def _print_tables(trace: str, res) -> None:
         t.caption = f"... and {len(res.fired) - MAX_ROWS} more findings (use --json for all)"
     console.print(t)
     a = Table(title="Actions the policy would take", title_justify="left")
-    for col in ("step", "action", "to_step", "skip ranges", "incident", "reason"):
+    for col in ("step", "action", "to_step", "data skipped", "incident", "reason"):
         a.add_column(col)
     for act in res.actions:
         a.add_row(str(act["step"]), act["kind"], "" if act["to_step"] is None else str(act["to_step"]),
-                  str(len(act["ranges"])), act["incident_id"] or "", act["reason"])
+                  _skipped(act), act["incident_id"] or "", act["reason"])
     if res.actions:
         console.print(a)
     else:
