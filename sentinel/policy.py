@@ -17,7 +17,8 @@ detector watches the next steps, and the episode closes as *recovered* (annotate
 kept as suspects) unless the loss stays above the run's own best level, which is the ``divergence``
 finding. Damage is undone the PaLM way: restore a checkpoint from at least ``rollback_margin_steps``
 before the onset and skip the samples from shortly before the onset through the end of the elevated
-region (the detection). A recovery is not assumed: the loss must come back within
+region: the detection, and every step the trainer still trained on the damaged branch before it
+applied the rollback (``skip-samples`` directives, ``_skip_later``). A recovery is not assumed: the loss must come back within
 ``verify_window_steps`` or a human is paged, and automation stops for the run.
 
 Recovered spikes are not forgotten: each episode is classified (``pattern``) as one-off, periodic
@@ -159,8 +160,11 @@ class RunPolicy:
         self.steps_seen += 1
         if self._hang is not None:
             self._end_hang(rec)
+        later = None
         if rec.sample_ids:
             self._samples.append((rec.step, rec.sample_ids))
+            if self._state in ("rollback", "awaiting_approval"):
+                later = self._skip_later(rec)
         findings = self.engine.evaluate(rec)
         self.last_findings = findings
         st = self._state
@@ -174,8 +178,8 @@ class RunPolicy:
                 out: list[Action] = []
                 self._verify(rec, out)
                 return self._emit(out)
-            return []
-        out = []
+            return self._emit([later]) if later is not None else []
+        out = [later] if later is not None else []
         anomalies = []
         for f in findings:
             if not self._cooled(f, rec.step):
@@ -397,6 +401,7 @@ class RunPolicy:
         ids = [i for s, ids in self._samples if lo <= s <= step for i in ids]
         inc.rollback_to = target
         inc.skip_ranges = merge_ranges(ids_to_ranges(ids))
+        self._ep.update(skip_to=step, skip_timeline=self.timeline)  # the last step whose samples the skip covers (_skip_later)
         act = self._incident_action(inc, "rollback", f"{rule}: {why}", to_step=target, ranges=inc.skip_ranges,
                                     skip_steps=(max(lo, 0), step))
         if self.require_approval:
@@ -409,6 +414,30 @@ class RunPolicy:
                                              f"`sentinel approve {inc.id}`"))
             return
         self._issue_rollback(inc, act, out)
+
+    def _skip_later(self, rec: StepRecord) -> Action | None:
+        """A step trained on the damaged branch after the rollback was decided, before the trainer
+        applied it (it acts at its next step boundary; with approval pending, until it pauses): its
+        samples join the skip too, so data of the elevated region that came after the detection
+        step does not come back after the restore (a NaN sample one step later recurred that way).
+        Sent as a ``skip-samples`` directive (the rollback already left); while approval is
+        pending, added to the rollback that waits."""
+        inc = self._incidents.get(self._current) if self._current else None
+        if inc is None or rec.step <= self._ep.get("skip_to", rec.step) or rec.timeline != self._ep.get("skip_timeline"):
+            return None  # a replay, or a step of the restored branch (its marker not read yet)
+        self._ep["skip_to"] = rec.step
+        new = merge_ranges(ids_to_ranges(rec.sample_ids))
+        inc.skip_ranges = merge_ranges(list(inc.skip_ranges) + new)
+        if self._state == "awaiting_approval":
+            pending = self._pending.get(inc.id)
+            if pending is not None:
+                pending["ranges"] = [list(r) for r in merge_ranges([tuple(r) for r in pending["ranges"]] + new)]
+                if pending.get("skip_steps"):
+                    pending["skip_steps"] = [pending["skip_steps"][0], rec.step]
+            return None
+        return self._incident_action(inc, "skip-samples", f"samples of step {rec.step}, trained on the damaged branch "
+                                     f"before the rollback to step {inc.rollback_to} took effect", ranges=new,
+                                     skip_steps=(rec.step, rec.step))
 
     def _issue_rollback(self, inc: Incident, act: Action, out: list[Action]) -> None:
         now = self.clock()

@@ -271,7 +271,7 @@ class Rules(_Strict):
 
 class PolicyConfig(_Strict):
     rollback_margin_steps: int = Field(100, ge=0)  # M: roll back to a checkpoint <= onset - M (PaLM: ~100)
-    skip_margin_steps: int = Field(10, ge=0)  # skip samples of steps [onset - margin, detection]
+    skip_margin_steps: int = Field(10, ge=0)  # skip samples of steps [onset - margin, detection] (+ steps trained before the rollback took effect)
     max_rollbacks_per_hour: int = Field(2, ge=0)  # R real rollbacks per hour; one more escalates ...
     rollback_window_steps: int = Field(1000, ge=1)  # ... and per this many trained steps (dry runs never count)
     verify_window_steps: int = Field(300, ge=1)  # W: steps after the restore for the loss to come back

@@ -298,6 +298,41 @@ def test_dry_run_one_fault_one_incident_and_no_rate_limit_used():
     assert kinds == ["rollback"] and len(p.incidents) == 2
 
 
+def test_steps_trained_after_the_decision_join_the_skip_before_the_restore():
+    """The trainer applies a rollback at its next step boundary, so a step or two more of the
+    damaged branch get trained (and published) after the decision. Their samples are data of the
+    elevated region too (a NaN sample one step after the detection step recurred after a rollback
+    that skipped only through the detection): each is sent as a skip-samples directive and added to
+    the incident's skip list. Steps of the restored branch, and replays, add nothing."""
+    p, _ = policy()
+    act = to_rollback(p)
+    d = detect_step(p)
+    assert act.skip_steps == (290, d)
+    late = [p.on_step(rec(s, 5.0)) for s in (d + 1, d + 2)]
+    assert [[a.kind for a in acts] for acts in late] == [["skip-samples"], ["skip-samples"]]
+    assert late[0][0].ranges == [((d + 1) * IDS_PER_STEP, (d + 2) * IDS_PER_STEP)] and late[1][0].skip_steps == (d + 2, d + 2)
+    assert len({a[0].idempotency_key for a in late}) == 2
+    assert p.on_step(rec(d + 2, 5.0)) == []  # the same step again adds nothing
+    inc = p.incidents[0]
+    assert inc.skip_ranges == [(290 * IDS_PER_STEP, (d + 3) * IDS_PER_STEP)] and p.state == "rollback"
+    p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
+    x = noise(5)
+    assert all(p.on_step(rec(s, x(), timeline=1)) == [] for s in range(201, d + 10))  # the restored branch
+    assert p.incidents[0].skip_ranges == [(290 * IDS_PER_STEP, (d + 3) * IDS_PER_STEP)]
+
+
+def test_steps_trained_while_approval_is_pending_join_the_waiting_rollback():
+    p, _ = policy(require_approval=True)
+    warm(p)
+    damage(p, 300)
+    assert p.state == "awaiting_approval"
+    d = p.incidents[0].detect_step
+    assert p.on_step(rec(d + 1, 5.0)) == []  # the step before the trainer paused: nothing sent yet ...
+    acts = p.approve(p.incidents[0].id)
+    assert [a.kind for a in acts] == ["rollback", "resume"]  # ... its samples ride with the rollback
+    assert acts[0].ranges == [(290 * IDS_PER_STEP, (d + 2) * IDS_PER_STEP)] and acts[0].skip_steps == (290, d + 1)
+
+
 def test_require_approval_pauses_and_says_so_then_rolls_back_and_resumes():
     p, _ = policy(require_approval=True)
     warm(p)

@@ -266,6 +266,12 @@ def test_drill_sentinel_rolls_back_skips_and_recovers(bus_kind, baselines, data_
     (d,) = [x for x in dirs if x.kind == "rollback"]
     assert d.id == rb.directive_id and d.verify(bus.load_secret(run_dir)) is None
     assert acks[d.id].status == "applied", acks[d.id]
+    _later_skips_applied(d, dirs, acks)
+    skipped_now = json.loads((run_dir / "skiplist.json").read_text())
+    for x in dirs:  # every range the incident sent is on the trainer's skip list
+        if x.kind == "skip-samples" and x.id in acks:
+            assert all(any(a <= lo and hi <= b for a, b in skipped_now) for lo, hi in x.ranges), (x.ranges, skipped_now)
+    print(f"\n[{bus_kind}] directives: " + ", ".join(x.kind for x in dirs))
     # after the restore the faulty sample never trained again (the authoritative records after it)
     assert all(fid not in rec.sample_ids for s, rec in res.steps.items() if s > rb.from_step)
     assert sorted(res.steps) == list(range(1, DRILL_STEPS + 1))
@@ -280,6 +286,17 @@ def test_drill_sentinel_rolls_back_skips_and_recovers(bus_kind, baselines, data_
     assert unguarded > (1 + DAMAGED_MIN) * clean, (unguarded, clean)
     # a clear margin between the guarded and unguarded outcomes
     assert unguarded - got > 2 * abs(got - clean)
+
+
+def _later_skips_applied(rollback: Directive, dirs: list[Directive], acks: dict) -> None:
+    """Besides its one rollback, an incident may send skip-samples directives: the samples of
+    steps the trainer still trained on the damaged branch before it applied the rollback. Each
+    belongs to that incident and names samples; the trainer applied each one it read (a sentinel
+    restarted mid-incident may catch up on those records after a short run has ended: that one
+    stays in the stream for a resumed run, unacked)."""
+    later = [x for x in dirs if x.id != rollback.id]
+    assert all(x.kind == "skip-samples" and x.incident_id == rollback.incident_id and x.ranges for x in later), dirs
+    assert all(acks[x.id].status in ("applied", "duplicate") for x in later if x.id in acks), [acks.get(x.id) for x in later]
 
 
 # ------------------------------------------------------------------ 2a. sentinel killed mid-incident
@@ -365,7 +382,8 @@ def test_sentinel_killed_mid_incident_no_duplicate_rollback(restart_as, data_dir
           f"duplicate {metric(m, 'sentinel_actions_total', action='rollback', outcome='duplicate')}")
     assert len([d for d in dirs if d.kind == "rollback"]) == 1, dirs
     assert len(rollbacks) == 1, timeline
-    (d,) = dirs
+    (d,) = [x for x in dirs if x.kind == "rollback"]
+    _later_skips_applied(d, dirs, acks)
     assert rollbacks[0].directive_id == d.id and acks[d.id].status == "applied"
     assert any(lo <= fid < hi for lo, hi in rollbacks[0].skip_ranges)
     # the restarted sentinel re-derived or resumed the incident and saw it through, without re-sending
@@ -406,8 +424,9 @@ def test_damage_before_the_first_periodic_checkpoint_rolls_back_to_the_initial_s
     finally:
         procs.kill_all()
         stop_embedded(run_dir)
-    assert [d.kind for d in dirs] == ["rollback"], dirs
-    (d,) = dirs
+    assert [d.kind for d in dirs][0] == "rollback", dirs
+    (d,) = [x for x in dirs if x.kind == "rollback"]
+    _later_skips_applied(d, dirs, acks)
     assert d.to_step == 0 and acks[d.id].status == "applied", (d, acks)
     _steps, timeline = read_steps(run_dir)
     rollbacks = [t for t in timeline if t.kind == "rollback"]
