@@ -57,6 +57,7 @@ SPIKE_PATTERNS = ("one-off", "periodic", "increasing")
 PATTERN_HISTORY = 32  # spike episodes remembered for the pattern (one-off / periodic / increasing)
 PATTERN_RANGES = 64  # sample-id ranges kept per episode to recognise the same data coming back
 _PRIORITY = {"divergence": 0, "nonfinite": 1, "loss_spike": 2}  # which anomaly names the incident
+SKIP_LATER_MAX_STEPS = 16  # steps after a sent rollback whose samples still join its skip (a trainer acts within 1-2)
 
 
 def _overlap(a: list, b: list) -> bool:
@@ -421,10 +422,19 @@ class RunPolicy:
         samples join the skip too, so data of the elevated region that came after the detection
         step does not come back after the restore (a NaN sample one step later recurred that way).
         Sent as a ``skip-samples`` directive (the rollback already left); while approval is
-        pending, added to the rollback that waits."""
+        pending, added to the rollback that waits. For ``SKIP_LATER_MAX_STEPS`` steps after the
+        detection at most: a trainer still on that branch later does not apply directives, and
+        gets one warning event instead of a directive per step."""
         inc = self._incidents.get(self._current) if self._current else None
         if inc is None or rec.step <= self._ep.get("skip_to", rec.step) or rec.timeline != self._ep.get("skip_timeline"):
             return None  # a replay, or a step of the restored branch (its marker not read yet)
+        if rec.step - inc.detect_step > SKIP_LATER_MAX_STEPS:
+            if not self._ep.get("skip_capped"):  # a trainer that does not apply directives: say so once, do not flood
+                self._ep["skip_capped"] = True
+                self._event("rollback_not_applied", "warning", f"the trainer is still on the damaged branch {rec.step - inc.detect_step} "
+                            f"steps after the rollback to step {inc.rollback_to} was sent; later samples are not added to the skip",
+                            step=rec.step, incident_id=inc.id)
+            return None
         self._ep["skip_to"] = rec.step
         new = merge_ranges(ids_to_ranges(rec.sample_ids))
         inc.skip_ranges = merge_ranges(list(inc.skip_ranges) + new)

@@ -321,6 +321,21 @@ def test_steps_trained_after_the_decision_join_the_skip_before_the_restore():
     assert p.incidents[0].skip_ranges == [(290 * IDS_PER_STEP, (d + 3) * IDS_PER_STEP)]
 
 
+def test_a_trainer_that_never_applies_the_rollback_gets_no_flood_of_skips():
+    """A trainer that does not read directives goes on training the damaged branch: its samples
+    join the skip for SKIP_LATER_MAX_STEPS steps after the detection, then the policy says once
+    that the rollback was not applied and sends nothing more."""
+    from sentinel.policy import SKIP_LATER_MAX_STEPS
+
+    p, _ = policy()
+    to_rollback(p)
+    d = detect_step(p)
+    sent = [a for s in range(d + 1, d + 200) for a in p.on_step(rec(s, 5.0))]
+    assert [a.kind for a in sent] == ["skip-samples"] * SKIP_LATER_MAX_STEPS
+    warned = [e for e in p.drain_events() if e.kind == "rollback_not_applied"]
+    assert len(warned) == 1 and "still on the damaged branch" in warned[0].message and p.state == "rollback"
+
+
 def test_steps_trained_while_approval_is_pending_join_the_waiting_rollback():
     p, _ = policy(require_approval=True)
     warm(p)
