@@ -63,10 +63,10 @@ def _skipped(act: dict) -> str:
     """What a rollback skips: its sample-id ranges, and the steps they came from."""
     steps = act.get("skip_steps")
     where = f"steps {steps[0]}-{steps[1]}" if steps else ""
-    if act["ranges"]:
-        n = sum(hi - lo for lo, hi in act["ranges"])
-        return f"{n} samples ({len(act['ranges'])} ranges), {where}" if where else f"{n} samples ({len(act['ranges'])} ranges)"
-    return f"{where} (no sample ids in the trace)" if where else ""
+    if not act["ranges"]:
+        return f"{where} (no sample ids in the trace)" if where else ""
+    what = f"{sum(hi - lo for lo, hi in act['ranges'])} samples ({len(act['ranges'])} ranges)"
+    return f"{what}, {where}" if where else what
 
 
 def _print_tables(trace: str, res) -> None:
