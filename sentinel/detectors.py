@@ -742,8 +742,9 @@ class LevelShift:
     def _descent(self, short: float) -> float:
         """How far a healthy descent would take the next window below the last closed one, times
         ``jump_detrend``; 0 when even the largest credit possible would not exceed ``short`` (the
-        slowest span's rate is at most the whole stretch's: most verdicts end there), and 0 unless the past window medians fell over each of ``SEGMENTS`` consecutive
-        spans of the last ~4 windows (~32 steps each). The slowest span's rate is carried on:
+        slowest span's rate is at most the whole stretch's: most verdicts end there), and 0 unless
+        the past window medians fell over each of ``SEGMENTS`` consecutive spans of the last ~4
+        windows (~32 steps each). The slowest span's rate is carried on:
         - a descent slows, so an older rate over-predicts the next window's descent (carrying on
           the whole 4-window rate at half weight rolled back 22 of 24 synthetic power-law starts
           at steps 100-300; at full weight the slowest of four spans did on 87 of 120 fresh ones);

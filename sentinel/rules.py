@@ -443,6 +443,8 @@ class _LossEval(_Eval):
             z_elevated=v.threshold, ratio_elevated=v.min_ratio, ema_alpha=s.ema_alpha, recent=s.recent_window,
         )
         self.kofn = d.KOfN(min(v.k, v.n), v.n)
+        # warmup: the spike baseline's own plus one window, so the jump test has a clean window before
+        # a jump at steps 60-75 (at two windows that one held the jump already; docs/benchmarks.md)
         self.shift = d.LevelShift(window=v.level_window, horizon=v.level_horizon, sigmas=v.level_sigmas,
                                   min_rise=v.min_rise, warmup=s.min_history + v.level_window, jump_sigmas=v.jump_sigmas,
                                   jump_detrend=v.jump_detrend)
