@@ -24,6 +24,8 @@ own timestamps so cooldowns and rate limits replay as they would have live. What
 neutral values (``grad_norm = 0`` means "not reported" to the rules). A malformed line (not JSON,
 a wrong type, a missing field) is rejected with a one-line reason naming the file and line, and
 the read goes on (``sentinel backtest`` counts them; ``--strict`` stops at the first instead).
+A CSV export (W&B, TensorBoard, pandas) is read row by row into the same dicts (``trace_csv``), so
+its rows pass the same checks.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from sentinel.policy import RunPolicy
 from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet, default_rules
+from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 
 
 @dataclass
@@ -66,6 +69,11 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         raise SchemaError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise SchemaError(f"{where}: expected a JSON object")
+    return record_from_obj(obj, default_run=default_run, where=where)
+
+
+def record_from_obj(obj: dict[str, Any], *, default_run: str = "trace", where: str = "trace") -> StepRecord | TimelineRecord:
+    """A decoded trace line (a JSON object, or a CSV row as ``trace_csv`` reads it) -> a record."""
     kind = obj.get("kind", "step")
     if kind == "step":
         # null is "not reported" for every field but the two a step line is about: exported tables
@@ -110,25 +118,66 @@ def _time_of(obj: dict[str, Any]) -> float:
     return 0.0
 
 
-def load_trace(path: str | Path, *, rejected: list[str] | None = None) -> list[StepRecord | TimelineRecord]:
-    """Read a steps.jsonl or a loss-only trace. Errors name the file and line, in one line.
+TRACE_FORMATS = ("auto", "jsonl", "csv")
 
+
+def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
+               loss_column: str | None = None) -> list[StepRecord | TimelineRecord]:
+    """Read a steps.jsonl, a loss-only trace, or a CSV export (W&B, TensorBoard, pandas: see
+    ``trace_csv``). Errors name the file and line, in one line.
+
+    ``fmt`` "auto": a ``.csv``/``.tsv`` file is CSV, a ``.jsonl``/``.json``/``.ndjson`` one JSON
+    lines; any other name is CSV when its first line is no JSON object but has commas or tabs.
     With ``rejected`` (a list), a bad line is appended there (its one-line reason) and skipped
     instead of stopping the read."""
     p = Path(path)
+    run = p.stem or "trace"
+    if fmt not in TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(TRACE_FORMATS)})")
     out: list[StepRecord | TimelineRecord] = []
     with p.open("rb") as fh:
-        for n, raw in enumerate(fh, 1):
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                out.append(parse_trace_line(line, default_run=p.stem or "trace", where=f"{path}:{n}"))
-            except SchemaError as e:
-                if rejected is None:
-                    raise
-                rejected.append(str(e))
+        if fmt == "auto":
+            suffix = p.suffix.lower()
+            if suffix in (".csv", ".tsv"):
+                fmt = "csv"
+            elif suffix in (".jsonl", ".json", ".ndjson"):
+                fmt = "jsonl"  # a hostile first line must not turn a JSON-lines file into a CSV one
+            else:
+                fmt = "csv" if looks_like_csv(_first_line(fh)) else "jsonl"
+                fh.seek(0)
+        entries = (csv_rows(fh, str(path), step_column=step_column, loss_column=loss_column) if fmt == "csv"
+                   else _json_entries(fh))
+        try:
+            for n, entry in entries:
+                try:
+                    if isinstance(entry, str):  # a CSV row rejected with this reason
+                        raise SchemaError(entry)
+                    where = f"{path}:{n}"
+                    out.append(parse_trace_line(entry, default_run=run, where=where) if isinstance(entry, bytes)
+                               else record_from_obj(entry, default_run=run, where=where))
+                except SchemaError as e:
+                    if rejected is None:
+                        raise
+                    rejected.append(str(e))
+        except CsvHeaderError as e:
+            raise SchemaError(str(e)) from None
     return out
+
+
+def _json_entries(fh) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) for each non-blank line of a JSON-lines file."""
+    for n, raw in enumerate(fh, 1):
+        line = raw.strip()
+        if line:
+            yield n, line
+
+
+def _first_line(fh) -> bytes:
+    """The first non-blank line of a binary file (at most 64 KiB of it)."""
+    for raw in fh:
+        if raw.strip():
+            return raw[:65536]
+    return b""
 
 
 def _simulated_checkpoint(rec: StepRecord) -> CheckpointInfo:

@@ -199,7 +199,7 @@ def test_hostile_lines_are_rejected_counted_and_the_curve_still_judged(tmp_path)
     out = json.loads(r.stdout)
     assert out["rejected_lines"] == len(HOSTILE_LINES) and out["records"] >= 400
     assert any(a["kind"] == "rollback" and a["to_step"] <= 400 for a in out["actions"]), out["actions"]
-    assert f"skipped {len(HOSTILE_LINES)} malformed line(s)" in r.stderr
+    assert f"skipped {len(HOSTILE_LINES)} line(s)" in r.stderr
     for i, bad in enumerate(HOSTILE_LINES):  # each alone, strict: one line naming the file and line
         p = tmp_path / f"bad{i}.jsonl"
         p.write_text(good[0] + "\n" + bad + "\n" + good[1] + "\n")
@@ -300,3 +300,126 @@ def test_a_mixture_change_marker_in_the_trace_makes_its_level_rise_no_damage(tmp
     with_marker.write_text("\n".join(lines[:599] + [marker] + lines[599:]) + "\n")
     assert [a["kind"] for a in backtest(load_trace(p), default_rules()).actions] == ["rollback"]
     assert backtest(load_trace(with_marker), default_rules()).actions == []
+
+
+# ------------------------------------------------------------------ CSV exports (W&B, TensorBoard, pandas)
+
+
+def _csv_from_trace(trace: Path, path: Path, *, header: str, row, extra_rows=None) -> Path:
+    """Write the steps of a JSON-lines trace as a CSV export: ``row(obj)`` gives a data row's cells."""
+    lines = [header]
+    for raw in trace.read_text().splitlines():
+        obj = json.loads(raw)
+        lines.append(row(obj))
+        if extra_rows:
+            lines.extend(extra_rows(obj))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _decisions(out: dict) -> tuple:
+    return out["flagged"], [(a["kind"], a["step"], a["to_step"]) for a in out["actions"]], out["records"]
+
+
+def test_a_wandb_csv_export_gets_the_decisions_of_the_same_steps_as_json_lines(tmp_path):
+    """A W&B history export: one row per logged step of *any* metric (rows with an empty loss cell
+    are skipped and counted), extra columns (``__MIN``, other metrics) ignored, ``_timestamp`` as
+    the clock. The same damage gets the same flags and the same rollback as the JSON-lines trace."""
+    jsonl = loss_only_trace(tmp_path, spikes=(250,), shift_from=400)
+    csv_path = _csv_from_trace(
+        jsonl, tmp_path / "history.csv", header="_step,_runtime,_timestamp,train/loss,train/loss__MIN,val/loss,lr",
+        row=lambda o: f"{o['step']},{o['wall_ms'] / 1000},{o['wall_ms'] / 1000},{o['loss']},{o['loss']},,0.001",
+        extra_rows=lambda o: [f"{o['step']},,,,,3.3,"] if o["step"] % 100 == 0 else [])
+    want = json.loads(CliRunner().invoke(backtest_cmd, [str(jsonl), "--json"]).stdout)
+    r = CliRunner().invoke(backtest_cmd, [str(csv_path), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    got = json.loads(r.stdout)
+    assert _decisions(got) == _decisions(want)
+    assert any(a[0] == "rollback" and a[2] <= 400 for a in _decisions(got)[1]) and 250 in got["flagged"]
+    assert got["rejected_lines"] == 6  # the val-loss rows of steps 100, 200, ..., 600
+    assert "history.csv:" in r.stderr and "no value in column 'train/loss'" in r.stderr
+    recs = load_trace(csv_path, rejected=[])
+    assert recs[9].time == 31559 / 1000 + 0.1 * 10 and recs[9].grad_norm == 0.0
+
+
+def test_tensorboard_and_tab_separated_exports_are_read_by_their_headers(tmp_path):
+    jsonl = loss_only_trace(tmp_path, spikes=(), shift_from=400)
+    want = _decisions(json.loads(CliRunner().invoke(backtest_cmd, [str(jsonl), "--json"]).stdout))
+    tb = _csv_from_trace(jsonl, tmp_path / "run-train-tag-loss.csv", header="Wall time,Step,Value",
+                         row=lambda o: f"{1.7e9 + o['wall_ms'] / 1000},{o['step']},{o['loss']}")
+    tsv = _csv_from_trace(jsonl, tmp_path / "metrics.txt", header="\ufeffglobal_step\tlm loss\tgrad_norm",  # sniffed, BOM
+                          row=lambda o: f"{float(o['step'])}\t{o['loss']}\t1.0")
+    for path in (tb, tsv):
+        r = CliRunner().invoke(backtest_cmd, [str(path), "--json"])
+        assert r.exit_code == 0, r.output[-2000:]
+        out = json.loads(r.stdout)
+        assert _decisions(out) == want and out["rejected_lines"] == 0, path.name
+    assert load_trace(tsv)[0].grad_norm == 1.0 and load_trace(tb)[0].time == 1.7e9 + 31.659
+
+
+def test_csv_columns_can_be_named_and_an_unknown_header_is_one_line(tmp_path):
+    path = tmp_path / "odd.csv"
+    path.write_text("it,objective\n" + "".join(f"{i},{3.0 + 0.01 * (i % 7)}\n" for i in range(1, 301)))
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(path)]))
+    assert "odd.csv: no step column among 'it', 'objective'; name it with --step-column" in msg
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "it", "--loss-column", "nope"]))
+    assert "no column 'nope'" in msg
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "it", "--loss-column", "IT"]))
+    assert "the same column" in msg
+    r = CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "it", "--loss-column", "Objective", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["records"] == 300, r.output
+    empty = tmp_path / "empty.csv"
+    empty.write_text("\n\n")
+    assert "empty CSV" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(empty)]))
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("step,loss\n")
+    assert "no step records" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(header_only)]))
+
+
+HOSTILE_ROWS = [
+    "12,3.0,extra",  # a cell too many
+    "13",  # too few
+    "x,3.0",  # a step that is no number
+    "14.5,3.0",  # nor a whole one
+    "1e999,3.0",
+    "15,abc",
+    "16,\x00",
+    '17,"3.0',  # an unterminated quote
+    "18," + "9" * 100_000,  # a huge cell
+    "19,",  # no loss value
+]
+
+
+def test_hostile_csv_rows_are_rejected_counted_and_the_curve_still_judged(tmp_path):
+    """A bad row costs that row only; a NaN loss is kept (the non-finite rule judges it); --strict
+    stops at the first bad row with one line naming the file and line."""
+    losses = [3.0 + 0.02 * ((i * 7919) % 13 - 6) / 6 for i in range(600)]
+    for i in range(400, 600):
+        losses[i] += 1.0
+    good = [f"{i + 1},{round(x, 4)}" for i, x in enumerate(losses)]
+    path = tmp_path / "hostile.csv"
+    path.write_text("step,loss\n" + "\n".join(good[:300] + HOSTILE_ROWS + good[300:]) + "\n")
+    r = CliRunner().invoke(backtest_cmd, [str(path), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert out["rejected_lines"] == len(HOSTILE_ROWS) and out["records"] >= 400
+    assert any(a["kind"] == "rollback" and a["to_step"] <= 400 for a in out["actions"]), out["actions"]
+    for i, bad in enumerate(HOSTILE_ROWS):
+        p = tmp_path / f"bad{i}.csv"
+        p.write_text("step,loss\n" + good[0] + "\n" + bad + "\n" + good[1] + "\n")
+        assert f"bad{i}.csv:3" in _one_line_error(CliRunner().invoke(backtest_cmd, ["--strict", str(p)])), bad[:40]
+    nan = tmp_path / "nan.csv"
+    nan.write_text("step,loss\n" + "\n".join(good[:300] + [f"{s},nan" for s in range(301, 320)]) + "\n")
+    out = json.loads(CliRunner().invoke(backtest_cmd, [str(nan), "--json"]).stdout)
+    assert any(a["kind"] == "rollback" for a in out["actions"]) and out["rejected_lines"] == 0, out
+
+
+def test_a_json_lines_file_with_a_hostile_first_line_stays_json_lines(tmp_path):
+    """Sniffing is only for names that say nothing: a .jsonl file whose first line happens to have
+    commas is still JSON lines, and that line is one skipped line, not a CSV header."""
+    trace = loss_only_trace(tmp_path)
+    trace.write_text("garbage,more,cells\n" + trace.read_text())
+    r = CliRunner().invoke(backtest_cmd, [str(trace), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["rejected_lines"] == 1 and json.loads(r.stdout)["records"] == 600
+    forced = CliRunner().invoke(backtest_cmd, [str(trace), "--format", "csv"])
+    assert "no step column" in _one_line_error(forced)

@@ -16,25 +16,34 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 
 
 @click.command("backtest")
-@click.argument("trace", metavar="TRACE.jsonl")
+@click.argument("trace", metavar="TRACE")
 @click.option("--rules", "rules_path", default=None, metavar="FILE", help="Rules YAML (default: the built-in defaults).")
 @click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=0),
               help="Assume a checkpoint every N steps when deciding rollbacks (0: assume none).")
 @click.option("--initial-checkpoint/--no-initial-checkpoint", default=True, show_default=True,
               help="Also assume the initial state (step 0) was saved, as the trainer does on a fresh start "
                    "(only for a trace that begins within the first N steps).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "csv"]), default="auto", show_default=True,
+              help="auto: .csv/.tsv files are CSV, .jsonl/.json/.ndjson JSON lines; any other name is CSV when its "
+                   "first line is a comma- or tab-separated header.")
+@click.option("--step-column", default=None, metavar="NAME",
+              help="CSV: the step column (default: the first of step, _step, global_step, iteration, ...).")
+@click.option("--loss-column", default=None, metavar="NAME",
+              help="CSV: the training-loss column (default: the first of loss, train/loss, train_loss, lm_loss, "
+                   "..., Value).")
 @click.option("--strict", is_flag=True,
               help="Stop at the first malformed line (exit 2) instead of skipping and counting it.")
 @click.option("--skip-bad-lines", is_flag=True, hidden=True)  # the default now; kept so old scripts still run
 @json_option
 @friendly_errors
-def backtest(trace: str, rules_path: str | None, checkpoint_every: int, initial_checkpoint: bool, strict: bool,
-             skip_bad_lines: bool, as_json: bool) -> None:
-    """Run the rules offline over TRACE.jsonl (a steps.jsonl, or lines with just step and loss).
+def backtest(trace: str, rules_path: str | None, checkpoint_every: int, initial_checkpoint: bool, fmt: str,
+             step_column: str | None, loss_column: str | None, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
+    """Run the rules offline over TRACE: a steps.jsonl, JSON lines with just step and loss, or a
+    CSV export of a run's history (W&B, TensorBoard, pandas).
 
-    Prints the flagged steps and the actions the policy would have taken. A malformed line is
-    skipped and counted (a warning on stderr, rejected_lines in --json); a file with no valid step
-    line at all is an error.
+    Prints the flagged steps and the actions the policy would have taken. A malformed line (or a
+    CSV row without a loss value) is skipped and counted (a warning on stderr, rejected_lines in
+    --json); a file with no valid step line at all is an error.
     """
     from sentinel.backtest import backtest as run_backtest
     from sentinel.backtest import load_trace
@@ -46,12 +55,12 @@ def backtest(trace: str, rules_path: str | None, checkpoint_every: int, initial_
     except RulesError as e:
         raise SentinelError(str(e)) from None
     rejected: list[str] | None = None if strict else []
-    records = load_trace(trace, rejected=rejected)
+    records = load_trace(trace, rejected=rejected, fmt=fmt, step_column=step_column, loss_column=loss_column)
     if not any(isinstance(r, StepRecord) for r in records):
-        why = f" ({len(rejected)} malformed line(s); first: {rejected[0]})" if rejected else ""
+        why = f" ({len(rejected)} line(s) skipped; first: {rejected[0]})" if rejected else ""
         raise SentinelError(f"no step records in {trace}{why}")
     if rejected:
-        click.echo(f"warning: skipped {len(rejected)} malformed line(s) of {trace}; first: {rejected[0]}", err=True)
+        click.echo(f"warning: skipped {len(rejected)} line(s) of {trace}; first: {rejected[0]}", err=True)
     res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None, initial_checkpoint=initial_checkpoint)
     if as_json:
         emit_json({**res.to_json(), "rejected_lines": len(rejected or [])})

@@ -1,0 +1,136 @@
+"""Step logs exported as CSV: what W&B, TensorBoard and pandas write, read as trace lines.
+
+``sentinel backtest`` reads JSON lines; a run's history usually leaves a dashboard as a CSV
+(W&B: ``_step,train/loss,...``; TensorBoard's scalar export: ``Wall time,Step,Value``; pandas:
+``step,loss,...``). This turns each row into the dict a trace line would hold, so a CSV row goes
+through the very same checks as a JSON line (``backtest.record_from_obj``).
+
+Columns are found by name (case-insensitive, first match wins, see ``STEP_NAMES`` and
+``LOSS_NAMES``) or named by the caller. Cells:
+
+- an empty cell is "not reported": a row whose loss cell is empty (W&B writes one row per logged
+  step of *any* metric) is skipped and counted, with its reason, as a line is in a JSON trace;
+- ``nan`` / ``inf`` losses stay non-finite (that is what the non-finite rule is for);
+- a step written as a float (``100.0``, as pandas writes an int column with gaps) is an integer.
+
+Rows are parsed one line at a time (a quoted field spanning lines is not a metrics export), so a
+broken row (a NUL byte, a huge or unterminated field, a wrong number of cells) costs that row only.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from typing import Any, Iterable, Iterator
+
+# recognised column names, lower case, in order of preference
+STEP_NAMES = ("step", "_step", "global_step", "trainer/global_step", "iteration", "iter", "steps")
+LOSS_NAMES = ("loss", "train/loss", "train_loss", "train/lm_loss", "lm_loss", "lm loss", "training_loss", "train/loss_step",
+              "value")  # "value": TensorBoard's export of one scalar
+GRAD_NAMES = ("grad_norm", "train/grad_norm", "grad norm", "gradient_norm", "train/grad_norm_step")
+# (name, factor to seconds)
+TIME_NAMES = (("wall_ms", 1e-3), ("wall time", 1.0), ("_timestamp", 1.0), ("time", 1.0), ("timestamp", 1.0))
+
+MAX_FIELD = 1 << 16  # a cell longer than this is not a number: the row is rejected, not parsed
+
+
+class CsvHeaderError(ValueError):
+    """The header names no step or no loss column (one line, for the CLI)."""
+
+
+def looks_like_csv(first_line: bytes) -> bool:
+    """Does the first non-empty line of a file read as a CSV header rather than a JSON line?"""
+    s = first_line.lstrip(b"\xef\xbb\xbf").strip()
+    return bool(s) and not s.startswith((b"{", b"[")) and (b"," in s or b"\t" in s)
+
+
+def _pick(header: list[str], names: Iterable[str], chosen: str | None, what: str, option: str, path: str) -> int | None:
+    low = [h.strip().lower() for h in header]
+    if chosen is not None:
+        want = chosen.strip().lower()
+        if want not in low:
+            raise CsvHeaderError(f"{path}: no column {chosen!r} (columns: {_shown(header)})")
+        return low.index(want)
+    for name in names:
+        if name in low:
+            return low.index(name)
+    if what in ("step", "loss"):
+        raise CsvHeaderError(f"{path}: no {what} column among {_shown(header)}; name it with {option}")
+    return None
+
+
+def _shown(header: list[str], limit: int = 12) -> str:
+    names = [h.strip()[:40] for h in header[:limit]]
+    return ", ".join(repr(n) for n in names) + (f" and {len(header) - limit} more" if len(header) > limit else "")
+
+
+def _split(line: str, delim: str) -> list[str]:
+    return next(csv.reader([line], delimiter=delim, strict=True))
+
+
+def _number(cell: str) -> float:
+    return float(cell.strip())
+
+
+def csv_rows(lines: Iterable[bytes], path: str, *, step_column: str | None = None,
+             loss_column: str | None = None) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """(line number, trace-line dict) for each data row, or (line number, the one-line reason) for
+    a row that cannot be one. A header without a step or loss column raises ``CsvHeaderError``."""
+    header: list[str] | None = None
+    delim = ","
+    cols: dict[str, int | None] = {}
+    t_scale = 1.0
+    for n, raw in enumerate(lines, 1):
+        text = raw.decode("utf-8", errors="replace")
+        if header is None:
+            text = text.lstrip("\ufeff")
+        if not text.strip():
+            continue
+        if header is None:
+            delim = "\t" if text.count("\t") > text.count(",") else ","
+            try:
+                header = _split(text.rstrip("\r\n"), delim)
+            except csv.Error as e:
+                raise CsvHeaderError(f"{path}:{n}: unreadable CSV header ({e})") from None
+            cols["step"] = _pick(header, STEP_NAMES, step_column, "step", "--step-column", path)
+            cols["loss"] = _pick(header, LOSS_NAMES, loss_column, "loss", "--loss-column", path)
+            if cols["loss"] == cols["step"]:
+                raise CsvHeaderError(f"{path}: the step and loss columns are the same column")
+            cols["grad_norm"] = _pick(header, GRAD_NAMES, None, "grad norm", "", path)
+            cols["time"] = None
+            low = [h.strip().lower() for h in header]
+            for name, scale in TIME_NAMES:
+                if name in low:
+                    cols["time"], t_scale = low.index(name), scale
+                    break
+            continue
+        where = f"{path}:{n}"
+        try:
+            if len(text) > MAX_FIELD * 4:
+                raise ValueError("line too long for a metrics row")
+            cells = _split(text.rstrip("\r\n"), delim)
+            if len(cells) != len(header):
+                raise ValueError(f"{len(cells)} cells, the header has {len(header)}")
+            if any(len(c) > MAX_FIELD for c in cells):
+                raise ValueError("a cell too long for a number")
+            loss_cell = cells[cols["loss"]].strip()
+            if not loss_cell:
+                raise ValueError(f"no value in column {header[cols['loss']].strip()!r}")
+            step = _number(cells[cols["step"]])
+            if not math.isfinite(step) or step != int(step):
+                raise ValueError(f"step {cells[cols['step']].strip()[:40]!r} is not a whole number")
+            obj: dict[str, Any] = {"step": int(step), "loss": _number(loss_cell)}
+            g = cols["grad_norm"]
+            if g is not None and cells[g].strip():
+                obj["grad_norm"] = _number(cells[g])
+            tc = cols["time"]
+            if tc is not None and cells[tc].strip():
+                t = _number(cells[tc]) * t_scale
+                if math.isfinite(t):
+                    obj["time"] = t
+        except (csv.Error, ValueError, OverflowError) as e:
+            yield n, f"{where}: {str(e)[:200]}"
+            continue
+        yield n, obj
+    if header is None:
+        raise CsvHeaderError(f"{path}: empty CSV (no header)")
