@@ -158,6 +158,18 @@ class DivergenceRule(RuleBase):
     climb_window: int = Field(48, ge=4)
     climb_baseline: int = Field(100, ge=4)
     climb_sigmas: float = Field(5.5, ge=0)
+    # ... and the same test over a longer window, for climbs too slow for the short one (the issue's
+    # 0.3 nats over 200 steps): caught after ~130 steps instead of not within 200; 0 turns it off
+    climb_long_window: int = Field(144, ge=0)
+    climb_long_baseline: int = Field(144, ge=4)
+    climb_long_sigmas: float = Field(6.0, ge=0)
+
+    @field_validator("climb_long_window")
+    @classmethod
+    def _long_window_off_or_real(cls, v: int) -> int:
+        if 0 < v < 4:
+            raise ValueError("must be 0 (off) or at least 4")
+        return v
 
 
 class ValDivergenceRule(RuleBase):
@@ -455,6 +467,10 @@ class _LossEval(_Eval):
                                   warmup=s.min_history + v.climb_window + v.climb_baseline)
         self._det_update, self._shift_feed, self._long_feed = self.det.update, self.shift.feed, self.shift_long.feed
         self._climb_update = self.climb.update if v.climb_sigmas > 0 else None
+        self.climb_long: d.ClimbTrend | None = None
+        if v.climb_long_window >= 4 and v.climb_long_sigmas > 0:
+            self.climb_long = d.ClimbTrend(window=v.climb_long_window, baseline=v.climb_long_baseline, sigmas=v.climb_long_sigmas,
+                                           warmup=s.min_history + v.climb_long_window + v.climb_long_baseline)
         # The level tests judge only every few admitted losses (their strides); in between, the
         # losses wait here and are fed in one call per test at the next verdict step (the same
         # verdicts, one call instead of one per step per test).
@@ -495,6 +511,7 @@ class _LossEval(_Eval):
             else:
                 short, long_ = self._flush()
             climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == 2)  # 2: SPIKE
+            slow = self.climb_long is not None and self.climb_long.update(step, x, self.noise, code == 2)
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
                 if sh.kind == "level":
@@ -507,8 +524,8 @@ class _LossEval(_Eval):
                                    f"loss level {_f(sh.best + sh.excess)} (median of {sh.window}) is {_f(sh.excess)} above "
                                    f"{ref} {_f(sh.best)} (bar {_f(sh.bar)})",
                                    value=x, onset_step=sh.onset(step), anomaly=True))
-            elif climb and self.div_on:
-                c, cl = self.div_cfg, self.climb
+            elif (climb or slow) and self.div_on:
+                c, cl = self.div_cfg, (self.climb if climb else self.climb_long)
                 out.append(Finding("divergence", c.severity, c.action, step,
                                    f"loss climbing since step {cl.onset()}: up {_f(cl.rise)} over the last {cl.window} steps, "
                                    f"ramp z={cl.z:.1f} against the level of the {cl.baseline} before (bar {cl.sigmas:g})",
@@ -562,6 +579,8 @@ class _LossEval(_Eval):
         self.shift.rewind(keep_through_step)
         self.shift_long.rewind(keep_through_step)
         self.climb.rewind(keep_through_step)
+        if self.climb_long is not None:
+            self.climb_long.rewind(keep_through_step)
         self.nf_run = 0
 
     def reset(self) -> None:
@@ -571,6 +590,8 @@ class _LossEval(_Eval):
         self.shift.reset()
         self.shift_long.reset()
         self.climb.reset()
+        if self.climb_long is not None:
+            self.climb_long.reset()
         self.noise, self._noise_n = 0.0, 0
         self.det.noise_floor = self.det.noise_cap = 0.0
         self.nf_run = 0
@@ -590,6 +611,8 @@ class _LossEval(_Eval):
         self.shift.reset()
         self.shift_long.reset()
         self.climb.restart()
+        if self.climb_long is not None:
+            self.climb_long.restart()
         self._due = self._every
         self.nf_run = 0
 
@@ -597,6 +620,7 @@ class _LossEval(_Eval):
         self._settle()
         return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
                 "climb": self.climb.state_dict(),
+                **({"climb_long": self.climb_long.state_dict()} if self.climb_long is not None else {}),
                 "noise": self.noise, "noise_n": self._noise_n, "noise_floor": self.det.noise_floor, "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
@@ -608,6 +632,8 @@ class _LossEval(_Eval):
             self.shift_long.load_state_dict(st["shift_long"])
         if "climb" in st:
             self.climb.load_state_dict(st["climb"])
+        if self.climb_long is not None and "climb_long" in st:  # state saved before the long test starts it afresh
+            self.climb_long.load_state_dict(st["climb_long"])
         self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
         self.det.noise_floor = float(st.get("noise_floor", 0.0))
         self.det.noise_cap = self.CAP * self.noise

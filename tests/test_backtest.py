@@ -248,6 +248,26 @@ def test_a_steep_climb_is_rolled_back_within_50_steps_to_before_its_start(tmp_pa
     assert "climbing since" in rb[0]["reason"]  # the climb test, not the slower level test
 
 
+def test_a_slow_climb_is_caught_by_the_long_climb_test_and_rolled_back_to_before_its_start(tmp_path):
+    """0.2 nats over 200 steps (0.001 nats a step, a 100th of the per-step noise): the 48-step climb
+    test cannot see it and the level test's bar (3 per-step sigmas above the run's best) is barely
+    reached within 200 steps; the 144-step climb test catches it 150-180 steps in, rolled back to
+    well before its start. With that test off, most of these are not rolled back within 200 steps."""
+    from test_detectors import _climb, _pretraining
+
+    from sentinel.rules import parse_rules
+
+    onset, seeds, missed_without = 1500, (0, 2, 3, 4, 6), 0
+    no_long = parse_rules("version: 1\nrules:\n  divergence:\n    climb_long_sigmas: 0\n")
+    for seed in seeds:
+        trace = _curve_trace(tmp_path, _climb(_pretraining(2500, seed), onset - 1, 0.2, 200)[:onset + 200])
+        rb = [a for a in backtest(load_trace(trace), default_rules()).actions if a["kind"] == "rollback"]
+        assert rb and onset <= rb[0]["step"] <= onset + 200 and rb[0]["to_step"] <= onset, (seed, rb)
+        assert "over the last 144 steps" in rb[0]["reason"], rb[0]["reason"]
+        missed_without += not any(a["kind"] == "rollback" for a in backtest(load_trace(trace), no_long).actions)
+    assert missed_without >= 3
+
+
 def test_a_small_jump_in_the_fast_early_descent_is_rolled_back_within_50_steps(tmp_path):
     """+0.3 nats at step 130, where the loss still falls ~0.005 nats a step: the jump test credits
     the window after with half the run's recent descent and rolls back within 50 steps on every

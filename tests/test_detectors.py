@@ -721,6 +721,7 @@ def test_engine_state_dict_round_trip_between_level_verdicts(cut):
     run(e1, recs[:cut])
     st = e1.state_dict()
     assert st["loss"]["shift"]["window"][-1][0] == cut - 1  # the losses waiting for the next verdict are saved
+    assert st["loss"]["climb_long"]["window"][-1][0] == cut - 1  # the long climb test's losses too
     e2.load_state_dict(json.loads(json.dumps(st)))
     assert any(f["rule"] == "divergence" for f in want)
     assert [f.to_dict() for f in run(e2, recs[cut:])] == [f for f in want if f["step"] >= cut]

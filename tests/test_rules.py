@@ -57,6 +57,7 @@ def test_model_validate_directly():
         ("policy:\n  max_rollbacks_per_hour: -1\n", "rules.yaml: policy.max_rollbacks_per_hour: Input should be greater than or equal to 0"),
         ("rules:\n  heartbeat_stale:\n    severity: loud\n", "rules.yaml: rules.heartbeat_stale.severity: Input should be 'info', 'warning' or 'critical'"),
         ("- just\n- a list\n", "rules.yaml: <root>: expected a mapping"),
+        ("rules:\n  divergence:\n    climb_long_window: 2\n", "rules.yaml: rules.divergence.climb_long_window: must be 0 (off) or at least 4"),
     ],
 )
 def test_validation_errors_are_one_line_with_file_and_path(tmp_path, text, expected):
