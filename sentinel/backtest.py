@@ -39,6 +39,7 @@ from sentinel.policy import RunPolicy
 from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
+from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
 
 
 @dataclass
@@ -118,16 +119,18 @@ def _time_of(obj: dict[str, Any]) -> float:
     return 0.0
 
 
-TRACE_FORMATS = ("auto", "jsonl", "csv")
+TRACE_FORMATS = ("auto", "jsonl", "csv", "hf")
 
 
 def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
                loss_column: str | None = None) -> list[StepRecord | TimelineRecord]:
-    """Read a steps.jsonl, a loss-only trace, or a CSV export (W&B, TensorBoard, pandas: see
-    ``trace_csv``). Errors name the file and line, in one line.
+    """Read a steps.jsonl, a loss-only trace, a CSV export (W&B, TensorBoard, pandas: see
+    ``trace_csv``) or a Hugging Face ``trainer_state.json`` (``trace_hf``). Errors name the file
+    and line (or entry), in one line.
 
-    ``fmt`` "auto": a ``.csv``/``.tsv`` file is CSV, a ``.jsonl``/``.json``/``.ndjson`` one JSON
-    lines; any other name is CSV when its first line is no JSON object but has commas or tabs.
+    ``fmt`` "auto": a ``.csv``/``.tsv`` file is CSV; a ``.json`` file that is one JSON object with a
+    ``log_history`` list is a trainer state; ``.jsonl``/``.json``/``.ndjson`` otherwise JSON lines;
+    any other name is CSV when its first line is no JSON object but has commas or tabs.
     With ``rejected`` (a list), a bad line is appended there (its one-line reason) and skipped
     instead of stopping the read."""
     p = Path(path)
@@ -136,23 +139,18 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
         raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(TRACE_FORMATS)})")
     out: list[StepRecord | TimelineRecord] = []
     with p.open("rb") as fh:
-        if fmt == "auto":
-            suffix = p.suffix.lower()
-            if suffix in (".csv", ".tsv"):
-                fmt = "csv"
-            elif suffix in (".jsonl", ".json", ".ndjson"):
-                fmt = "jsonl"  # a hostile first line must not turn a JSON-lines file into a CSV one
-            else:
-                fmt = "csv" if looks_like_csv(_first_line(fh)) else "jsonl"
-                fh.seek(0)
-        entries = (csv_rows(fh, str(path), step_column=step_column, loss_column=loss_column) if fmt == "csv"
-                   else _json_entries(fh))
+        fmt, history = _trace_format(p, fh, fmt)
+        if fmt == "hf":
+            entries: Iterator[tuple[str, Any]] = hf_entries(history or [], str(path))
+        elif fmt == "csv":
+            entries = ((f"{path}:{n}", e) for n, e in csv_rows(fh, str(path), step_column=step_column, loss_column=loss_column))
+        else:
+            entries = _json_entries(fh, str(path))
         try:
-            for n, entry in entries:
+            for where, entry in entries:
                 try:
-                    if isinstance(entry, str):  # a CSV row rejected with this reason
+                    if isinstance(entry, str):  # a row or entry rejected with this reason
                         raise SchemaError(entry)
-                    where = f"{path}:{n}"
                     out.append(parse_trace_line(entry, default_run=run, where=where) if isinstance(entry, bytes)
                                else record_from_obj(entry, default_run=run, where=where))
                 except SchemaError as e:
@@ -164,12 +162,36 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     return out
 
 
-def _json_entries(fh) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) for each non-blank line of a JSON-lines file."""
+def _trace_format(p: Path, fh, fmt: str) -> tuple[str, list[Any] | None]:
+    """The format to read ``fh`` as ("jsonl", "csv" or "hf"), and a trainer state's log history;
+    ``fh`` is left at its start."""
+    history = None
+    suffix = p.suffix.lower()
+    if fmt == "hf" or (fmt == "auto" and suffix == ".json" and b'"log_history"' in fh.read(65536)):
+        fh.seek(0)  # the key comes within the first lines of a trainer state: only then is the whole file read
+        history = trainer_state_history(fh.read(MAX_BYTES + 1))
+        if history is None and fmt == "hf":
+            raise SchemaError(f"{p}: not a trainer_state.json (one JSON object with a log_history list)")
+        if history is not None:
+            fmt = "hf"
+    fh.seek(0)
+    if fmt == "auto":
+        if suffix in (".csv", ".tsv"):
+            fmt = "csv"
+        elif suffix in (".jsonl", ".json", ".ndjson"):
+            fmt = "jsonl"  # a hostile first line must not turn a JSON-lines file into a CSV one
+        else:
+            fmt = "csv" if looks_like_csv(_first_line(fh)) else "jsonl"
+            fh.seek(0)
+    return fmt, history
+
+
+def _json_entries(fh, path: str) -> Iterator[tuple[str, bytes]]:
+    """(where, line) for each non-blank line of a JSON-lines file."""
     for n, raw in enumerate(fh, 1):
         line = raw.strip()
         if line:
-            yield n, line
+            yield f"{path}:{n}", line
 
 
 def _first_line(fh) -> bytes:

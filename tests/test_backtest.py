@@ -443,3 +443,59 @@ def test_a_json_lines_file_with_a_hostile_first_line_stays_json_lines(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["rejected_lines"] == 1 and json.loads(r.stdout)["records"] == 600
     forced = CliRunner().invoke(backtest_cmd, [str(trace), "--format", "csv"])
     assert "no step column" in _one_line_error(forced)
+
+
+# ------------------------------------------------------------------ Hugging Face trainer_state.json
+
+
+def _trainer_state(trace: Path, path: Path, extra: list | None = None, eval_every: int = 100) -> Path:
+    """A ``trainer_state.json`` with the trace's steps as ``log_history`` (logging_steps 1), an
+    evaluation entry every ``eval_every`` steps and the closing summary entry."""
+    history = []
+    for raw in trace.read_text().splitlines():
+        o = json.loads(raw)
+        history.append({"epoch": o["step"] / 1000, "grad_norm": 1.25, "learning_rate": 3e-4, "loss": o["loss"], "step": o["step"]})
+        if o["step"] % eval_every == 0:
+            history.append({"epoch": o["step"] / 1000, "eval_loss": 3.3, "eval_runtime": 1.5, "step": o["step"]})
+    history.append({"epoch": 1.0, "step": len(history), "total_flos": 1e15, "train_loss": 3.0, "train_runtime": 100.0})
+    state = {"best_metric": None, "epoch": 1.0, "eval_steps": eval_every, "global_step": len(history),
+             "log_history": history + (extra or []), "logging_steps": 1, "max_steps": 1000}
+    path.write_text(json.dumps(state, indent=2))
+    return path
+
+
+def test_a_hugging_face_trainer_state_gets_the_decisions_of_the_same_steps_as_json_lines(tmp_path):
+    """``trainer_state.json`` (every transformers checkpoint has one): training entries are steps,
+    evaluation entries give their step a val loss, the closing summary is skipped and counted."""
+    jsonl = loss_only_trace(tmp_path, spikes=(250,), shift_from=400)
+    state = _trainer_state(jsonl, tmp_path / "trainer_state.json")
+    want = json.loads(CliRunner().invoke(backtest_cmd, [str(jsonl), "--json"]).stdout)
+    r = CliRunner().invoke(backtest_cmd, [str(state), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    got = json.loads(r.stdout)
+    assert _decisions(got) == _decisions(want) and any(a[0] == "rollback" and a[2] <= 400 for a in _decisions(got)[1])
+    assert got["rejected_lines"] == 1 and "log_history[" in r.stderr and "no training loss" in r.stderr
+    recs = load_trace(state, rejected=[])
+    assert recs[99].step == 100 and recs[99].val_loss == 3.3 and recs[98].val_loss is None
+    assert recs[0].grad_norm == 1.25 and recs[0].lr == 3e-4
+
+
+def test_hostile_trainer_state_entries_are_counted_and_a_non_state_is_one_line(tmp_path):
+    jsonl = loss_only_trace(tmp_path, spikes=(), shift_from=400)
+    extra = [7, None, [1], {"loss": "abc", "step": 601}, {"loss": 3.0}, {"loss": 3.0, "step": "x"},
+             {"eval_loss": 3.2, "step": 99999}, {"eval_loss": "x", "step": 100}, {}]
+    state = _trainer_state(jsonl, tmp_path / "trainer_state.json", extra=extra)
+    r = CliRunner().invoke(backtest_cmd, [str(state), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert out["rejected_lines"] == len(extra) + 1 and any(a["kind"] == "rollback" for a in out["actions"])
+    strict = _one_line_error(CliRunner().invoke(backtest_cmd, [str(state), "--strict"]))
+    assert "trainer_state.json: log_history[" in strict
+    other = tmp_path / "config.json"
+    other.write_text('{"model": "gpt2", "layers": 12}')
+    assert "not a trainer_state.json" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(other), "--format", "hf"]))
+    # JSON lines named .json, one of them naming the key: still JSON lines (the whole file is no one object)
+    lines = tmp_path / "steps.json"
+    lines.write_text('{"step": 1, "loss": 3.0, "note": "log_history"}\n' + jsonl.read_text())
+    out = json.loads(CliRunner().invoke(backtest_cmd, [str(lines), "--json"]).stdout)
+    assert out["records"] > 400 and out["rejected_lines"] == 0
