@@ -855,7 +855,7 @@ class ClimbTrend:
     them (2 of 5 drills on the real and validation curves; 10 of 71 at 0.002-0.004). A 0.3-nat climb
     over 200 steps (0.0015/step) reaches z ~1.3 by then (the healthy descent subtracted), inside
     the healthy range. The rules run a second instance over 144 + 144 losses for those
-    (``climb_long_*``: z ~ s * 802 / sigma at 144 steps), which catches them ~130-150 steps in
+    (``climb_long_*``: z ~ s * 802 / sigma at 144 steps), which catches them ~130-160 steps in
     and rolls back to before their start; ``LevelShift`` catches the rest later.
 
     ``onset()`` is a window before the window's first step: the ramp the filter matched starts at

@@ -159,7 +159,7 @@ class DivergenceRule(RuleBase):
     climb_baseline: int = Field(100, ge=4)
     climb_sigmas: float = Field(5.5, ge=0)
     # ... and the same test over a longer window, for climbs too slow for the short one (the issue's
-    # 0.3 nats over 200 steps): caught after ~130 steps instead of not within 200; 0 turns it off
+    # 0.3 nats over 200 steps): caught ~130-160 steps in instead of not within 200; 0 turns it off
     climb_long_window: int = Field(144, ge=0)
     climb_long_baseline: int = Field(144, ge=4)
     climb_long_sigmas: float = Field(6.0, ge=0)
