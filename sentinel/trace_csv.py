@@ -72,65 +72,66 @@ def _number(cell: str) -> float:
     return float(cell.strip())
 
 
+class _Columns:
+    """Where a CSV's step, loss, grad-norm and clock columns are, from its header line."""
+
+    def __init__(self, text: str, n: int, path: str, step_column: str | None, loss_column: str | None):
+        self.delim = "\t" if text.count("\t") > text.count(",") else ","
+        try:
+            self.header = _split(text.rstrip("\r\n"), self.delim)
+        except csv.Error as e:
+            raise CsvHeaderError(f"{path}:{n}: unreadable CSV header ({e})") from None
+        h = self.header
+        self.step = _pick(h, STEP_NAMES, step_column, "step", "--step-column", path)
+        self.loss = _pick(h, LOSS_NAMES, loss_column, "loss", "--loss-column", path)
+        if self.loss == self.step:
+            raise CsvHeaderError(f"{path}: the step and loss columns are the same column")
+        self.grad = _pick(h, GRAD_NAMES, None, "grad norm", "", path)
+        low = [c.strip().lower() for c in h]
+        self.time, self.t_scale = next(((low.index(name), scale) for name, scale in TIME_NAMES if name in low), (None, 1.0))
+
+    def row(self, text: str) -> dict[str, Any]:
+        """One data line -> a trace-line dict; ``ValueError`` / ``csv.Error`` with the reason."""
+        if len(text) > MAX_FIELD * 4:
+            raise ValueError("line too long for a metrics row")
+        cells = _split(text.rstrip("\r\n"), self.delim)
+        if len(cells) != len(self.header):
+            raise ValueError(f"{len(cells)} cells, the header has {len(self.header)}")
+        if any(len(c) > MAX_FIELD for c in cells):
+            raise ValueError("a cell too long for a number")
+        loss_cell = cells[self.loss].strip()
+        if not loss_cell:
+            raise ValueError(f"no value in column {self.header[self.loss].strip()!r}")
+        step = _number(cells[self.step])
+        if not math.isfinite(step) or step != int(step):
+            raise ValueError(f"step {cells[self.step].strip()[:40]!r} is not a whole number")
+        obj: dict[str, Any] = {"step": int(step), "loss": _number(loss_cell)}
+        if self.grad is not None and cells[self.grad].strip():
+            obj["grad_norm"] = _number(cells[self.grad])
+        if self.time is not None and cells[self.time].strip():
+            t = _number(cells[self.time]) * self.t_scale
+            if math.isfinite(t):
+                obj["time"] = t
+        return obj
+
+
 def csv_rows(lines: Iterable[bytes], path: str, *, step_column: str | None = None,
              loss_column: str | None = None) -> Iterator[tuple[int, dict[str, Any] | str]]:
     """(line number, trace-line dict) for each data row, or (line number, the one-line reason) for
     a row that cannot be one. A header without a step or loss column raises ``CsvHeaderError``."""
-    header: list[str] | None = None
-    delim = ","
-    cols: dict[str, int | None] = {}
-    t_scale = 1.0
+    cols: _Columns | None = None
     for n, raw in enumerate(lines, 1):
         text = raw.decode("utf-8", errors="replace")
-        if header is None:
+        if cols is None:
             text = text.lstrip("\ufeff")
         if not text.strip():
             continue
-        if header is None:
-            delim = "\t" if text.count("\t") > text.count(",") else ","
-            try:
-                header = _split(text.rstrip("\r\n"), delim)
-            except csv.Error as e:
-                raise CsvHeaderError(f"{path}:{n}: unreadable CSV header ({e})") from None
-            cols["step"] = _pick(header, STEP_NAMES, step_column, "step", "--step-column", path)
-            cols["loss"] = _pick(header, LOSS_NAMES, loss_column, "loss", "--loss-column", path)
-            if cols["loss"] == cols["step"]:
-                raise CsvHeaderError(f"{path}: the step and loss columns are the same column")
-            cols["grad_norm"] = _pick(header, GRAD_NAMES, None, "grad norm", "", path)
-            cols["time"] = None
-            low = [h.strip().lower() for h in header]
-            for name, scale in TIME_NAMES:
-                if name in low:
-                    cols["time"], t_scale = low.index(name), scale
-                    break
+        if cols is None:
+            cols = _Columns(text, n, path, step_column, loss_column)
             continue
-        where = f"{path}:{n}"
         try:
-            if len(text) > MAX_FIELD * 4:
-                raise ValueError("line too long for a metrics row")
-            cells = _split(text.rstrip("\r\n"), delim)
-            if len(cells) != len(header):
-                raise ValueError(f"{len(cells)} cells, the header has {len(header)}")
-            if any(len(c) > MAX_FIELD for c in cells):
-                raise ValueError("a cell too long for a number")
-            loss_cell = cells[cols["loss"]].strip()
-            if not loss_cell:
-                raise ValueError(f"no value in column {header[cols['loss']].strip()!r}")
-            step = _number(cells[cols["step"]])
-            if not math.isfinite(step) or step != int(step):
-                raise ValueError(f"step {cells[cols['step']].strip()[:40]!r} is not a whole number")
-            obj: dict[str, Any] = {"step": int(step), "loss": _number(loss_cell)}
-            g = cols["grad_norm"]
-            if g is not None and cells[g].strip():
-                obj["grad_norm"] = _number(cells[g])
-            tc = cols["time"]
-            if tc is not None and cells[tc].strip():
-                t = _number(cells[tc]) * t_scale
-                if math.isfinite(t):
-                    obj["time"] = t
+            yield n, cols.row(text)
         except (csv.Error, ValueError, OverflowError) as e:
-            yield n, f"{where}: {str(e)[:200]}"
-            continue
-        yield n, obj
-    if header is None:
+            yield n, f"{path}:{n}: {str(e)[:200]}"
+    if cols is None:
         raise CsvHeaderError(f"{path}: empty CSV (no header)")
