@@ -24,8 +24,8 @@ own timestamps so cooldowns and rate limits replay as they would have live. What
 neutral values (``grad_norm = 0`` means "not reported" to the rules). A malformed line (not JSON,
 a wrong type, a missing field) is rejected with a one-line reason naming the file and line, and
 the read goes on (``sentinel backtest`` counts them; ``--strict`` stops at the first instead).
-A CSV export (W&B, TensorBoard, pandas) is read row by row into the same dicts (``trace_csv``), so
-its rows pass the same checks.
+A CSV export (W&B, TensorBoard, pandas) is read row by row into the same dicts (``trace_csv``), and
+so is a Hugging Face ``trainer_state.json``'s log history (``trace_hf``): they pass the same checks.
 """
 
 from __future__ import annotations
