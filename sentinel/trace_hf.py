@@ -36,39 +36,46 @@ def trainer_state_history(data: bytes) -> list[Any] | None:
     return history if isinstance(history, list) else None
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def hf_entries(history: list[Any], path: str) -> Iterator[tuple[str, dict[str, Any] | str]]:
     """(where, trace-line dict) per training entry, or (where, the one-line reason) per entry that
     is none; evaluation losses are folded into the training entry of their step."""
-    train: dict[int, dict[str, Any]] = {}  # step -> the trace-line dict of its training entry
-    rows: list[tuple[str, dict[str, Any] | str, Any]] = []
+    train: dict[int, dict[str, Any]] = {}  # step -> the trace-line dict of its (first) training entry
+    rows: list[tuple[str, dict[str, Any] | str]] = []
+    evals: dict[int, tuple[Any, Any]] = {}  # row index -> (step, eval_loss) of an evaluation entry
     for i, e in enumerate(history):
         where = f"{path}: log_history[{i}]"
         if not isinstance(e, dict):
-            rows.append((where, f"{where}: expected an object", None))
+            rows.append((where, f"{where}: expected an object"))
             continue
         step = e.get("step")
         if "loss" in e:
             obj: dict[str, Any] = {"step": step, "loss": e["loss"]}
             for src, dst in (("grad_norm", "grad_norm"), ("learning_rate", "lr")):
-                if isinstance(e.get(src), (int, float)) and not isinstance(e.get(src), bool):
+                if _is_number(e.get(src)):
                     obj[dst] = e[src]
-            if isinstance(step, int) and not isinstance(step, bool):
+            if _is_int(step):
                 train.setdefault(step, obj)
-            rows.append((where, obj, None))
+            rows.append((where, obj))
         elif "eval_loss" in e:
+            evals[len(rows)] = (step, e["eval_loss"])
             rows.append((where, f"{where}: an evaluation entry (eval_loss) at step {str(step)[:40]} with no training "
-                                f"entry at that step", (step, e["eval_loss"])))
+                                f"entry at that step"))
         else:
             keys = ", ".join(sorted(str(k)[:30] for k in e)[:6])
-            rows.append((where, f"{where}: no training loss (keys: {keys})", None))
-    merged = set()
-    for k, (_, _, ev) in enumerate(rows):  # first fold every evaluation in: a row is read once it is yielded
-        if ev is not None:
-            step, val = ev
-            target = train.get(step) if isinstance(step, int) and not isinstance(step, bool) else None
-            if target is not None and isinstance(val, (int, float)) and not isinstance(val, bool):
-                target["val_loss"] = val
-                merged.add(k)
-    for k, (where, entry, _) in enumerate(rows):
-        if k not in merged:
-            yield where, entry
+            rows.append((where, f"{where}: no training loss (keys: {keys})"))
+    folded = set()  # every evaluation goes in before any row is yielded: a yielded row is read at once
+    for k, (step, val) in evals.items():
+        if _is_int(step) and step in train and _is_number(val):
+            train[step]["val_loss"] = val
+            folded.add(k)
+    for k, row in enumerate(rows):
+        if k not in folded:
+            yield row
