@@ -499,3 +499,30 @@ def test_hostile_trainer_state_entries_are_counted_and_a_non_state_is_one_line(t
     lines.write_text('{"step": 1, "loss": 3.0, "note": "log_history"}\n' + jsonl.read_text())
     out = json.loads(CliRunner().invoke(backtest_cmd, [str(lines), "--json"]).stdout)
     assert out["records"] > 400 and out["rejected_lines"] == 0
+
+
+def test_several_traces_get_one_row_each_and_a_bad_one_costs_only_itself(tmp_path):
+    """`sentinel backtest A B C ...`: each trace judged as alone (its --json entry is the one-trace
+    --json plus its name); a missing or unreadable one is reported in its row and the others still
+    run; the exit status is then 2, with one closing line."""
+    healthy_dir, damaged_dir = tmp_path / "h", tmp_path / "d"
+    healthy_dir.mkdir()
+    damaged_dir.mkdir()
+    healthy = loss_only_trace(healthy_dir)
+    damaged = loss_only_trace(damaged_dir, spikes=(), shift_from=400)
+    no_loss = tmp_path / "odd.csv"
+    no_loss.write_text("step,objective\n1,3.0\n")
+    args = [str(healthy), str(damaged), str(tmp_path / "missing.jsonl"), str(no_loss)]
+    r = CliRunner().invoke(backtest_cmd, args + ["--json"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert out["failed"] == 2 and [t["trace"] for t in out["traces"]] == args
+    alone = json.loads(CliRunner().invoke(backtest_cmd, [str(damaged), "--json"]).stdout)
+    assert out["traces"][1] == {"trace": str(damaged), **alone} and any(a["kind"] == "rollback" for a in alone["actions"])
+    assert out["traces"][0]["actions"] == [] and out["traces"][0]["records"] == 600
+    assert "missing.jsonl" in out["traces"][2]["error"] and "no loss column" in out["traces"][3]["error"]
+    assert r.stderr.strip().splitlines() == ["error: 2 of 4 traces could not be judged (see their rows)"]
+    human = CliRunner().invoke(backtest_cmd, args, env={"COLUMNS": "400"})  # rows unwrapped
+    assert human.exit_code == 2 and "Traceback" not in human.output
+    assert "not judged" in human.stdout and "rollback at" in human.stdout and str(healthy) in human.stdout  # same names: full paths
+    assert "missing.jsonl" in human.stderr and "no loss column" in human.stderr

@@ -8,6 +8,8 @@ week's run?" and "would this rules change have paged us?" have exact answers bef
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import click
 
 from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
@@ -16,7 +18,7 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 
 
 @click.command("backtest")
-@click.argument("trace", metavar="TRACE")
+@click.argument("traces", nargs=-1, required=True, metavar="TRACE...")
 @click.option("--rules", "rules_path", default=None, metavar="FILE", help="Rules YAML (default: the built-in defaults).")
 @click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=0),
               help="Assume a checkpoint every N steps when deciding rollbacks (0: assume none).")
@@ -37,7 +39,7 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 @click.option("--skip-bad-lines", is_flag=True, hidden=True)  # the default now; kept so old scripts still run
 @json_option
 @friendly_errors
-def backtest(trace: str, rules_path: str | None, checkpoint_every: int, initial_checkpoint: bool, fmt: str,
+def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: int, initial_checkpoint: bool, fmt: str,
              step_column: str | None, loss_column: str | None, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
     """Run the rules offline over TRACE: a steps.jsonl, JSON lines with just step and loss, a
     CSV export of a run's history (W&B, TensorBoard, pandas), or a Hugging Face trainer_state.json.
@@ -45,28 +47,112 @@ def backtest(trace: str, rules_path: str | None, checkpoint_every: int, initial_
     Prints the flagged steps and the actions the policy would have taken. A malformed line (or a
     CSV row without a loss value) is skipped and counted (a warning on stderr, rejected_lines in
     --json); a file with no valid step line at all is an error.
+
+    Several TRACEs (say, last month's runs against a new rules file): one row per trace, and with
+    --json {"traces": [...]}, each as one trace's --json (or its "error"). A trace that cannot be
+    judged is reported in its row and the others still run; the exit status is then 2.
     """
-    from sentinel.backtest import backtest as run_backtest
-    from sentinel.backtest import load_trace
-    from sentinel.protocol import StepRecord
     from sentinel.rules import RulesError, default_rules, load_rules
 
     try:
         rules = load_rules(rules_path) if rules_path else default_rules()
     except RulesError as e:
         raise SentinelError(str(e)) from None
+
+    def judge(trace: str):
+        return _judge(trace, rules, checkpoint_every=checkpoint_every, initial_checkpoint=initial_checkpoint, fmt=fmt,
+                      step_column=step_column, loss_column=loss_column, strict=strict)
+
+    if len(traces) > 1:
+        _judge_many(traces, judge, as_json)
+        return
+    trace = traces[0]
+    res, rejected = judge(trace)
+    if rejected:
+        click.echo(f"warning: skipped {len(rejected)} line(s) of {trace}; first: {rejected[0]}", err=True)
+    if as_json:
+        emit_json({**res.to_json(), "rejected_lines": len(rejected)})
+        return
+    _print_tables(trace, res)
+
+
+def _judge(trace: str, rules, *, checkpoint_every: int, initial_checkpoint: bool, fmt: str, step_column: str | None,
+           loss_column: str | None, strict: bool):
+    """(BacktestResult, the rejected lines' reasons) of one trace; ``SentinelError`` if it has no step."""
+    from sentinel.backtest import backtest as run_backtest
+    from sentinel.backtest import load_trace
+    from sentinel.protocol import StepRecord
+
     rejected: list[str] | None = None if strict else []
     records = load_trace(trace, rejected=rejected, fmt=fmt, step_column=step_column, loss_column=loss_column)
     if not any(isinstance(r, StepRecord) for r in records):
         why = f" ({len(rejected)} line(s) skipped; first: {rejected[0]})" if rejected else ""
         raise SentinelError(f"no step records in {trace}{why}")
-    if rejected:
-        click.echo(f"warning: skipped {len(rejected)} line(s) of {trace}; first: {rejected[0]}", err=True)
     res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None, initial_checkpoint=initial_checkpoint)
+    return res, rejected or []
+
+
+def _one_line(e: Exception) -> str:
+    if isinstance(e, click.ClickException):
+        return e.format_message()
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _judge_many(traces: tuple[str, ...], judge, as_json: bool) -> None:
+    """Every trace in turn, one row each; the ones that cannot be judged say why and cost only themselves."""
+    from sentinel.cli.common import is_tty
+    from sentinel.cli.replay_cmd import make_progress
+
+    out: list[dict] = []
+    bar, report = make_progress(not as_json and is_tty())
+    with bar if bar is not None else nullcontext():
+        for i, trace in enumerate(traces):
+            if report:
+                report(i, len(traces), f"backtest {trace}")
+            try:
+                res, rejected = judge(trace)
+            except (click.ClickException, ValueError, OSError) as e:  # SchemaError is a ValueError
+                out.append({"trace": trace, "error": _one_line(e)})
+                continue
+            out.append({"trace": trace, **res.to_json(), "rejected_lines": len(rejected)})
+    failed = sum("error" in t for t in out)
     if as_json:
-        emit_json({**res.to_json(), "rejected_lines": len(rejected or [])})
-        return
-    _print_tables(trace, res)
+        emit_json({"traces": out, "failed": failed})
+    else:
+        _print_summary(out)
+    if failed:
+        raise SentinelError(f"{failed} of {len(traces)} traces could not be judged (see their rows)")
+
+
+def _print_summary(rows: list[dict]) -> None:
+    """One row per trace (by file name when the names are unique); traces that could not be
+    judged say so in their row, and why on stderr."""
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    names = [Path(r["trace"]).name for r in rows]
+    if len(set(names)) < len(names):
+        names = [r["trace"] for r in rows]
+    t = Table(title="Backtest, one row per trace", title_justify="left")
+    for col in ("trace", "steps", "flagged", "rollback", "pause", "page", "first action", "bad lines"):
+        t.add_column(col, justify="left" if col in ("trace", "first action") else "right")
+    for name, r in zip(names, rows):
+        if "error" in r:
+            t.add_row(escape(name), "-", "-", "-", "-", "-", "[red]not judged[/]", "-")
+            click.echo(f"error: {r['error']}" if r["trace"] in r["error"] else f"error: {r['trace']}: {r['error']}", err=True)
+            continue
+        kinds = [a["kind"] for a in r["actions"]]
+        first = next((a for a in r["actions"] if a["kind"] in ("rollback", "pause")), None)
+        what = "" if first is None else f"{first['kind']} at {first['step']}" + (
+            f" to {first['to_step']}" if first["to_step"] is not None else "")
+        t.add_row(escape(name), str(r["records"]), str(len(r["flagged"])), str(kinds.count("rollback")), str(kinds.count("pause")),
+                  str(kinds.count("page")), what, str(r["rejected_lines"]))
+    Console().print(t)
 
 
 def _skipped(act: dict) -> str:
