@@ -9,10 +9,11 @@ week's run?" and "would this rules change have paged us?" have exact answers bef
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress
 
 MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the first ones, --json has all
 
@@ -59,9 +60,8 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     except RulesError as e:
         raise SentinelError(str(e)) from None
 
-    def judge(trace: str):
-        return _judge(trace, rules, checkpoint_every=checkpoint_every, initial_checkpoint=initial_checkpoint, fmt=fmt,
-                      step_column=step_column, loss_column=loss_column, strict=strict)
+    judge = partial(_judge, rules=rules, checkpoint_every=checkpoint_every, initial_checkpoint=initial_checkpoint, fmt=fmt,
+                    step_column=step_column, loss_column=loss_column, strict=strict)
 
     if len(traces) > 1:
         _judge_many(traces, judge, as_json)
@@ -76,9 +76,11 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     _print_tables(trace, res)
 
 
-def _judge(trace: str, rules, *, checkpoint_every: int, initial_checkpoint: bool, fmt: str, step_column: str | None,
+@friendly_errors
+def _judge(trace: str, *, rules, checkpoint_every: int, initial_checkpoint: bool, fmt: str, step_column: str | None,
            loss_column: str | None, strict: bool):
-    """(BacktestResult, the rejected lines' reasons) of one trace; ``SentinelError`` if it has no step."""
+    """(BacktestResult, the rejected lines' reasons) of one trace; ``SentinelError`` (one line) if
+    it cannot be read or has no step."""
     from sentinel.backtest import backtest as run_backtest
     from sentinel.backtest import load_trace
     from sentinel.protocol import StepRecord
@@ -92,19 +94,8 @@ def _judge(trace: str, rules, *, checkpoint_every: int, initial_checkpoint: bool
     return res, rejected or []
 
 
-def _one_line(e: Exception) -> str:
-    if isinstance(e, click.ClickException):
-        return e.format_message()
-    if isinstance(e, OSError):
-        return f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
-    return (str(e).splitlines() or [type(e).__name__])[0]
-
-
 def _judge_many(traces: tuple[str, ...], judge, as_json: bool) -> None:
     """Every trace in turn, one row each; the ones that cannot be judged say why and cost only themselves."""
-    from sentinel.cli.common import is_tty
-    from sentinel.cli.replay_cmd import make_progress
-
     out: list[dict] = []
     bar, report = make_progress(not as_json and is_tty())
     with bar if bar is not None else nullcontext():
@@ -113,8 +104,8 @@ def _judge_many(traces: tuple[str, ...], judge, as_json: bool) -> None:
                 report(i, len(traces), f"backtest {trace}")
             try:
                 res, rejected = judge(trace)
-            except (click.ClickException, ValueError, OSError) as e:  # SchemaError is a ValueError
-                out.append({"trace": trace, "error": _one_line(e)})
+            except click.ClickException as e:  # _judge turns every expected failure into one
+                out.append({"trace": trace, "error": e.format_message()})
                 continue
             out.append({"trace": trace, **res.to_json(), "rejected_lines": len(rejected)})
     failed = sum("error" in t for t in out)

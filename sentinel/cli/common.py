@@ -56,6 +56,23 @@ def _redact(text: str) -> str:
     return re.sub(r"(rediss?://)([^@/\s]*)@", r"\1***@", text)
 
 
+def make_progress(enabled: bool):
+    """A rich progress bar on stderr for a person; a no-op (None) for scripts."""
+    if not enabled:
+        return None, None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("starting", total=None)
+
+    def report(done: int, total: int, desc: str) -> None:
+        bar.update(task, completed=done, total=max(total, 1), description=desc)
+
+    return bar, report
+
+
 def json_option(fn):
     return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")(fn)
 

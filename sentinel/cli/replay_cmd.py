@@ -7,7 +7,7 @@ import re
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, make_progress
 
 
 def parse_checkpoint(value: str | None) -> int | None:
@@ -18,23 +18,6 @@ def parse_checkpoint(value: str | None) -> int | None:
     if not m:
         raise SentinelError(f"--checkpoint {value!r}: expected a step number or step-NNNNNNNN")
     return int(m.group(1))
-
-
-def make_progress(enabled: bool):
-    """A rich progress bar on stderr for a person; a no-op (None) for scripts."""
-    if not enabled:
-        return None, None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    task = bar.add_task("starting", total=None)
-
-    def report(done: int, total: int, desc: str) -> None:
-        bar.update(task, completed=done, total=max(total, 1), description=desc)
-
-    return bar, report
 
 
 def fmt(x) -> str:

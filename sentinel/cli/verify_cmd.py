@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
-from sentinel.cli.replay_cmd import make_progress, parse_checkpoint
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, make_progress
+from sentinel.cli.replay_cmd import parse_checkpoint
 
 
 @click.command("verify-resume")
