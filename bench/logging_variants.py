@@ -1,6 +1,6 @@
 """Healthy real curves as other trainers would have logged them: does the sentinel still keep quiet?
 
-    python bench/logging_variants.py [--variants ema0.3,ema0.1,mean10,every10] [--json out.json]
+    python bench/logging_variants.py [--variants ema0.3,ema0.1,mean10,every10,restart500] [--json out.json]
 
 The public curves (``../shared/curves`` and ``bench/curves-validation``) log rank 0's raw loss at
 every step. Other logs do not: some print an EMA of the loss (a "smoothed loss"), some the mean over
@@ -13,7 +13,11 @@ are counted: every curve finished healthy, so each one is a false alarm. Variant
   (A = 0.1 is TensorBoard's smoothing 0.9);
 - ``meanK``: the mean of each K steps, logged at the K-th (a logging interval, as in Megatron or
   the Hugging Face Trainer);
-- ``everyK``: the raw loss of every K-th step only.
+- ``everyK``: the raw loss of every K-th step only;
+- ``restartK``: a requeued job appending to the same log. The run reached a step drawn at random
+  (200 to n - 100, seeded by the curve's length), was restarted from its last checkpoint at least K
+  steps before (a multiple of 100) and ran on to the end with the same data order: the log's steps
+  go back once, with no marker, and repeat.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from decision_quality import Run, load_curves  # noqa: E402
 from sentinel.backtest import backtest, parse_trace_line  # noqa: E402
 from sentinel.rules import default_rules  # noqa: E402
 
-DEFAULT = "ema0.5,ema0.3,ema0.2,ema0.1,mean10,every10"
+DEFAULT = "ema0.5,ema0.3,ema0.2,ema0.1,mean10,every10,restart100,restart500"
 
 
 def logged(run: Run, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -54,7 +58,14 @@ def logged(run: Run, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if variant.startswith("every"):
         k = int(variant[5:])
         return s[k - 1::k], x[k - 1::k], w[k - 1::k]
-    raise ValueError(f"unknown variant {variant!r} (emaA, meanK, everyK)")
+    if variant.startswith("restart"):
+        k = int(variant[7:])
+        reached = int(np.random.default_rng(len(x) * 7919 + k).integers(200, max(201, len(x) - 100)))
+        back_to = max(0, (reached - k) // 100 * 100)
+        keep = np.r_[np.arange(reached), np.arange(back_to, len(x))]
+        wall = np.r_[w[:reached], w[back_to:] + w[reached - 1] - w[back_to] + 60_000]  # a minute to restart
+        return s[keep], x[keep], wall
+    raise ValueError(f"unknown variant {variant!r} (emaA, meanK, everyK, restartK)")
 
 
 def replay(name: str, steps, losses, wall) -> list[dict]:

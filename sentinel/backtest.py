@@ -17,7 +17,15 @@ own timestamps so cooldowns and rate limits replay as they would have live. What
   stopped), so the trace's later records on that timeline would not exist. The backtest stops
   judging there and counts them as ``unjudged``; it resumes when the trace's own timeline moves on
   (a rollback/resume marker with a higher timeline, as a real ``steps.jsonl`` has). A loss-only
-  curve has no such marker: its first rollback or pause is its last decision.
+  curve has no such marker: its first rollback or pause is its last decision, unless its steps go
+  back (next point).
+- **A step that goes back is a restart.** A log without markers (a text log appended to by a requeued
+  job, a TensorBoard or W&B export of a resumed run) shows a restart only by its step numbers
+  falling: steps 1-1000, then 501, 502, ... That is read as a resume from the step before
+  (``restarts``; the same as the marker our trainer writes: a new timeline, the loss baselines
+  rewound to it, the later checkpoints of the abandoned branch forgotten) and never as a sudden
+  change of the loss. A step logged twice in a row is a duplicate line: the first is kept, the
+  second skipped and counted (``duplicates``), as the live bus rejects a replayed step.
 - Findings (``flagged``) are reported for judged records only.
 
 ``load_trace`` is tolerant: a line needs only ``step`` and ``loss``; missing StepRecord fields get
@@ -50,9 +58,12 @@ class BacktestResult:
     incidents: list[dict[str, Any]] = field(default_factory=list)
     records: int = 0
     unjudged: int = 0  # records after a rollback/pause that the live run would not have produced
+    restarts: int = 0  # steps that went back without a marker: read as resumes
+    duplicates: int = 0  # a step logged again right after itself: skipped
 
     def to_json(self) -> dict[str, Any]:
         return {"flagged": self.flagged, "actions": self.actions, "records": self.records, "unjudged": self.unjudged,
+                "restarts": self.restarts, "duplicates": self.duplicates,
                 "incidents": [{k: i[k] for k in ("id", "state", "rule", "onset_step", "detect_step", "pattern")}
                               for i in self.incidents]}
 
@@ -207,6 +218,35 @@ def _simulated_checkpoint(rec: StepRecord) -> CheckpointInfo:
                           manifest_sha256="", world_size=rec.world_size, timeline=rec.timeline, verified="unverified")
 
 
+def _implied_restarts(records: Iterable[StepRecord | TimelineRecord | MarkerRecord],
+                      res: BacktestResult) -> Iterator[StepRecord | TimelineRecord | MarkerRecord]:
+    """``records`` with a resume marker before each step that goes back on its timeline, and every
+    later record moved to a new timeline (as our trainer numbers them); a step logged again right
+    after itself is dropped. Counts both in ``res``."""
+    shift = 0  # timelines added so far
+    last: int | None = None  # the last step on the current timeline
+    timeline = None
+    for rec in records:
+        if shift:
+            rec = rec.model_copy(update={"timeline": rec.timeline + shift})
+        if isinstance(rec, TimelineRecord):
+            timeline, last = rec.timeline, rec.from_step
+        elif isinstance(rec, StepRecord):
+            if timeline is not None and rec.timeline == timeline and last is not None and rec.step <= last:
+                if rec.step == last:
+                    res.duplicates += 1
+                    continue
+                shift += 1
+                s = rec.step - 1
+                yield TimelineRecord(kind="start" if s <= 0 else "resume", run=rec.run, from_step=max(s, 0),
+                                     timeline=rec.timeline + 1, time=rec.time,
+                                     reason=f"the trace's steps went back from {last} to {rec.step} with no marker")
+                res.restarts += 1
+                rec = rec.model_copy(update={"timeline": rec.timeline + 1})
+            timeline, last = rec.timeline, rec.step
+        yield rec
+
+
 def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | None = None, *,
              checkpoint_every: int | None = 100, checkpoints: Iterable[CheckpointInfo] = (),
              initial_checkpoint: bool = True) -> BacktestResult:
@@ -217,7 +257,7 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
     res = BacktestResult()
     flagged: set[int] = set()
     stopped_at: int | None = None  # timeline on which the run was rolled back or paused
-    for rec in records:
+    for rec in _implied_restarts(records, res):
         if policy is None:
             policy = RunPolicy(rec.run, rules, clock=lambda: now[0])
             for c in checkpoints:

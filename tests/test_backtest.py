@@ -112,7 +112,7 @@ def test_cli_json_shape_on_loss_only_trace(tmp_path):
     r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500)), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert set(data) == {"flagged", "actions", "records", "unjudged", "incidents", "rejected_lines"}
+    assert set(data) == {"flagged", "actions", "records", "unjudged", "restarts", "duplicates", "incidents", "rejected_lines"}
     assert data["rejected_lines"] == 0
     assert data["flagged"][0] == 400 and data["actions"][0]["kind"] == "rollback"
     assert [i["state"] for i in data["incidents"]][0] == "recovered"
@@ -526,3 +526,58 @@ def test_several_traces_get_one_row_each_and_a_bad_one_costs_only_itself(tmp_pat
     assert human.exit_code == 2 and "Traceback" not in human.output
     assert "not judged" in human.stdout and "rollback at" in human.stdout and str(healthy) in human.stdout  # same names: full paths
     assert "missing.jsonl" in human.stderr and "no loss column" in human.stderr
+
+
+def _restarted(xs: list[float], reached: int, back_to: int) -> list[tuple[int, float]]:
+    """A log of one run that reached step ``reached``, was restarted from its checkpoint at
+    ``back_to`` and ran on: steps 1..reached, then back_to + 1.. again (the same data order, so the
+    same losses)."""
+    first = [(i + 1, x) for i, x in enumerate(xs[:reached])]
+    return first + [(i + 1, x) for i, x in enumerate(xs) if i >= back_to]
+
+
+def _steps_trace(tmp_path: Path, pts: list[tuple[int, float]], name: str = "restarted.jsonl") -> Path:
+    p = tmp_path / name
+    p.write_text("".join(json.dumps({"step": s, "loss": round(x, 4), "wall_ms": 31559 + 150 * i}) + "\n"
+                         for i, (s, x) in enumerate(pts)))
+    return p
+
+
+def test_a_log_whose_steps_go_back_is_read_as_a_restart_not_as_damage(tmp_path):
+    """A requeued job appends to the same log: steps 1-700, then 301, 302, ... The loss at step 301
+    is far above the loss at 700 (the early descent), and before this was read as a restart the
+    climb test rolled back on it (to a checkpoint after the step it was ordered at). Now: a resume
+    from step 300 on a new timeline, no action, every step judged; damage after the restart is
+    still rolled back to before its onset."""
+    from test_detectors import _pretraining
+
+    xs = _pretraining(2500, 0)
+    for reached, back_to in ((700, 300), (400, 200), (1500, 1100), (900, 0)):
+        res = backtest(load_trace(_steps_trace(tmp_path, _restarted(xs, reached, back_to))), default_rules())
+        assert res.actions == [], (reached, back_to, res.actions)
+        assert res.restarts == 1 and res.records == reached + 2500 - back_to and res.unjudged == 0
+    onset = 1600  # a persistent +0.5 nats after a restart from 1100 that had reached 1500
+    hurt = [x + (0.5 if i >= onset - 1 else 0.0) for i, x in enumerate(xs)]
+    res = backtest(load_trace(_steps_trace(tmp_path, _restarted(hurt, 1500, 1100))), default_rules())
+    [rb] = [a for a in res.actions if a["kind"] == "rollback"]
+    assert onset <= rb["step"] <= onset + 50 and 1100 <= rb["to_step"] <= onset, rb
+
+
+def test_a_rolled_back_loss_only_log_is_judged_again_once_its_steps_go_back(tmp_path):
+    """Damage the first attempt suffered is rolled back and the records after it are not judged;
+    when the log shows the run restarted from an earlier step (steps going back), judging goes
+    on there, and a repeated line is skipped and counted."""
+    from test_detectors import _pretraining
+
+    xs = _pretraining(2500, 1)
+    onset = 1200
+    hurt = [x + (0.6 if 1199 <= i < 1400 else 0.0) for i, x in enumerate(xs)]  # the first attempt's damage
+    pts = [(i + 1, x) for i, x in enumerate(hurt[:1400])] + [(i + 1, x) for i, x in enumerate(xs) if i >= 1100]
+    pts.insert(500, pts[499])  # step 500 printed twice
+    res = backtest(load_trace(_steps_trace(tmp_path, pts)), default_rules())
+    [rb] = res.actions
+    assert rb["kind"] == "rollback" and onset <= rb["step"] <= onset + 50 and rb["to_step"] <= onset
+    assert res.duplicates == 1 and res.restarts == 1
+    assert res.unjudged == 1400 - rb["step"] and res.records == rb["step"] + 2500 - 1100
+    out = res.to_json()
+    assert out["restarts"] == 1 and out["duplicates"] == 1

@@ -191,4 +191,6 @@ def _print_tables(trace: str, res) -> None:
         console.print(it)
     console.print(f"{res.records} steps, {len(res.flagged)} flagged, {len(res.actions)} actions, {len(res.incidents)} incidents"
                   + (f"; {res.unjudged} later steps not judged (the live run would have rolled back or paused there)"
-                     if res.unjudged else ""))
+                     if res.unjudged else "")
+                  + (f"; read {res.restarts} restart(s) where the steps went back" if res.restarts else "")
+                  + (f"; skipped {res.duplicates} repeated step line(s)" if res.duplicates else ""))
