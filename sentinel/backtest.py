@@ -26,6 +26,10 @@ own timestamps so cooldowns and rate limits replay as they would have live. What
   rewound to it, the later checkpoints of the abandoned branch forgotten) and never as a sudden
   change of the loss. A step logged twice in a row is a duplicate line: the first is kept, the
   second skipped and counted (``duplicates``), as the live bus rejects a replayed step.
+- **The clock only moves forward.** The policy's clock is the records' own time (``time``, else
+  ``wall_ms``), but a log's timer that starts again (a requeued job's; modded-nanogpt's after its
+  first 10 steps) adds nothing: rate limits and cooldowns in seconds count only time the log shows
+  passing, so an old rollback never reads as a recent one.
 - Findings (``flagged``) are reported for judged records only.
 
 ``load_trace`` is tolerant: a line needs only ``step`` and ``loss``; missing StepRecord fields get
@@ -257,8 +261,10 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
     res = BacktestResult()
     flagged: set[int] = set()
     stopped_at: int | None = None  # timeline on which the run was rolled back or paused
+    clock_shift = 0.0  # added to the records' times to keep the clock from going back
     for rec in _implied_restarts(records, res):
         if policy is None:
+            now[0] = rec.time
             policy = RunPolicy(rec.run, rules, clock=lambda: now[0])
             for c in checkpoints:
                 policy.on_checkpoint(c)
@@ -272,7 +278,14 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
                 res.unjudged += isinstance(rec, StepRecord)
                 continue
             stopped_at = None  # the trace's own timeline moved on: judge again
-        now[0] = rec.time
+        # the policy's clock only moves forward: a log's clock that starts again (a restarted job's
+        # timer, modded-nanogpt's after its first 10 steps) adds nothing, so rate limits and
+        # cooldowns in seconds count the time the log shows passing
+        t = rec.time + clock_shift
+        if t < now[0]:
+            clock_shift += now[0] - t
+            t = now[0]
+        now[0] = t
         if isinstance(rec, MarkerRecord):
             policy.on_marker(rec)  # as live: a planned change of the loss level restarts its baselines
             continue

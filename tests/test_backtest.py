@@ -581,3 +581,27 @@ def test_a_rolled_back_loss_only_log_is_judged_again_once_its_steps_go_back(tmp_
     assert res.unjudged == 1400 - rb["step"] and res.records == rb["step"] + 2500 - 1100
     out = res.to_json()
     assert out["restarts"] == 1 and out["duplicates"] == 1
+
+
+def test_a_log_clock_that_starts_again_does_not_turn_old_rollbacks_into_recent_ones(tmp_path):
+    """Three damages, each rolled back, in a log of 10-second steps whose timer starts from zero at
+    every restart (as a requeued job's does). They are 1,300 steps (3.6 hours of training) apart, so
+    no rate limit applies: three rollbacks. Read with the log's own clock, the third rollback's time
+    is just after the second's and the first's, and the hourly limit (2) would escalate it to a
+    human instead."""
+    from test_detectors import _pretraining
+
+    xs = _pretraining(4000, 2)
+    pts, start = [], 0
+    for onset in (1200, 2400, 3600):  # each attempt: from the restart point to just after its damage
+        hurt = [x + 0.6 for x in xs[onset - 1:onset + 60]]
+        attempt = [(i + 1, x) for i, x in enumerate(xs[start:onset - 1], start)] + \
+                  [(onset + j, x) for j, x in enumerate(hurt)]
+        pts += [(s, x, 10_000 * k) for k, (s, x) in enumerate(attempt)]  # wall_ms from 0 each time
+        start = onset - 100
+    p = tmp_path / "reset_clock.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "loss": round(x, 4), "wall_ms": w}) + "\n" for s, x, w in pts))
+    res = backtest(load_trace(p), default_rules())
+    assert [a["kind"] for a in res.actions] == ["rollback"] * 3, [(a["kind"], a["step"], a["reason"][:60]) for a in res.actions]
+    assert res.restarts == 2
+    assert all(onset <= a["step"] <= onset + 50 and a["to_step"] <= onset for a, onset in zip(res.actions, (1200, 2400, 3600)))
