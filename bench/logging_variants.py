@@ -14,6 +14,12 @@ are counted: every curve finished healthy, so each one is a false alarm. Variant
 - ``meanK``: the mean of each K steps, logged at the K-th (a logging interval, as in Megatron or
   the Hugging Face Trainer);
 - ``everyK``: the raw loss of every K-th step only;
+- ``rollK``: the mean of the last K steps, logged every step (a running mean, as Lightning's
+  progress bar shows the loss);
+- ``quietF``: a quieter run (a bigger batch): the per-step noise scaled by F around the centred
+  25-step running mean, which keeps the data-order wiggles slower than that at their full size
+  (the hard case: the noise the bars are set in shrinks, the wander does not);
+- ``roundD``: the raw loss printed with D decimals (``loss:3.28``);
 - ``restartK``: a requeued job appending to the same log. The run reached a step drawn at random
   (200 to n - 100, seeded by the curve's length), was restarted from its last checkpoint at least K
   steps before (a multiple of 100) and ran on to the end with the same data order: the log's steps
@@ -55,6 +61,17 @@ def logged(run: Run, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k = int(variant[4:])
         n = len(x) // k * k
         return s[k - 1:n:k], x[:n].reshape(-1, k).mean(axis=1), w[k - 1:n:k]
+    if variant.startswith("quiet"):
+        f = float(variant[5:])
+        slow = np.convolve(np.pad(x, 12, mode="edge"), np.ones(25) / 25, mode="valid")
+        return s, slow + f * (x - slow), w
+    if variant.startswith("round"):
+        return s, np.round(x, int(variant[5:])), w
+    if variant.startswith("roll"):
+        k = int(variant[4:])
+        c = np.cumsum(np.r_[0.0, x])
+        lo = np.maximum(np.arange(1, len(x) + 1) - k, 0)
+        return s, (c[1:] - c[lo]) / (np.arange(1, len(x) + 1) - lo), w
     if variant.startswith("every"):
         k = int(variant[5:])
         return s[k - 1::k], x[k - 1::k], w[k - 1::k]
@@ -63,9 +80,9 @@ def logged(run: Run, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         reached = int(np.random.default_rng(len(x) * 7919 + k).integers(200, max(201, len(x) - 100)))
         back_to = max(0, (reached - k) // 100 * 100)
         keep = np.r_[np.arange(reached), np.arange(back_to, len(x))]
-        wall = np.r_[w[:reached], w[back_to:] + w[reached - 1] - w[back_to] + 60_000]  # a minute to restart
+        wall = np.r_[w[:reached], w[reached - 1] + 60_000 + 160 * np.arange(len(x) - back_to)]  # a minute to restart
         return s[keep], x[keep], wall
-    raise ValueError(f"unknown variant {variant!r} (emaA, meanK, everyK, restartK)")
+    raise ValueError(f"unknown variant {variant!r} (emaA, meanK, everyK, rollK, roundD, quietF, restartK)")
 
 
 def replay(name: str, steps, losses, wall) -> list[dict]:

@@ -48,10 +48,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from sentinel.policy import RunPolicy
-from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord
+from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord, record_range_error
 from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
+from sentinel.trace_text import looks_like_text_log, text_rows
 
 
 @dataclass
@@ -100,9 +101,13 @@ def record_from_obj(obj: dict[str, Any], *, default_run: str = "trace", where: s
     obj.setdefault("run", default_run)
     if kind != "step":
         try:
-            return MarkerRecord.from_json(obj) if kind == "marker" else TimelineRecord.from_json(obj)
+            rec = MarkerRecord.from_json(obj) if kind == "marker" else TimelineRecord.from_json(obj)
         except SchemaError as e:
             raise SchemaError(f"{where}: {e}") from None
+        bad = record_range_error(rec)
+        if bad:
+            raise SchemaError(f"{where}: {bad}")
+        return rec
     for k in ("step", "loss"):
         if k not in obj:
             raise SchemaError(f"{where}: a step line needs at least 'step' and 'loss' (missing {k!r})")
@@ -115,9 +120,13 @@ def record_from_obj(obj: dict[str, Any], *, default_run: str = "trace", where: s
     obj.setdefault("tokens", 0)
     obj.setdefault("batch_fingerprint", "")
     try:
-        return StepRecord.from_json(obj)
+        rec = StepRecord.from_json(obj)
     except SchemaError as e:
         raise SchemaError(f"{where}: {e}") from None
+    bad = record_range_error(rec)  # what the live gate rejects as out of range (a step past 2^53, a negative loss)
+    if bad:
+        raise SchemaError(f"{where}: {bad}")
+    return rec
 
 
 def _time_of(obj: dict[str, Any]) -> float:
@@ -134,7 +143,7 @@ def _time_of(obj: dict[str, Any]) -> float:
     return 0.0
 
 
-TRACE_FORMATS = ("auto", "jsonl", "csv", "hf")
+TRACE_FORMATS = ("auto", "jsonl", "csv", "hf", "text")
 
 
 def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
@@ -145,7 +154,8 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
 
     ``fmt`` "auto": a ``.csv``/``.tsv`` file is CSV; a ``.json`` file that is one JSON object with a
     ``log_history`` list is a trainer state; ``.jsonl``/``.json``/``.ndjson`` otherwise JSON lines;
-    any other name is CSV when its first line is no JSON object but has commas or tabs.
+    any other name is JSON lines when its first line is a JSON object, CSV when it is a header with
+    commas or tabs (and no step line), else a trainer's text log (``trace_text``).
     With ``rejected`` (a list), a bad line is appended there (its one-line reason) and skipped
     instead of stopping the read."""
     p = Path(path)
@@ -159,6 +169,8 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
             entries: Iterator[tuple[str, Any]] = hf_entries(history or [], str(path))
         elif fmt == "csv":
             entries = ((f"{path}:{n}", e) for n, e in csv_rows(fh, str(path), step_column=step_column, loss_column=loss_column))
+        elif fmt == "text":
+            entries = ((f"{path}:{n}", e) for n, e in text_rows(fh, str(path)))
         else:
             entries = _json_entries(fh, str(path))
         try:
@@ -174,6 +186,9 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
                     rejected.append(str(e))
         except CsvHeaderError as e:
             raise SchemaError(str(e)) from None
+    if fmt == "text" and not out:
+        raise SchemaError(f"{path}: read as a text log, but no line names a step and a training loss "
+                          f"(like 'step:100 loss:3.21' or 'iter 100: loss 3.21'); --format names another format")
     return out
 
 
@@ -196,8 +211,16 @@ def _trace_format(p: Path, fh, fmt: str) -> tuple[str, list[Any] | None]:
         elif suffix in (".jsonl", ".json", ".ndjson"):
             fmt = "jsonl"  # a hostile first line must not turn a JSON-lines file into a CSV one
         else:
-            fmt = "csv" if looks_like_csv(_first_line(fh)) else "jsonl"
+            first = _first_line(fh)
             fh.seek(0)
+            if first.lstrip(b"\xef\xbb\xbf \t").startswith(b"{"):
+                fmt = "jsonl"
+            elif looks_like_csv(first) and not looks_like_text_log(first):  # "iter 1: loss 4.2, time 9ms" has commas too
+                fmt = "csv"
+            else:
+                # a job's stdout (.log, .out; the banner, config or code some trainers print come first),
+                # or a file of another name whose first line is no JSON object and no CSV header
+                fmt = "text"
     return fmt, history
 
 

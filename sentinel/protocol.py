@@ -541,7 +541,10 @@ def _bad_float(name: str, x: float, *, nonfinite_ok: bool) -> str | None:
 
 
 def _bad_int(name: str, x: int, lo: int, hi: int) -> str | None:
-    return None if lo <= x <= hi else f"{name}={x} is out of range [{lo}, {hi}]"
+    if lo <= x <= hi:
+        return None
+    shown = str(x) if -10**30 < x < 10**30 else f"<a {x.bit_length()}-bit {'negative ' if x < 0 else ''}number>"  # one short line
+    return f"{name}={shown} is out of range [{lo}, {hi}]"
 
 
 def record_range_error(rec: _Record) -> str | None:

@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from sentinel.backtest import backtest, load_trace
@@ -171,14 +172,15 @@ HOSTILE_LINES = [
     '{"kind": ["marker"], "step": 7, "loss": 3.0}',
     '{"kind": "rollback", "step": 7}',
     "[" * 50_000,
-]
-# odd but readable: taken (a string number, a wall clock that is not one) or judged harmless (a step
-# from far in the future or the past is stale or out of order for the policy, not a wedge)
-ODD_LINES = [
+    # out of the live gate's ranges, so rejected here too (backtest = live): a step past 2^53 or
+    # negative, a finite loss beyond float32
     '{"step": 123456789012345678901234567890123456789012345678901234567890, "loss": 3.0, "wall_ms": 1e400}',
     '{"step": 9223372036854775807, "loss": 3.0}',
     '{"step": -5, "loss": 3.0}',
     '{"step": 250, "loss": 1e308}',
+]
+# odd but readable: taken (a string number, a wall clock that is not one)
+ODD_LINES = [
     '{"step": 7, "loss": "3.0"}',
     '{"step": 7, "loss": 3.0, "wall_ms": "soon"}',
 ]
@@ -605,3 +607,70 @@ def test_a_log_clock_that_starts_again_does_not_turn_old_rollbacks_into_recent_o
     assert [a["kind"] for a in res.actions] == ["rollback"] * 3, [(a["kind"], a["step"], a["reason"][:60]) for a in res.actions]
     assert res.restarts == 2
     assert all(onset <= a["step"] <= onset + 50 and a["to_step"] <= onset for a, onset in zip(res.actions, (1200, 2400, 3600)))
+
+
+_TEXT_LOGS = {
+    # name: (preamble lines, step line, lines after a step (evaluations, noise))
+    "modded.log": (["import os", "import torch  # the script prints its own source first", "=" * 40,
+                    "step:0/600 val_loss:10.8258 train_time:0ms step_avg:nanms"],
+                   lambda o: f"step:{o['step']}/600 train_loss:{o['loss']} train_time:{o['wall_ms']}ms step_avg:160.0ms",
+                   lambda o: [f"step:{o['step']}/600 val_loss:3.3000 train_time:{o['wall_ms']}ms"] if o["step"] % 125 == 0 else []),
+    "nanogpt.out": (["Overriding config with config/train_gpt2.py:", "tokens per iteration will be: 491,520"],
+                    lambda o: f"iter {o['step']}: loss {o['loss']}, time 160.00ms, mfu 31.20%",
+                    lambda o: [f"step {o['step']}: train loss 3.2100, val loss 3.3000"] if o["step"] % 100 == 0 else []),
+    "megatron.txt": (["> building GPT model ...", " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 124439808"],
+                     lambda o: (f" [2024-05-01 12:{o['step'] // 60:02d}:{o['step'] % 60:02d}] iteration {o['step']:>8}/  500000 | "
+                                f"consumed samples: {o['step'] * 512} | elapsed time per iteration (ms): 160.0 | learning rate: 3.000E-04 | "
+                                f"global batch size:   512 | lm loss: {o['loss']:.6E} | loss scale: 1.0 | grad norm: 1.234 | "
+                                "number of skipped iterations:   0 | number of nan iterations:   0 |"),
+                     lambda o: []),
+    "olmo": (["[2024-05-01 12:00:00] INFO     Saving config"],  # a step header and its metrics on separate lines
+             lambda o: f"[step={o['step']}/739328,epoch=0]",
+             lambda o: [f"    train/CE loss={o['loss']}", "    train/Z loss=0.0001", "    optim/total grad norm=0.91"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TEXT_LOGS))
+def test_a_trainers_text_log_gets_the_decisions_of_the_same_steps_as_json_lines(tmp_path, name):
+    """The stdout of modded-nanogpt, nanoGPT, Megatron-LM and an OLMo-style block log: the steps are
+    found among banners, code, evaluation summaries (whose train loss is an estimate, not a step)
+    and other losses; the same damage gets the same flags and rollback as the JSON-lines trace."""
+    jsonl = loss_only_trace(tmp_path, spikes=(250,), shift_from=400)
+    pre, step_line, after = _TEXT_LOGS[name]
+    lines = list(pre)
+    for raw in jsonl.read_text().splitlines():
+        obj = json.loads(raw)
+        lines.append(step_line(obj))
+        lines.extend(after(obj))
+    log = tmp_path / name
+    log.write_text("\n".join(lines) + "\n")
+    want = json.loads(CliRunner().invoke(backtest_cmd, [str(jsonl), "--json"]).stdout)
+    r = CliRunner().invoke(backtest_cmd, [str(log), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    got = json.loads(r.stdout)
+    assert _decisions(got) == _decisions(want) and got["rejected_lines"] == 0
+    assert any(a[0] == "rollback" and a[2] <= 400 for a in _decisions(got)[1]) and 250 in got["flagged"]
+    recs = load_trace(log)
+    assert [r.step for r in recs] == list(range(1, 601))
+    if name == "modded.log":
+        assert recs[9].time == (31559 + 100 * 10) / 1000  # train_time is the clock
+    if name == "megatron.txt":
+        assert recs[0].grad_norm == 1.234 and recs[0].lr == 3e-4 and recs[61].time - recs[1].time == 60.0
+
+
+def test_a_text_log_without_steps_is_one_line_and_hostile_lines_cost_nothing(tmp_path):
+    empty = tmp_path / "job.log"
+    empty.write_text("Loading checkpoint shards: 100%\nloss spike detected at step 500\nval_loss: 3.2 step: 100\n")
+    r = CliRunner().invoke(backtest_cmd, [str(empty)])
+    assert r.exit_code == 2 and _one_line_error(r).startswith("error: ") and "text log" in r.output
+    rng = random.Random(3)
+    good = [f"step:{s}/300 train_loss:{3.0 + 0.03 * rng.random():.4f} train_time:{100 * s}ms" for s in range(1, 301)]
+    junk = ["\x00" * 50, "step:" + "9" * 5000 + " loss:1", "step:12 loss:" + "1" * 20000, "iter 5: loss nan", "\udcff",
+            "step:7/300 train_loss:inf", "loss: 2.0", "x" * 100_000 + " step:3 loss:2", "step:-1 loss:2.0"]
+    lines = good[:150] + junk + good[150:]
+    hostile = tmp_path / "hostile.log"
+    hostile.write_bytes("\n".join(lines).encode("utf-8", errors="surrogateescape"))
+    r = CliRunner().invoke(backtest_cmd, [str(hostile), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert out["records"] + out["unjudged"] >= 300 and not any(a["kind"] == "rollback" for a in out["actions"])

@@ -26,10 +26,12 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 @click.option("--initial-checkpoint/--no-initial-checkpoint", default=True, show_default=True,
               help="Also assume the initial state (step 0) was saved, as the trainer does on a fresh start "
                    "(only for a trace that begins within the first N steps).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "csv", "hf"]), default="auto", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "csv", "hf", "text"]), default="auto", show_default=True,
               help="auto: .csv/.tsv files are CSV; a .json file with a log_history list is a Hugging Face "
-                   "trainer_state.json (hf); .jsonl/.json/.ndjson otherwise JSON lines; any other name is CSV when "
-                   "its first line is a comma- or tab-separated header.")
+                   "trainer_state.json (hf); .jsonl/.json/.ndjson otherwise JSON lines; any other name (train.log, "
+                   "slurm-123.out) is JSON lines when its first line is a JSON object, CSV when it is a comma- or "
+                   "tab-separated header, else a trainer's text log (text: modded-nanogpt, nanoGPT, Megatron-LM, "
+                   "key=value lines).")
 @click.option("--step-column", default=None, metavar="NAME",
               help="CSV: the step column (default: the first of step, _step, global_step, iteration, ...).")
 @click.option("--loss-column", default=None, metavar="NAME",
@@ -43,7 +45,9 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: int, initial_checkpoint: bool, fmt: str,
              step_column: str | None, loss_column: str | None, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
     """Run the rules offline over TRACE: a steps.jsonl, JSON lines with just step and loss, a
-    CSV export of a run's history (W&B, TensorBoard, pandas), or a Hugging Face trainer_state.json.
+    CSV export of a run's history (W&B, TensorBoard, pandas), a Hugging Face trainer_state.json,
+    or the trainer's own text log (step:100 train_loss:3.21, iter 100: loss 3.21, Megatron's
+    iteration lines).
 
     Prints the flagged steps and the actions the policy would have taken. A malformed line (or a
     CSV row without a loss value) is skipped and counted (a warning on stderr, rejected_lines in
