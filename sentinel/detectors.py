@@ -587,13 +587,17 @@ class LevelShift:
 
     __slots__ = ("window", "stride", "horizon", "sigmas", "min_rise", "warmup", "n", "_pending", "_mono",
                  "_above_since", "_v", "_st", "excess", "best", "bar", "jump_sigmas", "_jz", "_jzq", "_q", "kind",
-                 "jump_detrend", "_hist", "_hist_min", "credit", "_lag", "_lrm", "_d2", "wander")
+                 "jump_detrend", "_hist", "_hist_min", "credit", "_lag", "_lrm", "_d2", "wander", "_past")
 
     SEGMENTS = 3  # the descent's rate is the slowest of this many consecutive spans of past medians
     QUARTILE_SIGMAS = 1.0  # a level verdict also needs the window's lower quartile this many noise sigmas above the best
     WANDER_SAMPLES = 128  # second differences of window medians kept to measure how far the level wanders (``_wander``)
     WANDER_MIN = 32  # fewer than this: no measurement, the per-step noise stands
     WANDER_SLACK = 0.5  # the noise is scaled by (measured ratio - this), at least 1: a white-noise run's ratio wanders to ~2
+    PAST_STEPS = 1000  # a verdict also needs its excess PAST_FACTOR x the largest the run showed over this many steps before
+    PAST_FACTOR = 2.0  # (see ``_beyond_past``)
+    PAST_MIN = 20  # fewer earlier verdicts than this: no such check
+    PAST_GAP = 200  # the past ends this many steps back: a climb caught late rose over them
 
     def __init__(self, window: int = 24, horizon: int = 500, sigmas: float = 2.5, min_rise: float = 0.02, warmup: int = 100,
                  jump_sigmas: float = 0.0, jump_detrend: float = 0.0):
@@ -659,6 +663,7 @@ class LevelShift:
             return False
         best = mono[0][1]
         ex = m - best
+        self._past.append((step, ex, m - before[1] if before is not None else None))
         bar = self.sigmas * noise
         floor = self.min_rise * (best if best > 0 else -best)
         if floor > bar:
@@ -667,7 +672,8 @@ class LevelShift:
             self.excess, self.best, self.bar = ex, best, bar
             if self._above_since is None:
                 self._above_since = step
-            if ex > bar and q - best > self.QUARTILE_SIGMAS * noise and self._still_past(ex, q - best, noise, self.sigmas, self.QUARTILE_SIGMAS, floor, 0.0):
+            if ex > bar and q - best > self.QUARTILE_SIGMAS * noise and self._still_past(ex, q - best, noise, self.sigmas, self.QUARTILE_SIGMAS, floor, 0.0) \
+                    and self._beyond_past(ex, 1, min(step - self.PAST_GAP, self._above_since - self.window), step):
                 # a shift lifts the whole window; recovered spikes bunched into it (14 of 24 losses
                 # in three multi-step spikes) lift its median past the bar but not its lower quartile
                 self.kind = "level"
@@ -689,13 +695,42 @@ class LevelShift:
             short = max(bm - (m - v), bq - (q - q0))  # what a credit must make up for a jump
             credit = self._descent(short) if self.jump_detrend and short >= 0.0 else 0.0
             if m - v + credit > bm and q - q0 + credit > bq and self._still_past(
-                    m - v + credit, q - q0 + credit, noise, self.jump_sigmas * self._jz, self.jump_sigmas * self._jzq, floor_j, floor_j):
+                    m - v + credit, q - q0 + credit, noise, self.jump_sigmas * self._jz, self.jump_sigmas * self._jzq, floor_j, floor_j) \
+                    and self._beyond_past(m - v + credit, 2, step - self.PAST_GAP, step):
                 # ``best`` is the level expected of this window: the one before, less the credited descent;
                 # the bar is the one it passed (the same as ``bm`` unless the level wanders)
                 self.kind, self.excess, self.best, self.credit = "jump", m - v + credit, v - credit, credit
                 self.bar = max(jb * self._jz * self.wander, floor_j)
                 return True
         return False
+
+    def _beyond_past(self, stat: float, idx: int, cut: int, step: int) -> bool:
+        """Does ``stat`` (a level excess, idx 1, or a jump, idx 2) stand ``PAST_FACTOR`` times above
+        the largest of its kind at this run's verdicts from ``PAST_STEPS`` before ``step`` to ``cut``?
+
+        The bars are set in per-step noise, and on a run logged raw that is far above how its
+        level wanders (a window median's noise is ~1/4 of it), so the run's own slow wander never
+        reaches them. A loss logged smoothed (an EMA, a running mean) or a quieter run (a bigger
+        batch) shrinks the per-step noise but not the wander of its data order: on the 48 healthy
+        real curves so logged, the verdicts that fired stood only 0.7-1.7x above the largest of
+        their kind in the 1000 steps before, against at least 2.5x for the first verdict on every
+        injected jump and slow decay (0.25-1.0 nats) that the level test caught. ``cut`` leaves the
+        newest two windows out (a jump must not raise its own bar) and, for the level test, the
+        current elevated stretch (a slow climb's own rise is not its past)."""
+        lo, top, k = step - self.PAST_STEPS, None, 0
+        for e in self._past:
+            if e[0] < lo:
+                continue
+            if e[0] > cut:
+                break
+            x = e[idx]
+            if x is not None:
+                k += 1
+                if top is None or x > top:
+                    top = x
+        if k < self.PAST_MIN or top is None or top <= 0.0:
+            return True
+        return stat > self.PAST_FACTOR * top
 
     def _still_past(self, ex: float, exq: float, noise: float, k_median: float, k_quartile: float, floor: float,
                     floor_q: float) -> bool:
@@ -783,7 +818,7 @@ class LevelShift:
         while st and st[-1] > keep_through_step:
             st.pop()
             v.pop()
-        for q in (self._pending, self._mono, self._hist, self._d2):
+        for q in (self._pending, self._mono, self._hist, self._d2, self._past):
             while q and q[-1][0] > keep_through_step:
                 q.pop()
         self._lrm.clear()  # the next second difference starts from fresh medians (lost: 2 windows of samples)
@@ -801,11 +836,14 @@ class LevelShift:
         self._lrm: deque[float] = deque(maxlen=2 * self._lag + 1)  # the last window medians, one per verdict
         self._d2: deque[tuple[int, float]] = deque(maxlen=self.WANDER_SAMPLES + 5 * self._lag)  # (step, second difference)
         self.wander = 1.0
+        # (step, level excess, jump) at each verdict, for ``_beyond_past``
+        self._past: deque[tuple[int, float, float | None]] = deque(maxlen=(self.PAST_STEPS + 2 * self.window) // self.stride + 2)
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [[s, v] for s, v in zip(self._st, self._v)], "n": self.n, "pending": [list(p) for p in self._pending],
                 "mono": [list(p) for p in self._mono], "above_since": self._above_since,
-                "hist": [list(p) for p in self._hist], "lrm": list(self._lrm), "d2": [list(p) for p in self._d2]}
+                "hist": [list(p) for p in self._hist], "lrm": list(self._lrm), "d2": [list(p) for p in self._d2],
+                "past": [list(p) for p in self._past]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
@@ -820,6 +858,7 @@ class LevelShift:
         self._hist.extend((int(s), float(v)) for s, v in d.get("hist", ()))  # none in a state saved before the detrend
         self._lrm.extend(float(v) for v in d.get("lrm", ()))  # none in a state saved before the wander measure
         self._d2.extend((int(s), float(v)) for s, v in d.get("d2", ()))
+        self._past.extend((int(p[0]), float(p[1]), None if p[2] is None else float(p[2])) for p in d.get("past", ()))  # none before the check
         self._above_since = d["above_since"]
 
 

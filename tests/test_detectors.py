@@ -779,9 +779,11 @@ def test_a_clear_spike_in_the_fast_early_descent_is_flagged(seed):
 
 
 class _UnmeasuredWander(d.LevelShift):
-    """The level test as it was before it measured how far a run's level wanders."""
+    """The level test as it was before it measured how far a run's level wanders (and before it
+    set a verdict against the run's own past, the other guard against wander)."""
 
     __slots__ = ()
+    PAST_FACTOR = 0.0
 
     def _wander(self, noise: float) -> float:
         return 1.0
@@ -829,6 +831,48 @@ def test_level_shift_measures_how_far_a_smoothed_loss_wanders():
         jumped = fires(d.LevelShift, _smoothed(seed, jump_at=2000, amp=0.3))
         assert jumped and 2000 <= jumped[0] <= 2030, (seed, jumped[:3])
     assert unmeasured == 6
+
+
+def _quiet_wandering(seed: int, n: int = 3000, jump_at: int | None = None) -> list[float]:
+    """A quiet run (per-step noise 0.02, a big batch) whose level wanders slowly by as much (a
+    200-step smoothed random walk of sd 0.02: its data order)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    slow = np.convolve(rng.normal(0, 1, n + 400), np.hanning(200), mode="same")[200:200 + n]
+    xs = 3.0 + 2.0 * (t + 50) ** -0.5 + slow * 0.02 / slow.std() + rng.normal(0, 0.02, n)
+    if jump_at is not None:
+        xs[jump_at:] += 0.3
+    return [float(x) for x in xs]
+
+
+class _NoPast(d.LevelShift):
+    """The level test as it was before it set a verdict against the run's own past."""
+
+    __slots__ = ()
+    PAST_FACTOR = 0.0
+
+
+def test_level_shift_sets_a_verdict_against_the_runs_own_past_wander():
+    """Slow wander as large as the per-step noise (a quiet run, or a smoothed log) reaches bars set
+    in per-step noise: without the past check the level and jump tests fire on 8 of 8 such healthy
+    runs; with it on at most 3 (those that fire do so early, where the past is the fast descent and
+    says nothing of the wander). A +0.3-nat jump is still caught within 20 steps on every run that
+    had not fired before it."""
+    def fires(cls, xs):
+        sh = cls(window=24, warmup=100, sigmas=3.0, min_rise=0.02, jump_sigmas=5.0, jump_detrend=0.5)
+        nz = _diff_noise(xs)
+        return [i for i, x in enumerate(xs) if sh.update(i, x, nz) and i >= 400]
+
+    with_past = without = 0
+    for seed in range(8):
+        xs = _quiet_wandering(seed)
+        a = fires(d.LevelShift, xs)
+        with_past += bool(a)
+        without += bool(fires(_NoPast, xs))
+        if not a:
+            j = fires(d.LevelShift, _quiet_wandering(seed, jump_at=2000))
+            assert j and 2000 <= j[0] <= 2020, (seed, j[:3])
+    assert without == 8 and with_past <= 3, (without, with_past)
 
 
 def test_level_shift_wander_leaves_white_noise_runs_alone():
