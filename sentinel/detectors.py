@@ -887,7 +887,9 @@ class ClimbTrend:
     medians wander than white noise would; 1 on every public curve measured), so a run whose loss
     wanders slowly raises it. Two more guards keep a recovered spike cluster from reading as a
     ramp: losses the spike test flagged are held at the previous loss (``update``), and the medians
-    of both late quarters of the window must rise too.
+    of both late quarters of the window must rise too. And z must be 1.5x the largest z the run
+    itself showed 200-1000 steps before (``_beyond_past``): slow wiggles that took the test near
+    its bar before are the run's own, not a climb.
 
     What it can reach (measured, docs/benchmarks.md): with sigma ~0.1 nat and the bar at 5.5, only
     steep climbs (about 0.004 nats per step and more) are caught within 50 steps, and not all of
@@ -908,7 +910,7 @@ class ClimbTrend:
 
     __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
                  "_s0", "_s1", "_b", "_dirty", "_since_sync", "_phi_val", "_blocks", "_blk", "_spread",
-                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread", "_last_noise")
+                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread", "_last_noise", "_zpast")
 
     GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
     RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
@@ -918,6 +920,8 @@ class ClimbTrend:
     PHI_MAX = 4.0
     CONFIRM = 1.5  # each late quarter's median must stand this many of its sigmas above the baseline's
     MEDIAN_EFFICIENCY = 1.2533  # sd of a median of n normal values / sd of their mean (sqrt(pi / 2))
+    PAST_STEPS, PAST_GAP = 1000, 200  # a verdict's z against the largest of the run's own z from PAST_STEPS to PAST_GAP before
+    PAST_FACTOR = 1.5  # ... must be this many times that (see ``_beyond_past``)
 
     def __init__(self, window: int = 48, baseline: int = 100, sigmas: float = 5.5, warmup: int = 150, stride: int = 4):
         if window < 4 or baseline < 4:
@@ -996,6 +1000,7 @@ class ClimbTrend:
         self.z = acc / scale
         self.rise = acc / self._norm2 * self.window  # the fitted ramp's rise over the window, in nats
         self._start = f[b][0]
+        self._zpast.append((step, self.z))
         if self.z <= self.sigmas:
             return False
         # The k-weighting favours the newest losses, so a cluster of spikes at the window's end (two
@@ -1005,7 +1010,21 @@ class ClimbTrend:
         q = self.window // 4
         bar = self.CONFIRM * self.MEDIAN_EFFICIENCY * noise * math.sqrt(1.0 / q + 1.0 / b)
         w0 = b + self.window - 2 * q
-        return median_of(vals[w0:w0 + q]) - m > bar and median_of(vals[w0 + q:]) - m > bar
+        return median_of(vals[w0:w0 + q]) - m > bar and median_of(vals[w0 + q:]) - m > bar and self._beyond_past(step)
+
+    def _beyond_past(self, step: int) -> bool:
+        """Is this verdict's z ``PAST_FACTOR`` times the largest z the run showed from
+        ``PAST_STEPS`` to ``PAST_GAP`` steps before (the z of the exact pass, computed only near the
+        bar; none computed: nothing to compare with)? A run whose slow wiggles already took the
+        test to z ~4 is not climbing at z 5.5: on 400 fresh synthetic healthy runs the 5 false
+        climb verdicts stood 1.10-1.64x above their run's past; every first climb verdict on 200
+        climbs injected into the real curves stood >= 2.0x (their past z <= 2.7). The slow climb
+        the long test catches ~150 steps in has not yet risen over its past (``PAST_GAP``)."""
+        lo, hi, top = step - self.PAST_STEPS, step - self.PAST_GAP, 0.0
+        for s, z in self._zpast:
+            if lo <= s <= hi and z > top:
+                top = z
+        return self.z > self.PAST_FACTOR * top
 
     def _below_gate_whatever_phi(self, ramp: float, noise: float, gate: float) -> bool:
         """Is the unclipped z (``ramp / (phi * noise * zden)``) at most ``gate`` for any ``phi`` the
@@ -1079,6 +1098,9 @@ class ClimbTrend:
         bl = self._blocks
         while bl and bl[-1][0] > keep_through_step:
             bl.pop()
+        zp = self._zpast
+        while zp and zp[-1][0] > keep_through_step:
+            zp.pop()
         self._blk = []
         self._spread = _STALE
         self._dirty = True
@@ -1086,9 +1108,9 @@ class ClimbTrend:
     def restart(self) -> None:
         """Start the window and baseline again (the loss level changed by plan); keep the
         calibration, which measures the run's noise, not its level."""
-        blocks, spread = self._blocks, self._spread
+        blocks, spread, zpast = self._blocks, self._spread, self._zpast
         self.reset()
-        self._blocks, self._spread = blocks, spread
+        self._blocks, self._spread, self._zpast = blocks, spread, zpast
 
     def reset(self) -> None:
         self._f: deque[tuple[int, float]] = deque(maxlen=self.window + self.baseline)
@@ -1103,10 +1125,11 @@ class ClimbTrend:
         self._blocks: deque[tuple[int, float]] = deque(maxlen=self.BLOCKS)  # (last step, median)
         self._blk: list[float] = []  # the block being filled
         self._spread: float | None | object = None  # _STALE: the blocks changed since it was computed
+        self._zpast: deque[tuple[int, float]] = deque(maxlen=256)  # (step, z) of the exact passes (near the bar: rare)
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [list(p) for p in self._f], "n": self.n, "blocks": [list(p) for p in self._blocks],
-                "block": list(self._blk)}
+                "block": list(self._blk), "zpast": [list(p) for p in self._zpast]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
@@ -1115,3 +1138,4 @@ class ClimbTrend:
         self._blocks.extend((int(s), float(v)) for s, v in d.get("blocks", []))  # older state: uncalibrated
         self._blk = [float(v) for v in d.get("block", [])][: self.window - 1]
         self._spread = _STALE
+        self._zpast.extend((int(s), float(z)) for s, z in d.get("zpast", []))  # older state: none

@@ -833,6 +833,47 @@ def test_level_shift_measures_how_far_a_smoothed_loss_wanders():
     assert unmeasured == 6
 
 
+def _bumpy(seed: int, n: int = 4000, climb_at: int | None = None) -> list[float]:
+    """A falling run (noise 0.1) with a slow bump every 300-500 steps: up to +0.15 nats and back
+    over 60-120 steps, as a data order's harder stretches look; optionally a 0.005/step climb."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    x = 3.0 + 2.0 * (t + 50) ** -0.5 + rng.normal(0, 0.1, n)
+    pos = 300
+    while pos < n - 200:
+        width, amp = rng.uniform(60, 120), rng.uniform(0.075, 0.15)
+        x += amp * np.exp(-0.5 * ((t - pos) / (width / 2)) ** 2)
+        pos += int(rng.uniform(300, 500))
+    if climb_at is not None:
+        x[climb_at:] += 0.005 * np.arange(n - climb_at)
+    return [float(v) for v in x]
+
+
+class _ClimbNoPast(d.ClimbTrend):
+    """The climb test as it was before it set its z against the run's own past."""
+
+    __slots__ = ()
+    PAST_FACTOR = 0.0
+
+
+def test_climb_trend_sets_its_z_against_the_runs_own_past():
+    """Slow bumps take the ramp test near its bar again and again: without the past check it fires
+    on 8 of 10 such healthy runs, with it on 3 (at a bump with no big one in the 1000 steps before).
+    A 0.005/step climb is still caught within 75 steps on all 10."""
+    def fires(cls, xs):
+        ct = cls()
+        return [i for i, x in enumerate(xs) if ct.update(i, x, 0.1)]
+
+    with_past = without = 0
+    for seed in range(10):
+        xs = _bumpy(seed)
+        with_past += bool(fires(d.ClimbTrend, xs))
+        without += bool(fires(_ClimbNoPast, xs))
+        caught = [i for i in fires(d.ClimbTrend, _bumpy(seed, climb_at=3000)) if i >= 3000]
+        assert caught and caught[0] <= 3075, (seed, caught[:2])
+    assert without >= 7 and with_past <= 3, (without, with_past)
+
+
 def _quiet_wandering(seed: int, n: int = 3000, jump_at: int | None = None) -> list[float]:
     """A quiet run (per-step noise 0.02, a big batch) whose level wanders slowly by as much (a
     200-step smoothed random walk of sd 0.02: its data order)."""

@@ -51,7 +51,8 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
 
     Prints the flagged steps and the actions the policy would have taken. A malformed line (or a
     CSV row without a loss value) is skipped and counted (a warning on stderr, rejected_lines in
-    --json); a file with no valid step line at all is an error.
+    --json); a file with no valid step line at all is an error. Steps that go back (a requeued job
+    appending to its log) are read as a restart from the step before, never as a loss change.
 
     Several TRACEs (say, last month's runs against a new rules file): one row per trace, and with
     --json {"traces": [...]}, each as one trace's --json (or its "error"). A trace that cannot be
