@@ -42,7 +42,11 @@ so is a Hugging Face ``trainer_state.json``'s log history (``trace_hf``): they p
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -155,16 +159,20 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     ``fmt`` "auto": a ``.csv``/``.tsv`` file is CSV; a ``.json`` file that is one JSON object with a
     ``log_history`` list is a trainer state; ``.jsonl``/``.json``/``.ndjson`` otherwise JSON lines;
     any other name is JSON lines when its first line is a JSON object, CSV when it is a header with
-    commas or tabs (and no step line), else a trainer's text log (``trace_text``).
+    commas or tabs (and no step line), else a trainer's text log (``trace_text``). A gzip, bzip2 or
+    xz file (by its first bytes) is read decompressed and named without its ``.gz``/``.bz2``/``.xz``.
     With ``rejected`` (a list), a bad line is appended there (its one-line reason) and skipped
     instead of stopping the read."""
-    p = Path(path)
-    run = p.stem or "trace"
     if fmt not in TRACE_FORMATS:
         raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(TRACE_FORMATS)})")
+    fh, p = _open_trace(Path(path))
+    run = p.stem or "trace"
     out: list[StepRecord | TimelineRecord] = []
-    with p.open("rb") as fh:
-        fmt, history = _trace_format(p, fh, fmt)
+    with fh:
+        try:
+            fmt, history = _trace_format(p, fh, fmt)
+        except _STREAM_ERRORS as e:
+            raise SchemaError(f"{path}: not a readable compressed file ({_one_line(e)})") from None
         if fmt == "hf":
             entries: Iterator[tuple[str, Any]] = hf_entries(history or [], str(path))
         elif fmt == "csv":
@@ -186,10 +194,37 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
                     rejected.append(str(e))
         except CsvHeaderError as e:
             raise SchemaError(str(e)) from None
+        except _STREAM_ERRORS as e:  # a compressed log cut short (a copy that did not finish) or damaged
+            why = f"{path}: the compressed stream ends early or is damaged after {len(out)} record(s) ({_one_line(e)})"
+            if rejected is None:
+                raise SchemaError(why) from None
+            rejected.append(why)  # what was read stays judged
     if fmt == "text" and not out:
         raise SchemaError(f"{path}: read as a text log, but no line names a step and a training loss "
                           f"(like 'step:100 loss:3.21' or 'iter 100: loss 3.21'); --format names another format")
     return out
+
+
+# (magic bytes, opener, the suffix it is written with): archived logs are compressed
+_COMPRESSED = ((b"\x1f\x8b", gzip.open, ".gz"), (b"BZh", bz2.open, ".bz2"), (b"\xfd7zXZ\x00", lzma.open, ".xz"))
+_STREAM_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+def _open_trace(p: Path):
+    """(a binary file of ``p``'s bytes, decompressed when they are gzip, bzip2 or xz by their magic;
+    the name to judge the format and run by, without the compression suffix)."""
+    fh = p.open("rb")
+    head = fh.read(6)
+    fh.seek(0)
+    for magic, opener, suffix in _COMPRESSED:
+        if head.startswith(magic):
+            fh.close()
+            return opener(p, "rb"), (p.with_suffix("") if p.suffix.lower() == suffix else p)
+    return fh, p
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 def _trace_format(p: Path, fh, fmt: str) -> tuple[str, list[Any] | None]:

@@ -674,3 +674,39 @@ def test_a_text_log_without_steps_is_one_line_and_hostile_lines_cost_nothing(tmp
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
     out = json.loads(r.stdout)
     assert out["records"] + out["unjudged"] >= 300 and not any(a["kind"] == "rollback" for a in out["actions"])
+
+
+def test_compressed_logs_are_read_and_a_cut_short_one_keeps_what_it_has(tmp_path):
+    """Archived logs are compressed: gzip, bzip2 and xz (found by their first bytes, whatever the
+    name) give the same decisions as the plain file, under the plain file's run name. A copy cut
+    short keeps the records before the cut, judged, and counts the cut as one rejected line
+    (--strict: one line, rc 2); a file with a gzip magic and no gzip stream is one line, rc 2."""
+    import bz2
+    import gzip
+    import lzma
+
+    plain = loss_only_trace(tmp_path, spikes=(250,), shift_from=400)
+    data = plain.read_bytes()
+    want = json.loads(CliRunner().invoke(backtest_cmd, [str(plain), "--json"]).stdout)
+    for name, pack in (("curve.jsonl.gz", gzip.compress), ("curve.jsonl.bz2", bz2.compress), ("curve.jsonl.xz", lzma.compress),
+                       ("archived", gzip.compress)):
+        p = tmp_path / name
+        p.write_bytes(pack(data))
+        r = CliRunner().invoke(backtest_cmd, [str(p), "--json"])
+        assert r.exit_code == 0, (name, r.output[-1000:])
+        got = json.loads(r.stdout)
+        assert _decisions(got) == _decisions(want) and got["rejected_lines"] == 0, name
+    assert load_trace(tmp_path / "curve.jsonl.gz")[0].run == "curve"
+    cut = tmp_path / "cut.jsonl.gz"
+    whole = gzip.compress(data)
+    cut.write_bytes(whole[:len(whole) // 2])
+    rejected: list[str] = []
+    recs = load_trace(cut, rejected=rejected)
+    assert 0 < len(recs) < 600 and [r.step for r in recs] == list(range(1, len(recs) + 1))
+    assert len(rejected) == 1 and "ends early or is damaged" in rejected[0]
+    r = CliRunner().invoke(backtest_cmd, ["--strict", str(cut)])
+    assert r.exit_code == 2 and "ends early or is damaged" in _one_line_error(r)
+    fake = tmp_path / "fake.gz"
+    fake.write_bytes(b"\x1f\x8b" + b"not gzip at all" * 10)
+    r = CliRunner().invoke(backtest_cmd, [str(fake)])
+    assert r.exit_code == 2 and "not a readable compressed file" in _one_line_error(r)
