@@ -490,6 +490,12 @@ class _LossEval(_Eval):
     CAP = 1.5  # x the same noise: the most the spike test's spread may be (a MAD counts a descent as spread)
     SLOW_ALPHA = 1 / 16  # per refresh: the spike floor's average spans ~256 steps
     NOISE_EVERY = 16  # a refresh costs a sort of 64 differences; every 64 steps lost 2/144 timely rollbacks
+    # The k-of-n count reads per-step anomalies. On a loss logged smoothed (an EMA, a running mean)
+    # one spike is smeared over the next ~10-50 steps, each "anomalous" at per-step noise, and the
+    # count fires on a recovered spike. Where the level wanders this much more than its per-step
+    # noise says (``LevelShift._wander``: 1-1.4 on the raw public curves, 2-30 smoothed) the count
+    # is left to the level and jump tests, which judge at the wander.
+    KOFN_WANDER_MAX = 2.0
 
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         step, x = r["step"], r["loss"]
@@ -549,7 +555,8 @@ class _LossEval(_Eval):
                 out.append(Finding("loss_spike", c.severity, c.action, step,
                                    f"loss {_f(x)} vs baseline {_f(det.baseline)}: z={det.z:.1f}, x{det.ratio:.2f} of recent level",
                                    value=x, onset_step=step, anomaly=True))
-        if self.kofn.update(step, True) and self.div_on and not (out and out[-1].rule == "divergence" and out[-1].step == step):
+        if self.kofn.update(step, True) and self.div_on and not (out and out[-1].rule == "divergence" and out[-1].step == step) \
+                and self.shift._wander(self.noise) < self.KOFN_WANDER_MAX:
             c, kn = self.div_cfg, self.kofn
             out.append(Finding("divergence", c.severity, c.action, step,
                                f"{len(kn._flagged)} of the last {kn.n} steps anomalous (loss {_f(x)}, baseline {_f(det.baseline)})",

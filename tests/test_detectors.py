@@ -916,6 +916,28 @@ def test_level_shift_sets_a_verdict_against_the_runs_own_past_wander():
     assert without == 8 and with_past <= 3, (without, with_past)
 
 
+def test_the_k_of_n_count_leaves_a_smoothed_log_to_the_level_tests(monkeypatch):
+    """An EMA-logged loss (0.2, 0.1) smears each recovered spike over the next 10-20 steps, each
+    "anomalous" at per-step noise: the k-of-n count fired on 9 of 12 such healthy runs. Where the
+    level wanders >= 2x what its per-step noise says, the count is left to the level and jump
+    tests: none. On a raw run the count still catches a +0.5 jump first, within 16 steps."""
+    def count_fires(xs):
+        eng = RuleEngine(default_rules())
+        return sum("steps anomalous" in f.detail for i, x in enumerate(xs) for f in eng.evaluate(rec(i, x)) if i > 400)
+
+    with_guard = [count_fires(_smoothed(seed, alpha=a)) for a in (0.2, 0.1) for seed in range(6)]
+    monkeypatch.setattr(_LossEval, "KOFN_WANDER_MAX", math.inf)
+    without = [count_fires(_smoothed(seed, alpha=a)) for a in (0.2, 0.1) for seed in range(6)]
+    monkeypatch.undo()
+    assert sum(with_guard) == 0 and sum(n > 0 for n in without) >= 8, (with_guard, without)
+    xs = _falling(1500, 1)
+    for i in range(1000, 1500):
+        xs[i] += 0.5
+    eng = RuleEngine(default_rules())
+    first = next(f for i, x in enumerate(xs) for f in eng.evaluate(rec(i, x)) if f.rule == "divergence")
+    assert "steps anomalous" in first.detail and 1000 <= first.step <= 1016, (first.step, first.detail)
+
+
 def test_level_shift_wander_leaves_white_noise_runs_alone():
     """On independent losses the measured wander stays at 1 (the slack covers its own error): a
     +0.25-nat jump is caught at the same step as by the test that does not measure it."""
