@@ -572,7 +572,7 @@ class LevelShift:
     the best: a shift lifts the whole window, recovered spikes bunched into it only its median.
 
     A verdict that passes its bars at the per-step noise is judged again at the noise the run's
-    level really shows (``_still_past``, ``_wander``): for a loss logged smoothed, or one that
+    level really shows (``_still_past``, ``measure_wander``): for a loss logged smoothed, or one that
     drifts, first differences understate how far window medians wander by 3-10x.
 
     ``onset()`` estimates where the shift began: the first step of the current elevated stretch
@@ -591,7 +591,7 @@ class LevelShift:
 
     SEGMENTS = 3  # the descent's rate is the slowest of this many consecutive spans of past medians
     QUARTILE_SIGMAS = 1.0  # a level verdict also needs the window's lower quartile this many noise sigmas above the best
-    WANDER_SAMPLES = 128  # second differences of window medians kept to measure how far the level wanders (``_wander``)
+    WANDER_SAMPLES = 128  # second differences of window medians kept to measure how far the level wanders (``measure_wander``)
     WANDER_MIN = 32  # fewer than this: no measurement, the per-step noise stands
     WANDER_SLACK = 0.5  # the noise is scaled by (measured ratio - this), at least 1: a white-noise run's ratio wanders to ~2
     PAST_STEPS = 1000  # a verdict also needs its excess PAST_FACTOR x the largest the run showed over this many steps before
@@ -712,11 +712,12 @@ class LevelShift:
         level wanders (a window median's noise is ~1/4 of it), so the run's own slow wander never
         reaches them. A loss logged smoothed (an EMA, a running mean) or a quieter run (a bigger
         batch) shrinks the per-step noise but not the wander of its data order: on the 48 healthy
-        real curves so logged, the verdicts that fired stood only 0.7-1.7x above the largest of
-        their kind in the 1000 steps before, against at least 2.5x for the first verdict on every
-        injected jump and slow decay (0.25-1.0 nats) that the level test caught. ``cut`` leaves the
-        newest two windows out (a jump must not raise its own bar) and, for the level test, the
-        current elevated stretch (a slow climb's own rise is not its past)."""
+        real curves so logged, the verdicts that fired stood only 0.72-1.80x above the largest of
+        their kind 200-1000 steps before, against at least 2.47x (median 7.9) for the first verdict
+        on every injected jump and slow decay (0.25-1.0 nats) that these tests caught
+        (``bench/past_check_probe.py``). ``cut`` leaves the newest ``PAST_GAP`` steps out (a jump
+        must not raise its own bar, nor a climb caught late) and, for the level test, the current
+        elevated stretch (a slow climb's own rise is not its past)."""
         lo, top, k = step - self.PAST_STEPS, None, 0
         for e in self._past:
             if e[0] < lo:
@@ -743,12 +744,12 @@ class LevelShift:
         curves smoothed with an EMA of 0.3, the window median stood 2 % above the run's best on 19
         of them, and every test would have rolled back. Measured only here, for a verdict that
         would fire (rare): a healthy white-noise run never pays for it."""
-        f = self.wander = self._wander(noise)
+        f = self.wander = self.measure_wander(noise)
         if f <= 1.0:
             return True
         return ex > max(k_median * noise * f, floor) and exq > max(k_quartile * noise * f, floor_q)
 
-    def _wander(self, noise: float) -> float:
+    def measure_wander(self, noise: float) -> float:
         """How much more the run's window medians wander than independent losses of per-step
         ``noise`` would make them, less ``WANDER_SLACK``, at least 1.
 

@@ -493,7 +493,7 @@ class _LossEval(_Eval):
     # The k-of-n count reads per-step anomalies. On a loss logged smoothed (an EMA, a running mean)
     # one spike is smeared over the next ~10-50 steps, each "anomalous" at per-step noise, and the
     # count fires on a recovered spike. Where the level wanders this much more than its per-step
-    # noise says (``LevelShift._wander``: 1-1.4 on the raw public curves, 2-30 smoothed) the count
+    # noise says (``LevelShift.measure_wander``: 1-1.4 on the raw public curves, 2-30 smoothed) the count
     # is left to the level and jump tests, which judge at the wander.
     KOFN_WANDER_MAX = 2.0
 
@@ -556,7 +556,7 @@ class _LossEval(_Eval):
                                    f"loss {_f(x)} vs baseline {_f(det.baseline)}: z={det.z:.1f}, x{det.ratio:.2f} of recent level",
                                    value=x, onset_step=step, anomaly=True))
         if self.kofn.update(step, True) and self.div_on and not (out and out[-1].rule == "divergence" and out[-1].step == step) \
-                and self.shift._wander(self.noise) < self.KOFN_WANDER_MAX:
+                and self.shift.measure_wander(self.noise) < self.KOFN_WANDER_MAX:
             c, kn = self.div_cfg, self.kofn
             out.append(Finding("divergence", c.severity, c.action, step,
                                f"{len(kn._flagged)} of the last {kn.n} steps anomalous (loss {_f(x)}, baseline {_f(det.baseline)})",

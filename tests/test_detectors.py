@@ -785,7 +785,7 @@ class _UnmeasuredWander(d.LevelShift):
     __slots__ = ()
     PAST_FACTOR = 0.0
 
-    def _wander(self, noise: float) -> float:
+    def measure_wander(self, noise: float) -> float:
         return 1.0
 
 
