@@ -40,6 +40,7 @@ import yaml
 
 from conftest import free_port, skip_or_fail, wait_port
 from test_prometheus_e2e import Prometheus, _binary
+from trainer_helpers import kill_all
 
 ROOT = Path(__file__).resolve().parents[1]
 DASH_DIR = ROOT / "dashboards"
@@ -210,15 +211,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The process and every descendant (torchrun's workers have their own sessions)."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        kill_all(proc)
 
 
 NAN_STEP = 200  # a one-step NaN the guard must skip (the "skipped steps" panels); after the first scrapes, as

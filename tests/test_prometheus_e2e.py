@@ -39,6 +39,7 @@ import yaml
 
 from conftest import free_port, require_binary
 from test_metrics import DOCS, _cuda_only, documented
+from trainer_helpers import kill_all
 from sentinel.protocol import REJECT_REASONS
 from trainer.telemetry.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
 
@@ -161,11 +162,10 @@ def _start_training(run_dir: Path, log: Path) -> subprocess.Popen:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the torchrun we started and its workers (its own session), by its process group id."""
+    """Kill the torchrun we started and its workers (each in its own session: a kill of the agent's
+    group alone orphans them)."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        kill_all(proc)
 
 
 def _exposition_value(body: str, name: str) -> float | None:

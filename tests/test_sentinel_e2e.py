@@ -37,6 +37,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sentinel import bus
+from trainer_helpers import kill_all
 from sentinel.drill import DEMO_RULES, DrillSpec, batch_ids_at, incidents_of, read_steps, run_drill, trainer_command
 from sentinel.protocol import Ack, Directive, Event, Keys, StepRecord
 
@@ -102,9 +103,7 @@ class Procs:
     def kill_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+                kill_all(p)  # with torchrun's workers, which have their own sessions
 
 
 @pytest.fixture

@@ -12,8 +12,6 @@ every directive kind, signed with the run's secret, at one step boundary on all 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys, TimelineRecord
-from trainer_helpers import dataset, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
+from trainer_helpers import dataset, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -118,8 +116,7 @@ def test_every_directive_kind_on_a_live_two_rank_run(tmp_path, dataset):  # noqa
         assert isinstance(TimelineRecord.from_json(rollbacks[0]), TimelineRecord)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            kill_all(proc)  # with torchrun's workers, which have their own sessions
         from sentinel.embedded import stop_embedded
 
         stop_embedded(run_dir)

@@ -147,8 +147,11 @@ def descendants(pid: int) -> list[int]:
 def kill_all(proc: subprocess.Popen, known: list[int] | None = None) -> None:
     """SIGKILL the run: its process group and every descendant (torchrun starts each worker in its own
     session, so killing the agent's group alone would orphan the workers). ``known``: descendants
-    found beforehand, killed first without the (slow) /proc scan, so the kill lands where it was aimed."""
-    pids = list(known or [])
+    found beforehand, killed first without the (slow) /proc scan, so the kill lands where it was aimed;
+    without them the scan comes first (once the agent is dead its workers belong to init, and a scan
+    after the kill would miss them: an orphaned rank ran on and restarted the embedded bus after a
+    test's teardown had stopped it)."""
+    pids = list(known) if known is not None else descendants(proc.pid)
     for pid in [*pids, proc.pid]:
         for fn in (os.killpg, os.kill):
             try:
