@@ -228,7 +228,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _trace_format(p: Path, fh, fmt: str) -> tuple[str, list[Any] | None]:
-    """The format to read ``fh`` as ("jsonl", "csv" or "hf"), and a trainer state's log history;
+    """The format to read ``fh`` as ("jsonl", "csv", "hf" or "text"), and a trainer state's log history;
     ``fh`` is left at its start."""
     history = None
     suffix = p.suffix.lower()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice
 from operator import itemgetter, mul, sub
 from typing import Any
@@ -718,17 +718,7 @@ class LevelShift:
         (``bench/past_check_probe.py``). ``cut`` leaves the newest ``PAST_GAP`` steps out (a jump
         must not raise its own bar, nor a climb caught late) and, for the level test, the current
         elevated stretch (a slow climb's own rise is not its past)."""
-        lo, top, k = step - self.PAST_STEPS, None, 0
-        for e in self._past:
-            if e[0] < lo:
-                continue
-            if e[0] > cut:
-                break
-            x = e[idx]
-            if x is not None:
-                k += 1
-                if top is None or x > top:
-                    top = x
+        top, k = largest_between(self._past, step - self.PAST_STEPS, cut, idx)
         if k < self.PAST_MIN or top is None or top <= 0.0:
             return True
         return stat > self.PAST_FACTOR * top
@@ -861,6 +851,24 @@ class LevelShift:
         self._d2.extend((int(s), float(v)) for s, v in d.get("d2", ()))
         self._past.extend((int(p[0]), float(p[1]), None if p[2] is None else float(p[2])) for p in d.get("past", ()))  # none before the check
         self._above_since = d["above_since"]
+
+
+def largest_between(entries: Iterable[tuple], lo: int, hi: int, idx: int) -> tuple[float | None, int]:
+    """(the largest ``e[idx]`` that is not None, how many there were) over ``entries`` (tuples led
+    by their step, in step order) with a step in ``[lo, hi]``: a run's own past, for the checks
+    that set a verdict against it (``LevelShift._beyond_past``, ``ClimbTrend._beyond_past``)."""
+    top, k = None, 0
+    for e in entries:
+        if e[0] < lo:
+            continue
+        if e[0] > hi:
+            break
+        x = e[idx]
+        if x is not None:
+            k += 1
+            if top is None or x > top:
+                top = x
+    return top, k
 
 
 _STALE = object()  # ClimbTrend._spread: to be recomputed from the blocks
@@ -1021,11 +1029,8 @@ class ClimbTrend:
         climb verdicts stood 1.10-1.64x above their run's past; every first climb verdict on 200
         climbs injected into the real curves stood >= 2.0x (their past z <= 2.7). The slow climb
         the long test catches ~150 steps in has not yet risen over its past (``PAST_GAP``)."""
-        lo, hi, top = step - self.PAST_STEPS, step - self.PAST_GAP, 0.0
-        for s, z in self._zpast:
-            if lo <= s <= hi and z > top:
-                top = z
-        return self.z > self.PAST_FACTOR * top
+        top, _ = largest_between(self._zpast, step - self.PAST_STEPS, step - self.PAST_GAP, 1)
+        return self.z > self.PAST_FACTOR * (top if top is not None and top > 0.0 else 0.0)
 
     def _below_gate_whatever_phi(self, ramp: float, noise: float, gate: float) -> bool:
         """Is the unclipped z (``ramp / (phi * noise * zden)``) at most ``gate`` for any ``phi`` the
