@@ -12,7 +12,8 @@ import pytest
 
 from sentinel import detectors as d
 from sentinel.protocol import StepRecord
-from sentinel.rules import RuleEngine, RuleSet, _LossEval, default_rules
+from sentinel.rules import RuleEngine, RuleSet, default_rules
+from sentinel.rules.loss import LossEval
 
 
 def rec(step: int, loss: float, **kw) -> StepRecord:
@@ -762,7 +763,7 @@ def test_engine_state_dict_round_trip():
 def test_a_clear_spike_in_the_fast_early_descent_is_flagged(seed):
     """Around step 200 a loss still falls fast: a MAD over the window counts that descent as spread
     and hid a +33 % spike (z 8 in hindsight) on a real curve. The spread is capped by the per-step
-    noise from first differences (``_LossEval.CAP``); without the cap it is missed here."""
+    noise from first differences (``LossEval.CAP``); without the cap it is missed here."""
     rng = np.random.default_rng(seed)
     t = np.arange(1, 401, dtype=float)
     xs = 3.0 + 7.5 * (1 + t / 6) ** -0.55 + rng.normal(0, 0.1, 400)
@@ -773,7 +774,7 @@ def test_a_clear_spike_in_the_fast_early_descent_is_flagged(seed):
         e.loss.CAP = cap
         return [i for i, x in enumerate(xs) for f in e.evaluate(rec(i, float(x))) if f.rule == "loss_spike"]
 
-    assert spikes(_LossEval.CAP) == [200]  # and nothing else in the descent
+    assert spikes(LossEval.CAP) == [200]  # and nothing else in the descent
     if seed != 1:
         assert spikes(0.0) == []  # the cap is what finds it
 
@@ -926,7 +927,7 @@ def test_the_k_of_n_count_leaves_a_smoothed_log_to_the_level_tests(monkeypatch):
         return sum("steps anomalous" in f.detail for i, x in enumerate(xs) for f in eng.evaluate(rec(i, x)) if i > 400)
 
     with_guard = [count_fires(_smoothed(seed, alpha=a)) for a in (0.2, 0.1) for seed in range(6)]
-    monkeypatch.setattr(_LossEval, "KOFN_WANDER_MAX", math.inf)
+    monkeypatch.setattr(LossEval, "KOFN_WANDER_MAX", math.inf)
     without = [count_fires(_smoothed(seed, alpha=a)) for a in (0.2, 0.1) for seed in range(6)]
     monkeypatch.undo()
     assert sum(with_guard) == 0 and sum(n > 0 for n in without) >= 8, (with_guard, without)

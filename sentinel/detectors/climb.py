@@ -1,0 +1,284 @@
+"""Slow damage as a ramp: the loss climbing against the level before it (``ClimbTrend``)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+from sentinel.detectors.robust import MAD_TO_SIGMA, largest_between, median_of
+
+_STALE = object()  # ClimbTrend._spread: to be recomputed from the blocks
+
+
+class ClimbTrend:
+    """A slow climb: the last ``window`` losses rise, as a ramp, above the level just before them.
+
+    ``LevelShift`` waits until a median has risen past a bar, which for a climb of 0.3 nats over
+    200 steps takes 100+ steps. This test asks the sharper question "did a ramp start ``window``
+    steps ago?" with the matched filter for a ramp: the sum of ``k * r_k`` over k = 1..window, where
+    ``r_k`` is the k-th loss of the window minus the *baseline* (the mean of the ``baseline`` losses
+    before the window, each clipped to +-3 sigma of their median), clipped to +-3 sigma itself (a
+    recovered spike adds at most a few bounded terms). sigma is the caller's robust per-step noise
+    (from first differences). The sum is divided by its standard deviation under "no climb", which
+    counts the baseline's own error too (``sigma * sqrt(sum k^2 + (sum k)^2 / baseline)``), so on
+    white noise ``z`` is about standard normal, and a ramp of slope s nats/step gives
+    ``z ~ s * sum(k^2) / that``: for window 48 and baseline 100, ``z ~ s * 167 / sigma``.
+
+    The baseline is flat on purpose: a healthy loss falls, so its residuals against a flat level are
+    negative (no alarm in the fast early descent or the lr cooldown). Extrapolating a fitted descent
+    fires on the curvature of every early run (measured: z 9-15 at steps 150-300).
+
+    The bar is the run's own: z is divided by ``phi`` (``_phi``: how much more the run's block
+    medians wander than white noise would; 1 on every public curve measured), so a run whose loss
+    wanders slowly raises it. Two more guards keep a recovered spike cluster from reading as a
+    ramp: losses the spike test flagged are held at the previous loss (``update``), and the medians
+    of both late quarters of the window must rise too. And z must be 1.5x the largest z the run
+    itself showed 200-1000 steps before (``_beyond_past``): slow wiggles that took the test near
+    its bar before are the run's own, not a climb.
+
+    What it can reach (measured, docs/benchmarks.md): with sigma ~0.1 nat and the bar at 5.5, only
+    steep climbs (about 0.004 nats per step and more) are caught within 50 steps, and not all of
+    them (2 of 5 drills on the real and validation curves; 10 of 71 at 0.002-0.004). A 0.3-nat climb
+    over 200 steps (0.0015/step) reaches z ~1.3 by then (the healthy descent subtracted), inside
+    the healthy range. The rules run a second instance over 144 + 144 losses for those
+    (``climb_long_*``: z ~ s * 802 / sigma at 144 steps), which catches them ~130-160 steps in
+    and rolls back to before their start; ``LevelShift`` catches the rest later.
+
+    ``onset()`` is a window before the window's first step: the ramp the filter matched starts at
+    the window's first step when the climb is caught at once, but a slow climb caught later began
+    earlier (its baseline already rose); a rollback a little early costs steps, one late keeps the
+    damage.
+    Cost: O(1) per step (running sums); the exact clipped pass over ``window + baseline`` values and
+    a sort of the baseline run only when the unclipped z is within ``GATE`` of the bar, and the
+    calibration only for the verdicts that its least value does not decide.
+    """
+
+    __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
+                 "_s0", "_s1", "_b", "_dirty", "_since_sync", "_phi_val", "_blocks", "_blk", "_spread",
+                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread", "_last_noise", "_zpast")
+
+    GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
+    RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
+    BLOCKS = 40  # block means (of ``window`` losses each) kept to calibrate ``phi``: ~2000 steps
+    MIN_BLOCKS = 10  # fewer than this: ``phi`` is PHI_UNCALIBRATED
+    PHI_UNCALIBRATED = 1.5  # the run's slow noise is not known yet: assume some
+    PHI_MAX = 4.0
+    CONFIRM = 1.5  # each late quarter's median must stand this many of its sigmas above the baseline's
+    MEDIAN_EFFICIENCY = 1.2533  # sd of a median of n normal values / sd of their mean (sqrt(pi / 2))
+    PAST_STEPS, PAST_GAP = 1000, 200  # a verdict's z against the largest of the run's own z from PAST_STEPS to PAST_GAP before
+    PAST_FACTOR = 1.5  # ... must be this many times that (see ``_beyond_past``)
+
+    def __init__(self, window: int = 48, baseline: int = 100, sigmas: float = 5.5, warmup: int = 150, stride: int = 4):
+        if window < 4 or baseline < 4:
+            raise ValueError("window and baseline must be at least 4")
+        self.window, self.baseline, self.sigmas, self.warmup, self.stride = window, baseline, sigmas, warmup, max(1, stride)
+        self._kw = [float(k) for k in range(1, window + 1)]
+        self._norm2 = sum(k * k for k in self._kw)
+        self._ksum2 = sum(self._kw) ** 2 / baseline  # the baseline mean's error enters every term
+        self._zden = math.sqrt(self._norm2 + self._ksum2)  # z's sd under "no climb", in units of sigma
+        self._ksum = 0.5 * window * (window + 1)
+        self._maxlen = window + baseline
+        self.reset()
+
+    def update(self, step: int, x: float, noise: float, spike: bool = False) -> bool:
+        """Admit a finite loss; ``noise`` is the current robust per-step sigma. True = climbing.
+
+        ``spike``: the spike test flagged this loss. It is held at the previous loss instead: a
+        spike is its own episode, and a cluster of them at the window's end (k-weighted) would
+        otherwise read as a ramp. A climb's losses are not spikes: each is within a few sigma of
+        the one before.
+
+        Per step O(1): running sums of the window (plain and k-weighted) and of the baseline give
+        the unclipped z; clipping only matters with outliers, so the exact clipped z (a pass over
+        ``window + baseline`` values) is computed only when the unclipped one is near the bar."""
+        f = self._f
+        if spike and f:
+            x = f[-1][1]
+        if len(f) == self._maxlen:
+            mid_step, x_mid = f[self.baseline]  # the window's oldest moves to the baseline
+            blk = self._blk  # ... and, once it has left the window, calibrates phi (see _close_block)
+            blk.append(x_mid)
+            if len(blk) >= self.window:
+                self._close_block(mid_step)
+            if not self._dirty:
+                s0 = self._s0
+                self._s1 += self.window * x - s0
+                self._s0 = s0 + (x - x_mid)
+                self._b += x_mid - f[0][1]  # the baseline's oldest leaves
+                self._since_sync += 1
+            f.append((step, x))
+            self.n = n = self.n + 1
+        else:
+            f.append((step, x))
+            self.n = n = self.n + 1
+            self._dirty = True
+            if len(f) < self._maxlen:
+                return False
+        if n % self.stride or n < self.warmup or not noise > 0:
+            return False
+        if self._dirty or self._since_sync >= self.RESYNC:
+            self._sync()
+        self._last_noise = noise
+        ramp = self._s1 - self._b / self.baseline * self._ksum  # the unclipped filter: z x its scale
+        gate = self.sigmas - self.GATE
+        if self._below_gate_whatever_phi(ramp, noise, gate):
+            self.z = self.rise = 0.0  # far below the bar: not worth the exact pass
+            return False
+        spread = self._spread_now()
+        if noise != self._phi_noise or spread is not self._phi_spread:  # both change rarely
+            self._phi_noise, self._phi_spread = noise, spread
+            self._phi_val = self._phi(noise)
+        scale = self._phi_val * noise * self._zden
+        if ramp / scale <= gate:
+            self.z = self.rise = 0.0
+            return False
+        vals = [v for _, v in f]
+        b = self.baseline
+        pre = vals[:b]
+        m = median_of(pre)
+        c = 3.0 * noise
+        base = sum(m - c if v < m - c else m + c if v > m + c else v for v in pre) / b
+        acc = 0.0
+        for k, v in zip(self._kw, vals[b:]):
+            r = v - base
+            acc += k * (-c if r < -c else c if r > c else r)
+        self.z = acc / scale
+        self.rise = acc / self._norm2 * self.window  # the fitted ramp's rise over the window, in nats
+        self._start = f[b][0]
+        self._zpast.append((step, self.z))
+        if self.z <= self.sigmas:
+            return False
+        # The k-weighting favours the newest losses, so a cluster of spikes at the window's end (two
+        # 5-step spikes back to back, +3 sigma each after clipping, at k ~ 40) can pass the bar
+        # alone. A climb also lifts the *medians* of both quarters of the window's second half
+        # above the baseline's median; a recovered spike cluster lifts one at most.
+        q = self.window // 4
+        bar = self.CONFIRM * self.MEDIAN_EFFICIENCY * noise * math.sqrt(1.0 / q + 1.0 / b)
+        w0 = b + self.window - 2 * q
+        return median_of(vals[w0:w0 + q]) - m > bar and median_of(vals[w0 + q:]) - m > bar and self._beyond_past(step)
+
+    def _beyond_past(self, step: int) -> bool:
+        """Is this verdict's z ``PAST_FACTOR`` times the largest z the run showed from
+        ``PAST_STEPS`` to ``PAST_GAP`` steps before (the z of the exact pass, computed only near the
+        bar; none computed: nothing to compare with)? A run whose slow wiggles already took the
+        test to z ~4 is not climbing at z 5.5: on 400 fresh synthetic healthy runs the 5 false
+        climb verdicts stood 1.10-1.64x above their run's past; every first climb verdict on 200
+        climbs injected into the real curves stood >= 2.0x (their past z <= 2.7). The slow climb
+        the long test catches ~150 steps in has not yet risen over its past (``PAST_GAP``)."""
+        top, _ = largest_between(self._zpast, step - self.PAST_STEPS, step - self.PAST_GAP, 1)
+        return self.z > self.PAST_FACTOR * (top if top is not None and top > 0.0 else 0.0)
+
+    def _below_gate_whatever_phi(self, ramp: float, noise: float, gate: float) -> bool:
+        """Is the unclipped z (``ramp / (phi * noise * zden)``) at most ``gate`` for any ``phi`` the
+        calibration can give? phi is at least ``min(1, PHI_UNCALIBRATED)``: a larger phi only
+        shrinks a positive z (rounding is monotone), and a z <= 0 is under any gate >= 0. On a
+        healthy run this decides nearly every verdict, so the calibration (a sort of the block
+        medians' differences, ~10 us) is computed only for the few that it does not."""
+        if ramp <= 0.0:
+            return gate >= 0.0
+        least = self.PHI_UNCALIBRATED if self.PHI_UNCALIBRATED < 1.0 else 1.0
+        return ramp / (least * noise * self._zden) <= gate
+
+    @property
+    def phi(self) -> float:
+        """The run's slow-noise factor for the noise of the last verdict and the current calibration."""
+        return self._phi(self._last_noise)
+
+    def _close_block(self, step: int) -> None:
+        """Close the current block of losses that have left the window (so a climb in progress
+        cannot raise the calibration that judges it). A block is summarised by its median: a
+        recovered spike of a few steps does not move it (a clipped mean still moved 3x its noise)."""
+        self._blocks.append((step, median_of(self._blk)))
+        self._blk = []
+        self._spread = _STALE  # recomputed when a verdict needs it (_spread_now)
+
+    def _spread_now(self) -> float | None:
+        """``_block_spread`` of the current blocks, computed once after they change."""
+        if self._spread is _STALE:
+            self._spread = self._block_spread()
+        return self._spread
+
+    def _phi(self, noise: float) -> float:
+        """How much more the run's block means wander than white noise of ``noise`` would make them.
+
+        The spread (MAD) of second differences of consecutive block means, against the white-noise
+        value ``noise * sqrt(6 / window)``: a steady descent (even a curving one) cancels in a second
+        difference, slow healthy wiggles do not. The ramp z is divided by it (at least 1), so a run
+        whose loss wanders slowly raises its own bar, and a run with white noise (every public curve
+        measured: 0.6-1.0) keeps the plain one."""
+        spread = self._spread_now()
+        if spread is None or not noise > 0:
+            return self.PHI_UNCALIBRATED
+        phi = spread / (noise * self.MEDIAN_EFFICIENCY * math.sqrt(6.0 / self.window))
+        return 1.0 if phi < 1.0 else self.PHI_MAX if phi > self.PHI_MAX else phi
+
+    def _block_spread(self) -> float | None:
+        """Robust spread (MAD) of the second differences of the kept block means; None: too few."""
+        bl = self._blocks
+        if len(bl) < self.MIN_BLOCKS:
+            return None
+        m = [v for _, v in bl]
+        d2 = [m[i] - 2.0 * m[i - 1] + m[i - 2] for i in range(2, len(m))]
+        md = median_of(d2)
+        return MAD_TO_SIGMA * median_of([abs(v - md) for v in d2])
+
+    def _sync(self) -> None:
+        vals = [v for _, v in self._f]
+        b = self.baseline
+        self._b = sum(vals[:b])
+        self._s0 = sum(vals[b:])
+        self._s1 = sum(k * v for k, v in zip(self._kw, vals[b:]))
+        self._dirty, self._since_sync = False, 0
+
+    def onset(self) -> int:
+        return max(0, self._start - self.window)
+
+    def rewind(self, keep_through_step: int) -> None:
+        f = self._f
+        while f and f[-1][0] > keep_through_step:
+            f.pop()
+        bl = self._blocks
+        while bl and bl[-1][0] > keep_through_step:
+            bl.pop()
+        zp = self._zpast
+        while zp and zp[-1][0] > keep_through_step:
+            zp.pop()
+        self._blk = []
+        self._spread = _STALE
+        self._dirty = True
+
+    def restart(self) -> None:
+        """Start the window and baseline again (the loss level changed by plan); keep the
+        calibration, which measures the run's noise, not its level."""
+        blocks, spread, zpast = self._blocks, self._spread, self._zpast
+        self.reset()
+        self._blocks, self._spread, self._zpast = blocks, spread, zpast
+
+    def reset(self) -> None:
+        self._f: deque[tuple[int, float]] = deque(maxlen=self.window + self.baseline)
+        self._s0 = self._s1 = self._b = 0.0
+        self._dirty, self._since_sync = True, 0
+        self.n = 0
+        self.z = self.rise = 0.0
+        self._phi_val = self.PHI_UNCALIBRATED
+        self._phi_noise, self._phi_spread = -1.0, None  # what ``_phi_val`` was last computed from
+        self._last_noise = 0.0
+        self._start = 0
+        self._blocks: deque[tuple[int, float]] = deque(maxlen=self.BLOCKS)  # (last step, median)
+        self._blk: list[float] = []  # the block being filled
+        self._spread: float | None | object = None  # _STALE: the blocks changed since it was computed
+        self._zpast: deque[tuple[int, float]] = deque(maxlen=256)  # (step, z) of the exact passes (near the bar: rare)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": [list(p) for p in self._f], "n": self.n, "blocks": [list(p) for p in self._blocks],
+                "block": list(self._blk), "zpast": [list(p) for p in self._zpast]}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.reset()
+        self._f.extend((int(s), float(v)) for s, v in d["window"])
+        self.n = int(d["n"])
+        self._blocks.extend((int(s), float(v)) for s, v in d.get("blocks", []))  # older state: uncalibrated
+        self._blk = [float(v) for v in d.get("block", [])][: self.window - 1]
+        self._spread = _STALE
+        self._zpast.extend((int(s), float(z)) for s, z in d.get("zpast", []))  # older state: none
