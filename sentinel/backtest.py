@@ -56,6 +56,7 @@ from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRec
 from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
+from sentinel.trace_names import TraceKeyError, canonical_step_keys
 from sentinel.trace_text import looks_like_text_log, text_rows
 
 
@@ -80,8 +81,11 @@ class BacktestResult:
 STOPS_THE_TIMELINE = frozenset({"rollback", "pause", "stop"})
 
 
-def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "trace") -> StepRecord | TimelineRecord:
-    """One JSON line -> a record; step lines may carry only ``step`` and ``loss``."""
+def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "trace", step_key: str | None = None,
+                     loss_key: str | None = None) -> StepRecord | TimelineRecord:
+    """One JSON line -> a record; step lines may carry only ``step`` and ``loss``, under our names or
+    another tool's (``_step``, ``global_step``, ``iter``; ``train/loss``, ``train_loss``, ...: see
+    ``trace_names``), or under the keys ``step_key`` / ``loss_key``."""
     try:
         obj = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -90,6 +94,11 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         raise SchemaError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise SchemaError(f"{where}: expected a JSON object")
+    if obj.get("kind", "step") == "step":
+        try:
+            obj = canonical_step_keys(obj, step_key, loss_key)
+        except TraceKeyError as e:
+            raise SchemaError(f"{where}: {e}") from None
     return record_from_obj(obj, default_run=default_run, where=where)
 
 
@@ -186,7 +195,8 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
                 try:
                     if isinstance(entry, str):  # a row or entry rejected with this reason
                         raise SchemaError(entry)
-                    out.append(parse_trace_line(entry, default_run=run, where=where) if isinstance(entry, bytes)
+                    out.append(parse_trace_line(entry, default_run=run, where=where, step_key=step_column, loss_key=loss_column)
+                               if isinstance(entry, bytes)
                                else record_from_obj(entry, default_run=run, where=where))
                 except SchemaError as e:
                     if rejected is None:

@@ -23,13 +23,11 @@ import csv
 import math
 from typing import Any, Iterable, Iterator
 
-# recognised column names, lower case, in order of preference
-STEP_NAMES = ("step", "_step", "global_step", "trainer/global_step", "iteration", "iter", "steps")
-LOSS_NAMES = ("loss", "train/loss", "train_loss", "train/lm_loss", "lm_loss", "lm loss", "training_loss", "train/loss_step",
-              "value")  # "value": TensorBoard's export of one scalar
-GRAD_NAMES = ("grad_norm", "train/grad_norm", "grad norm", "gradient_norm", "train/grad_norm_step")
-# (name, factor to seconds)
-TIME_NAMES = (("wall_ms", 1e-3), ("wall time", 1.0), ("_timestamp", 1.0), ("time", 1.0), ("timestamp", 1.0))
+from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES
+from sentinel.trace_names import LOSS_NAMES as _LOSS_NAMES
+
+# recognised column names (lower case, in order of preference): shared with JSON lines (``trace_names``)
+LOSS_NAMES = _LOSS_NAMES + ("value",)  # "value": TensorBoard's export of one scalar
 
 MAX_FIELD = 1 << 16  # a cell longer than this is not a number: the row is rejected, not parsed
 

@@ -398,6 +398,60 @@ def test_csv_columns_can_be_named_and_an_unknown_header_is_one_line(tmp_path):
     assert "no step records" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(header_only)]))
 
 
+def _jsonl_from_trace(trace: Path, path: Path, line) -> Path:
+    """The steps of a JSON-lines trace written again, one ``line(obj)`` dict per step."""
+    path.write_text("".join(json.dumps(line(json.loads(raw))) + "\n" for raw in trace.read_text().splitlines()))
+    return path
+
+
+def test_json_lines_of_other_tools_get_the_decisions_of_the_same_steps(tmp_path):
+    """W&B-style (``_step``, ``train/loss``, ``_timestamp``), Lightning / Hugging Face style
+    (``global_step``, ``train_loss``, ``grad_norm``) and nanoGPT-style (``iter``, ``Loss``) JSON lines
+    read as our own: the same flags, rollback and record count; rows of other metrics (no loss
+    under any name) are rejected and counted, as in a CSV export."""
+    jsonl = loss_only_trace(tmp_path, spikes=(250,), shift_from=400)
+    want = _decisions(json.loads(CliRunner().invoke(backtest_cmd, [str(jsonl), "--json"]).stdout))
+    assert any(a[0] == "rollback" and a[2] <= 400 for a in want[1]) and 250 in want[0]
+    styles = {
+        "wandb.jsonl": lambda o: {"_step": o["step"], "train/loss": o["loss"], "_timestamp": 1.7e9 + o["wall_ms"] / 1000, "lr": 1e-3},
+        "lightning.jsonl": lambda o: {"epoch": 0, "global_step": o["step"], "train_loss": o["loss"], "grad_norm": 1.0},
+        "nanogpt.jsonl": lambda o: {"iter": o["step"], "Loss": o["loss"], "time": o["wall_ms"] / 1000},
+    }
+    for name, line in styles.items():
+        path = _jsonl_from_trace(jsonl, tmp_path / name, line)
+        if name == "wandb.jsonl":  # W&B logs evaluation rows of their own
+            with path.open("a") as f:
+                f.write(json.dumps({"_step": 600, "val/loss": 3.3}) + "\n")
+        r = CliRunner().invoke(backtest_cmd, [str(path), "--json"])
+        assert r.exit_code == 0 and "Traceback" not in r.output, (name, r.output[-2000:])
+        out = json.loads(r.stdout)
+        assert _decisions(out) == want, name
+        assert out["rejected_lines"] == (1 if name == "wandb.jsonl" else 0), name
+    wandb = load_trace(tmp_path / "wandb.jsonl", rejected=[])
+    assert wandb[0].time == 1.7e9 + 31.659 and load_trace(tmp_path / "lightning.jsonl")[0].grad_norm == 1.0
+    assert load_trace(tmp_path / "nanogpt.jsonl")[4].time == (31559 + 500) / 1000
+
+
+def test_json_line_keys_can_be_named_and_a_missing_one_is_counted_or_one_line(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps({"it": i, "objective": 3.0 + 0.01 * (i % 7)}) + "\n" for i in range(1, 301)))
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(path)]))
+    assert "no step records" in msg and "missing 'step'" in msg
+    r = CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "IT", "--loss-column", "objective", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["records"] == 300, r.output
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "it", "--loss-column", "nope"]))
+    assert "no key 'nope' for the loss" in msg
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "it", "--loss-column", "IT"]))
+    assert "the same key" in msg
+    # a named key that some lines lack: those are rejected and counted (--strict: one line, exit 2)
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 301, "loss": 3.0}) + "\n")
+    r = CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "it", "--loss-column", "objective", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["rejected_lines"] == 1 and "no key 'it' for the step" in r.stderr
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(path), "--step-column", "it", "--loss-column", "objective", "--strict"]))
+    assert "odd.jsonl:301" in msg and "no key 'it'" in msg
+
+
 HOSTILE_ROWS = [
     "12,3.0,extra",  # a cell too many
     "13",  # too few

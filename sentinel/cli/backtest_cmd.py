@@ -33,10 +33,11 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
                    "tab-separated header, else a trainer's text log (text: modded-nanogpt, nanoGPT, Megatron-LM, "
                    "key=value lines).")
 @click.option("--step-column", default=None, metavar="NAME",
-              help="CSV: the step column (default: the first of step, _step, global_step, iteration, ...).")
+              help="The step column of a CSV, or key of a JSON line (default: the first of step, _step, global_step, "
+                   "iteration, iter, ...).")
 @click.option("--loss-column", default=None, metavar="NAME",
-              help="CSV: the training-loss column (default: the first of loss, train/loss, train_loss, lm_loss, "
-                   "..., Value).")
+              help="The training-loss column of a CSV, or key of a JSON line (default: the first of loss, train/loss, "
+                   "train_loss, lm_loss, ..., and a CSV's Value).")
 @click.option("--strict", is_flag=True,
               help="Stop at the first malformed line (exit 2) instead of skipping and counting it.")
 @click.option("--skip-bad-lines", is_flag=True, hidden=True)  # the default now; kept so old scripts still run

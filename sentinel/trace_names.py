@@ -1,0 +1,66 @@
+"""The names other tools give a step log's step, training loss, grad norm and clock.
+
+A W&B export writes ``_step`` and ``train/loss``, a Lightning or Hugging Face logger
+``global_step`` and ``train_loss``, a nanoGPT-style script ``iter``; our own trainer writes
+``step`` and ``loss``. The CSV reader (``trace_csv``) looks them up among a header's columns and the
+JSON-lines reader (``backtest``) among a line's keys, with the same names in the same order of
+preference, so a log reads the same whichever way it was exported. Names compare case-insensitively.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEP_NAMES = ("step", "_step", "global_step", "trainer/global_step", "iteration", "iter", "steps")
+LOSS_NAMES = ("loss", "train/loss", "train_loss", "train/lm_loss", "lm_loss", "lm loss", "training_loss", "train/loss_step")
+GRAD_NAMES = ("grad_norm", "train/grad_norm", "grad norm", "gradient_norm", "train/grad_norm_step")
+# (name, factor to seconds)
+TIME_NAMES = (("wall_ms", 1e-3), ("wall time", 1.0), ("wall_time", 1.0), ("_timestamp", 1.0), ("time", 1.0), ("timestamp", 1.0))
+
+
+class TraceKeyError(ValueError):
+    """A named key is not in a line (one line, for the CLI)."""
+
+
+def _find(low: dict[str, str], names, chosen: str | None, what: str) -> str | None:
+    """The key of ``low`` (lower-case name -> key as written) that holds ``what``."""
+    if chosen is not None:
+        key = low.get(chosen.strip().lower())
+        if key is None:
+            raise TraceKeyError(f"no key {chosen[:40]!r} for the {what}")
+        return key
+    return next((low[n] for n in names if n in low), None)
+
+
+def canonical_step_keys(obj: dict[str, Any], step_key: str | None = None, loss_key: str | None = None) -> dict[str, Any]:
+    """A JSON step line with its step, loss, grad norm and clock under the names a trace line uses
+    (``step``, ``loss``, ``grad_norm``, ``time``), taken from the first of the known names it has
+    (or from ``step_key`` / ``loss_key`` when given). A line that already uses our names is returned
+    as it is; one without a step or a loss under any name is left without it (the caller rejects it
+    and says which is missing). ``TraceKeyError`` when a named key is absent."""
+    if step_key is None and loss_key is None and "step" in obj and "loss" in obj:
+        return obj
+    if step_key is not None and loss_key is not None and step_key.strip().lower() == loss_key.strip().lower():
+        raise TraceKeyError(f"the step and loss keys are the same key ({step_key[:40]!r})")
+    low = {k.lower(): k for k in obj if isinstance(k, str)}
+    out = dict(obj)
+    for canon, names, chosen in (("step", STEP_NAMES, step_key), ("loss", LOSS_NAMES, loss_key)):
+        key = _find(low, names, chosen, canon)
+        if key is not None:
+            out[canon] = obj[key]
+    if "grad_norm" not in obj:
+        key = _find(low, GRAD_NAMES, None, "grad norm")
+        if key is not None:
+            out["grad_norm"] = obj[key]
+    if "time" not in obj and "wall_ms" not in obj:
+        for name, scale in TIME_NAMES:
+            v = obj.get(low.get(name, ""))
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                try:
+                    t = float(v) * scale
+                except OverflowError:  # an integer beyond float range: no clock
+                    continue
+                if t - t == 0.0:  # finite
+                    out["time"] = t
+                    break
+    return out
