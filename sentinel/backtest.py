@@ -57,6 +57,7 @@ from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
 from sentinel.trace_names import TraceKeyError, canonical_step_keys
+from sentinel.trace_tb import TbError, is_event_path, tb_rows
 from sentinel.trace_text import looks_like_text_log, text_rows
 
 
@@ -156,7 +157,7 @@ def _time_of(obj: dict[str, Any]) -> float:
     return 0.0
 
 
-TRACE_FORMATS = ("auto", "jsonl", "csv", "hf", "text")
+TRACE_FORMATS = ("auto", "jsonl", "csv", "hf", "text", "tb")
 
 
 def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
@@ -174,6 +175,8 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     instead of stopping the read."""
     if fmt not in TRACE_FORMATS:
         raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(TRACE_FORMATS)})")
+    if fmt == "tb" or (fmt == "auto" and is_event_path(Path(path))):
+        return _load_events(Path(path), rejected, loss_column)
     fh, p = _open_trace(Path(path))
     run = p.stem or "trace"
     out: list[StepRecord | TimelineRecord] = []
@@ -191,17 +194,7 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
         else:
             entries = _json_entries(fh, str(path))
         try:
-            for where, entry in entries:
-                try:
-                    if isinstance(entry, str):  # a row or entry rejected with this reason
-                        raise SchemaError(entry)
-                    out.append(parse_trace_line(entry, default_run=run, where=where, step_key=step_column, loss_key=loss_column)
-                               if isinstance(entry, bytes)
-                               else record_from_obj(entry, default_run=run, where=where))
-                except SchemaError as e:
-                    if rejected is None:
-                        raise
-                    rejected.append(str(e))
+            _read_entries(entries, out, run=run, rejected=rejected, step_key=step_column, loss_key=loss_column)
         except CsvHeaderError as e:
             raise SchemaError(str(e)) from None
         except _STREAM_ERRORS as e:  # a compressed log cut short (a copy that did not finish) or damaged
@@ -212,6 +205,37 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     if fmt == "text" and not out:
         raise SchemaError(f"{path}: read as a text log, but no line names a step and a training loss "
                           f"(like 'step:100 loss:3.21' or 'iter 100: loss 3.21'); --format names another format")
+    return out
+
+
+def _read_entries(entries: Iterable[tuple[str, Any]], out: list, *, run: str, rejected: list[str] | None,
+                  step_key: str | None = None, loss_key: str | None = None) -> None:
+    """Append each entry's record to ``out`` (a JSON line as bytes, or a decoded dict); an entry
+    that is a reason string, or whose record fails its checks, goes to ``rejected`` as one line
+    (None: the ``SchemaError`` is raised). ``out`` is the caller's, so what was read before a
+    stream error stays."""
+    for where, entry in entries:
+        try:
+            if isinstance(entry, str):  # a row or entry rejected with this reason
+                raise SchemaError(entry)
+            out.append(parse_trace_line(entry, default_run=run, where=where, step_key=step_key, loss_key=loss_key)
+                       if isinstance(entry, bytes) else record_from_obj(entry, default_run=run, where=where))
+        except SchemaError as e:
+            if rejected is None:
+                raise
+            rejected.append(str(e))
+
+
+def _load_events(p: Path, rejected: list[str] | None, loss_tag: str | None) -> list[StepRecord | TimelineRecord]:
+    """A TensorBoard event file, or a directory of them (``trace_tb``), as records."""
+    run = (p.name if p.is_dir() else p.parent.name) or "trace"
+    out: list[StepRecord | TimelineRecord] = []
+    try:
+        _read_entries(tb_rows(p, loss_tag=loss_tag), out, run=run, rejected=rejected)
+    except TbError as e:
+        raise SchemaError(str(e)) from None
+    except OSError as e:
+        raise SchemaError(f"{p}: cannot read ({_one_line(e)})") from None
     return out
 
 

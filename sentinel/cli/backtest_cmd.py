@@ -26,18 +26,18 @@ MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the fi
 @click.option("--initial-checkpoint/--no-initial-checkpoint", default=True, show_default=True,
               help="Also assume the initial state (step 0) was saved, as the trainer does on a fresh start "
                    "(only for a trace that begins within the first N steps).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "csv", "hf", "text"]), default="auto", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "csv", "hf", "text", "tb"]), default="auto", show_default=True,
               help="auto: .csv/.tsv files are CSV; a .json file with a log_history list is a Hugging Face "
                    "trainer_state.json (hf); .jsonl/.json/.ndjson otherwise JSON lines; any other name (train.log, "
                    "slurm-123.out) is JSON lines when its first line is a JSON object, CSV when it is a comma- or "
                    "tab-separated header, else a trainer's text log (text: modded-nanogpt, nanoGPT, Megatron-LM, "
-                   "key=value lines).")
+                   "key=value lines); a TensorBoard event file (events.out.tfevents.*), or a directory of them, is tb.")
 @click.option("--step-column", default=None, metavar="NAME",
               help="The step column of a CSV, or key of a JSON line (default: the first of step, _step, global_step, "
                    "iteration, iter, ...).")
 @click.option("--loss-column", default=None, metavar="NAME",
               help="The training-loss column of a CSV, or key of a JSON line (default: the first of loss, train/loss, "
-                   "train_loss, lm_loss, ..., and a CSV's Value).")
+                   "train_loss, lm_loss, ..., and a CSV's Value), or the tag of a TensorBoard event file.")
 @click.option("--strict", is_flag=True,
               help="Stop at the first malformed line (exit 2) instead of skipping and counting it.")
 @click.option("--skip-bad-lines", is_flag=True, hidden=True)  # the default now; kept so old scripts still run
@@ -47,8 +47,8 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
              step_column: str | None, loss_column: str | None, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
     """Run the rules offline over TRACE: a steps.jsonl, JSON lines with just step and loss, a
     CSV export of a run's history (W&B, TensorBoard, pandas), a Hugging Face trainer_state.json,
-    or the trainer's own text log (step:100 train_loss:3.21, iter 100: loss 3.21, Megatron's
-    iteration lines).
+    the trainer's own text log (step:100 train_loss:3.21, iter 100: loss 3.21, Megatron's
+    iteration lines), or TensorBoard event files (a file, or the directory that holds them).
 
     Prints the flagged steps and the actions the policy would have taken. A malformed line (or a
     CSV row without a loss value) is skipped and counted (a warning on stderr, rejected_lines in
