@@ -7,8 +7,10 @@ finds the training steps in it, so ``sentinel backtest train.log`` needs no expo
 - nanoGPT: ``iter 125: loss 4.0235, time 160.09ms, mfu 31.20%``
 - Megatron-LM: ``iteration      125/  500000 | ... | lm loss: 4.023500E+00 | loss scale: 1.0 | grad norm: 1.234 |``
 - ``key=value`` logs: ``step=125 loss=4.0235 grad_norm=1.23``, with ``train/loss``, ``train_loss`` too
+- torchtitan: ``step: 125  loss:  4.0235  memory: 12.34GiB(15.67%)  tps: 1,234``, colour codes and all
 - a block whose step header and loss are on separate lines (``[step=125/739328]`` then
-  ``train/loss=4.0235``): the loss belongs to the step header before it that has none yet.
+  ``train/loss=4.0235``, or OLMo-core's ``train/CE loss=4.0235``): the loss belongs to the step
+  header before it that has none yet.
 
 A line is a step when it (or its block) names a step (``step``, ``iter``, ``iteration``,
 ``global_step``, followed by ``:``, ``=`` or spaces and a whole number, ``/total`` allowed) and a
@@ -21,7 +23,8 @@ passed over without a count; a file in which no line is a step is an error, as a
 
 Also read when present: ``grad norm`` / ``grad_norm``, ``lr`` / ``learning rate``, and a clock:
 modded-nanogpt's cumulative ``train_time:NNNms``, else a timestamp at the start of the line
-(``2024-05-01 12:00:00,123``, as Python's logging writes it). A per-iteration time (nanoGPT's
+(``2024-05-01 12:00:00,123``, as Python's logging writes it; after a short prefix such as
+``[rank0]:[titan]`` too). A per-iteration time (nanoGPT's
 ``time 160ms``) is no clock and is not used; without a clock the step number stands in for time.
 Only the first ``MAX_LINE`` characters of a line are searched (a hostile megabyte line costs no
 more than a normal one).
@@ -47,7 +50,10 @@ _EVAL_LOSS = re.compile(r"(?<![\w])(?:val|valid|validation|eval|test)[ _/]?(?:lm
 _GRAD = re.compile(r"(?<![\w/.-])grad(?:ient)?[ _]norm" + _SEP + _NUM + r"(?![\w.])", re.I)
 _LR = re.compile(r"(?<![\w/.-])(?:lr|learning[ _]rate)" + _SEP + _NUM + r"(?![\w.])", re.I)
 _TRAIN_TIME = re.compile(r"(?<![\w/.-])train_time\s*[:=]\s*(\d+(?:\.\d+)?)ms", re.I)
-_STAMP = re.compile(r"^\W{0,2}(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?")
+# a log timestamp near the start of the line (after a short prefix such as torchtitan's "[rank0]:[titan] ")
+_STAMP = re.compile(r"^.{0,24}?(?<!\d)(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?")
+# terminal colour and cursor codes (torchtitan colours its step lines): not part of any key
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def _float(s: str) -> float:
@@ -86,6 +92,8 @@ def text_rows(lines: Iterable[bytes], path: str) -> Iterator[tuple[int, dict[str
     header: tuple[int, dict[str, Any]] | None = None  # a step named on a line with no loss yet
     for n, raw in enumerate(lines, 1):
         line = raw[:MAX_LINE].decode("utf-8", errors="replace")
+        if "\x1b" in line:
+            line = _ANSI.sub("", line)
         if _EVAL_LOSS.search(line):
             header = None  # an evaluation summary: no step, and no loss for a header before it
             continue
@@ -110,6 +118,8 @@ def text_rows(lines: Iterable[bytes], path: str) -> Iterator[tuple[int, dict[str
 
 
 def looks_like_text_log(first_line: bytes) -> bool:
-    """Does a line read as a trainer's step line (``step:1/100 loss:...``, ``iter 1: loss ...``)?"""
-    line = first_line[:MAX_LINE].decode("utf-8", errors="replace")
-    return _STEP.search(line) is not None and _LOSS.search(line) is not None
+    """Does a file's first line read as a trainer's log rather than a CSV header: a step line
+    (``step:1/100 loss:...``, ``iter 1: loss ...``), a step header (``[step=1/100,epoch=1]``), or a
+    line that starts with a log timestamp (a CSV header names columns; it is no date)?"""
+    line = _ANSI.sub("", first_line[:MAX_LINE].decode("utf-8", errors="replace"))
+    return _STEP.search(line) is not None or _STAMP.match(line) is not None

@@ -681,12 +681,23 @@ _TEXT_LOGS = {
     "olmo": (["[2024-05-01 12:00:00] INFO     Saving config"],  # a step header and its metrics on separate lines
              lambda o: f"[step={o['step']}/739328,epoch=0]",
              lambda o: [f"    train/CE loss={o['loss']}", "    train/Z loss=0.0001", "    optim/total grad norm=0.91"]),
+    # OLMo-core's console logger: tab-separated logging fields (not a CSV header), the step header last
+    "olmo-core.log": ([],
+                      lambda o: f"2024-05-01 12:{o['step'] // 60 % 60:02d}:{o['step'] % 60:02d}.000\tINFO\t"
+                                f"olmo_core.train.callbacks.console_logger:83\t[step={o['step']}/739328,epoch=1]",
+                      lambda o: [f"    train/CE loss={o['loss']}", "    optim/total grad norm=0.91"]),
+    # torchtitan: a prefix before the timestamp, colour codes between the keys
+    "torchtitan.log": (["[rank0]:[titan] 2024-05-01 11:59:59,000 - root - INFO - Starting job: Llama 3 8B training"],
+                       lambda o: (f"[rank0]:[titan] 2024-05-01 12:{o['step'] // 60 % 60:02d}:{o['step'] % 60:02d},000 - root - INFO - "
+                                  f"\x1b[31mstep: {o['step']:2}  \x1b[32mloss: {o['loss']:7.4f}  \x1b[33mmemory: 12.34GiB(15.67%)  "
+                                  f"\x1b[34mtps: 1,234  \x1b[36mtflops: 45.67  \x1b[35mmfu: 12.34%\x1b[39m"),
+                       lambda o: []),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_TEXT_LOGS))
 def test_a_trainers_text_log_gets_the_decisions_of_the_same_steps_as_json_lines(tmp_path, name):
-    """The stdout of modded-nanogpt, nanoGPT, Megatron-LM and an OLMo-style block log: the steps are
+    """The stdout of modded-nanogpt, nanoGPT, Megatron-LM, torchtitan and OLMo-style block logs: the steps are
     found among banners, code, evaluation summaries (whose train loss is an estimate, not a step)
     and other losses; the same damage gets the same flags and rollback as the JSON-lines trace."""
     jsonl = loss_only_trace(tmp_path, spikes=(250,), shift_from=400)
@@ -710,6 +721,8 @@ def test_a_trainers_text_log_gets_the_decisions_of_the_same_steps_as_json_lines(
         assert recs[9].time == (31559 + 100 * 10) / 1000  # train_time is the clock
     if name == "megatron.txt":
         assert recs[0].grad_norm == 1.234 and recs[0].lr == 3e-4 and recs[61].time - recs[1].time == 60.0
+    if name in ("olmo-core.log", "torchtitan.log"):  # the log's timestamps are the clock
+        assert recs[61].time - recs[1].time == 60.0
 
 
 def test_a_text_log_without_steps_is_one_line_and_hostile_lines_cost_nothing(tmp_path):
