@@ -8,7 +8,8 @@ module level or inside a function) and on a fresh interpreter (what importing th
 - Only the offline tools import ``trainer``: ``sentinel/offline/`` at module level; the CLI
   commands that start them (replay-batch, verify-resume, demo) and the demo's drill only inside
   functions, so ``sentinel --help`` and the daemon never load torch.
-- ``trainer/`` imports from the sentinel only the contract and the bus's connection helpers.
+- ``trainer/`` imports from the sentinel only the contract, the bus's connection helpers and its
+  client side (``sentinel.bus_client``, which any training loop may use).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ CORE_MAY_IMPORT_OF_OURS = ("sentinel.protocol", "sentinel.detectors", "sentinel.
 CORE_MAY_IMPORT_THIRD_PARTY = ("pydantic", "yaml")
 IO_MODULES = ("socket", "ssl", "http", "urllib", "subprocess", "multiprocessing", "threading", "asyncio", "shutil",
               "sqlite3", "select", "selectors")
-TRAINER_MAY_IMPORT = ("sentinel.protocol", "sentinel.bus", "sentinel.embedded")
+TRAINER_MAY_IMPORT = ("sentinel.protocol", "sentinel.bus", "sentinel.bus_client", "sentinel.embedded")
 # sentinel modules that may import trainer inside a function (they start an offline tool or the demo)
 LAZY_TRAINER_USERS = ("sentinel/cli/replay_cmd.py", "sentinel/cli/verify_cmd.py", "sentinel/cli/demo_cmd.py", "sentinel/drill.py")
 

@@ -1,4 +1,4 @@
-"""trainer.telemetry.bus_client.BusClient against real servers: order, directives, outages."""
+"""sentinel.bus_client.BusClient against real servers: order, directives, outages."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from conftest import free_port
 from sentinel import bus
 from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, StepRecord, TimelineRecord
-from trainer.telemetry.bus_client import BusClient
+from sentinel.bus_client import BusClient
 
 SECRET = b"test-secret-0123456789abcdef"
 

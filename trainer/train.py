@@ -313,7 +313,7 @@ class Trainer:
 
     def _connect_bus(self, url: str) -> None:
         from sentinel.bus import load_secret, register_run
-        from trainer.telemetry.bus_client import BusClient
+        from sentinel.bus_client import BusClient
 
         reconnect = None
         if url == "embedded":

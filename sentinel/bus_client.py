@@ -1,4 +1,6 @@
-"""Rank 0's side of the control bus: publish steps, receive signed directives, send acks.
+"""A training loop's side of the control bus: publish steps, receive signed directives, send acks.
+
+Our trainer's rank 0 uses it, and so can any other loop (docs/integrate.md): it needs no torch.
 
 The one rule this module exists to keep: **Redis must never stall a training step.** Every
 method the training loop calls only touches in-memory queues (a lock held for microseconds);
