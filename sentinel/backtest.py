@@ -57,7 +57,7 @@ from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
 from sentinel.trace_names import TraceKeyError, canonical_step_keys
-from sentinel.trace_tb import TbError, is_event_path, tb_rows
+from sentinel.trace_tb import TbError, event_subdirs, is_event_path, tb_rows
 from sentinel.trace_text import looks_like_text_log, text_rows
 
 
@@ -177,6 +177,10 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
         raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(TRACE_FORMATS)})")
     if fmt == "tb" or (fmt == "auto" and is_event_path(Path(path))):
         return _load_events(Path(path), rejected, loss_column)
+    if Path(path).is_dir():
+        runs = event_subdirs(Path(path))
+        hint = f" (TensorBoard runs below it: {', '.join(str(r) for r in runs[:3])}{' ...' if len(runs) > 3 else ''})" if runs else ""
+        raise SchemaError(f"{path}: a directory; name a log file, or a directory of TensorBoard event files{hint}")
     fh, p = _open_trace(Path(path))
     run = p.stem or "trace"
     out: list[StepRecord | TimelineRecord] = []

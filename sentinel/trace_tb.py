@@ -25,6 +25,7 @@ scalars are kept per read.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from pathlib import Path
@@ -47,6 +48,18 @@ def is_event_path(p: Path) -> bool:
     if p.is_dir():
         return any(_event_files(p))
     return ".tfevents." in p.name
+
+
+def event_subdirs(d: Path, limit: int = 2000) -> list[Path]:
+    """Directories below ``d`` that hold event files (a TensorBoard log root holds one per run), in
+    name order; at most ``limit`` directories are looked at (``sentinel backtest /`` stays quick)."""
+    out = []
+    for n, (root, _dirs, files) in enumerate(os.walk(d)):
+        if n >= limit:
+            break
+        if n and any(".tfevents." in f for f in files):
+            out.append(Path(root))
+    return sorted(out)
 
 
 def _event_files(d: Path) -> list[Path]:

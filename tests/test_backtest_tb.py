@@ -128,6 +128,8 @@ def test_an_event_file_without_the_loss_tag_or_a_directory_without_events_is_one
     assert code == 0 and got["records"] == 50
     code, out, _ = _cli(str(tmp_path / "odd"), "--loss-column", "nope")
     assert code == 2 and "no tag 'nope'" in out
+    code, out, _ = _cli(str(tmp_path))  # a log root: its runs are named, one line
+    assert code == 2 and out.strip().count("\n") == 0 and f"TensorBoard runs below it: {tmp_path / 'odd'}" in out
     (tmp_path / "empty").mkdir()
     code, out, _ = _cli(str(tmp_path / "empty"), "--format", "tb")
     assert code == 2 and "without TensorBoard event files" in out and out.strip().count("\n") == 0
