@@ -172,9 +172,10 @@ def _tensor_scalar(buf: bytes) -> float | None:
     return vals[0] if len(vals) == 1 else None
 
 
-def _scalars(event: bytes) -> tuple[float | None, int | None, list[tuple[str, float]]]:
-    """(wall time, step, [(tag, value)]) of one serialized Event."""
-    wall, step, out = None, None, []
+def _scalars(event: bytes) -> tuple[float | None, int, list[tuple[str, float]]]:
+    """(wall time, step, [(tag, value)]) of one serialized Event. proto3 leaves fields at their
+    default out: no step field is step 0, no wall time is none."""
+    wall, step, out = None, 0, []
     for fn, wt, v in _fields(event):
         if fn == 1 and wt == 1:
             wall = struct.unpack("<d", v)[0]
@@ -227,7 +228,7 @@ def tb_rows(path: Path, *, loss_tag: str | None = None) -> Iterator[tuple[str, d
     files = _event_files(path) if path.is_dir() else [path]
     if not files:
         raise TbError(f"{path}: a directory without TensorBoard event files (events.out.tfevents.*)")
-    events: list[tuple[str, float | None, int | None, list[tuple[str, float]]] | str] = []
+    events: list[tuple[str, float | None, int, list[tuple[str, float]]] | str] = []
     tags: dict[str, None] = {}
     kept = 0
     for f in files:
@@ -261,9 +262,6 @@ def tb_rows(path: Path, *, loss_tag: str | None = None) -> Iterator[tuple[str, d
         vals = dict(scalars)
         if loss not in vals:
             continue  # another metric's event
-        if step is None:
-            yield where, f"{where}: a {loss!r} value without a step"
-            continue
         obj: dict[str, Any] = {"step": step, "loss": vals[loss]}
         if step in grads:
             obj["grad_norm"] = grads[step]

@@ -73,6 +73,11 @@ def test_a_tensorboard_log_gets_the_decisions_of_the_same_steps_as_json_lines(tm
     assert abs(recs[9].grad_norm - 1.01) < 1e-6 and recs[0].run == "run7"
     lr = load_trace(logdir, loss_column="LR")  # a tag named by --loss-column, case-insensitively; a tensor summary
     assert len(lr) == 600 and abs(lr[0].loss - 1e-3) < 1e-9
+    w = SummaryWriter(str(tmp_path / "zero"))  # proto3 writes no step field for step 0, and no value field for 0.0
+    for s in range(3):
+        w.add_scalar("loss", float(s), s, walltime=WALL0 + s)
+    w.close()
+    assert [(r.step, r.loss) for r in load_trace(tmp_path / "zero")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
 
 
 def test_a_resumed_run_writes_a_second_event_file_read_in_order_as_a_restart(tmp_path):
