@@ -19,8 +19,8 @@ their scalars directly, so ``sentinel backtest runs/tb/`` judges a run as logged
 - **Several files**: a directory is read as all its event files (not its subdirectories: those are
   other runs), in the order of the time TensorBoard wrote into their names.
 
-Bounds: a frame over ``MAX_FRAME`` bytes is skipped unread (a large image); at most ``MAX_SCALARS``
-scalars are kept per read.
+Bounds: a frame over ``MAX_FRAME`` bytes is skipped unread (a large image); only the values of the
+tags that can be the loss or the grad norm are kept, at most ``MAX_SCALARS`` of them per read.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES
 
 TB_LOSS_NAMES = LOSS_NAMES + ("loss/train", "losses/train_loss", "train/loss_epoch")
 MAX_FRAME = 1 << 24  # 16 MiB: a scalar event is ~50 bytes
-MAX_SCALARS = 50_000_000
+MAX_SCALARS = 20_000_000  # loss and grad-norm values kept per read (~100 bytes each)
+MAX_TAGS = 10_000  # tag names kept for the choice and the error message
 _NAME = re.compile(r"tfevents\.(\d+)")
 
 
@@ -228,41 +229,42 @@ def tb_rows(path: Path, *, loss_tag: str | None = None) -> Iterator[tuple[str, d
     files = _event_files(path) if path.is_dir() else [path]
     if not files:
         raise TbError(f"{path}: a directory without TensorBoard event files (events.out.tfevents.*)")
-    events: list[tuple[str, float | None, int, list[tuple[str, float]]] | str] = []
+    # Only the scalars of the tags that can be the loss or the grad norm are kept (a run logs dozens
+    # of others); every tag's name is, for the choice and for the error that lists them.
+    wanted = {n.lower() for n in TB_LOSS_NAMES + GRAD_NAMES} | ({loss_tag.strip().lower()} if loss_tag else set())
+    kept: list[tuple[str, float | None, int, str, float] | str] = []  # (where, wall time, step, tag, value), or a reason
     tags: dict[str, None] = {}
-    kept = 0
     for f in files:
         with f.open("rb") as fh:
             for n, data in enumerate(_frames(fh, str(f)), 1):
                 if isinstance(data, str):
-                    events.append(data)
+                    kept.append(data)
                     continue
                 if data is None:
-                    events.append(f"{f}: record {n}: its data fails its checksum")
+                    kept.append(f"{f}: record {n}: its data fails its checksum")
                     continue
                 try:
                     wall, step, scalars = _scalars(data)
                 except (ValueError, struct.error) as e:
-                    events.append(f"{f}: record {n}: not a readable event ({e})")
+                    kept.append(f"{f}: record {n}: not a readable event ({e})")
                     continue
-                if not scalars or kept >= MAX_SCALARS:
-                    continue
-                kept += len(scalars)
-                tags.update((t, None) for t, _ in scalars)
-                events.append((f"{f}: record {n}", wall, step, scalars))
+                for tag, x in scalars:
+                    if tag not in tags and len(tags) < MAX_TAGS:
+                        tags[tag] = None
+                    if tag.lower() in wanted and len(kept) < MAX_SCALARS:
+                        kept.append((f"{f}: record {n}", wall, step, tag, x))
     loss = _pick(list(tags), TB_LOSS_NAMES, loss_tag, "loss", str(path))
     grad = _pick(list(tags), GRAD_NAMES, None, "grad norm", str(path))
     # ``add_scalar`` writes one event per tag: a step's grad norm is an event of its own
-    grads = {e[2]: x for e in events if not isinstance(e, str) for t, x in e[3] if t == grad} if grad else {}
-    for e in events:
+    grads = {e[2]: e[4] for e in kept if not isinstance(e, str) and e[3] == grad} if grad else {}
+    for e in kept:
         if isinstance(e, str):
             yield str(path), e
             continue
-        where, wall, step, scalars = e
-        vals = dict(scalars)
-        if loss not in vals:
-            continue  # another metric's event
-        obj: dict[str, Any] = {"step": step, "loss": vals[loss]}
+        where, wall, step, tag, x = e
+        if tag != loss:
+            continue
+        obj: dict[str, Any] = {"step": step, "loss": x}
         if step in grads:
             obj["grad_norm"] = grads[step]
         if wall is not None and wall - wall == 0.0:
