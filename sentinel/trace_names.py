@@ -54,7 +54,9 @@ def canonical_step_keys(obj: dict[str, Any], step_key: str | None = None, loss_k
             out["grad_norm"] = obj[key]
     if "time" not in obj and "wall_ms" not in obj:
         for name, scale in TIME_NAMES:
-            v = obj.get(low.get(name, ""))
+            if name not in low:
+                continue
+            v = obj[low[name]]
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 try:
                     t = float(v) * scale
