@@ -83,7 +83,7 @@ STOPS_THE_TIMELINE = frozenset({"rollback", "pause", "stop"})
 
 
 def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "trace", step_key: str | None = None,
-                     loss_key: str | None = None) -> StepRecord | TimelineRecord:
+                     loss_key: str | None = None, used: dict[str, Any] | None = None) -> StepRecord | TimelineRecord:
     """One JSON line -> a record; step lines may carry only ``step`` and ``loss``, under our names or
     another tool's (``_step``, ``global_step``, ``iter``; ``train/loss``, ``train_loss``, ...: see
     ``trace_names``), or under the keys ``step_key`` / ``loss_key``."""
@@ -97,7 +97,7 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         raise SchemaError(f"{where}: expected a JSON object")
     if obj.get("kind", "step") == "step":
         try:
-            obj = canonical_step_keys(obj, step_key, loss_key)
+            obj = canonical_step_keys(obj, step_key, loss_key, used)
         except TraceKeyError as e:
             raise SchemaError(f"{where}: {e}") from None
     return record_from_obj(obj, default_run=default_run, where=where)
@@ -161,7 +161,7 @@ TRACE_FORMATS = ("auto", "jsonl", "csv", "hf", "text", "tb")
 
 
 def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
-               loss_column: str | None = None) -> list[StepRecord | TimelineRecord]:
+               loss_column: str | None = None, source: dict[str, Any] | None = None) -> list[StepRecord | TimelineRecord]:
     """Read a steps.jsonl, a loss-only trace, a CSV export (W&B, TensorBoard, pandas: see
     ``trace_csv``) or a Hugging Face ``trainer_state.json`` (``trace_hf``). Errors name the file
     and line (or entry), in one line.
@@ -172,11 +172,15 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     commas or tabs (and no step line), else a trainer's text log (``trace_text``). A gzip, bzip2 or
     xz file (by its first bytes) is read decompressed and named without its ``.gz``/``.bz2``/``.xz``.
     With ``rejected`` (a list), a bad line is appended there (its one-line reason) and skipped
-    instead of stopping the read."""
+    instead of stopping the read. ``source`` (a dict) gets what was read: the ``format`` and, where
+    the format names them, the ``step`` and ``loss`` columns, keys or tag (TensorBoard: also the
+    ``grad_norm`` tag and the number of ``files``)."""
     if fmt not in TRACE_FORMATS:
         raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(TRACE_FORMATS)})")
+    src: dict[str, Any] = source if source is not None else {}
     if fmt == "tb" or (fmt == "auto" and is_event_path(Path(path))):
-        return _load_events(Path(path), rejected, loss_column)
+        src["format"] = "tb"
+        return _load_events(Path(path), rejected, loss_column, src)
     if Path(path).is_dir():
         runs = event_subdirs(Path(path))
         hint = f" (TensorBoard runs below it: {', '.join(str(r) for r in runs[:3])}{' ...' if len(runs) > 3 else ''})" if runs else ""
@@ -189,16 +193,20 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
             fmt, history = _trace_format(p, fh, fmt)
         except _STREAM_ERRORS as e:
             raise SchemaError(f"{path}: not a readable compressed file ({_one_line(e)})") from None
+        src["format"] = fmt
         if fmt == "hf":
+            src.update(step="step", loss="loss")
             entries: Iterator[tuple[str, Any]] = hf_entries(history or [], str(path))
         elif fmt == "csv":
-            entries = ((f"{path}:{n}", e) for n, e in csv_rows(fh, str(path), step_column=step_column, loss_column=loss_column))
+            entries = ((f"{path}:{n}", e) for n, e in csv_rows(fh, str(path), step_column=step_column, loss_column=loss_column,
+                                                               source=src))
         elif fmt == "text":
             entries = ((f"{path}:{n}", e) for n, e in text_rows(fh, str(path)))
         else:
             entries = _json_entries(fh, str(path))
         try:
-            _read_entries(entries, out, run=run, rejected=rejected, step_key=step_column, loss_key=loss_column)
+            _read_entries(entries, out, run=run, rejected=rejected, step_key=step_column, loss_key=loss_column,
+                          used=src if fmt == "jsonl" else None)
         except CsvHeaderError as e:
             raise SchemaError(str(e)) from None
         except _STREAM_ERRORS as e:  # a compressed log cut short (a copy that did not finish) or damaged
@@ -213,7 +221,7 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
 
 
 def _read_entries(entries: Iterable[tuple[str, Any]], out: list, *, run: str, rejected: list[str] | None,
-                  step_key: str | None = None, loss_key: str | None = None) -> None:
+                  step_key: str | None = None, loss_key: str | None = None, used: dict[str, Any] | None = None) -> None:
     """Append each entry's record to ``out`` (a JSON line as bytes, or a decoded dict); an entry
     that is a reason string, or whose record fails its checks, goes to ``rejected`` as one line
     (None: the ``SchemaError`` is raised). ``out`` is the caller's, so what was read before a
@@ -222,7 +230,7 @@ def _read_entries(entries: Iterable[tuple[str, Any]], out: list, *, run: str, re
         try:
             if isinstance(entry, str):  # a row or entry rejected with this reason
                 raise SchemaError(entry)
-            out.append(parse_trace_line(entry, default_run=run, where=where, step_key=step_key, loss_key=loss_key)
+            out.append(parse_trace_line(entry, default_run=run, where=where, step_key=step_key, loss_key=loss_key, used=used)
                        if isinstance(entry, bytes) else record_from_obj(entry, default_run=run, where=where))
         except SchemaError as e:
             if rejected is None:
@@ -230,12 +238,12 @@ def _read_entries(entries: Iterable[tuple[str, Any]], out: list, *, run: str, re
             rejected.append(str(e))
 
 
-def _load_events(p: Path, rejected: list[str] | None, loss_tag: str | None) -> list[StepRecord | TimelineRecord]:
+def _load_events(p: Path, rejected: list[str] | None, loss_tag: str | None, source: dict[str, Any]) -> list[StepRecord | TimelineRecord]:
     """A TensorBoard event file, or a directory of them (``trace_tb``), as records."""
     run = (p.name if p.is_dir() else p.parent.name) or "trace"
     out: list[StepRecord | TimelineRecord] = []
     try:
-        _read_entries(tb_rows(p, loss_tag=loss_tag), out, run=run, rejected=rejected)
+        _read_entries(tb_rows(p, loss_tag=loss_tag, source=source), out, run=run, rejected=rejected)
     except TbError as e:
         raise SchemaError(str(e)) from None
     except OSError as e:

@@ -113,10 +113,11 @@ class _Columns:
         return obj
 
 
-def csv_rows(lines: Iterable[bytes], path: str, *, step_column: str | None = None,
-             loss_column: str | None = None) -> Iterator[tuple[int, dict[str, Any] | str]]:
+def csv_rows(lines: Iterable[bytes], path: str, *, step_column: str | None = None, loss_column: str | None = None,
+             source: dict[str, Any] | None = None) -> Iterator[tuple[int, dict[str, Any] | str]]:
     """(line number, trace-line dict) for each data row, or (line number, the one-line reason) for
-    a row that cannot be one. A header without a step or loss column raises ``CsvHeaderError``."""
+    a row that cannot be one. A header without a step or loss column raises ``CsvHeaderError``.
+    ``source`` (a dict) gets the names of the step and loss columns read."""
     cols: _Columns | None = None
     for n, raw in enumerate(lines, 1):
         text = raw.decode("utf-8", errors="replace")
@@ -126,6 +127,8 @@ def csv_rows(lines: Iterable[bytes], path: str, *, step_column: str | None = Non
             continue
         if cols is None:
             cols = _Columns(text, n, path, step_column, loss_column)
+            if source is not None:
+                source.update(step=cols.header[cols.step].strip()[:80], loss=cols.header[cols.loss].strip()[:80])
             continue
         try:
             yield n, cols.row(text)

@@ -32,22 +32,30 @@ def _find(low: dict[str, str], names, chosen: str | None, what: str) -> str | No
     return next((low[n] for n in names if n in low), None)
 
 
-def canonical_step_keys(obj: dict[str, Any], step_key: str | None = None, loss_key: str | None = None) -> dict[str, Any]:
+def canonical_step_keys(obj: dict[str, Any], step_key: str | None = None, loss_key: str | None = None,
+                        used: dict[str, Any] | None = None) -> dict[str, Any]:
     """A JSON step line with its step, loss, grad norm and clock under the names a trace line uses
     (``step``, ``loss``, ``grad_norm``, ``time``), taken from the first of the known names it has
     (or from ``step_key`` / ``loss_key`` when given). A line that already uses our names is returned
     as it is; one without a step or a loss under any name is left without it (the caller rejects it
-    and says which is missing). ``TraceKeyError`` when a named key is absent."""
+    and says which is missing). ``TraceKeyError`` when a named key is absent. ``used`` (a dict)
+    gets the names of the step and loss keys of the first line that has both."""
     if step_key is None and loss_key is None and "step" in obj and "loss" in obj:
+        if used is not None and "loss" not in used:
+            used.update(step="step", loss="loss")
         return obj
     if step_key is not None and loss_key is not None and step_key.strip().lower() == loss_key.strip().lower():
         raise TraceKeyError(f"the step and loss keys are the same key ({step_key[:40]!r})")
     low = {k.lower(): k for k in obj if isinstance(k, str)}
     out = dict(obj)
+    found = {}
     for canon, names, chosen in (("step", STEP_NAMES, step_key), ("loss", LOSS_NAMES, loss_key)):
         key = _find(low, names, chosen, canon)
         if key is not None:
             out[canon] = obj[key]
+            found[canon] = key[:80]
+    if used is not None and "loss" not in used and len(found) == 2:
+        used.update(found)
     if "grad_norm" not in obj:
         key = _find(low, GRAD_NAMES, None, "grad norm")
         if key is not None:

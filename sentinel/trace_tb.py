@@ -222,10 +222,12 @@ def _shown(tags: list[str], limit: int = 12) -> str:
     return ", ".join(repr(n) for n in names) + (f" and {len(tags) - limit} more" if len(tags) > limit else "")
 
 
-def tb_rows(path: Path, *, loss_tag: str | None = None) -> Iterator[tuple[str, dict[str, Any] | str]]:
+def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] | None = None
+            ) -> Iterator[tuple[str, dict[str, Any] | str]]:
     """(where, trace-line dict) for each training-loss event of the event file or directory
     ``path``, or (where, the one-line reason) for an event or file that cannot give one.
-    ``TbError`` when there is no event file, or no loss tag."""
+    ``TbError`` when there is no event file, or no loss tag. ``source`` (a dict) gets the loss tag,
+    the grad-norm tag (or None) and the number of files read."""
     files = _event_files(path) if path.is_dir() else [path]
     if not files:
         raise TbError(f"{path}: a directory without TensorBoard event files (events.out.tfevents.*)")
@@ -255,6 +257,8 @@ def tb_rows(path: Path, *, loss_tag: str | None = None) -> Iterator[tuple[str, d
                         kept.append((f"{f}: record {n}", wall, step, tag, x))
     loss = _pick(list(tags), TB_LOSS_NAMES, loss_tag, "loss", str(path))
     grad = _pick(list(tags), GRAD_NAMES, None, "grad norm", str(path))
+    if source is not None:
+        source.update(loss=loss[:80], grad_norm=grad[:80] if grad else None, files=len(files))
     # ``add_scalar`` writes one event per tag: a step's grad norm is an event of its own
     grads = {e[2]: e[4] for e in kept if not isinstance(e, str) and e[3] == grad} if grad else {}
     for e in kept:

@@ -113,8 +113,8 @@ def test_cli_json_shape_on_loss_only_trace(tmp_path):
     r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500)), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert set(data) == {"flagged", "actions", "records", "unjudged", "restarts", "duplicates", "incidents", "rejected_lines"}
-    assert data["rejected_lines"] == 0
+    assert set(data) == {"flagged", "actions", "records", "unjudged", "restarts", "duplicates", "incidents", "rejected_lines", "source"}
+    assert data["rejected_lines"] == 0 and data["source"] == {"format": "jsonl", "step": "step", "loss": "loss"}
     assert data["flagged"][0] == 400 and data["actions"][0]["kind"] == "rollback"
     assert [i["state"] for i in data["incidents"]][0] == "recovered"
     # the data window the rollback skips: from the policy's margin before the onset through the
@@ -359,6 +359,7 @@ def test_a_wandb_csv_export_gets_the_decisions_of_the_same_steps_as_json_lines(t
     assert _decisions(got) == _decisions(want)
     assert any(a[0] == "rollback" and a[2] <= 400 for a in _decisions(got)[1]) and 250 in got["flagged"]
     assert got["rejected_lines"] == 6  # the val-loss rows of steps 100, 200, ..., 600
+    assert got["source"] == {"format": "csv", "step": "_step", "loss": "train/loss"}
     assert "history.csv:" in r.stderr and "no value in column 'train/loss'" in r.stderr
     recs = load_trace(csv_path, rejected=[])
     assert recs[9].time == 31559 / 1000 + 0.1 * 10 and recs[9].grad_norm == 0.0
@@ -427,6 +428,11 @@ def test_json_lines_of_other_tools_get_the_decisions_of_the_same_steps(tmp_path)
         out = json.loads(r.stdout)
         assert _decisions(out) == want, name
         assert out["rejected_lines"] == (1 if name == "wandb.jsonl" else 0), name
+        assert out["source"] == {"format": "jsonl", **{"wandb.jsonl": {"step": "_step", "loss": "train/loss"},
+                                                       "lightning.jsonl": {"step": "global_step", "loss": "train_loss"},
+                                                       "nanogpt.jsonl": {"step": "iter", "loss": "Loss"}}[name]}, name
+    r = CliRunner().invoke(backtest_cmd, [str(tmp_path / "lightning.jsonl")])  # and said to a person
+    assert "Read as JSON lines: step 'global_step', loss 'train_loss'" in " ".join(r.output.split())
     wandb = load_trace(tmp_path / "wandb.jsonl", rejected=[])
     assert wandb[0].time == 1.7e9 + 31.659 and load_trace(tmp_path / "lightning.jsonl")[0].grad_norm == 1.0
     assert load_trace(tmp_path / "nanogpt.jsonl")[4].time == (31559 + 500) / 1000

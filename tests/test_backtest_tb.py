@@ -68,6 +68,9 @@ def test_a_tensorboard_log_gets_the_decisions_of_the_same_steps_as_json_lines(tm
     for path, extra in ((logdir, []), (f, []), (f, ["--format", "tb"])):
         code, got, _ = _cli(str(path), "--json", *extra)
         assert code == 0 and _decisions(got) == _decisions(want) and got["rejected_lines"] == 0, (path, extra)
+        assert got["source"] == {"format": "tb", "loss": "train/loss", "grad_norm": "train/grad_norm", "files": 1}
+    r = CliRunner().invoke(backtest_cmd, [str(logdir)])
+    assert "Read as TensorBoard events: loss 'train/loss', grad norm 'train/grad_norm', 1 file(s)" in " ".join(r.output.split())
     recs = load_trace(logdir)
     assert recs[9].step == 10 and abs(recs[9].loss - losses[9]) < 1e-6 and abs(recs[9].time - (WALL0 + 1.0)) < 1e-6  # float32
     assert abs(recs[9].grad_norm - 1.01) < 1e-6 and recs[0].run == "run7"

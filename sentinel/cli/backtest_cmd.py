@@ -73,13 +73,13 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
         _judge_many(traces, judge, as_json)
         return
     trace = traces[0]
-    res, rejected = judge(trace)
+    res, rejected, source = judge(trace)
     if rejected:
         click.echo(f"warning: skipped {len(rejected)} line(s) of {trace}; first: {rejected[0]}", err=True)
     if as_json:
-        emit_json({**res.to_json(), "rejected_lines": len(rejected)})
+        emit_json({**res.to_json(), "rejected_lines": len(rejected), "source": source})
         return
-    _print_tables(trace, res)
+    _print_tables(trace, res, source)
 
 
 @friendly_errors
@@ -92,12 +92,26 @@ def _judge(trace: str, *, rules, checkpoint_every: int, initial_checkpoint: bool
     from sentinel.protocol import StepRecord
 
     rejected: list[str] | None = None if strict else []
-    records = load_trace(trace, rejected=rejected, fmt=fmt, step_column=step_column, loss_column=loss_column)
+    source: dict = {}
+    records = load_trace(trace, rejected=rejected, fmt=fmt, step_column=step_column, loss_column=loss_column, source=source)
     if not any(isinstance(r, StepRecord) for r in records):
         why = f" ({len(rejected)} line(s) skipped; first: {rejected[0]})" if rejected else ""
         raise SentinelError(f"no step records in {trace}{why}")
     res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None, initial_checkpoint=initial_checkpoint)
-    return res, rejected or []
+    return res, rejected or [], source
+
+
+FORMAT_NAMES = {"jsonl": "JSON lines", "csv": "CSV", "hf": "a Hugging Face trainer state", "text": "a text log",
+                "tb": "TensorBoard events"}
+
+
+def _read_as(source: dict) -> str:
+    """"Read as CSV: step 'global_step', loss 'train/loss'": what the trace was read as, in words."""
+    what = FORMAT_NAMES.get(source.get("format", ""), "a trace")
+    named = [f"{label} {source[k]!r}" for k, label in (("step", "step"), ("loss", "loss"), ("grad_norm", "grad norm")) if source.get(k)]
+    if source.get("format") == "tb" and source.get("files"):
+        named.append(f"{source['files']} file(s)")
+    return f"Read as {what}" + (f": {', '.join(named)}" if named else "")
 
 
 def _judge_many(traces: tuple[str, ...], judge, as_json: bool) -> None:
@@ -109,11 +123,11 @@ def _judge_many(traces: tuple[str, ...], judge, as_json: bool) -> None:
             if report:
                 report(i, len(traces), f"backtest {trace}")
             try:
-                res, rejected = judge(trace)
+                res, rejected, source = judge(trace)
             except click.ClickException as e:  # _judge turns every expected failure into one
                 out.append({"trace": trace, "error": e.format_message()})
                 continue
-            out.append({"trace": trace, **res.to_json(), "rejected_lines": len(rejected)})
+            out.append({"trace": trace, **res.to_json(), "rejected_lines": len(rejected), "source": source})
     failed = sum("error" in t for t in out)
     if as_json:
         emit_json({"traces": out, "failed": failed})
@@ -162,8 +176,9 @@ def _skipped(act: dict) -> str:
     return f"{what}, {where}" if where else what
 
 
-def _print_tables(trace: str, res) -> None:
+def _print_tables(trace: str, res, source: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -195,6 +210,7 @@ def _print_tables(trace: str, res) -> None:
         if len(res.incidents) > MAX_ROWS:
             it.caption = f"... and {len(res.incidents) - MAX_ROWS} more (use --json for all)"
         console.print(it)
+    console.print(escape(_read_as(source)), style="dim")
     console.print(f"{res.records} steps, {len(res.flagged)} flagged, {len(res.actions)} actions, {len(res.incidents)} incidents"
                   + (f"; {res.unjudged} later steps not judged (the live run would have rolled back or paused there)"
                      if res.unjudged else "")
