@@ -75,7 +75,7 @@ def read_cursor(path: str | os.PathLike | None) -> str | None:
 
 
 class BusClient:
-    """Non-blocking bus client for the trainer (rank 0 only).
+    """Non-blocking bus client for a training loop (its rank 0 only): ours, or any other (docs/integrate.md).
 
     ``start_after_id`` is the directives-stream id after which to start reading: ``"0-0"``
     (default) re-reads every directive still in the stream, so a restarted trainer also sees
@@ -126,7 +126,7 @@ class BusClient:
         self._secret = secret
         self._url = redact_url(url)
         self._full_url = url
-        self._log = logger or logging.getLogger("trainer.telemetry.bus")
+        self._log = logger or logging.getLogger("sentinel.bus_client")
         self._queue_max = max(1, int(queue_max))
         self._hb_ttl_ms = max(1000, int(heartbeat_ttl_s * 1000))
         self._hb_every = min(1.0, heartbeat_ttl_s / 3)
