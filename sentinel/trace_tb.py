@@ -236,12 +236,14 @@ def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] |
     wanted = {n.lower() for n in TB_LOSS_NAMES + GRAD_NAMES} | ({loss_tag.strip().lower()} if loss_tag else set())
     kept: list[tuple[str, float | None, int, str, float] | str] = []  # (where, wall time, step, tag, value), or a reason
     tags: dict[str, None] = {}
+    frames_read = 0  # records whose length passed its checksum: none means no event file at all
     for f in files:
         with f.open("rb") as fh:
             for n, data in enumerate(_frames(fh, str(f)), 1):
                 if isinstance(data, str):
                     kept.append(data)
                     continue
+                frames_read += 1
                 if data is None:
                     kept.append(f"{f}: record {n}: its data fails its checksum")
                     continue
@@ -255,6 +257,8 @@ def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] |
                         tags[tag] = None
                     if tag.lower() in wanted and len(kept) < MAX_SCALARS:
                         kept.append((f"{f}: record {n}", wall, step, tag, x))
+    if frames_read == 0:
+        raise TbError(f"{path}: not a TensorBoard event file (no record in it passes its checksum)")
     loss = _pick(list(tags), TB_LOSS_NAMES, loss_tag, "loss", str(path))
     grad = _pick(list(tags), GRAD_NAMES, None, "grad norm", str(path))
     if source is not None:

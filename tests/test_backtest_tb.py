@@ -145,6 +145,10 @@ def test_an_event_file_without_the_loss_tag_or_a_directory_without_events_is_one
     junk.write_bytes(b"\x00" * 7)
     code, out, _ = _cli(str(junk))
     assert code == 2 and out.strip().count("\n") == 0 and "Traceback" not in out
+    not_tb = tmp_path / "curve.jsonl"
+    not_tb.write_text('{"step": 1, "loss": 3.0}\n' * 50)
+    code, out, _ = _cli(str(not_tb), "--format", "tb")
+    assert code == 2 and out.strip() == f"error: {not_tb}: not a TensorBoard event file (no record in it passes its checksum)"
 
 
 def test_hostile_event_files_never_raise(tmp_path):
