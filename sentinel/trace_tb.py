@@ -234,10 +234,10 @@ def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] |
     # Only the scalars of the tags that can be the loss or the grad norm are kept (a run logs dozens
     # of others); every tag's name is, for the choice and for the error that lists them.
     wanted = {n.lower() for n in TB_LOSS_NAMES + GRAD_NAMES} | ({loss_tag.strip().lower()} if loss_tag else set())
-    kept: list[tuple[str, float | None, int, str, float] | str] = []  # (where, wall time, step, tag, value), or a reason
+    kept: list[tuple[int, int, float | None, int, str, float] | str] = []  # (file, record, wall time, step, tag, value), or a reason
     tags: dict[str, None] = {}
     frames_read = 0  # records whose length passed its checksum: none means no event file at all
-    for f in files:
+    for fi, f in enumerate(files):
         with f.open("rb") as fh:
             for n, data in enumerate(_frames(fh, str(f)), 1):
                 if isinstance(data, str):
@@ -256,7 +256,7 @@ def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] |
                     if tag not in tags and len(tags) < MAX_TAGS:
                         tags[tag] = None
                     if tag.lower() in wanted and len(kept) < MAX_SCALARS:
-                        kept.append((f"{f}: record {n}", wall, step, tag, x))
+                        kept.append((fi, n, wall, step, tag, x))
     if frames_read == 0:
         raise TbError(f"{path}: not a TensorBoard event file (no record in it passes its checksum)")
     loss = _pick(list(tags), TB_LOSS_NAMES, loss_tag, "loss", str(path))
@@ -264,14 +264,15 @@ def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] |
     if source is not None:
         source.update(loss=loss[:80], grad_norm=grad[:80] if grad else None, files=len(files))
     # ``add_scalar`` writes one event per tag: a step's grad norm is an event of its own
-    grads = {e[2]: e[4] for e in kept if not isinstance(e, str) and e[3] == grad} if grad else {}
+    grads = {e[3]: e[5] for e in kept if not isinstance(e, str) and e[4] == grad} if grad else {}
     for e in kept:
         if isinstance(e, str):
             yield str(path), e
             continue
-        where, wall, step, tag, x = e
+        fi, n, wall, step, tag, x = e
         if tag != loss:
             continue
+        where = f"{files[fi]}: record {n}"
         obj: dict[str, Any] = {"step": step, "loss": x}
         if step in grads:
             obj["grad_norm"] = grads[step]
