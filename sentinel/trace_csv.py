@@ -23,7 +23,7 @@ import csv
 import math
 from typing import Any, Iterable, Iterator
 
-from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES
+from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES, find_name
 from sentinel.trace_names import LOSS_NAMES as _LOSS_NAMES
 
 # recognised column names (lower case, in order of preference): shared with JSON lines (``trace_names``)
@@ -43,15 +43,11 @@ def looks_like_csv(first_line: bytes) -> bool:
 
 
 def _pick(header: list[str], names: Iterable[str], chosen: str | None, what: str, option: str, path: str) -> int | None:
-    low = [h.strip().lower() for h in header]
+    name = find_name(header, names, chosen)
+    if name is not None:
+        return header.index(name)
     if chosen is not None:
-        want = chosen.strip().lower()
-        if want not in low:
-            raise CsvHeaderError(f"{path}: no column {chosen!r} (columns: {_shown(header)})")
-        return low.index(want)
-    for name in names:
-        if name in low:
-            return low.index(name)
+        raise CsvHeaderError(f"{path}: no column {chosen!r} (columns: {_shown(header)})")
     if what in ("step", "loss"):
         raise CsvHeaderError(f"{path}: no {what} column among {_shown(header)}; name it with {option}")
     return None

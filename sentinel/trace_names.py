@@ -9,7 +9,7 @@ preference, so a log reads the same whichever way it was exported. Names compare
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 STEP_NAMES = ("step", "_step", "global_step", "trainer/global_step", "iteration", "iter", "steps")
 LOSS_NAMES = ("loss", "train/loss", "train_loss", "train/lm_loss", "lm_loss", "lm loss", "training_loss", "train/loss_step")
@@ -22,14 +22,25 @@ class TraceKeyError(ValueError):
     """A named key is not in a line (one line, for the CLI)."""
 
 
-def _find(low: dict[str, str], names, chosen: str | None, what: str) -> str | None:
-    """The key of ``low`` (lower-case name -> key as written) that holds ``what``."""
+def find_name(available: Iterable[str], names: Iterable[str], chosen: str | None = None) -> str | None:
+    """The name in ``available``, as written there, that ``chosen`` names, or else the first of
+    ``names`` that is there (case and surrounding blanks ignored; the first of equal names wins).
+    None when it is not there. The CSV reader finds columns with it, the JSON-lines reader keys and
+    the TensorBoard reader tags."""
+    low: dict[str, str] = {}
+    for a in available:
+        low.setdefault(a.strip().lower(), a)
     if chosen is not None:
-        key = low.get(chosen.strip().lower())
-        if key is None:
-            raise TraceKeyError(f"no key {chosen[:40]!r} for the {what}")
-        return key
+        return low.get(chosen.strip().lower())
     return next((low[n] for n in names if n in low), None)
+
+
+def _find(obj: dict[str, Any], names: Iterable[str], chosen: str | None, what: str) -> str | None:
+    """The key of ``obj`` that holds ``what``; ``TraceKeyError`` when ``chosen`` is not one."""
+    key = find_name((k for k in obj if isinstance(k, str)), names, chosen)
+    if key is None and chosen is not None:
+        raise TraceKeyError(f"no key {chosen[:40]!r} for the {what}")
+    return key
 
 
 def canonical_step_keys(obj: dict[str, Any], step_key: str | None = None, loss_key: str | None = None,
@@ -46,25 +57,25 @@ def canonical_step_keys(obj: dict[str, Any], step_key: str | None = None, loss_k
         return obj
     if step_key is not None and loss_key is not None and step_key.strip().lower() == loss_key.strip().lower():
         raise TraceKeyError(f"the step and loss keys are the same key ({step_key[:40]!r})")
-    low = {k.lower(): k for k in obj if isinstance(k, str)}
     out = dict(obj)
     found = {}
     for canon, names, chosen in (("step", STEP_NAMES, step_key), ("loss", LOSS_NAMES, loss_key)):
-        key = _find(low, names, chosen, canon)
+        key = _find(obj, names, chosen, canon)
         if key is not None:
             out[canon] = obj[key]
             found[canon] = key[:80]
     if used is not None and "loss" not in used and len(found) == 2:
         used.update(found)
     if "grad_norm" not in obj:
-        key = _find(low, GRAD_NAMES, None, "grad norm")
+        key = _find(obj, GRAD_NAMES, None, "grad norm")
         if key is not None:
             out["grad_norm"] = obj[key]
     if "time" not in obj and "wall_ms" not in obj:
         for name, scale in TIME_NAMES:
-            if name not in low:
+            key = find_name((k for k in obj if isinstance(k, str)), (name,))
+            if key is None:
                 continue
-            v = obj[low[name]]
+            v = obj[key]
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 try:
                     t = float(v) * scale

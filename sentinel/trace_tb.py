@@ -31,7 +31,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES
+from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES, find_name
 
 TB_LOSS_NAMES = LOSS_NAMES + ("loss/train", "losses/train_loss", "train/loss_epoch")
 MAX_FRAME = 1 << 24  # 16 MiB: a scalar event is ~50 bytes
@@ -203,13 +203,9 @@ def _scalars(event: bytes) -> tuple[float | None, int, list[tuple[str, float]]]:
 
 
 def _pick(tags: list[str], names: tuple[str, ...], chosen: str | None, what: str, path: str) -> str | None:
-    low = {t.lower(): t for t in tags}
-    if chosen is not None:
-        tag = low.get(chosen.strip().lower())
-        if tag is None:
-            raise TbError(f"{path}: no tag {chosen[:60]!r} (tags: {_shown(tags)})")
-        return tag
-    tag = next((low[n] for n in names if n in low), None)
+    tag = find_name(tags, names, chosen)
+    if tag is None and chosen is not None:
+        raise TbError(f"{path}: no tag {chosen[:60]!r} (tags: {_shown(tags)})")
     if tag is None and what == "loss":
         raise TbError(f"{path}: no training-loss tag among {_shown(tags)}; name it with --loss-column")
     return tag
