@@ -38,13 +38,13 @@ class ToyLoop:
     def __init__(self, client: BusClient, run: str):
         self.bus, self.run = client, run
         self.step, self.timeline, self.cursor, self.w = 0, 0, 0, 0.0  # w: the "weights" (0 = healthy)
-        self.skip: list[tuple[int, int]] = []  # [lo, hi] sample ranges never to train on
+        self.skip: list[tuple[int, int]] = []  # [lo, hi) sample-id ranges never to train on (half-open, as directives say)
         self.ckpts: dict[int, tuple[int, float]] = {}  # step -> (data cursor, weights)
         self.rng = random.Random(0)
         self.applied: list[dict] = []
 
     def _skipped(self, i: int) -> bool:
-        return any(lo <= i <= hi for lo, hi in self.skip)
+        return any(lo <= i < hi for lo, hi in self.skip)
 
     def _batch(self) -> list[int]:
         ids = []
@@ -123,7 +123,7 @@ def test_a_foreign_loop_is_rolled_back_past_its_poison_samples_by_the_daemon(emb
     rollbacks = [a for a in loop.applied if a["kind"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["status"] == "applied", (loop.applied, out[-3000:])
     rb = rollbacks[0]
-    assert rb["to_step"] < 150 and any(lo <= min(POISON) and max(POISON) <= hi for lo, hi in rb["ranges"]), rb
+    assert rb["to_step"] < 150 and any(lo <= min(POISON) and max(POISON) < hi for lo, hi in rb["ranges"]), rb
     assert loop.w == 0.0 and loop.timeline == 1  # healthy weights to the end: the poison was never trained on again
     assert all(loop._skipped(i) for i in POISON)
     [view] = incidents["runs"]
