@@ -23,7 +23,7 @@ import csv
 import math
 from typing import Any, Iterable, Iterator
 
-from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES, find_name
+from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES, find_name, shown_names
 from sentinel.trace_names import LOSS_NAMES as _LOSS_NAMES
 
 # recognised column names (lower case, in order of preference): shared with JSON lines (``trace_names``)
@@ -47,15 +47,10 @@ def _pick(header: list[str], names: Iterable[str], chosen: str | None, what: str
     if name is not None:
         return header.index(name)
     if chosen is not None:
-        raise CsvHeaderError(f"{path}: no column {chosen!r} (columns: {_shown(header)})")
+        raise CsvHeaderError(f"{path}: no column {chosen!r} (columns: {shown_names(header)})")
     if what in ("step", "loss"):
-        raise CsvHeaderError(f"{path}: no {what} column among {_shown(header)}; name it with {option}")
+        raise CsvHeaderError(f"{path}: no {what} column among {shown_names(header)}; name it with {option}")
     return None
-
-
-def _shown(header: list[str], limit: int = 12) -> str:
-    names = [h.strip()[:40] for h in header[:limit]]
-    return ", ".join(repr(n) for n in names) + (f" and {len(header) - limit} more" if len(header) > limit else "")
 
 
 def _split(line: str, delim: str) -> list[str]:

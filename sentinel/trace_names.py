@@ -35,6 +35,12 @@ def find_name(available: Iterable[str], names: Iterable[str], chosen: str | None
     return next((low[n] for n in names if n in low), None)
 
 
+def shown_names(names: list[str], limit: int = 12) -> str:
+    """The first ``limit`` names (columns, tags), quoted and cut to 40 characters, for a one-line error."""
+    shown = [n.strip()[:40] for n in names[:limit]]
+    return ", ".join(repr(n) for n in shown) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def _find(obj: dict[str, Any], names: Iterable[str], chosen: str | None, what: str) -> str | None:
     """The key of ``obj`` that holds ``what``; ``TraceKeyError`` when ``chosen`` is not one."""
     key = find_name((k for k in obj if isinstance(k, str)), names, chosen)

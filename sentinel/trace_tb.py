@@ -31,7 +31,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES, find_name
+from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES, find_name, shown_names
 
 TB_LOSS_NAMES = LOSS_NAMES + ("loss/train", "losses/train_loss", "train/loss_epoch")
 MAX_FRAME = 1 << 24  # 16 MiB: a scalar event is ~50 bytes
@@ -214,8 +214,7 @@ def _pick(tags: list[str], names: tuple[str, ...], chosen: str | None, what: str
 def _shown(tags: list[str], limit: int = 12) -> str:
     if not tags:
         return "none (no scalar summaries)"
-    names = [t[:40] for t in tags[:limit]]
-    return ", ".join(repr(n) for n in names) + (f" and {len(tags) - limit} more" if len(tags) > limit else "")
+    return shown_names(tags, limit)
 
 
 def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] | None = None
