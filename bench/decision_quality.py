@@ -106,6 +106,23 @@ def load_curves(folder: Path) -> list[Run]:
     return out
 
 
+def add_curve_args(ap: argparse.ArgumentParser) -> None:
+    """``--curves`` and ``--validation-curves``, as the benches that sweep every real curve take them."""
+    ap.add_argument("--curves", default="/work/shared/curves")
+    ap.add_argument("--validation-curves", default=str(Path(__file__).resolve().parent / "curves-validation"))
+
+
+def real_curves(a: argparse.Namespace) -> list[Run]:
+    """Every real curve in the two folders of ``add_curve_args``; exits with one line if there are none."""
+    runs = []
+    for folder in (Path(a.curves), Path(a.validation_curves)):
+        if folder.is_dir():
+            runs += load_curves(folder)
+    if not runs:
+        sys.exit("error: no curves found (--curves / --validation-curves)")
+    return runs
+
+
 def synthetic_healthy(seed: int) -> Run:
     """A healthy run that looks like the modded-nanogpt curves (see the module docstring)."""
     rng = np.random.default_rng(seed)

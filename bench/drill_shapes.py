@@ -102,20 +102,14 @@ def sweep(runs: list[dq.Run], kind: str, value: float, per_run: int, rng: np.ran
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--curves", default="/work/shared/curves")
-    ap.add_argument("--validation-curves", default=str(Path(__file__).resolve().parent / "curves-validation"))
+    dq.add_curve_args(ap)
     ap.add_argument("--climbs", default="0.0015,0.002,0.003,0.004,0.005,0.0075,0.01", help="climb slopes, nats per step")
     ap.add_argument("--decays", default="30,60,100,300,1000", help="decay time constants, steps")
     ap.add_argument("--others", default="", help="other shapes, comma-separated: " + ", ".join(OTHER_SHAPES))
     ap.add_argument("--per-run", type=int, default=2, help="drills per run per value")
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
-    runs = []
-    for folder in (Path(a.curves), Path(a.validation_curves)):
-        if folder.is_dir():
-            runs += dq.load_curves(folder)
-    if not runs:
-        sys.exit("error: no curves found (--curves / --validation-curves)")
+    runs = dq.real_curves(a)
     rng = np.random.default_rng(0)
     rows = []
     print(f"{len(runs)} real curves, {a.per_run} drills per curve per value")

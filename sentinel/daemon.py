@@ -32,11 +32,11 @@ from sentinel.metrics import SentinelMetrics
 from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
 from sentinel.protocol import (
     STEP_CONSUMER_GROUP,
-    Ack,
     CheckpointInfo,
     Directive,
     Event,
     Keys,
+    MarkerRecord,
     SchemaError,
     StepRecord,
     TimelineRecord,

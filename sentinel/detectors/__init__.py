@@ -11,6 +11,7 @@ daemon picks up with the same baselines it had. One module per question:
   condition held for long enough (``Persistence``)?
 - ``level``: has the loss's level moved up and stayed there (``LevelShift``)?
 - ``climb``: is the loss climbing as a ramp (``ClimbTrend``)?
+- ``descent``: did the loss jump against its own early descent (``DescentJump``)?
 - ``ranks``: is one rank slower than the others (``straggler``), or its loss apart (``rank_outlier``)?
 
 Why a robust, *self-excluding* baseline: OLMo-core's skip-step compares a loss with the mean and
@@ -26,13 +27,14 @@ few times per hundred steps.
 """
 
 from sentinel.detectors.climb import ClimbTrend
+from sentinel.detectors.descent import DescentJump
 from sentinel.detectors.level import LevelShift
 from sentinel.detectors.ranks import rank_outlier, straggler
 from sentinel.detectors.robust import MAD_TO_SIGMA, Ema, SortedWindow, diff_sigma, is_nonfinite, largest_between, median_of
 from sentinel.detectors.spike import ELEVATED, NONFINITE, NORMAL, SPIKE, WARMUP, KOfN, Persistence, SpikeDetector
 
 __all__ = [
-    "ClimbTrend", "LevelShift", "rank_outlier", "straggler", "MAD_TO_SIGMA", "Ema", "SortedWindow", "diff_sigma",
+    "ClimbTrend", "DescentJump", "LevelShift", "rank_outlier", "straggler", "MAD_TO_SIGMA", "Ema", "SortedWindow", "diff_sigma",
     "is_nonfinite", "largest_between", "median_of", "ELEVATED", "NONFINITE", "NORMAL", "SPIKE", "WARMUP", "KOfN",
     "Persistence", "SpikeDetector",
 ]

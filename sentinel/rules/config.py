@@ -143,6 +143,11 @@ class DivergenceRule(RuleBase):
     climb_long_window: int = Field(144, ge=0)
     climb_long_baseline: int = Field(144, ge=4)
     climb_long_sigmas: float = Field(6.0, ge=0)
+    # early jump: in the early descent (onsets up to early_jump_until, run steps), the line through
+    # the 24 losses after an onset stands above the line through the 24 before, both read at the
+    # onset, by early_jump_sigmas x the noise (detectors.DescentJump); 0 turns it off
+    early_jump_sigmas: float = Field(5.0, ge=0)
+    early_jump_until: int = Field(250, ge=0)
 
     @field_validator("climb_long_window")
     @classmethod

@@ -1,4 +1,4 @@
-"""The loss rules: spike, sustained divergence (level, jump and climb tests, k of n) and non-finite
+"""The loss rules: spike, sustained divergence (level, jump, climb and early-jump tests, k of n) and non-finite
 loss, over one robust baseline."""
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ class LossEval(Evaluator):
         if v.climb_long_window >= 4 and v.climb_long_sigmas > 0:
             self.climb_long = d.ClimbTrend(window=v.climb_long_window, baseline=v.climb_long_baseline, sigmas=v.climb_long_sigmas,
                                            warmup=s.min_history + v.climb_long_window + v.climb_long_baseline)
+        self.early: d.DescentJump | None = None
+        self._early_last = -1  # the last step the early test reads (an int compare per step after it)
+        if v.early_jump_sigmas > 0 and v.early_jump_until > 0:
+            self.early = d.DescentJump(sigmas=v.early_jump_sigmas, until=v.early_jump_until)
+            self._early_last = self.early.until + self.early.post
         # The level tests judge only every few admitted losses (their strides); in between, the
         # losses wait here and are fed in one call per test at the next verdict step (the same
         # verdicts, one call instead of one per step per test).
@@ -84,6 +89,7 @@ class LossEval(Evaluator):
                 short, long_ = self._flush()
             climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == 2)  # 2: SPIKE
             slow = self.climb_long is not None and self.climb_long.update(step, x, self.noise, code == 2)
+            early = step <= self._early_last and self.early.update(step, x, self.noise, code == 2)
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
                 if sh.kind == "level":
@@ -102,6 +108,13 @@ class LossEval(Evaluator):
                                    f"loss climbing since step {cl.onset()}: up {fmt(cl.rise)} over the last {cl.window} steps, "
                                    f"ramp z={cl.z:.1f} against the level of the {cl.baseline} before (bar {cl.sigmas:g})",
                                    value=x, onset_step=cl.onset(), anomaly=True))
+            elif early and self.div_on:
+                c, ej = self.div_cfg, self.early
+                out.append(Finding("divergence", c.severity, c.action, step,
+                                   f"loss jumped {fmt(ej.rise)} at step {ej.onset()} against its early descent "
+                                   f"(median of {ej.post} after vs {ej.pre} before, one slope fitted to both; "
+                                   f"z={ej.z:.1f}, bar {ej.sigmas:g})",
+                                   value=x, onset_step=ej.onset(), anomaly=True))
         if code <= 0:
             self.nf_run = 0
             if self.kofn._flagged:
@@ -154,6 +167,8 @@ class LossEval(Evaluator):
         self.climb.rewind(keep_through_step)
         if self.climb_long is not None:
             self.climb_long.rewind(keep_through_step)
+        if self.early is not None:
+            self.early.rewind(keep_through_step)
         self.nf_run = 0
 
     def reset(self) -> None:
@@ -165,6 +180,8 @@ class LossEval(Evaluator):
         self.climb.reset()
         if self.climb_long is not None:
             self.climb_long.reset()
+        if self.early is not None:
+            self.early.reset()
         self.noise, self._noise_n = 0.0, 0
         self.det.noise_floor = self.det.noise_cap = 0.0
         self.nf_run = 0
@@ -186,6 +203,8 @@ class LossEval(Evaluator):
         self.climb.restart()
         if self.climb_long is not None:
             self.climb_long.restart()
+        if self.early is not None:
+            self.early.reset()
         self._due = self._every
         self.nf_run = 0
 
@@ -194,6 +213,7 @@ class LossEval(Evaluator):
         return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
                 "climb": self.climb.state_dict(),
                 **({"climb_long": self.climb_long.state_dict()} if self.climb_long is not None else {}),
+                **({"early": self.early.state_dict()} if self.early is not None else {}),
                 "noise": self.noise, "noise_n": self._noise_n, "noise_floor": self.det.noise_floor, "nf_run": self.nf_run}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
@@ -207,6 +227,8 @@ class LossEval(Evaluator):
             self.climb.load_state_dict(st["climb"])
         if self.climb_long is not None and "climb_long" in st:  # state saved before the long test starts it afresh
             self.climb_long.load_state_dict(st["climb_long"])
+        if self.early is not None and "early" in st:  # state saved before the early test starts it afresh
+            self.early.load_state_dict(st["early"])
         self.noise, self._noise_n = float(st.get("noise", 0.0)), int(st.get("noise_n", 0))
         self.det.noise_floor = float(st.get("noise_floor", 0.0))
         self.det.noise_cap = self.CAP * self.noise
