@@ -310,6 +310,29 @@ def test_a_large_jump_in_the_first_hundred_steps_is_rolled_back_to_the_initial_s
     assert timely >= 6, timely
 
 
+def test_a_jump_right_after_the_warmup_is_rolled_back_by_the_early_descent_test(tmp_path):
+    """+0.7 nats at step 52, where the level and jump tests are still warming up: the early-descent
+    jump test (two lines, read at the onset) rolls back to step 0 within 50 steps on 7 of 8 seeds
+    (measured; one more with it off, by the level test)."""
+    from test_detectors import _early
+
+    from sentinel.rules import parse_rules
+
+    onset, with_it, without = 52, [], 0
+    off = parse_rules("version: 1\nrules:\n  divergence:\n    early_jump_sigmas: 0\n")
+    for seed in range(8):
+        trace = load_trace(_curve_trace(tmp_path, [x + (0.7 if i >= onset - 1 else 0.0) for i, x in enumerate(_early(seed, 600))]))
+        for rules in (default_rules(), off):
+            rb = [a for a in backtest(trace, rules).actions if a["kind"] == "rollback"]
+            timely = bool(rb) and onset <= rb[0]["step"] <= onset + 50 and rb[0]["to_step"] == 0
+            if rules is off:
+                without += timely
+            elif timely:
+                with_it.append(rb[0]["reason"])
+    assert len(with_it) >= 6 and without <= 2, (with_it, without)
+    assert sum("against its early descent" in r for r in with_it) >= 5, with_it
+
+
 def test_a_mixture_change_marker_in_the_trace_makes_its_level_rise_no_damage(tmp_path):
     """Backtest = live: a marker in a real steps.jsonl restarts the loss baselines as the daemon
     does, so the planned +10 % level after a mixture change is not rolled back; the same trace
