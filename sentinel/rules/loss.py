@@ -112,8 +112,8 @@ class LossEval(Evaluator):
                 c, ej = self.div_cfg, self.early
                 out.append(Finding("divergence", c.severity, c.action, step,
                                    f"loss jumped {fmt(ej.rise)} at step {ej.onset()} against its early descent "
-                                   f"(median of {ej.post} after vs {ej.pre} before, one slope fitted to both; "
-                                   f"z={ej.z:.1f}, bar {ej.sigmas:g})",
+                                   f"(the line through the {ej.post} losses from it above the line through the "
+                                   f"{ej.pre} before, both read there; z={ej.z:.1f}, bar {ej.sigmas:g})",
                                    value=x, onset_step=ej.onset(), anomaly=True))
         if code <= 0:
             self.nf_run = 0
@@ -192,7 +192,7 @@ class LossEval(Evaluator):
 
     def rebaseline(self) -> None:
         """A planned change of the loss level (new data mixture, new sequence length): the spike,
-        level and climb baselines start again from the next loss, so the new level is not judged
+        level, climb and early-jump baselines start again from the next loss, so the new level is not judged
         against the old one. The per-step noise and the climb test's calibration are kept (the
         noise of a run does not change with its level)."""
         self._settle()
