@@ -16,8 +16,9 @@ them (``logging_variants.logged``):
    rise floor, the lower quartile, the hold), against the bar. Every run here is healthy, so a z
    above the bar is a false rollback.
 3. *Catch rate*: a jump of 0.25-1.0 nats (never decaying) injected at onsets 50-250 of each real
-   curve; caught = a verdict within 16 + 4 steps with ``onset()`` within 8 steps before the jump
-   (the test alone, not the rest of the sentinel), by jump size.
+   curve; caught = a verdict within ``post`` + 4 steps (28) with ``onset()`` at the jump or up to
+   half a ``post`` window (12 steps) before it (the test alone, not the rest of the sentinel), by
+   jump size.
 """
 
 from __future__ import annotations
