@@ -385,3 +385,29 @@ def _steps(run):
     from trainer.steplog import authoritative
 
     return authoritative(run / "steps.jsonl")
+
+
+def test_a_loaded_optimizer_counts_its_steps_on_the_parameters_device():
+    """torch leaves a loaded ``step`` on the CPU; SkipStepAdamW counts steps with a device tensor, so
+    its load puts them on the parameters' device (the first step after a resume on CUDA failed
+    before). Parameters on the meta device stand in for a GPU here: without the fix ``step`` stays
+    on the CPU while the moments move."""
+    from trainer.optim import SkipStepAdamW
+
+    src = torch.nn.Parameter(torch.randn(4, 3))
+    src.grad = torch.randn(4, 3)
+    opt = SkipStepAdamW([src], weight_decay=0.1)
+    opt.step(1e-3, torch.ones(()))
+    saved = opt.state_dict()
+    assert saved["state"][0]["step"].device.type == "cpu"
+
+    dst = torch.nn.Parameter(torch.empty(4, 3, device="meta"))
+    loaded = SkipStepAdamW([dst], weight_decay=0.1)
+    loaded.load_state_dict(saved)
+    st = loaded.state[dst]
+    assert st["exp_avg"].device.type == "meta" and st["step"].device.type == "meta"
+
+    again = SkipStepAdamW([src], weight_decay=0.1)  # on the CPU: the same values, bit for bit
+    again.load_state_dict(saved)
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(again.state[src][k], opt.state[src][k])

@@ -116,17 +116,16 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    import torch
-
     from trainer import dist as tdist
     from trainer.checkpoint import CheckpointError
     from trainer.data import DataError
     from trainer.train import Trainer, TrainingError
 
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env = tdist.init(cfg.device)
+    if cfg.deterministic:
+        from trainer.determinism import make_deterministic
+
+        make_deterministic(env.device.type)
     try:
         Trainer(cfg, run_dir, env).fit()
     except (DataError, CheckpointError, TrainingError, ConfigError) as e:

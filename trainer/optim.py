@@ -74,6 +74,21 @@ class SkipStepAdamW(torch.optim.Optimizer):
                     p.mul_(1 - lr * wd * factor)
                 p.sub_(step_size * m / denom)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load as torch does, then put each ``step`` count on its parameter's device.
+
+        torch moves the moments to the parameter's device but leaves ``step`` where it was loaded
+        (the CPU, from a checkpoint), as its own optimizers count steps on the host. Ours counts on
+        the device (``t.add_(factor)``, no host sync): left on the CPU, the first step after a resume
+        on CUDA failed with "Expected all tensors to be on the same device" (found on an H100 by
+        ``sentinel verify-resume``; CPU runs cannot see it)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and st["step"].device != p.device:
+                    st["step"] = st["step"].to(p.device)
+
     def _init_state(self, p: torch.Tensor) -> dict:
         st = self.state[p]
         st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)

@@ -57,11 +57,12 @@ def build_trainer(run_dir: Path, env=None, *, warn=None):
     from trainer.train import Trainer
 
     cfg = load_run_config(run_dir)
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if env is None:
         env = local_env(cfg.device)
+    if cfg.deterministic:
+        from trainer.determinism import make_deterministic
+
+        make_deterministic(env.device.type)
     tr = Trainer(cfg, Path(run_dir), env, offline=True)
     tr.ckpt.log = warn or _stderr
     return tr
