@@ -1024,6 +1024,12 @@ class Trainer:
         else:
             rank_phases = [{p: phases[p] for p in RANK_PHASES if p in phases}]
         step_seconds = time.perf_counter() - m["t_start"]
+        if env.device.type == "cuda" and all(p in phases for p in RANK_PHASES):
+            # The host's span runs from queueing this step to reading it back a step later: ~2 steps
+            # when the device is the bottleneck (measured on an H100: 0.458 s against 0.233 s between
+            # steps). The device's own span of its newest finished step (its CUDA events, begin to
+            # end: the four phases) is the step's duration.
+            step_seconds = sum(phases[p] for p in RANK_PHASES)
         reason = REASONS.get(int(v["reason"])) if skipped else None
         source_loss = None
         if "source_sums" in v and m["source_counts"]:

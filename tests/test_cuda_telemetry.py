@@ -1,0 +1,38 @@
+"""On CUDA, the step duration the trainer reports is the step's, not the readback lag's.
+
+Telemetry reads each step's values one step late (no host-device sync), so the host's clock from
+queueing a step to reading it back spans about two steps when the GPU is the bottleneck. Measured
+on an H100 before the fix: gpt2-124m's ``step_seconds`` 0.458 s against 0.233 s between steps, and
+``training_tokens_per_second`` (tokens over summed step seconds) half the true rate. Skipped on
+CPU-only machines; run on a GPU machine with ``pytest tests/test_cuda_telemetry.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (on CPU the step is synchronous)")
+
+
+def test_step_seconds_match_the_time_between_steps_when_the_gpu_is_the_bottleneck(tmp_path):
+    from trainer.data import ensure_prepared
+
+    data, run = ensure_prepared(tmp_path / "data"), tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "--preset", "gpt2-124m", "--run-dir", str(run), "--max-steps", "24",
+           "--ckpt-every", "0", "--eval-every", "0", "--data", str(data), "--device", "cuda", "--set", "deterministic=false"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    recs = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    steps = sorted((r for r in recs if r.get("kind") == "step"), key=lambda r: r["step"])[6:-1]  # steady state
+    between = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:]))
+    reported = statistics.median(r["step_seconds"] for r in steps)
+    assert 0.75 < reported / between < 1.25, (reported, between)
+    rate = statistics.median(r["batch_tokens"] / r["step_seconds"] for r in steps)
+    measured = statistics.median(r["tokens_per_second"] for r in steps)
+    assert 0.75 < rate / measured < 1.25, (rate, measured)
