@@ -93,7 +93,7 @@ def run_once(args, telemetry: str, workdir: Path, index: int) -> dict:
     cmd = [
         args.python, "-m", "trainer", "--preset", args.preset, "--run-dir", str(run_dir),
         "--max-steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0",
-        "--telemetry", telemetry, "--device", "cpu",
+        "--telemetry", telemetry, "--device", args.device,
     ]  # fmt: skip
     if args.data:
         cmd += ["--data", args.data]
@@ -180,6 +180,7 @@ def machine() -> dict:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "processor": _cpu_model(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
@@ -258,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--order", choices=["abab", "abba"], default="abab",
                    help="abab: on then off in every pair; abba: alternate which arm goes first")
     p.add_argument("--data", help="prepared dataset dir (default: the bundled Shakespeare corpus)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where both arms train (cuda: bf16 autocast, and MFU against the GPU's own peak when --peak-flops is 0)")
     p.add_argument("--peak-flops", type=float, default=1e12, help="peak FLOP/s for the 'on' arm, so MFU is computed and exported (0: none)")
     p.add_argument("--scrape-interval", type=float, default=0.0, help="also scrape the 'on' arm's endpoint every S seconds (0: no scraper)")
     p.add_argument("--target", type=float, default=0.99)
@@ -292,7 +295,7 @@ def main(argv=None) -> int:
             ctx.cleanup()
     result = {
         "config": {
-            "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "pairs": args.pairs, "order": args.order,
+            "preset": args.preset, "device": args.device, "steps": args.steps, "warmup": args.warmup, "pairs": args.pairs, "order": args.order,
             "peak_flops": args.peak_flops, "scrape_interval": args.scrape_interval, "target": args.target, "nice": args.nice,
         },
         "machine": machine(),
