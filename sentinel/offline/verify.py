@@ -368,6 +368,10 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
         if progress:
             progress(i + 1, k, f"resumed step {got['step']}")
     first = diagnose(rows, c, params_ok=params_ok, opt_step_ok=opt_step_ok, dropout=dropout, sched_step=loaded_step)
+    if first is not None and dev == "cuda" and not tr.cfg.deterministic:
+        first["reason"] += ("; this run has deterministic: false, so its CUDA kernels (the fused attention's "
+                            "backward) do not repeat bit for bit and no resume can match its parameter digests: "
+                            "set deterministic: true for bitwise resumes (slower: docs/benchmarks.md, 'On an H100')")
     if first is None and params_ok is False:
         first = {"step": c, "fields": ["param_digest"], "component": "params", "suspect": COMPONENTS["params"],
                  "reason": f"the loaded parameters differ from the digest recorded at step {c}"}
