@@ -172,3 +172,20 @@ def unique_run(request) -> str:
     """A run id unique to this test (valid for ``Keys``), so tests never share keys."""
     base = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")[:40]
     return f"t-{base}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def numerics_flags() -> Iterator[None]:
+    """Restores torch's process-wide switches that ``trainer.determinism.make_deterministic`` flips
+    (deterministic algorithms, the attention kernels) after the test."""
+    import torch
+
+    b = torch.backends.cuda
+    saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled(),
+             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    yield
+    b.enable_flash_sdp(saved[0])
+    b.enable_mem_efficient_sdp(saved[1])
+    b.enable_cudnn_sdp(saved[2])
+    b.enable_math_sdp(saved[3])
+    torch.use_deterministic_algorithms(saved[4], warn_only=saved[5])

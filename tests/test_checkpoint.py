@@ -413,26 +413,17 @@ def test_a_loaded_optimizer_counts_its_steps_on_the_parameters_device():
         assert torch.equal(again.state[src][k], opt.state[src][k])
 
 
-def test_deterministic_mode_turns_off_the_fused_attention_kernels_on_cuda_only():
+def test_deterministic_mode_turns_off_the_fused_attention_kernels_on_cuda_only(numerics_flags):
     """Their backward does not repeat (measured on an H100: docs/benchmarks.md, "On an H100"); the
     switches are global flags, so this runs without a GPU. On CPU the kernels stay as they are."""
     from trainer.determinism import make_deterministic
 
     b = torch.backends.cuda
-    saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled(),
-             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    try:
-        for enable in (b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_cudnn_sdp):
-            enable(True)
-        make_deterministic("cpu")
-        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
-        assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.cudnn_sdp_enabled()
-        make_deterministic("cuda")
-        assert not (b.flash_sdp_enabled() or b.mem_efficient_sdp_enabled() or b.cudnn_sdp_enabled())
-        assert b.math_sdp_enabled()
-    finally:
-        b.enable_flash_sdp(saved[0])
-        b.enable_mem_efficient_sdp(saved[1])
-        b.enable_cudnn_sdp(saved[2])
-        b.enable_math_sdp(saved[3])
-        torch.use_deterministic_algorithms(saved[4], warn_only=saved[5])
+    for enable in (b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_cudnn_sdp):
+        enable(True)
+    make_deterministic("cpu")
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.cudnn_sdp_enabled()
+    make_deterministic("cuda")
+    assert not (b.flash_sdp_enabled() or b.mem_efficient_sdp_enabled() or b.cudnn_sdp_enabled())
+    assert b.math_sdp_enabled()

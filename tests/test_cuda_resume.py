@@ -40,7 +40,7 @@ def test_a_run_resumed_on_cuda_is_bitwise_equivalent(tmp_path):
     assert all(row["mismatch"] == [] for row in res["rows"])
 
 
-def test_attention_backward_is_bitwise_repeatable_once_deterministic():
+def test_attention_backward_is_bitwise_repeatable_once_deterministic(numerics_flags):
     """At gpt2-124m's attention shapes (bf16, 16 x 12 heads x 1024 x 64, causal) the fused kernels'
     backward differs from pass to pass (measured on an H100: flash, memory-efficient and cuDNN
     alike), and a resumed gpt2-124m run parted from the original at its first step. The tiny
@@ -50,9 +50,6 @@ def test_attention_backward_is_bitwise_repeatable_once_deterministic():
 
     from trainer.determinism import make_deterministic
 
-    flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-             torch.backends.cuda.cudnn_sdp_enabled(), torch.are_deterministic_algorithms_enabled(),
-             torch.is_deterministic_algorithms_warn_only_enabled())
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(16, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in range(3))
     dout = torch.randn(16, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -63,12 +60,6 @@ def test_attention_backward_is_bitwise_repeatable_once_deterministic():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
         return torch.cat([t.grad.flatten() for t in (q, k, v)])
 
-    try:
-        make_deterministic("cuda")
-        first = grads()
-        assert all(torch.equal(first, grads()) for _ in range(4))
-    finally:
-        torch.backends.cuda.enable_flash_sdp(flags[0])
-        torch.backends.cuda.enable_mem_efficient_sdp(flags[1])
-        torch.backends.cuda.enable_cudnn_sdp(flags[2])
-        torch.use_deterministic_algorithms(flags[3], warn_only=flags[4])
+    make_deterministic("cuda")
+    first = grads()
+    assert all(torch.equal(first, grads()) for _ in range(4))
