@@ -806,3 +806,36 @@ def test_compressed_logs_are_read_and_a_cut_short_one_keeps_what_it_has(tmp_path
     fake.write_bytes(b"\x1f\x8b" + b"not gzip at all" * 10)
     r = CliRunner().invoke(backtest_cmd, [str(fake)])
     assert r.exit_code == 2 and "not a readable compressed file" in _one_line_error(r)
+
+
+def test_a_directory_is_judged_as_the_traces_in_it(tmp_path):
+    """`sentinel backtest runs/`: every log file in the directory (by name, compressed or not; not
+    its README, index or hidden files) and each TensorBoard run below it, one row each, exactly as
+    when named one by one; a directory with no trace in it is one line and exit 2."""
+    import gzip
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    healthy = loss_only_trace(runs)  # <runs>/<name>.jsonl
+    damaged_dir = tmp_path / "d"
+    damaged_dir.mkdir()
+    damaged = loss_only_trace(damaged_dir, spikes=(), shift_from=400)
+    packed = runs / "zz-damaged.jsonl.gz"
+    packed.write_bytes(gzip.compress(damaged.read_bytes()))
+    (runs / "README.md").write_text("# runs\n")
+    (runs / "INDEX.json").write_text('{"runs": 2}\n')
+    (runs / ".hidden.jsonl").write_text("not a trace\n")
+    (runs / "sub").mkdir()  # no event files in it: not a run
+    r = CliRunner().invoke(backtest_cmd, [str(runs), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert [t["trace"] for t in out["traces"]] == [str(healthy), str(packed)] and out["failed"] == 0
+    one_by_one = json.loads(CliRunner().invoke(backtest_cmd, [str(healthy), str(packed), "--json"]).stdout)
+    assert out == one_by_one
+    assert out["traces"][0]["actions"] == [] and any(a["kind"] == "rollback" for a in out["traces"][1]["actions"])
+    human = CliRunner().invoke(backtest_cmd, [str(runs)], env={"COLUMNS": "60"})
+    first_column = "".join(ln.split("│")[1].strip() for ln in human.stdout.splitlines() if ln.startswith("│"))
+    assert human.exit_code == 0 and healthy.name + packed.name in first_column  # folded, never cut short
+    (tmp_path / "empty").mkdir()
+    msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(tmp_path / "empty")]))
+    assert "a directory" in msg

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from torch.utils.tensorboard import SummaryWriter
 
-from sentinel.backtest import load_trace
+from sentinel.backtest import SchemaError, load_trace
 from sentinel.cli.backtest_cmd import backtest as backtest_cmd
 
 WALL0 = 1.7e9
@@ -136,8 +138,10 @@ def test_an_event_file_without_the_loss_tag_or_a_directory_without_events_is_one
     assert code == 0 and got["records"] == 50
     code, out, _ = _cli(str(tmp_path / "odd"), "--loss-column", "nope")
     assert code == 2 and "no tag 'nope'" in out
-    code, out, _ = _cli(str(tmp_path))  # a log root: its runs are named, one line
-    assert code == 2 and out.strip().count("\n") == 0 and f"TensorBoard runs below it: {tmp_path / 'odd'}" in out
+    code, out, _ = _cli(str(tmp_path), "--json")  # a log root: judged as its runs, this one's error in its row
+    assert code == 2 and [t["trace"] for t in out["traces"]] == [str(tmp_path / "odd")] and "no training-loss tag" in out["traces"][0]["error"]
+    with pytest.raises(SchemaError, match=re.escape(f"TensorBoard runs below it: {tmp_path / 'odd'}")):  # the library names them
+        load_trace(str(tmp_path))
     (tmp_path / "empty").mkdir()
     code, out, _ = _cli(str(tmp_path / "empty"), "--format", "tb")
     assert code == 2 and "without TensorBoard event files" in out and out.strip().count("\n") == 0

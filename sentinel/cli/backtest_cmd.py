@@ -16,6 +16,8 @@ import click
 from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress
 
 MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the first ones, --json has all
+TRACE_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".log", ".out", ".txt")  # what a directory's traces are named
+COMPRESSED = (".gz", ".bz2", ".xz")
 
 
 @click.command("backtest")
@@ -58,6 +60,10 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     Several TRACEs (say, last month's runs against a new rules file): one row per trace, and with
     --json {"traces": [...]}, each as one trace's --json (or its "error"). A trace that cannot be
     judged is reported in its row and the others still run; the exit status is then 2.
+
+    A directory that is not itself a TensorBoard run stands for the traces in it: its files named
+    *.jsonl, *.ndjson, *.csv, *.tsv, *.log, *.out, *.txt or *trainer_state.json (also gzip, bzip2
+    or xz compressed), then each TensorBoard run below it, judged as several TRACEs.
     """
     from sentinel.rules import RulesError, default_rules, load_rules
 
@@ -69,8 +75,9 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     judge = partial(_judge, rules=rules, checkpoint_every=checkpoint_every, initial_checkpoint=initial_checkpoint, fmt=fmt,
                     step_column=step_column, loss_column=loss_column, strict=strict)
 
-    if len(traces) > 1:
-        _judge_many(traces, judge, as_json)
+    expanded = _expand(traces)
+    if len(expanded) > 1 or expanded != list(traces):
+        _judge_many(tuple(expanded), judge, as_json)
         return
     trace = traces[0]
     res, rejected, source = judge(trace)
@@ -80,6 +87,41 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
         emit_json({**res.to_json(), "rejected_lines": len(rejected), "source": source})
         return
     _print_tables(trace, res, source)
+
+
+def _expand(traces: tuple[str, ...]) -> list[str]:
+    """Each TRACE, with a directory (not a TensorBoard run itself) replaced by the traces in it, in
+    name order: its log files (``TRACE_SUFFIXES``, ``*trainer_state.json``, compressed or not; not
+    hidden ones, nor its README or an index), then the TensorBoard runs below it. A directory with
+    none is kept as it is, and reading it gives its one-line error."""
+    from pathlib import Path
+
+    from sentinel.trace_tb import event_subdirs, is_event_path
+
+    out: list[str] = []
+    for t in traces:
+        d = Path(t)
+        if not d.is_dir() or is_event_path(d):
+            out.append(t)
+            continue
+        try:
+            files = [str(f) for f in sorted(d.iterdir()) if f.is_file() and _is_trace_name(f.name)]
+        except OSError:  # unreadable: load_trace says so in one line
+            files = []
+        members = files + [str(r) for r in event_subdirs(d)]
+        out.extend(members or [t])
+    return out
+
+
+def _is_trace_name(name: str) -> bool:
+    if name.startswith("."):
+        return False
+    low = name.lower()
+    for z in COMPRESSED:
+        if low.endswith(z):
+            low = low[: -len(z)]
+            break
+    return low.endswith(TRACE_SUFFIXES) or low.endswith("trainer_state.json")
 
 
 @friendly_errors
@@ -151,7 +193,8 @@ def _print_summary(rows: list[dict]) -> None:
         names = [r["trace"] for r in rows]
     t = Table(title="Backtest, one row per trace", title_justify="left")
     for col in ("trace", "steps", "flagged", "rollback", "pause", "page", "first action", "bad lines"):
-        t.add_column(col, justify="left" if col in ("trace", "first action") else "right")
+        t.add_column(col, justify="left" if col in ("trace", "first action") else "right",
+                     overflow="fold" if col == "trace" else "ellipsis")  # a name is never cut short
     for name, r in zip(names, rows):
         if "error" in r:
             t.add_row(escape(name), "-", "-", "-", "-", "-", "[red]not judged[/]", "-")
