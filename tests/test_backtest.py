@@ -602,6 +602,9 @@ def test_several_traces_get_one_row_each_and_a_bad_one_costs_only_itself(tmp_pat
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output[-2000:]
     out = json.loads(r.stdout)
     assert out["failed"] == 2 and [t["trace"] for t in out["traces"]] == args
+    assert out["totals"] == {"traces": 4, "judged": 2, "traces_with_rollback": 1, "traces_with_pause": 0,
+                             "rollbacks": sum(a["kind"] == "rollback" for a in out["traces"][1]["actions"]), "pauses": 0,
+                             "pages": sum(a["kind"] == "page" for t in out["traces"][:2] for a in t["actions"])}
     alone = json.loads(CliRunner().invoke(backtest_cmd, [str(damaged), "--json"]).stdout)
     assert out["traces"][1] == {"trace": str(damaged), **alone} and any(a["kind"] == "rollback" for a in alone["actions"])
     assert out["traces"][0]["actions"] == [] and out["traces"][0]["records"] == 600
@@ -610,6 +613,7 @@ def test_several_traces_get_one_row_each_and_a_bad_one_costs_only_itself(tmp_pat
     human = CliRunner().invoke(backtest_cmd, args, env={"COLUMNS": "400"})  # rows unwrapped
     assert human.exit_code == 2 and "Traceback" not in human.output
     assert "not judged" in human.stdout and "rollback at" in human.stdout and str(healthy) in human.stdout  # same names: full paths
+    assert "2 of 4 traces judged: 1 with a rollback" in " ".join(human.stdout.split())
     assert "missing.jsonl" in human.stderr and "no loss column" in human.stderr
 
 

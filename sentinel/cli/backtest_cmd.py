@@ -171,15 +171,26 @@ def _judge_many(traces: tuple[str, ...], judge, as_json: bool) -> None:
                 continue
             out.append({"trace": trace, **res.to_json(), "rejected_lines": len(rejected), "source": source})
     failed = sum("error" in t for t in out)
+    totals = _totals(out)
     if as_json:
-        emit_json({"traces": out, "failed": failed})
+        emit_json({"traces": out, "failed": failed, "totals": totals})
     else:
-        _print_summary(out)
+        _print_summary(out, totals)
     if failed:
         raise SentinelError(f"{failed} of {len(traces)} traces could not be judged (see their rows)")
 
 
-def _print_summary(rows: list[dict]) -> None:
+def _totals(rows: list[dict]) -> dict[str, int]:
+    """Across the judged traces: how many, how many had a rollback or a pause, and the actions by kind."""
+    judged = [r for r in rows if "error" not in r]
+    kinds = [[a["kind"] for a in r["actions"]] for r in judged]
+    return {"traces": len(rows), "judged": len(judged),
+            "traces_with_rollback": sum("rollback" in k for k in kinds), "traces_with_pause": sum("pause" in k for k in kinds),
+            "rollbacks": sum(k.count("rollback") for k in kinds), "pauses": sum(k.count("pause") for k in kinds),
+            "pages": sum(k.count("page") for k in kinds)}
+
+
+def _print_summary(rows: list[dict], totals: dict[str, int]) -> None:
     """One row per trace (by file name when the names are unique); traces that could not be
     judged say so in their row, and why on stderr."""
     from pathlib import Path
@@ -192,9 +203,9 @@ def _print_summary(rows: list[dict]) -> None:
     if len(set(names)) < len(names):
         names = [r["trace"] for r in rows]
     t = Table(title="Backtest, one row per trace", title_justify="left")
+    console = Console()
     for col in ("trace", "steps", "flagged", "rollback", "pause", "page", "first action", "bad lines"):
-        t.add_column(col, justify="left" if col in ("trace", "first action") else "right",
-                     overflow="fold" if col == "trace" else "ellipsis")  # a name is never cut short
+        t.add_column(col, justify="left" if col in ("trace", "first action") else "right", overflow="fold")  # never cut short
     for name, r in zip(names, rows):
         if "error" in r:
             t.add_row(escape(name), "-", "-", "-", "-", "-", "[red]not judged[/]", "-")
@@ -206,7 +217,11 @@ def _print_summary(rows: list[dict]) -> None:
             f" to {first['to_step']}" if first["to_step"] is not None else "")
         t.add_row(escape(name), str(r["records"]), str(len(r["flagged"])), str(kinds.count("rollback")), str(kinds.count("pause")),
                   str(kinds.count("page")), what, str(r["rejected_lines"]))
-    Console().print(t)
+    t.caption = (f"{totals['judged']} of {totals['traces']} traces judged: {totals['traces_with_rollback']} with a rollback "
+                 f"({totals['rollbacks']} in all), {totals['traces_with_pause']} with a pause ({totals['pauses']}), "
+                 f"{totals['pages']} pages")
+    t.caption_justify = "left"
+    console.print(t)
 
 
 def _skipped(act: dict) -> str:
