@@ -316,6 +316,8 @@ def main() -> None:
     if a.onsets:
         lo, _, hi = a.onsets.partition("-")
         ONSETS = (int(lo), int(hi))
+        if not 1 <= ONSETS[0] < ONSETS[1]:  # onsets are 1-based steps: the first loss is step 1
+            ap.error(f"--onsets {a.onsets}: need 1 <= A < B")
     INITIAL_CHECKPOINT = not a.no_initial_checkpoint
     if a.healthy_seeds:
         lo, _, hi = a.healthy_seeds.partition("-")

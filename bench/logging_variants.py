@@ -20,6 +20,11 @@ are counted: every curve finished healthy, so each one is a false alarm. Variant
   25-step running mean, which keeps the data-order wiggles slower than that at their full size
   (the hard case: the noise the bars are set in shrinks, the wander does not);
 - ``roundD``: the raw loss printed with D decimals (``loss:3.28``);
+- ``noisyF``: a noisier run (a smaller batch): the same as ``quietF`` with F > 1;
+- ``shiftD``: the loss D nats lower, noise unchanged (a stronger model or another tokenizer: the
+  bars that are a share of the level get smaller in nats);
+- ``scaleF``: the loss and its noise times F (``scale1.4427``: logged in bits; ``scale0.5``: a
+  level half as high with half the noise);
 - ``restartK``: a requeued job appending to the same log. The run reached a step drawn at random
   (200 to n - 100, seeded by the curve's length), was restarted from its last checkpoint at least K
   steps before (a multiple of 100) and ran on to the end with the same data order: the log's steps
@@ -67,6 +72,14 @@ def logged(run: Run, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return s, slow + f * (x - slow), w
     if variant.startswith("round"):
         return s, np.round(x, int(variant[5:])), w
+    if variant.startswith("shift"):
+        return s, x - float(variant[5:]), w
+    if variant.startswith("scale"):
+        return s, x * float(variant[5:]), w
+    if variant.startswith("noisy"):
+        f = float(variant[5:])
+        slow = np.convolve(np.pad(x, 12, mode="edge"), np.ones(25) / 25, mode="valid")
+        return s, slow + f * (x - slow), w
     if variant.startswith("roll"):
         k = int(variant[4:])
         c = np.cumsum(np.r_[0.0, x])
@@ -82,7 +95,7 @@ def logged(run: Run, variant: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         keep = np.r_[np.arange(reached), np.arange(back_to, len(x))]
         wall = np.r_[w[:reached], w[reached - 1] + 60_000 + 160 * np.arange(len(x) - back_to)]  # a minute to restart
         return s[keep], x[keep], wall
-    raise ValueError(f"unknown variant {variant!r} (emaA, meanK, everyK, rollK, roundD, quietF, restartK)")
+    raise ValueError(f"unknown variant {variant!r} (emaA, meanK, everyK, rollK, roundD, quietF, noisyF, shiftD, scaleF, restartK)")
 
 
 def replay(name: str, steps, losses, wall) -> list[dict]:
