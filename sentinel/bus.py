@@ -244,10 +244,15 @@ def connect(
     command is retried on a connection error (short exponential backoff, capped at 0.5 s).
     ``decode=False`` returns ``bytes`` (for readers of untrusted streams: see ``raw``).
     """
-    scheme = urlsplit(url).scheme
+    try:
+        scheme = urlsplit(url).scheme
+        clean, tls = _split_tls_query(url)
+        parts = urlsplit(clean)
+        parts.port  # noqa: B018 -- a port that is not a number, or out of range, raises here, not in redis-py
+    except ValueError as e:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
+        raise BusError(f"invalid bus URL {redact_url(url)}: {e}") from None
     if scheme not in ("redis", "rediss", "unix"):
         raise BusError(f"unsupported bus URL scheme {scheme!r} in {redact_url(url)}: use redis:// or rediss://")
-    clean, tls = _split_tls_query(url)
     kwargs: dict[str, Any] = {
         "decode_responses": decode,
         # a non-UTF-8 byte anywhere in a reply must not raise out of a reader that only displays it
@@ -259,7 +264,6 @@ def connect(
         "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
         "health_check_interval": 30,
     }
-    parts = urlsplit(clean)
     if not parts.password:
         pw = password if password is not None else os.environ.get(ENV_PASSWORD)
         if pw:

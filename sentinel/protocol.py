@@ -278,6 +278,9 @@ def authoritative_steps(records) -> dict[int, StepRecord]:
 DirectiveKind = Literal["skip-samples", "rollback", "checkpoint-now", "pause", "resume", "stop"]
 
 
+MAX_DIRECTIVE_TTL_S = 86_400.0  # a directive that expires later than this after its issue is refused
+
+
 class Directive(_Record):
     """A signed command to a trainer. ``sig`` is HMAC-SHA256 over the canonical body."""
 
@@ -310,6 +313,10 @@ class Directive(_Record):
         # compare bytes: compare_digest refuses str with non-ASCII characters (a forger's choice)
         if not hmac.compare_digest(want.encode(), self.sig.encode("utf-8", "surrogatepass")):
             return "bad signature"
+        if not math.isfinite(self.issued_at) or (self.expires_at is not None and not math.isfinite(self.expires_at)):
+            return "bad expiry"  # NaN compares false with now: it would never expire
+        if self.expires_at is not None and self.expires_at - self.issued_at > MAX_DIRECTIVE_TTL_S:
+            return "expiry too far ahead"  # a command must not wait days for a trainer that restarts
         if self.expires_at is not None and (now if now is not None else time.time()) > self.expires_at:
             return "expired"
         return None

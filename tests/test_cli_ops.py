@@ -612,6 +612,22 @@ def test_views_are_readable_at_80_columns(run_copy):
     ["backtest", "--bogus", "x.jsonl"],
     ["pages", "--limit", "0"],
     ["rollback", "runs/x", "--to-step", "ten"],
+    # a NaN, infinite or absurd wait once made a directive that never expired (and a wait that never ended)
+    ["pause", "r", "--timeout", "nan"],
+    ["stop", "r", "--timeout", "1e300"],
+    ["resume", "r", "--timeout", "inf"],
+    ["rollback", "runs/x", "--to-step", "1", "--timeout", "nan"],
+    ["skip-list", "runs/x", "add", "1:2", "--timeout", "inf"],
+    ["status", "--watch", "--interval", "nan"],
+    ["approve", "x-t0-s1", "--wait", "inf"],
+    ["demo", "--factor", "nan"],
+    # a reason that cannot be serialised (undecodable argv bytes) once broke every restart of the run;
+    # one with escape sequences was echoed raw to the next operator's terminal
+    ["pause", "r", "--reason", "\udcff\udcfe"],
+    ["rollback", "runs/x", "--to-step", "1", "--reason", "a\x1b]0;pwn\x07b"],
+    ["skip-list", "runs/x", "add", "1:2", "--reason", "x" * 5000],
+    ["run", "--lease-ms", "0"],
+    ["run", "--metrics-port", "70000"],
 ])
 def test_a_bad_flag_is_one_line_too(args):
     """Click's usage errors (a bad value, an unknown option or command, a missing argument) are one
@@ -622,3 +638,53 @@ def test_a_bad_flag_is_one_line_too(args):
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "--help`)" in lines[0], r.output
     assert "Traceback" not in r.output and "Usage:" not in r.output
+
+
+def test_bad_urls_and_ids_are_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """A malformed bus URL (any command, and `sentinel run`), a bus that is down for `sentinel run`,
+    an Alertmanager URL that is not http(s), and checkpoint ids of thousands of digits (Python
+    refuses to parse 4300+): each one line, exit 2."""
+    from sentinel.cli import main as cli
+
+    monkeypatch.setenv("SENTINEL_SECRET", "x" * 32)
+    huge = "9" * 5000
+    cases = [
+        (["status", "--redis-url", "redis://[::1"], "invalid bus URL redis://[::1"),
+        (["status", "--redis-url", "redis://:hunter2@[::1"], "invalid bus URL"),
+        (["pause", "r", "--redis-url", "redis://127.0.0.1:99999"], "Port out of range"),
+        (["run", "--redis-url", "redis://[::1"], "invalid bus URL"),
+        (["run", "--redis-url", "redis://127.0.0.1:1"], "cannot reach Redis"),
+        (["run", "--redis-url", "redis://127.0.0.1:1", "--alertmanager-url", "ftp://x"], "--alertmanager-url 'ftp://x'"),
+        (["replay-batch", str(tmp_path), "--step", "3", "--checkpoint", huge], "--checkpoint '9999"),
+        (["verify-resume", str(tmp_path), "--from-step", huge], "--from-step '9999"),
+    ]
+    for args, want in cases:
+        r = CliRunner().invoke(cli, args)
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], (args, r.output[-500:])
+        assert "hunter2" not in r.output and len(lines[0]) < 300
+    from sentinel.cli.rollback_cmd import _parse_checkpoint_id
+    from sentinel.cli.common import SentinelError
+    for bad in (f"step-{huge}", huge, "x" * 100_000):
+        with pytest.raises(SentinelError, match="bad checkpoint id") as e:
+            _parse_checkpoint_id(bad)
+        assert len(str(e.value)) < 200
+    assert _parse_checkpoint_id("step-00000020") == 20 and _parse_checkpoint_id("30") == 30
+
+
+def test_a_directive_that_would_never_expire_is_refused():
+    """A signed directive whose expiry is NaN (compares false with the clock: never expired),
+    infinite, or days after its issue is refused by every reader (the trainer obeyed such
+    directives at its next start, 20 minutes later), before its expiry is compared."""
+    import time as _time
+
+    from sentinel.protocol import Directive
+
+    key, now = b"k" * 32, _time.time()
+    ok = Directive(run="r", kind="pause", issued_at=now, expires_at=now + 65).signed(key)
+    assert ok.verify(key) is None and Directive(run="r", kind="pause").signed(key).verify(key) is None
+    for exp, why in ((float("nan"), "bad expiry"), (float("inf"), "bad expiry"), (1e300, "expiry too far ahead"),
+                     (now + 2 * 86_400, "expiry too far ahead")):
+        d = Directive(run="r", kind="pause", issued_at=now, expires_at=exp).signed(key)
+        assert d.verify(key, now=now) == why, exp
+    assert Directive(run="r", kind="pause", issued_at=float("nan"), expires_at=now + 5).signed(key).verify(key) == "bad expiry"

@@ -41,12 +41,60 @@ def friendly_errors(fn):
             mod = type(e).__module__
             if mod.startswith(("redis", "valkey")):
                 raise SentinelError(f"control bus unreachable or failed: {e.__class__.__name__}: {_redact(str(e))}") from None
-            if mod.startswith(("sentinel.", "trainer.")) and type(e).__name__.endswith("Error"):
-                # our own one-line errors (BusError, RulesError, DataError, CheckpointError, ...)
+            if any(c.__module__.startswith(("sentinel.", "trainer.")) and c.__name__.endswith("Error") for c in type(e).__mro__):
+                # our own one-line errors (BusError, RulesError, DataError, CheckpointError, ...) and
+                # their subclasses (BusUnavailable)
                 raise SentinelError(_redact(str(e)).splitlines()[0] if str(e) else type(e).__name__) from None
             raise
 
     return wrapper
+
+
+class FiniteFloat(click.ParamType):
+    """A number within [lo, hi], finite: click's FloatRange lets NaN through (every comparison with
+    NaN is false), and a NaN or 1e300 timeout makes a directive that never expires and a wait that
+    never ends."""
+
+    name = "float"
+
+    def __init__(self, lo: float, hi: float):
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value, param, ctx):
+        import math
+
+        try:
+            x = float(value)
+        except (TypeError, ValueError, OverflowError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x) or not self.lo <= x <= self.hi:
+            self.fail(f"{value!r} is not a number in [{self.lo:g}, {self.hi:g}]", param, ctx)
+        return x
+
+    def get_metavar(self, param, ctx=None) -> str:  # click 8.1 and 8.2 both call it
+        return f"FLOAT {self.lo:g}-{self.hi:g}"
+
+
+class OneLineText(click.ParamType):
+    """Free text that goes into signed directives, audit logs and terminals (``--reason``): valid
+    UTF-8 (a lone surrogate from undecodable argv bytes cannot be serialised and once broke every
+    restart of a run), no control characters (an escape sequence would be echoed to the next
+    operator's terminal), at most ``MAX`` characters."""
+
+    name = "text"
+    MAX = 2000
+
+    def convert(self, value, param, ctx):
+        v = str(value)
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            self.fail("not valid UTF-8 text", param, ctx)
+        if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in v):
+            self.fail("control characters are not allowed (one line of plain text)", param, ctx)
+        if len(v) > self.MAX:
+            self.fail(f"longer than {self.MAX} characters", param, ctx)
+        return v
 
 
 def _redact(text: str) -> str:

@@ -18,6 +18,7 @@ import time
 
 import click
 
+from sentinel.cli.common import OneLineText, FiniteFloat
 from sentinel.cli.common import (
     SentinelError,
     emit_json,
@@ -34,8 +35,8 @@ DONE = {"pause": "paused", "resume": "resumed", "stop": "stopping (checkpoint, t
 
 
 def _options(fn):
-    fn = click.option("--reason", help="Why (goes into the signed directive, the events stream and the audit log).")(fn)
-    fn = click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_TIMEOUT, show_default=True,
+    fn = click.option("--reason", type=OneLineText(), help="Why (goes into the signed directive, the events stream and the audit log).")(fn)
+    fn = click.option("--timeout", type=FiniteFloat(1, 86_000), default=DEFAULT_TIMEOUT, show_default=True,
                       help="Seconds to wait for the trainer's ack.")(fn)
     fn = click.option("--secret-file", type=click.Path(dir_okay=False),
                       help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")(fn)

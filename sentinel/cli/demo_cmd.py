@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from sentinel.cli.common import FiniteFloat
 from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
 
 MAX_DEMO_RANKS = 16  # gloo ranks on one CPU machine
@@ -52,7 +53,7 @@ def _live_view(spec, state):
               help="spike: lr (x100 learning rate on that sample, default), garbage (corrupt tokens), nan (NaN loss); "
                    "mixture: reweight (multiply the source's weight by --factor, default) or corrupt_source.")
 @click.option("--source", default="pydoc", show_default=True, help="mixture: the source the fault hits.")
-@click.option("--factor", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--factor", type=FiniteFloat(0, 1e6), default=0.0, show_default=True,
               help="mixture reweight: the weight multiplier (0 starves the source).")
 @click.option("--no-sentinel", is_flag=True, help="Run the same drill without the sentinel, to see the damage stay.")
 @click.option("--compare", is_flag=True, help="Also run a clean baseline and the drill without the sentinel, and compare final losses.")

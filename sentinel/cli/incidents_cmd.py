@@ -12,6 +12,7 @@ import time
 
 import click
 
+from sentinel.cli.common import OneLineText, FiniteFloat
 from sentinel.cli.common import (WRONG_TYPE, SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, fmt_clock,
                                  friendly_errors, json_option, read_or_reject, read_unless_wrong_type, redis_url_option)
 from sentinel.protocol import finite_or_none
@@ -337,9 +338,9 @@ def publish_approval(ref, inc, secret: bytes, who: str, reason: str | None):
 @click.command("approve")
 @click.argument("incident_id", metavar="INCIDENT")
 @click.option("--run", "run", metavar="RUN", help="The incident's run (a run dir or id); default: search every run on the bus.")
-@click.option("--reason", help="Why (recorded with the approval).")
+@click.option("--reason", type=OneLineText(), help="Why (recorded with the approval).")
 @click.option("--force", is_flag=True, help="Send the approval even if the incident does not look like it is waiting for one.")
-@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--wait", "wait_s", type=FiniteFloat(0, 86_000), default=0.0, show_default=True,
               help="Seconds to wait for the sentinel to act on the approval (0: do not wait).")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
 @redis_url_option

@@ -7,16 +7,17 @@ import re
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, make_progress
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress
 
 
-def parse_checkpoint(value: str | None) -> int | None:
+def parse_checkpoint(value: str | None, flag: str = "--checkpoint") -> int | None:
     """A checkpoint id: a step number (``20``) or its directory name (``step-00000020``)."""
     if value is None:
         return None
-    m = re.fullmatch(r"(?:step-)?0*(\d+)", value.strip())
+    m = re.fullmatch(r"(?:step-)?0*(\d{1,18})", value.strip())  # a step past 10^18 is no checkpoint (and int() refuses 4300+ digits)
     if not m:
-        raise SentinelError(f"--checkpoint {value!r}: expected a step number or step-NNNNNNNN")
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise SentinelError(f"{flag} {shown!r}: expected a step number or step-NNNNNNNN")
     return int(m.group(1))
 
 
@@ -60,7 +61,7 @@ def replay_batch(run: str, step: int, checkpoint: str | None, top_k: int, rank_b
             raise OfflineError(f"step {step} is not in the step log of {run} ({log.span()})")
         if ck is not None and ck >= step:
             raise OfflineError(f"checkpoint {ck} is not before step {step}: replay needs the state before the step")
-        bar, report = make_progress(not as_json)
+        bar, report = make_progress(not as_json and is_tty())
         try:
             if bar is not None:
                 bar.start()

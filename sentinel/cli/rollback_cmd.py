@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from sentinel.cli.common import OneLineText, FiniteFloat
 from sentinel.cli.common import (
     SentinelError,
     emit_json,
@@ -38,18 +39,23 @@ def _parse_checkpoint_id(text: str) -> int:
     from sentinel.rundir import MANIFEST
 
     t = text.strip().rstrip("/")
-    m = re.fullmatch(r"(?:.*/)?step-(\d+)", t) or re.fullmatch(r"(\d+)", t)
+    m = re.fullmatch(r"(?:.*/)?step-0*(\d{1,18})", t) or re.fullmatch(r"0*(\d{1,18})", t)  # int() refuses 4300+ digits
     if m:
         return int(m.group(1))
     p = Path(t)
-    if (p / MANIFEST).is_file():
+    try:
+        is_checkpoint_dir = (p / MANIFEST).is_file()
+    except OSError:  # a name too long for the file system, ...: not a checkpoint directory
+        is_checkpoint_dir = False
+    if is_checkpoint_dir:
         import json
 
         try:
             return int(json.loads((p / MANIFEST).read_text())["step"])
         except (ValueError, KeyError, TypeError):
             pass
-    raise SentinelError(f"bad checkpoint id {text!r}: use step-NNNNNNNN, a step number, or a checkpoint directory")
+    shown = text if len(text) <= 60 else text[:60] + "..."
+    raise SentinelError(f"bad checkpoint id {shown!r}: use step-NNNNNNNN, a step number, or a checkpoint directory")
 
 
 def _current(ref) -> tuple[int | None, int | None]:
@@ -240,8 +246,8 @@ def _print_plan(console, plan: dict) -> None:
 @click.option("--skip", "skips", multiple=True, metavar="LO:HI", help="Also skip sample ids [LO, HI) from now on (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and change nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--reason", help="Why (goes into the directive, the incident log and the audit log).")
-@click.option("--timeout", type=click.FloatRange(min=1), default=DEFAULT_TIMEOUT, show_default=True,
+@click.option("--reason", type=OneLineText(), help="Why (goes into the directive, the incident log and the audit log).")
+@click.option("--timeout", type=FiniteFloat(1, 86_000), default=DEFAULT_TIMEOUT, show_default=True,
               help="Seconds to wait for a live trainer's ack.")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
 @redis_url_option

@@ -11,6 +11,20 @@ import click
 from sentinel.cli.common import SentinelError, friendly_errors, redis_url_option
 
 
+def _check_alertmanager_url(url: str) -> None:
+    """An http(s) URL with a host, or a one-line error now: a bad one would otherwise surface only
+    at the first page, as a delivery failure in the middle of an incident."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises on a port that is not a number or out of range
+    except ValueError as e:
+        raise SentinelError(f"--alertmanager-url: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SentinelError(f"--alertmanager-url {url[:80]!r}: use http://HOST:PORT or https://HOST:PORT")
+
+
 def _console_log():
     from rich.console import Console
 
@@ -31,10 +45,11 @@ def _console_log():
 @click.option("--dry-run", is_flag=True, help="Decide and record, but send no directive.")
 @click.option("--require-approval", is_flag=True, default=None, help="Page and wait for `sentinel approve` before acting.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
-@click.option("--metrics-port", type=int, default=None, help="Serve sentinel_* metrics on this port (0: a free port).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve sentinel_* metrics on this port (0: a free port).")
 @click.option("--consumer", help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
 @click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")
-@click.option("--lease-ms", type=int, default=10_000, show_default=True, help="Leader lease TTL (HA: one sentinel acts per run).")
+@click.option("--lease-ms", type=click.IntRange(500, 3_600_000), default=10_000, show_default=True,
+              help="Leader lease TTL in ms (HA: one sentinel acts per run).")
 @friendly_errors
 def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, metrics_host, metrics_port, consumer,
         alertmanager_url, lease_ms):
@@ -52,6 +67,8 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     from sentinel.rundir import run_id_of
     from sentinel.rules import RulesError, default_rules, load_rules
 
+    if alertmanager_url is not None:
+        _check_alertmanager_url(alertmanager_url)
     for r in runs:
         if ("/" in r or r.startswith(".")) and not Path(r).is_dir():
             raise SentinelError(f"run directory not found: {r}")
@@ -72,7 +89,10 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
         daemon = Daemon(r, replace(opts, secret=secret), runs=ids or None, metrics=metrics, log=log)
         members.append(Member(daemon, url, run_dir))
     if metrics_port is not None:
-        port = metrics.serve(metrics_host, metrics_port)
+        try:
+            port = metrics.serve(metrics_host, metrics_port)
+        except OSError as e:  # a host that does not resolve (gaierror), a port in use or not allowed
+            raise SentinelError(f"cannot serve metrics on {metrics_host!r} port {metrics_port}: {e.strerror or e}") from None
         log(f"sentinel metrics on http://{metrics_host}:{port}/metrics")
     fleet = Fleet(members, metrics, log)
     stops = {"n": 0}

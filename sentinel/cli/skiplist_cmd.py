@@ -16,6 +16,7 @@ import uuid
 
 import click
 
+from sentinel.cli.common import OneLineText, FiniteFloat
 from sentinel.cli.common import WRONG_TYPE, SentinelError, emit_json, friendly_errors, json_option, read_unless_wrong_type, redis_url_option
 
 ACTIONS = ("show", "add", "remove")
@@ -25,8 +26,8 @@ ACTIONS = ("show", "add", "remove")
 @click.argument("run", metavar="RUN")
 @click.argument("action", required=False, default="show", type=click.Choice(ACTIONS), metavar="[show|add|remove]")
 @click.argument("ranges", nargs=-1, metavar="[LO:HI]...")
-@click.option("--reason", default=None, help="Why (recorded in the audit log and the directive).")
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+@click.option("--reason", type=OneLineText(), default=None, help="Why (recorded in the audit log and the directive).")
+@click.option("--timeout", type=FiniteFloat(1, 86_000), default=60.0, show_default=True,
               help="Seconds to wait for a live trainer's ack after `add`.")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
 @redis_url_option

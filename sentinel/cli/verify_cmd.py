@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, make_progress
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress
 from sentinel.cli.replay_cmd import parse_checkpoint
 
 
@@ -29,10 +29,10 @@ def verify_resume(run: str, from_step: str, steps: int, drill: bool, as_json: bo
     """
     from sentinel.offline import OfflineError, launch_workers, open_run, precheck_checkpoint
 
-    c = parse_checkpoint(from_step)
+    c = parse_checkpoint(from_step, "--from-step")
     try:
         log = open_run(run)
-        bar, report = make_progress(not as_json)
+        bar, report = make_progress(not as_json and is_tty())
         try:
             if bar is not None:
                 bar.start()
