@@ -47,6 +47,7 @@ import gzip
 import json
 import lzma
 import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -54,10 +55,11 @@ from typing import Any, Iterable, Iterator
 from sentinel.policy import RunPolicy
 from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord, record_range_error
 from sentinel.rules import RuleSet, default_rules
+from sentinel.rundir import UnreadableFileError, open_regular
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
 from sentinel.trace_names import TraceKeyError, canonical_step_keys
-from sentinel.trace_tb import TbError, event_subdirs, is_event_path, tb_rows
+from sentinel.trace_tb import TbError, event_subdirs, is_dir, is_event_path, tb_rows
 from sentinel.trace_text import looks_like_text_log, text_rows
 
 
@@ -181,14 +183,14 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     if fmt == "tb" or (fmt == "auto" and is_event_path(Path(path))):
         src["format"] = "tb"
         return _load_events(Path(path), rejected, loss_column, src)
-    if Path(path).is_dir():
+    if is_dir(Path(path)):
         runs = event_subdirs(Path(path))
         hint = f" (TensorBoard runs below it: {', '.join(str(r) for r in runs[:3])}{' ...' if len(runs) > 3 else ''})" if runs else ""
         raise SchemaError(f"{path}: a directory; name a log file, or a directory of TensorBoard event files{hint}")
-    fh, p = _open_trace(Path(path))
-    run = p.stem or "trace"
     out: list[StepRecord | TimelineRecord] = []
-    with fh:
+    with ExitStack() as opened:
+        fh, p = _open_trace(Path(path), opened)
+        run = p.stem or "trace"
         try:
             fmt, history = _trace_format(p, fh, fmt)
         except _STREAM_ERRORS as e:
@@ -198,10 +200,10 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
             src.update(step="step", loss="loss")
             entries: Iterator[tuple[str, Any]] = hf_entries(history or [], str(path))
         elif fmt == "csv":
-            entries = ((f"{path}:{n}", e) for n, e in csv_rows(fh, str(path), step_column=step_column, loss_column=loss_column,
-                                                               source=src))
+            entries = ((f"{path}:{n}", e) for n, e in csv_rows(_capped_lines(fh), str(path), step_column=step_column,
+                                                               loss_column=loss_column, source=src))
         elif fmt == "text":
-            entries = ((f"{path}:{n}", e) for n, e in text_rows(fh, str(path)))
+            entries = ((f"{path}:{n}", e) for n, e in text_rows(_capped_lines(fh), str(path)))
         else:
             entries = _json_entries(fh, str(path))
         try:
@@ -240,14 +242,14 @@ def _read_entries(entries: Iterable[tuple[str, Any]], out: list, *, run: str, re
 
 def _load_events(p: Path, rejected: list[str] | None, loss_tag: str | None, source: dict[str, Any]) -> list[StepRecord | TimelineRecord]:
     """A TensorBoard event file, or a directory of them (``trace_tb``), as records."""
-    run = (p.name if p.is_dir() else p.parent.name) or "trace"
+    run = (p.name if is_dir(p) else p.parent.name) or "trace"
     out: list[StepRecord | TimelineRecord] = []
     try:
         _read_entries(tb_rows(p, loss_tag=loss_tag, source=source), out, run=run, rejected=rejected)
     except TbError as e:
         raise SchemaError(str(e)) from None
     except OSError as e:
-        raise SchemaError(f"{p}: cannot read ({_one_line(e)})") from None
+        raise SchemaError(f"{p}: cannot read ({e.strerror or _one_line(e)})") from None
     return out
 
 
@@ -256,16 +258,26 @@ _COMPRESSED = ((b"\x1f\x8b", gzip.open, ".gz"), (b"BZh", bz2.open, ".bz2"), (b"\
 _STREAM_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 
 
-def _open_trace(p: Path):
+def _open_trace(p: Path, opened: ExitStack):
     """(a binary file of ``p``'s bytes, decompressed when they are gzip, bzip2 or xz by their magic;
-    the name to judge the format and run by, without the compression suffix)."""
-    fh = p.open("rb")
-    head = fh.read(6)
-    fh.seek(0)
+    the name to judge the format and run by, without the compression suffix). ``SchemaError`` (one
+    line) for what cannot be opened, and for anything but a regular file: /dev/zero, /dev/urandom
+    or a FIFO would be read forever. A trace may be large (hundreds of MB): its size is not capped,
+    only its lines' (``_capped_lines``). What is opened is closed with ``opened``."""
+    try:
+        fh = opened.enter_context(open_regular(p))
+    except UnreadableFileError as e:
+        raise SchemaError(f"{p}: {e}; a trace is a log file, or a directory of them") from None
+    except OSError as e:  # missing, a symlink loop, a name too long, no permission
+        raise SchemaError(f"{p}: cannot read: {e.strerror or _one_line(e)}") from None
+    try:
+        head = fh.read(6)
+        fh.seek(0)
+    except OSError as e:
+        raise SchemaError(f"{p}: cannot read: {e.strerror or _one_line(e)}") from None
     for magic, opener, suffix in _COMPRESSED:
         if head.startswith(magic):
-            fh.close()
-            return opener(p, "rb"), (p.with_suffix("") if p.suffix.lower() == suffix else p)
+            return opened.enter_context(opener(fh, "rb")), (p.with_suffix("") if p.suffix.lower() == suffix else p)
     return fh, p
 
 
@@ -305,9 +317,38 @@ def _trace_format(p: Path, fh, fmt: str) -> tuple[str, list[Any] | None]:
     return fmt, history
 
 
-def _json_entries(fh, path: str) -> Iterator[tuple[str, bytes]]:
-    """(where, line) for each non-blank line of a JSON-lines file."""
-    for n, raw in enumerate(fh, 1):
+MAX_LINE_BYTES = 16 << 20  # a step line is ~1 KB; a "line" of binary garbage (no newline) can be gigabytes
+
+
+def _capped_lines(fh, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """The lines of a binary file, as iterating it gives them, but never more than ``limit + 1``
+    bytes of one: a file without newlines (zeros, random bytes, a decompressed bomb) would
+    otherwise be held whole in memory as one line. The rest of an over-long line is read past in
+    1 MiB pieces; what is yielded for it (``limit + 1`` bytes) is rejected by every reader
+    (``_overlong``)."""
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while True:
+                rest = fh.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+        yield line
+
+
+def _overlong(line: bytes) -> bool:
+    return len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES
+
+
+def _json_entries(fh, path: str) -> Iterator[tuple[str, bytes | str]]:
+    """(where, line) for each non-blank line of a JSON-lines file; (where, the reason) for a line
+    too long to be a step line."""
+    for n, raw in enumerate(_capped_lines(fh), 1):
+        if len(raw) > MAX_LINE_BYTES and _overlong(raw):
+            yield f"{path}:{n}", f"{path}:{n}: a line of more than {MAX_LINE_BYTES:,} bytes, too long for a step line"
+            continue
         line = raw.strip()
         if line:
             yield f"{path}:{n}", line
@@ -315,7 +356,7 @@ def _json_entries(fh, path: str) -> Iterator[tuple[str, bytes]]:
 
 def _first_line(fh) -> bytes:
     """The first non-blank line of a binary file (at most 64 KiB of it)."""
-    for raw in fh:
+    for raw in _capped_lines(fh):
         if raw.strip():
             return raw[:65536]
     return b""

@@ -19,6 +19,9 @@ so "did the spike come right after X?" is answered by eye.
 from __future__ import annotations
 
 import math
+import os
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,58 @@ from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord
 PHASE_COLORS = {"warmup": "#fdf1d6", "stable": "#e8f4ea", "decay": "#e6eef8", "floor": "#efefef"}
 STATE_WORDS = {"healthy": "recovered", "escalated": "ESCALATED", "awaiting_approval": "awaiting approval"}
 LANES = ("incidents", "rollbacks", "resumes / pauses", "skip windows", "guard skips")
+PNG_SUFFIXES = ("", ".png")  # what a report may be named: it is always a PNG, written at exactly that path
+SYSTEM_DIRS = ("/dev", "/proc", "/sys")  # never a place for a picture: /dev/null.png, /dev/full.png
+
+
+class ReportError(ValueError):
+    """Where the picture is to go cannot hold it (one line, for the CLI)."""
+
+
+def check_out_path(out: str | Path) -> Path:
+    """``out`` when a PNG can be written there as a new or replaced regular file; ``ReportError``
+    (one line) otherwise, before any drawing: another suffix (matplotlib would pick the format by
+    it, or fail on ``.txt``), an existing device, FIFO or directory, a place under /dev, /proc or
+    /sys (``--out /dev/null`` once "succeeded" by writing /dev/null.png), a name the system refuses."""
+    out = Path(out)
+    if out.suffix.lower() not in PNG_SUFFIXES:
+        raise ReportError(f"{out}: a report is a PNG image; name a .png file (not {out.suffix[:40]!r})")
+    try:
+        real = os.path.realpath(out)
+        mode = os.stat(out).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # a name too long, a symlink loop, no permission
+        raise ReportError(f"cannot write the report to {out}: {e.strerror or e}") from None
+    if any(real == d or real.startswith(d + "/") for d in SYSTEM_DIRS):
+        raise ReportError(f"{out}: a report is a file; not under {', '.join(SYSTEM_DIRS)}")
+    if mode is not None and not stat.S_ISREG(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ReportError(f"{out}: {what}; a report is written as a new or replaced .png file")
+    return out
+
+
+def _save_png(fig, out: Path, dpi: int) -> None:
+    """The figure as a PNG at exactly ``out`` (whatever its suffix), written to a temporary file
+    beside it and renamed over it: a failure (a full disk, a name too long) leaves any earlier
+    picture whole, and is one ``ReportError`` line."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".png.tmp", dir=out.parent)
+    except OSError as e:
+        raise ReportError(f"cannot write the report to {out}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)  # as a plain open would, not mkstemp's 0600
+            fig.savefig(f, dpi=dpi, format="png")
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ReportError(f"cannot write the report to {out}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @dataclass
@@ -214,7 +269,8 @@ def _phases_from_shape(segments: list[Segment]) -> list[tuple[str, int, int]]:
 
 
 def render(data: ReportData, out: str | Path, *, dpi: int = 110) -> Path:
-    """Paint ``data`` into a PNG at ``out`` (parent directories created); returns the path."""
+    """Paint ``data`` into a PNG at exactly ``out`` (parent directories created); returns the path.
+    ``ReportError`` (one line) when ``out`` cannot be one (``check_out_path``) or cannot be written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,8 +278,7 @@ def render(data: ReportData, out: str | Path, *, dpi: int = 110) -> Path:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = check_out_path(out)
     fig, axes = plt.subplots(4, 1, sharex=True, figsize=(13, 9.2), layout="constrained",
                              gridspec_kw={"height_ratios": [3.2, 1.5, 1.1, 1.5]})
     ax_loss, ax_gn, ax_lr, ax_ev = axes
@@ -347,8 +402,10 @@ def render(data: ReportData, out: str | Path, *, dpi: int = 110) -> Path:
                *[Patch(color=PHASE_COLORS[p], label=f"LR {p}") for p in ("warmup", "stable", "decay")
                  if any(name == p for name, _, _ in data.phases)]]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=8.5, frameon=False)
-    fig.savefig(out, dpi=dpi)
-    plt.close(fig)
+    try:
+        _save_png(fig, out, dpi)
+    finally:
+        plt.close(fig)
     return out
 
 

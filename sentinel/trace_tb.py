@@ -31,6 +31,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from sentinel.rundir import UnreadableFileError, open_regular
 from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES, find_name, shown_names
 
 TB_LOSS_NAMES = LOSS_NAMES + ("loss/train", "losses/train_loss", "train/loss_epoch")
@@ -44,10 +45,22 @@ class TbError(ValueError):
     """An event file or directory that cannot be read as a trace (one line, for the CLI)."""
 
 
+def is_dir(p: Path) -> bool:
+    """``p.is_dir()``, False where the name itself is an error (too long: ``Path.is_dir`` raises
+    for that one): opening it then says why, in one line."""
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
+
+
 def is_event_path(p: Path) -> bool:
     """An event file by its name, or a directory that holds one."""
-    if p.is_dir():
-        return any(_event_files(p))
+    if is_dir(p):
+        try:
+            return any(_event_files(p))
+        except OSError:  # unreadable: reading it as a trace says so in one line
+            return False
     return ".tfevents." in p.name
 
 
@@ -223,7 +236,7 @@ def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] |
     ``path``, or (where, the one-line reason) for an event or file that cannot give one.
     ``TbError`` when there is no event file, or no loss tag. ``source`` (a dict) gets the loss tag,
     the grad-norm tag (or None) and the number of files read."""
-    files = _event_files(path) if path.is_dir() else [path]
+    files = _event_files(path) if is_dir(path) else [path]
     if not files:
         raise TbError(f"{path}: a directory without TensorBoard event files (events.out.tfevents.*)")
     # Only the scalars of the tags that can be the loss or the grad norm are kept (a run logs dozens
@@ -233,7 +246,11 @@ def tb_rows(path: Path, *, loss_tag: str | None = None, source: dict[str, Any] |
     tags: dict[str, None] = {}
     frames_read = 0  # records whose length passed its checksum: none means no event file at all
     for fi, f in enumerate(files):
-        with f.open("rb") as fh:
+        try:
+            fh = open_regular(f)  # an event file named by hand may be a FIFO or a device: never read forever
+        except UnreadableFileError as e:
+            raise TbError(f"{f}: {e}; an event file is a regular file") from None
+        with fh:
             for n, data in enumerate(_frames(fh, str(f)), 1):
                 if isinstance(data, str):
                     kept.append(data)

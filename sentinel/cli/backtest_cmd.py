@@ -96,12 +96,12 @@ def _expand(traces: tuple[str, ...]) -> list[str]:
     none is kept as it is, and reading it gives its one-line error."""
     from pathlib import Path
 
-    from sentinel.trace_tb import event_subdirs, is_event_path
+    from sentinel.trace_tb import event_subdirs, is_dir, is_event_path
 
     out: list[str] = []
     for t in traces:
         d = Path(t)
-        if not d.is_dir() or is_event_path(d):
+        if not is_dir(d) or is_event_path(d):  # is_dir: a name too long is no directory (load_trace says why)
             out.append(t)
             continue
         try:

@@ -81,11 +81,13 @@ def build(ref, incident_id: str | None = None):
 
 def write_report(ref, out: str | Path | None = None, incident_id: str | None = None) -> dict:
     """Write the PNG; returns {"path", "incidents_source", counts...}."""
-    from sentinel.report import render
+    from sentinel.report import check_out_path, render
 
     if ref.run_dir is None:
         raise SentinelError(f"run {ref.run}: its run directory is not on this machine; run `sentinel report RUN_DIR` "
                             "on the host that has it")
+    if out:
+        check_out_path(out)  # a bad --out is said before the run is read (render checks it again)
     data, source, rejected = build(ref, incident_id)
     path = render(data, Path(out) if out else default_path(ref.run_dir, incident_id))
     return {"run": ref.run, "path": str(path), "incident": incident_id, "incidents_source": source,
@@ -101,7 +103,8 @@ def write_report(ref, out: str | Path | None = None, incident_id: str | None = N
 @click.argument("run", metavar="RUN")
 @click.option("--incident", "incident_id", metavar="ID", help="Zoom on one incident (its onset, detection and recovery).")
 @click.option("--out", type=click.Path(dir_okay=False), metavar="PATH",
-              help="Where to write the PNG (default: RUN_DIR/reports/run.png or incident-ID.png).")
+              help="Where to write the PNG, at exactly this path (.png or no suffix; default: RUN_DIR/reports/run.png "
+                   "or incident-ID.png).")
 @redis_url_option
 @json_option
 @friendly_errors

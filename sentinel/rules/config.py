@@ -156,6 +156,13 @@ class DivergenceRule(RuleBase):
             raise ValueError("must be 0 (off) or at least 4")
         return v
 
+    @model_validator(mode="after")
+    def _k_of_n(self) -> "DivergenceRule":
+        # "k of the last n steps" with k > n can never hold: the fast path would be silently off
+        if self.k > self.n:
+            raise ValueError(f"k = {self.k} is more than n = {self.n} (at least k of the last n steps must be anomalous)")
+        return self
+
 
 class ValDivergenceRule(RuleBase):
     severity: Severity = "warning"
@@ -308,19 +315,57 @@ def _one_line(source: str, e: ValidationError) -> str:
 
 
 _YAML_CACHE_CHARS = 65536  # rules texts up to this size are parsed once per process
+MAX_RULES_BYTES = 1 << 20  # the shipped defaults are ~10 KB; a rules file of megabytes is not one
+
+
+class _RulesLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (no Python objects from tags) that also refuses what a rules file never
+    needs and a hostile one abuses:
+
+    - aliases (``*name``, and so ``<<: *name`` merges): nine levels of nine aliases each are 396
+      bytes that stand for 9**9 values, and every walk over them (the depth check, the schema)
+      never ends. A rules file is small enough to write out.
+    - a key twice in one mapping: YAML lets the last one win silently, so the first setting an
+      operator reads in the file is not the one in force."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor} (YAML aliases are not allowed in "
+                                              "a rules file: write the value out)", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable: the base class says so, with its mark
+                    continue
+                if dup:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {str(key)[:60]!r} (each setting "
+                                                            "may appear once)", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_RulesLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 @functools.lru_cache(maxsize=8)
 def _safe_load_cached(text: str) -> Any:
-    return yaml.safe_load(text)
+    return _yaml_load(text)
 
 
 def _load_yaml(text: str) -> Any:
-    """``yaml.safe_load``, remembered for small texts: every engine built from the same rules (the
-    defaults, once per run, per backtest, per drill) parsed them again, 7 ms of pure-Python YAML
-    each time. A deep copy per call, so no caller can change what the next one gets."""
+    """The rules loader (``_RulesLoader``), remembered for small texts: every engine built from the
+    same rules (the defaults, once per run, per backtest, per drill) parsed them again, 7 ms of
+    pure-Python YAML each time. A deep copy per call, so no caller can change what the next one gets."""
     if len(text) > _YAML_CACHE_CHARS:
-        return yaml.safe_load(text)
+        return _yaml_load(text)
     return copy.deepcopy(_safe_load_cached(text))
 
 
@@ -354,10 +399,21 @@ def parse_rules(text: str, source: str = "<rules>", allow_empty: bool = True) ->
 
 
 def load_rules(path: str | Path) -> RuleSet:
-    """Read and validate a rules file. Raises ``RulesError`` (one line) or FileNotFoundError."""
-    p = Path(path)
+    """Read and validate a rules file. Raises ``RulesError`` (one line) or FileNotFoundError.
+    Only a regular file of at most ``MAX_RULES_BYTES`` is read: ``--rules /dev/zero`` (or a FIFO,
+    or a symlink to either) would otherwise be read forever."""
+    from sentinel.rundir import UnreadableFileError, read_regular_file
+
     try:
-        text = p.read_text()
+        data = read_regular_file(path, MAX_RULES_BYTES)
+    except FileNotFoundError:
+        raise
+    except UnreadableFileError as e:
+        raise RulesError(f"{path}: {e}; a rules file is a small YAML file") from None
+    except OSError as e:  # a directory, a symlink loop, a name too long, no permission
+        raise RulesError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise RulesError(f"{path}: not a text file") from None
     return parse_rules(text, str(path), allow_empty=False)
