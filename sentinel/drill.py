@@ -169,7 +169,7 @@ class SentinelThread:
     def __init__(self, url: str, run: str, secret: bytes, rules_path: Path, log: list[str]):
         from sentinel import bus
         from sentinel.daemon import Daemon, Options
-        from sentinel.rules import load_rules
+        from sentinel.rules_file import load_rules
 
         self.log, self.run = log, run
         self.daemon = Daemon(bus.connect(url), Options(rules=load_rules(rules_path), secret=secret, lease_ms=5000),

@@ -289,7 +289,8 @@ def test_split_finds_flags():
 def test_sentinel_rules_configmap_is_valid_and_is_the_default_rules():
     """The Kubernetes ConfigMap ships the daemon's defaults: a tuned default changed in one copy
     only (the climb bar once was) would run different judgement in the cluster than in the bench."""
-    from sentinel.rules import default_rules, load_rules
+    from sentinel.rules import default_rules
+    from sentinel.rules_file import load_rules
 
     assert load_rules(K8S / "base" / "sentinel-rules.yaml").model_dump() == default_rules().model_dump()
 

@@ -65,7 +65,8 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     *.jsonl, *.ndjson, *.csv, *.tsv, *.log, *.out, *.txt or *trainer_state.json (also gzip, bzip2
     or xz compressed), then each TensorBoard run below it, judged as several TRACEs.
     """
-    from sentinel.rules import RulesError, default_rules, load_rules
+    from sentinel.rules import RulesError, default_rules
+    from sentinel.rules_file import load_rules
 
     try:
         rules = load_rules(rules_path) if rules_path else default_rules()

@@ -23,7 +23,8 @@ def rules() -> None:
 @friendly_errors
 def check(file: str, as_json: bool) -> None:
     """Validate FILE and print a summary of its rules. Exit 2 with a one-line error when invalid."""
-    from sentinel.rules import RulesError, load_rules
+    from sentinel.rules import RulesError
+    from sentinel.rules_file import load_rules
 
     try:
         rs = load_rules(file)

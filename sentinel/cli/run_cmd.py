@@ -65,7 +65,8 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     from sentinel.fleet import Fleet, Member
     from sentinel.metrics import SentinelMetrics
     from sentinel.rundir import run_id_of
-    from sentinel.rules import RulesError, default_rules, load_rules
+    from sentinel.rules import RulesError, default_rules
+    from sentinel.rules_file import load_rules
 
     if alertmanager_url is not None:
         _check_alertmanager_url(alertmanager_url)

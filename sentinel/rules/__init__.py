@@ -15,12 +15,13 @@ Rules whose inputs are absent from a record stay silent: a trace with only ``ste
 evaluates the loss rules and nothing else. ``grad_norm == 0`` counts as "not reported" (the field is
 required by the protocol, and a true zero norm carries no spike information either).
 
-Modules: ``config`` (the file's schema and reading it), ``base`` (``Finding``, the ``Evaluator``
+Modules: ``config`` (the file's schema and parsing it; reading an operator's file is the edge's
+job, ``sentinel.rules_file.load_rules``), ``base`` (``Finding``, the ``Evaluator``
 base), one module per family of evaluators (``loss``, ``telemetry``, ``slices``), ``engine``.
 """
 
 from sentinel.rules.base import Finding
-from sentinel.rules.config import DEFAULT_RULES_PATH, RuleSet, RulesError, default_rules, load_rules, parse_rules
+from sentinel.rules.config import DEFAULT_RULES_PATH, RuleSet, RulesError, default_rules, parse_rules
 from sentinel.rules.engine import RuleEngine
 
-__all__ = ["DEFAULT_RULES_PATH", "Finding", "RuleEngine", "RuleSet", "RulesError", "default_rules", "load_rules", "parse_rules"]
+__all__ = ["DEFAULT_RULES_PATH", "Finding", "RuleEngine", "RuleSet", "RulesError", "default_rules", "parse_rules"]

@@ -1,6 +1,6 @@
 """The rules file: its schema (one section per built-in rule, plus the ``policy`` knobs), and
-reading it: ``parse_rules`` (text), ``load_rules`` (a path), ``default_rules`` (the shipped
-``sentinel/default_rules.yaml``). Errors are one line (``RulesError``)."""
+parsing it: ``parse_rules`` (text), ``default_rules`` (the shipped ``sentinel/default_rules.yaml``).
+Reading an operator's file is I/O and lives at the edge: ``sentinel.rules_file.load_rules``. Errors are one line (``RulesError``)."""
 
 from __future__ import annotations
 
@@ -398,30 +398,10 @@ def parse_rules(text: str, source: str = "<rules>", allow_empty: bool = True) ->
         raise RulesError(_one_line(source, e)) from None
 
 
-def load_rules(path: str | Path) -> RuleSet:
-    """Read and validate a rules file. Raises ``RulesError`` (one line) or FileNotFoundError.
-    Only a regular file of at most ``MAX_RULES_BYTES`` is read: ``--rules /dev/zero`` (or a FIFO,
-    or a symlink to either) would otherwise be read forever."""
-    from sentinel.rundir import UnreadableFileError, read_regular_file
-
-    try:
-        data = read_regular_file(path, MAX_RULES_BYTES)
-    except FileNotFoundError:
-        raise
-    except UnreadableFileError as e:
-        raise RulesError(f"{path}: {e}; a rules file is a small YAML file") from None
-    except OSError as e:  # a directory, a symlink loop, a name too long, no permission
-        raise RulesError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RulesError(f"{path}: not a text file") from None
-    return parse_rules(text, str(path), allow_empty=False)
-
-
 def default_rules() -> RuleSet:
-    """The defaults the daemon uses: ``sentinel/default_rules.yaml``."""
-    return load_rules(DEFAULT_RULES_PATH)
+    """The defaults the daemon uses: ``sentinel/default_rules.yaml`` (shipped with the package;
+    a file an operator names is read at the edge, by ``sentinel.rules_file.load_rules``)."""
+    return parse_rules(DEFAULT_RULES_PATH.read_text(encoding="utf-8"), str(DEFAULT_RULES_PATH), allow_empty=False)
 
 
 # --------------------------------------------------------------------------------------------
