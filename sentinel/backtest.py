@@ -53,9 +53,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from sentinel.policy import RunPolicy
-from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord, record_range_error
+from sentinel.protocol import (CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord, UnreadableFileError,
+                               open_regular, record_range_error)
 from sentinel.rules import RuleSet, default_rules
-from sentinel.rundir import UnreadableFileError, open_regular
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
 from sentinel.trace_names import TraceKeyError, canonical_step_keys

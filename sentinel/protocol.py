@@ -528,6 +528,61 @@ def atomic_write_text(path, text: str) -> None:
         os.close(fd)
 
 
+MAX_STATE_BYTES = 64 << 20  # a state file (skip list, manifest, plan, config) is kilobytes; more is not one of ours
+
+
+class UnreadableFileError(OSError):
+    """A path that is no regular file (a device, a FIFO, a socket) or is too large to be what it
+    should be. The message says which, without the path: the caller names the file its own way.
+    An ``OSError``, so a caller that only knows "unreadable" treats it like any other."""
+
+
+def _require_regular(mode: int, path) -> None:
+    import errno
+    import os
+    import stat
+
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), "an unknown kind of file")
+    raise UnreadableFileError(f"not a regular file: {kind}")
+
+
+def open_regular(path):
+    """``path`` (symlinks followed) opened for binary reading, when it is a regular file. Reading
+    /dev/zero or /dev/urandom never ends and opening a FIFO waits for a writer that may never come,
+    so anything else is an ``UnreadableFileError`` (a directory: ``IsADirectoryError``) before it is
+    read. Checked before opening (opening a device can have effects) and again on the open file
+    (the path can change in between; O_NONBLOCK keeps that open of a FIFO from waiting). Other
+    ``OSError`` (missing, a symlink loop, a name too long) passes through."""
+    import os
+
+    _require_regular(os.stat(path).st_mode, path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _require_regular(os.fstat(fd).st_mode, path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_file(path, limit: int) -> bytes:
+    """The bytes of a small file: ``open_regular``, and at most ``limit`` bytes (more is an
+    ``UnreadableFileError``: a state or rules file of gigabytes is a mistake or an attack, and
+    reading it would take the memory with it). The state files both sides read (skip list,
+    pending rollback plan, config, manifests) go through here."""
+    with open_regular(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnreadableFileError(f"larger than {limit:,} bytes")
+    return data
+
+
 # --------------------------------------------------------------------------------------------
 # Bus records from untrusted transport: ranges and authentication
 # --------------------------------------------------------------------------------------------

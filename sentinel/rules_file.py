@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from sentinel.rules.config import MAX_RULES_BYTES, RuleSet, RulesError, parse_rules
-from sentinel.rundir import UnreadableFileError, read_regular_file
+from sentinel.protocol import UnreadableFileError, read_regular_file
 
 
 def load_rules(path: str | os.PathLike) -> RuleSet:

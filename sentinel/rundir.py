@@ -22,17 +22,17 @@ this module does not import them (``trainer.checkpoint`` imports torch).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from sentinel.protocol import (
+    MAX_STATE_BYTES,
+    read_regular_file,
     Incident,
     MAX_COUNT,
     MAX_SAMPLE_ID,
@@ -74,56 +74,6 @@ class RunDirError(Exception):
     """A one-line problem with a run directory (missing, unreadable, malformed file)."""
 
 
-MAX_STATE_BYTES = 64 << 20  # a state file (skip list, manifest, plan) is kilobytes; more is not one of ours
-
-
-class UnreadableFileError(ValueError):
-    """A path that is no regular file (a device, a FIFO, a socket) or is too large to be what it
-    should be. The message says which, without the path: the caller names the file its own way."""
-
-
-_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-          (stat.S_ISSOCK, "a socket"))
-
-
-def _require_regular(mode: int, path) -> None:
-    if stat.S_ISREG(mode):
-        return
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    kind = next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
-    raise UnreadableFileError(f"not a regular file: {kind}")
-
-
-def open_regular(path: str | os.PathLike):
-    """``path`` (symlinks followed) opened for binary reading, when it is a regular file. Reading
-    /dev/zero or /dev/urandom never ends and opening a FIFO waits for a writer that may never come,
-    so anything else is an ``UnreadableFileError`` (a directory: ``IsADirectoryError``) before it is
-    read. Checked before opening (opening a device can have effects) and again on the open file
-    (the path can change in between; O_NONBLOCK keeps that open of a FIFO from waiting). Other
-    ``OSError`` (missing, a symlink loop, a name too long) passes through."""
-    _require_regular(os.stat(path).st_mode, path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    try:
-        _require_regular(os.fstat(fd).st_mode, path)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
-    """The bytes of a small file: ``open_regular``, and at most ``limit`` bytes (default
-    ``MAX_STATE_BYTES``; more is an ``UnreadableFileError``: a state or rules file of gigabytes is
-    a mistake or an attack, and reading it would take the memory with it)."""
-    limit = MAX_STATE_BYTES if limit is None else limit
-    with open_regular(path) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise UnreadableFileError(f"larger than {limit:,} bytes")
-    return data
-
-
 def load_json_file(path: Path, what: str | None = None) -> Any:
     """A whole JSON document from a run-dir file. ``FileNotFoundError`` passes through; anything
     else unreadable (not UTF-8, not JSON, nested 50,000 deep, a directory, a device or FIFO, over
@@ -131,7 +81,7 @@ def load_json_file(path: Path, what: str | None = None) -> Any:
     UnicodeDecodeError or a read that never ends."""
     what = f"{what} {path}" if what else str(path)
     try:
-        return json.loads(read_regular_file(path).decode("utf-8"))
+        return json.loads(read_regular_file(path, MAX_STATE_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise
     except UnicodeDecodeError:
@@ -181,7 +131,7 @@ def _config(run_dir: Path) -> dict:
     try:
         import yaml
 
-        cfg = yaml.safe_load(read_regular_file(run_dir / CONFIG).decode("utf-8"))
+        cfg = yaml.safe_load(read_regular_file(run_dir / CONFIG, MAX_STATE_BYTES).decode("utf-8"))
     except Exception:  # noqa: BLE001 - any way to be unreadable reads as no config
         return {}
     return cfg if isinstance(cfg, dict) else {}

@@ -31,7 +31,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from sentinel.rundir import UnreadableFileError, open_regular
+from sentinel.protocol import UnreadableFileError, open_regular
 from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES, find_name, shown_names
 
 TB_LOSS_NAMES = LOSS_NAMES + ("loss/train", "losses/train_loss", "train/loss_epoch")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -58,8 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args) -> dict:
-    import yaml
-
     from trainer.config import ConfigError, Fault, SourceFault
 
     o: dict = {}
@@ -81,14 +80,7 @@ def _overrides(args) -> dict:
     if args.telemetry:
         o["telemetry.enabled"] = args.telemetry == "on"
     if args.skip:
-        ranges = []
-        for s in args.skip:
-            try:
-                lo, hi = (int(x) for x in s.split(":"))
-            except ValueError:
-                raise ConfigError(f"--skip {s!r}: expected LO:HI (sample ids [LO, HI), HI excluded, as everywhere)") from None
-            ranges.append([lo, hi])
-        o["data.skip"] = ranges
+        o["data.skip"] = [_skip_range(s) for s in args.skip]
     if args.inject_fault:  # mixture drills (corrupt_source@, reweight@) are keyed to a source, not ids
         by_id = [Fault.parse(f).model_dump() for f in args.inject_fault if not SourceFault.matches(f)]
         by_source = [SourceFault.parse(f).model_dump() for f in args.inject_fault if SourceFault.matches(f)]
@@ -100,20 +92,108 @@ def _overrides(args) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected PATH=VALUE")
         k, v = item.split("=", 1)
-        o[k.strip()] = yaml.safe_load(v)
+        o[k.strip()] = _yaml_value(k.strip(), v)
     return o
+
+
+def _skip_range(text: str) -> list[int]:
+    """``--skip LO:HI`` as [lo, hi], refused in one line unless 0 <= LO < HI (as `sentinel skip-list`)."""
+    from trainer.config import MAX_SAMPLE_ID, ConfigError
+
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--skip {text!r}: expected LO:HI (sample ids [LO, HI), HI excluded, as everywhere)") from None
+    if not 0 <= lo < hi <= MAX_SAMPLE_ID:
+        why = "an empty or reversed range" if lo >= hi else "out of range"
+        raise ConfigError(f"--skip {text!r}: {why}; need 0 <= LO < HI <= {MAX_SAMPLE_ID} (HI excluded)")
+    return [lo, hi]
+
+
+def _yaml_value(key: str, text: str):
+    """The value of ``--set KEY=TEXT``, parsed as YAML with the safe loader (plain data: no
+    ``!!python/...`` tags); anything it refuses is one line, not the parser's multi-line report."""
+    import yaml
+
+    from trainer.config import ConfigError
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or (str(e).splitlines() or ["unreadable"])[0]
+        raise ConfigError(f"--set {key}: not a valid YAML value ({problem}{where})") from None
+    except RecursionError:
+        raise ConfigError(f"--set {key}: not a valid YAML value (nested too deep)") from None
+
+
+def _not_utf8(args) -> str | None:
+    """The first flag whose text is not UTF-8 (bytes the shell passed through as lone surrogates).
+    Every value ends up in config.yaml, steps.jsonl, the bus or a Prometheus label, all UTF-8."""
+    for name, value in vars(args).items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"--{name.replace('_', '-')} {v.encode('utf-8', 'backslashreplace').decode()!r}: not valid UTF-8 text"
+    return None
+
+
+def _run_dir_problem(run_dir: str) -> str | None:
+    """Why ``--run-dir`` cannot be a run directory, checked before anything is created in it.
+    ``""`` would be the current directory (Path("") is "."): refused, never turned into a run dir."""
+    if not run_dir.strip():
+        return "--run-dir is empty: name the run directory (it is created if missing)"
+    try:
+        st = os.stat(run_dir)
+    except FileNotFoundError:
+        return None  # created by the trainer
+    except OSError as e:  # a name too long, a parent that is a file, a symlink loop, no permission
+        return f"--run-dir: {e.strerror or type(e).__name__}" + (f" ({run_dir[:80]}...)" if len(run_dir) > 80 else f": {run_dir}")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"--run-dir {run_dir}: exists and is not a directory"
+    return None
+
+
+def _cuda_problem(device: str) -> str | None:
+    """``--device cuda`` on a machine without a usable GPU: one line before the run dir is touched
+    (torch.cuda.set_device would raise deep inside torch)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine (--device cuda); use --device cpu or auto"
+    return None
+
+
+def _say(msg: str) -> None:
+    """``error: MSG`` on stderr, always one line (a newline in a flag or a path is shown escaped)."""
+    print("error: " + str(msg).replace("\r", "\\r").replace("\n", "\\n"), file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from trainer.config import ConfigError, load_yaml, resolve
 
+    # every check that can refuse the flags runs before the run dir (lock, step log) is created
+    bad = _not_utf8(args) or _run_dir_problem(args.run_dir)
+    if bad:
+        _say(bad)
+        return 2
     run_dir = Path(args.run_dir)
     try:
-        saved = load_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+        saved_path = run_dir / "config.yaml"
+        saved = load_yaml(saved_path) if os.path.lexists(saved_path) else None
         cfg = resolve(preset=args.preset, config_file=args.config, saved=saved, overrides=_overrides(args))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say(e)
+        return 2
+    bad = _cuda_problem(cfg.device)
+    if bad:
+        _say(bad)
         return 2
 
     from trainer import dist as tdist
@@ -129,11 +209,11 @@ def main(argv=None) -> int:
     try:
         Trainer(cfg, run_dir, env).fit()
     except (DataError, CheckpointError, TrainingError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _say(e)
         return 2
     except OSError as e:  # storage outside the handled paths (run dir, config, targets): full, read-only, gone
         where = f": {e.filename}" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}", file=sys.stderr, flush=True)
+        _say(f"{e.strerror or e}{where}")
         return 2
     except Exception as e:  # our own one-line errors from other layers (e.g. sentinel.bus.BusError: no secret)
         if type(e).__module__.startswith(("sentinel.", "trainer.")) and type(e).__name__.endswith("Error"):

@@ -251,7 +251,18 @@ class Checkpointer:
         self._async: threading.Thread | None = None
         self._async_error: BaseException | None = None
         self.last_error: str | None = None  # why the last failed save failed (one line, for the exit message)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._make_root()
+
+    def _make_root(self) -> None:
+        """Create ``checkpoints/`` if missing. Something else at that path (a file, a FIFO, a dangling
+        link) is a one-line CheckpointError that every caller already reports (the trainer, replay-batch,
+        verify-resume), never a FileExistsError traceback; and it is left as it is."""
+        if (self.root.exists() or self.root.is_symlink()) and not self.root.is_dir():
+            raise CheckpointError(f"{self.root} is not a directory: move it aside (the checkpoints live in that directory)")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:  # raced, or a parent that is a file
+            raise CheckpointError(f"cannot create {self.root}: {e.strerror}") from None
 
     # ------------------------------------------------------------------ discovery
     def clean_partial(self) -> None:

@@ -10,9 +10,15 @@ import re
 import warnings
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES, read_regular_file
+
+MAX_SEED = 2**62  # seed + 1000003 * rank must stay an int64 for torch.manual_seed
+MAX_LR = 10.0  # AdamW's peak LR: far above any recipe (3e-3 .. 6e-4); 1e300 is a typo, not a schedule
 
 
 class ConfigError(ValueError):
@@ -20,7 +26,9 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float field refuses inf and NaN (JSON/YAML ``.inf``, ``1e999``, ``--lr inf``).
+    # A bound like ``gt=0`` alone lets inf through (and NaN only because every comparison with it fails).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -40,7 +48,7 @@ class ModelConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="peak learning rate (AdamW); above MAX_LR it is a typo, not a recipe")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor, as a fraction of lr")
     warmup_steps: int = Field(10, ge=0)
     decay_steps: int | None = Field(None, ge=1, description="None: max_steps")
@@ -63,6 +71,15 @@ class DataConfig(_Strict):
         default_factory=list, description="[[FROM_STEP, SEQ_LEN], ...]: train at SEQ_LEN once FROM_STEP steps are done "
         "(before the first entry: model.seq_len); see trainer/seqlen.py",
     )
+
+    @field_validator("skip")
+    @classmethod
+    def _skip_ranges(cls, v):
+        # what `sentinel skip-list` and `sentinel rollback --skip` refuse too: a reversed range is a typo
+        for lo, hi in v:
+            if not 0 <= lo < hi <= MAX_SAMPLE_ID:
+                raise ValueError(f"range [{lo}, {hi}]: need 0 <= LO < HI <= {MAX_SAMPLE_ID} (HI excluded)")
+        return v
 
     @field_validator("seq_len_schedule")
     @classmethod
@@ -121,6 +138,22 @@ class TelemetryConfig(_Strict):
     log_every: int = Field(10, ge=1)
     peak_flops: float | None = Field(None, gt=0, description="override the device peak FLOP/s for MFU")
 
+    @field_validator("redis_url")
+    @classmethod
+    def _url_ok(cls, v):
+        # checked here, before the run dir is created, with the bus's own rules (sentinel.bus.connect):
+        # a typo must not leave a run dir with a lock and an empty step log behind
+        if v is None or v == "embedded":
+            return v
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 -- a port that is not a number, or out of range, raises here
+        except ValueError as e:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
+            raise ValueError(f"invalid bus URL: {e}") from None
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"unsupported bus URL scheme {parts.scheme!r}: use redis://, rediss:// or 'embedded'")
+        return v
+
 
 # sample-id ranges are half-open LO:HI everywhere (--inject-fault, --skip, skip-list, directives)
 FAULT_RE = re.compile(r"^(garbage|lr|nan)@(\d+)(?::(\d+))?(?::([0-9.eE+-]+))?$")
@@ -138,8 +171,8 @@ class Fault(_Strict):
     ``slow`` is keyed to a rank instead: ``lo`` is the rank, ``factor`` the seconds it sleeps per step."""
 
     kind: Literal["garbage", "lr", "nan", "slow"]
-    lo: int = Field(ge=0)
-    hi: int = Field(description="exclusive")
+    lo: int = Field(ge=0, le=MAX_SAMPLE_ID)
+    hi: int = Field(le=MAX_SAMPLE_ID, description="exclusive")
     factor: float = 1.0
 
     @classmethod
@@ -177,7 +210,10 @@ class Fault(_Strict):
         if hi_i <= lo_i:
             raise ConfigError(f"--inject-fault {text!r}: empty range; need LO < HI (HI exclusive)")
         f = float(factor) if factor else (30.0 if kind == "lr" else 1.0)
-        return cls(kind=kind, lo=lo_i, hi=hi_i, factor=f)
+        try:
+            return cls(kind=kind, lo=lo_i, hi=hi_i, factor=f)
+        except ValidationError as e:  # a factor of 1e999 (inf), an id past int64
+            raise ConfigError(f"--inject-fault {text!r}: {_format_validation(e, 'fault').removeprefix('fault: ')}") from None
 
     def hits(self, ids) -> bool:
         return self.kind != "slow" and any(self.lo <= i < self.hi for i in ids)
@@ -218,7 +254,7 @@ class SourceFault(_Strict):
 class TrainConfig(_Strict):
     run_id: str | None = Field(None, description="defaults to the run dir's name")
     preset: str | None = None
-    seed: int = 1337
+    seed: int = Field(1337, ge=0, le=MAX_SEED, description="torch takes an int64 seed (plus 1000003 x rank)")
     max_steps: int = Field(100, ge=1)
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -290,8 +326,10 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 def _set_path(d: dict, dotted: str, value) -> None:
     keys = dotted.split(".")
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
         d = d.setdefault(k, {})
+        if not isinstance(d, dict):  # --set seed.x=1: seed is a number, not a section
+            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:i + 1])} is not a section")
     d[keys[-1]] = value
 
 
@@ -307,10 +345,12 @@ def _format_validation(e: ValidationError, source: str) -> str:
 
 def load_yaml(path: str | Path) -> dict:
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
+    try:  # bounded: a FIFO, /dev/zero or a huge file is refused in one line, not read until OOM
+        data = yaml.safe_load(read_regular_file(p, MAX_STATE_BYTES).decode("utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: unreadable ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -21,6 +21,41 @@ from sentinel.protocol import StepRecord, TimelineRecord, authoritative_steps, p
 MAX_BUFFERED = 10_000
 
 
+def clean_text(value):
+    """``value`` as text that UTF-8 (and so JSON, Redis, Prometheus) can carry; None stays None.
+
+    Free-form strings reach the records from files and the bus (a rollback reason, a directive id,
+    a run dir's name), and one read from a non-UTF-8 source holds lone surrogates (``"\\udcff"``
+    from JSON, ``os.fsdecode`` of a byte name): serialising that raises, and a record the trainer
+    cannot write would stop every later start. Such characters become visible ``\\udcff`` escapes;
+    a non-string (a number where a reason was expected) becomes its text."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _clean_all(obj):
+    """``obj`` (a record's ``model_dump``) with every string passed through ``clean_text``."""
+    if isinstance(obj, str):
+        return clean_text(obj)
+    if isinstance(obj, dict):
+        return {clean_text(k) if isinstance(k, str) else k: _clean_all(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clean_all(v) for v in obj)
+    return obj
+
+
+def _record_line(rec: StepRecord | TimelineRecord) -> bytes:
+    """The record as one JSONL line. A string field that UTF-8 cannot encode (lone surrogates) is
+    escaped rather than failing the write: the step log must never be what stops a run."""
+    try:
+        text = rec.to_json()
+    except ValueError:  # PydanticSerializationError: "surrogates not allowed"
+        text = rec.model_copy(update=_clean_all(rec.model_dump())).to_json()
+    return (text + "\n").encode()
+
+
 class StepLog:
     """Append-only writer that survives a full disk: a failed write is cut back to the last whole
     record (so the file stays valid JSONL), the record is kept in a bounded buffer and retried on the
@@ -29,6 +64,9 @@ class StepLog:
     def __init__(self, path: Path, *, max_buffered: int = MAX_BUFFERED, log: Callable[[str], None] = print):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_file():
+            # a FIFO would block the open below forever, /dev/null or /dev/zero would swallow every record
+            raise OSError(errno.EINVAL, "not a regular file (the step log must be one)", str(self.path))
         self._repair_torn_tail()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = os.fstat(self._fd).st_size  # end of the last whole record
@@ -58,7 +96,7 @@ class StepLog:
         return len(self._pending)
 
     def write(self, rec: StepRecord | TimelineRecord) -> None:
-        self._pending.append((rec.to_json() + "\n").encode())
+        self._pending.append(_record_line(rec))
         if len(self._pending) > self.max_buffered:
             self._pending.popleft()
             self.lost += 1

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sentinel.protocol import (
+    MAX_RECORD_BYTES,
     PENDING_ROLLBACK,
     Ack,
     CheckpointInfo,
@@ -38,6 +39,7 @@ from sentinel.protocol import (
     loads_bounded,
     merge_ranges,
     pending_rollback_error,
+    read_regular_file,
 )
 from trainer import faults as drills
 from trainer import rng, rundir_lock, seqlen
@@ -63,7 +65,7 @@ from trainer.optim import build_optimizer, lr_at
 from trainer.phases import RANK_PHASES, PhaseClock, as_dict
 from trainer.readback import StepReadback
 from trainer.slices import MixtureWeights, SliceEval, describe_change, lr_phase_markers, source_onehot
-from trainer.steplog import StepLog
+from trainer.steplog import StepLog, clean_text
 
 
 class TrainingError(Exception):
@@ -75,13 +77,16 @@ def _read_pending_plan(path: Path) -> tuple[dict | None, str | None]:
     (None, why) when it is not one: a hostile or corrupt plan is refused in one line, not applied
     half-way and not silently dropped (the operator asked for a rollback)."""
     fix = "fix it or write a new plan with `sentinel rollback`, then start again"
-    try:
-        plan = loads_bounded(path.read_bytes(), path.name)  # not UTF-8, not JSON, nested 50,000 deep: one line
+    try:  # bounded: a symlink to /dev/zero or a FIFO is refused, not read forever (sentinel.protocol.read_regular_file)
+        plan = loads_bounded(read_regular_file(path, MAX_RECORD_BYTES), path.name)  # not UTF-8, not JSON, too deep: one line
     except OSError as e:
-        return None, f"{path} is unreadable ({e.strerror or type(e).__name__}): {fix}"
+        return None, f"{path} is unreadable ({e.strerror or e}): {fix}"
     except SchemaError as e:
         return None, f"{path} is unreadable ({e}): {fix}"
     bad = pending_rollback_error(plan)
+    empty = None if bad else next((r for r in plan.get("ranges", []) if r[1] <= r[0]), None)
+    if empty is not None:  # what `sentinel rollback --skip` refuses ("need 0 <= LO < HI"): a damaged plan
+        bad = f"range {empty} is empty or reversed; need lo < hi"
     if bad:
         return None, f"{path} is malformed ({bad}): {fix}"
     return plan, None
@@ -153,7 +158,7 @@ class Trainer:
         self._stop_signal: str | bool = False  # the signal's name once SIGTERM/SIGINT arrived
         if not offline:  # from the start: a SIGTERM during setup still ends in a checkpoint, not a kill
             self._install_signals()
-        self.run_id = cfg.run_id or self.run_dir.resolve().name
+        self.run_id = cfg.run_id or clean_text(self.run_dir.resolve().name)  # a byte name: \udcff escapes
         self.state = TrainState()
         self.ctl = Directives()
         self._last_ckpt_time: float | None = None
@@ -164,9 +169,13 @@ class Trainer:
         self._throughput: deque = deque(maxlen=20)
         self._rejected_seen = 0
         self._ckpt_group = None  # lazily created gloo group for FSDP2 async checkpoints
+        self.unloadable: list[str] = []  # why each checkpoint the last load_checkpoint passed over failed
 
-        self._setup_run_dir()
+        # the dataset first: a bad --data (or one too small for a batch) is refused before anything is
+        # created in the run dir; the run dir's own state (the skip list) is read once its lock is held
         self._setup_data()
+        self._setup_run_dir()
+        self._load_skiplist()
         self.clock = PhaseClock(env.device)  # before the model: DDP's comm hook stamps gradient readiness
         self._setup_model()
         self.guard = StepGuard(cfg.guard, env.device)
@@ -228,15 +237,17 @@ class Trainer:
         self.weights_now: dict[str, float] | None = None  # normalised weights of the last step trained
         self.seq_now: int | None = None  # tokens per sequence of the last step trained (seq_len schedule)
         self.step_source_sums: torch.Tensor | None = None  # per-source loss sums of the last train_step
-        # the skip list only grows: config + the run dir's file (which the sentinel may have grown)
-        self.skip = SkipList.load(self.run_dir / "skiplist.json")
-        if cfg.data.skip:
-            self.skip.add(cfg.data.skip)
         self.slice_eval = None
         if cfg.eval.every:
             self.slice_eval = SliceEval(self.ds, cfg.model.seq_len, cfg.data.micro_batch_size, cfg.eval.batches,
                                         cfg.eval.probe_samples, log=lambda m: _log(self.env, m))
         self.val = self.slice_eval.batches if self.slice_eval else []
+
+    def _load_skiplist(self) -> None:
+        # the skip list only grows: config + the run dir's file (which the sentinel may have grown)
+        self.skip = SkipList.load(self.run_dir / "skiplist.json")
+        if self.cfg.data.skip:
+            self.skip.add(self.cfg.data.skip)
 
     @property
     def global_batch(self) -> int:
@@ -434,6 +445,7 @@ class Trainer:
             candidates = [(step, path)]
         else:
             candidates = list_checkpoints(self.ckpt.root)
+        self.unloadable = []
         for ck_step, path in candidates:
             why = None
             try:
@@ -446,6 +458,7 @@ class Trainer:
             why = why or f"{path.name}: rejected by another rank"
             if step is not None:
                 raise CheckpointError(why)
+            self.unloadable.append(why)
             _log(env, f"warning: checkpoint {why}; falling back to the previous one")
         return None
 
@@ -611,8 +624,9 @@ class Trainer:
     def _mark(self, kind: str, from_step: int, *, reason=None, directive_id=None, ranges=(), checkpoint=None) -> None:
         if not self.env.is_main:
             return
+        # the reason and id come from a plan file or a directive: any text, maybe not UTF-8 (steplog.clean_text)
         rec = TimelineRecord(kind=kind, run=self.run_id, from_step=from_step, timeline=self.state.timeline,
-                             time=time.time(), reason=reason, directive_id=directive_id,
+                             time=time.time(), reason=clean_text(reason), directive_id=clean_text(directive_id),
                              skip_ranges=merge_ranges(ranges), checkpoint=checkpoint)
         self.steplog.write(rec)
         if self.bus:
@@ -627,7 +641,7 @@ class Trainer:
         pending = self.run_dir / PENDING_ROLLBACK
         plan, bad = None, None
         fresh = False
-        if env.is_main and pending.is_file():
+        if env.is_main and os.path.lexists(pending):  # a FIFO or a dangling link is refused too, not ignored
             plan, bad = _read_pending_plan(pending)
         plan, bad = env.broadcast_object((plan, bad))
         if bad:  # every rank stops with the same line; the plan stays on disk for the operator to fix
@@ -647,6 +661,8 @@ class Trainer:
             _log(env, f"rollback prepared offline: resumed from step {self.state.step}")
         else:
             resumed = self.load_checkpoint()
+            if resumed is None and self.unloadable:
+                raise TrainingError(self._unloadable_message())
             if resumed is None:
                 self.state.timeline = self._previous_timeline() + 1
                 self._mark("start", 0)
@@ -675,6 +691,17 @@ class Trainer:
             # the initial state is a rollback target too: without it, damage before the first periodic
             # save can only be paged, and a NaN at step 30 would stop the run for a human
             self.save_checkpoint()
+
+    def _unloadable_message(self) -> str:
+        """Why a run dir whose every checkpoint failed is not started over. A fresh start would append
+        a new timeline to steps.jsonl and then save step 0, 10, ... over the old step directories and
+        prune the rest: the run's only copies, maybe damaged by something passing (a disk, a copy cut
+        short) that a human can still repair. So nothing is touched; the operator decides."""
+        n = len(self.unloadable)
+        shown = "; ".join(self.unloadable[:3]) + (f"; and {n - 3} more" if n > 3 else "")
+        return (f"none of the {n} checkpoint(s) in {self.ckpt.root} can be loaded ({shown}); refusing to start over "
+                f"and overwrite them: repair or restore them, or move {self.ckpt.root} aside to start this run "
+                "from scratch")
 
     def _previous_timeline(self) -> int:
         last = -1

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import numpy as np
 
-from sentinel.protocol import MAX_SAMPLE_ID, atomic_write_text, merge_ranges
+from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES, atomic_write_text, merge_ranges, read_regular_file
 
 from .dataset import DataError
 
@@ -69,18 +69,32 @@ class SkipList:
 
     @classmethod
     def load(cls, path: Path | str) -> "SkipList":
-        """Read a saved list; a missing file is an empty list (nothing skipped yet)."""
+        """Read a saved list; a missing file is an empty list (nothing skipped yet).
+
+        Anything else that is not a valid list is refused in one line (DataError), never ignored:
+        dropping a skip list would silently train on the data it was written to keep out. That
+        includes a reversed or empty range (``[10, 5]``): the sentinel never writes one, so it is
+        a damaged file, not a range to drop. The read is bounded (``sentinel.protocol.read_regular_file``): a
+        symlink to /dev/zero or a FIFO is refused instead of read forever."""
         path = Path(path)
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            raw = json.loads(read_regular_file(path, MAX_STATE_BYTES).decode("utf-8"))
         except FileNotFoundError:
             return cls()
-        except (OSError, ValueError) as e:
-            raise DataError(f"skip list {path} is unreadable: {e}") from None
+        except OSError as e:
+            raise DataError(f"skip list {path} is unreadable: {e.strerror or e}") from None
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past the parser
+            raise DataError(f"skip list {path} is unreadable: {str(e).splitlines()[0][:200] if str(e) else 'nested too deep'}") from None
         try:
-            return cls((lo, hi) for lo, hi in raw)
+            ranges = [(lo, hi) for lo, hi in raw]
+            checked = _checked(ranges)
         except (TypeError, ValueError, DataError) as e:
             raise DataError(f"skip list {path} is malformed: expected [[lo, hi], ...] ({e})") from None
+        empty = next((r for r in checked if r[1] <= r[0]), None)
+        if empty is not None:
+            raise DataError(f"skip list {path} is malformed: range [{empty[0]}, {empty[1]}] is empty or reversed "
+                            "(need 0 <= lo < hi, hi excluded)")
+        return cls(checked)
 
 
 def _checked(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
