@@ -105,7 +105,8 @@ def _skip_range(text: str) -> list[int]:
     except ValueError:
         raise ConfigError(f"--skip {text!r}: expected LO:HI (sample ids [LO, HI), HI excluded, as everywhere)") from None
     if not 0 <= lo < hi <= MAX_SAMPLE_ID:
-        why = "an empty or reversed range" if lo >= hi else "out of range"
+        why = ("an empty or reversed range" if lo >= hi else "a negative sample id" if lo < 0
+               else "a sample id past int64")
         raise ConfigError(f"--skip {text!r}: {why}; need 0 <= LO < HI <= {MAX_SAMPLE_ID} (HI excluded)")
     return [lo, hi]
 
