@@ -25,9 +25,11 @@ class ClimbTrend:
     white noise ``z`` is about standard normal, and a ramp of slope s nats/step gives
     ``z ~ s * sum(k^2) / that``: for window 48 and baseline 100, ``z ~ s * 167 / sigma``.
 
-    The baseline is flat on purpose: a healthy loss falls, so its residuals against a flat level are
-    negative (no alarm in the fast early descent or the lr cooldown). Extrapolating a fitted descent
-    fires on the curvature of every early run (measured: z 9-15 at steps 150-300).
+    The baseline is flat: a healthy loss falls, so its residuals against a flat level are negative
+    (no alarm in the fast early descent or the lr cooldown). Extrapolating a fitted straight descent
+    fires on the curvature of every early run (measured: z 9-15 at steps 150-300). With ``credit``
+    (the rules' default 0.5), part of the descent is given back after all, from a power law that
+    follows the deceleration and only where it fits (``_descent``).
 
     The bar is the run's own: z is divided by ``phi`` (``_phi``: how much more the run's block
     medians wander than white noise would; 1 on every public curve measured), so a run whose loss
@@ -56,7 +58,8 @@ class ClimbTrend:
 
     __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
                  "_s0", "_s1", "_b", "_dirty", "_since_sync", "_phi_val", "_blocks", "_blk", "_spread",
-                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread", "_last_noise", "_zpast")
+                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread", "_last_noise", "_zpast",
+                 "credit", "fit", "_hist", "_lead", "_klead", "_lead_q", "_rn", "_ru", "_ruu", "_rx", "_rux", "_rxx")
 
     GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
     RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
@@ -68,11 +71,23 @@ class ClimbTrend:
     MEDIAN_EFFICIENCY = 1.2533  # sd of a median of n normal values / sd of their mean (sqrt(pi / 2))
     PAST_STEPS, PAST_GAP = 1000, 200  # a verdict's z against the largest of the run's own z from PAST_STEPS to PAST_GAP before
     PAST_FACTOR = 1.5  # ... must be this many times that (see ``_beyond_past``)
+    DESCENT_POWER = 0.5  # the healthy descent the credit follows: a + b * step^-0.5 (``_descent``; written as 1/sqrt)
+    CREDIT_MAX_VAR = 0.25  # the fit's own error may add at most this share to z's variance; more: no credit
+    FIT_MAX_RMS = 1.5  # ... and the curve must fit its span within this many per-step sigmas (rms); more: no credit
 
-    def __init__(self, window: int = 48, baseline: int = 100, sigmas: float = 5.5, warmup: int = 150, stride: int = 4):
+    def __init__(self, window: int = 48, baseline: int = 100, sigmas: float = 5.5, warmup: int = 150, stride: int = 4,
+                 credit: float = 0.0, fit: int = 400):
         if window < 4 or baseline < 4:
             raise ValueError("window and baseline must be at least 4")
         self.window, self.baseline, self.sigmas, self.warmup, self.stride = window, baseline, sigmas, warmup, max(1, stride)
+        self.credit = credit if credit > 0 else 0.0
+        self.fit = max(fit, baseline)  # the descent is fitted over this many losses before the window
+        # steps from the baseline's centre to each loss of the window: the credited descent's lead
+        self._lead = [(baseline + 1) / 2.0 + k - 1.0 for k in range(1, window + 1)]
+        self._klead = sum((k + 1) * lead for k, lead in enumerate(self._lead))
+        q = window // 4
+        first_q = (baseline + 1) / 2.0 + (window - 2 * q) + (q - 1) / 2.0  # the lead of the first late quarter's centre
+        self._lead_q = (first_q, first_q + q)
         self._kw = [float(k) for k in range(1, window + 1)]
         self._norm2 = sum(k * k for k in self._kw)
         self._ksum2 = sum(self._kw) ** 2 / baseline  # the baseline mean's error enters every term
@@ -101,11 +116,35 @@ class ClimbTrend:
             blk.append(x_mid)
             if len(blk) >= self.window:
                 self._close_block(mid_step)
+            old = f[0]
+            gone = None
+            if self.credit:  # the baseline's oldest moves to the fit's older part; its oldest leaves the fit
+                h = self._hist
+                gone = old if not h.maxlen else h[0] if len(h) == h.maxlen else None
+                h.append(old)
             if not self._dirty:
                 s0 = self._s0
                 self._s1 += self.window * x - s0
                 self._s0 = s0 + (x - x_mid)
-                self._b += x_mid - f[0][1]  # the baseline's oldest leaves
+                self._b += x_mid - old[1]  # the baseline's oldest leaves
+                if self.credit:  # the fit span's sums, inline (``_fit_add``): this runs on every step
+                    u = 1.0 / math.sqrt(mid_step if mid_step > 1 else 1)
+                    ux = u * x_mid
+                    if gone is None:
+                        self._rn += 1.0
+                        self._ru += u
+                        self._ruu += u * u
+                        self._rx += x_mid
+                        self._rux += ux
+                        self._rxx += x_mid * x_mid
+                    else:
+                        gs, gx = gone
+                        g = 1.0 / math.sqrt(gs if gs > 1 else 1)
+                        self._ru += u - g
+                        self._ruu += u * u - g * g
+                        self._rx += x_mid - gx
+                        self._rux += ux - g * gx
+                        self._rxx += x_mid * x_mid - gx * gx
                 self._since_sync += 1
             f.append((step, x))
             self.n = n = self.n + 1
@@ -121,15 +160,22 @@ class ClimbTrend:
             self._sync()
         self._last_noise = noise
         ramp = self._s1 - self._b / self.baseline * self._ksum  # the unclipped filter: z x its scale
+        zden = self._zden
+        d = 0.0  # the credited descent, nats per step (``_descent``)
+        if self.credit:
+            d, extra = self._descent(step, noise)
+            if d:
+                ramp += d * self._klead
+                zden = math.sqrt(zden * zden + extra)
         gate = self.sigmas - self.GATE
-        if self._below_gate_whatever_phi(ramp, noise, gate):
+        if self._below_gate_whatever_phi(ramp, noise, gate, zden):
             self.z = self.rise = 0.0  # far below the bar: not worth the exact pass
             return False
         spread = self._spread_now()
         if noise != self._phi_noise or spread is not self._phi_spread:  # both change rarely
             self._phi_noise, self._phi_spread = noise, spread
             self._phi_val = self._phi(noise)
-        scale = self._phi_val * noise * self._zden
+        scale = self._phi_val * noise * zden
         if ramp / scale <= gate:
             self.z = self.rise = 0.0
             return False
@@ -140,9 +186,14 @@ class ClimbTrend:
         c = 3.0 * noise
         base = sum(m - c if v < m - c else m + c if v > m + c else v for v in pre) / b
         acc = 0.0
-        for k, v in zip(self._kw, vals[b:]):
-            r = v - base
-            acc += k * (-c if r < -c else c if r > c else r)
+        if d:
+            for k, lead, v in zip(self._kw, self._lead, vals[b:]):
+                r = v - base + d * lead
+                acc += k * (-c if r < -c else c if r > c else r)
+        else:
+            for k, v in zip(self._kw, vals[b:]):
+                r = v - base
+                acc += k * (-c if r < -c else c if r > c else r)
         self.z = acc / scale
         self.rise = acc / self._norm2 * self.window  # the fitted ramp's rise over the window, in nats
         self._start = f[b][0]
@@ -156,7 +207,9 @@ class ClimbTrend:
         q = self.window // 4
         bar = self.CONFIRM * self.MEDIAN_EFFICIENCY * noise * math.sqrt(1.0 / q + 1.0 / b)
         w0 = b + self.window - 2 * q
-        return median_of(vals[w0:w0 + q]) - m > bar and median_of(vals[w0 + q:]) - m > bar and self._beyond_past(step)
+        q1, q2 = (d * lead for lead in self._lead_q)  # the credited descent at each quarter's centre
+        return (median_of(vals[w0:w0 + q]) - m + q1 > bar and median_of(vals[w0 + q:]) - m + q2 > bar
+                and self._beyond_past(step))
 
     def _beyond_past(self, step: int) -> bool:
         """Is this verdict's z ``PAST_FACTOR`` times the largest z the run showed from
@@ -169,7 +222,7 @@ class ClimbTrend:
         top, _ = largest_between(self._zpast, step - self.PAST_STEPS, step - self.PAST_GAP, 1)
         return self.z > self.PAST_FACTOR * (top if top is not None and top > 0.0 else 0.0)
 
-    def _below_gate_whatever_phi(self, ramp: float, noise: float, gate: float) -> bool:
+    def _below_gate_whatever_phi(self, ramp: float, noise: float, gate: float, zden: float) -> bool:
         """Is the unclipped z (``ramp / (phi * noise * zden)``) at most ``gate`` for any ``phi`` the
         calibration can give? phi is at least ``min(1, PHI_UNCALIBRATED)``: a larger phi only
         shrinks a positive z (rounding is monotone), and a z <= 0 is under any gate >= 0. On a
@@ -178,7 +231,56 @@ class ClimbTrend:
         if ramp <= 0.0:
             return gate >= 0.0
         least = self.PHI_UNCALIBRATED if self.PHI_UNCALIBRATED < 1.0 else 1.0
-        return ramp / (least * noise * self._zden) <= gate
+        return ramp / (least * noise * zden) <= gate
+
+    def _descent(self, step: int, noise: float) -> tuple[float, float]:
+        """(d, extra): the descent rate to credit, nats per step, and what its error adds to z's
+        variance (in units of sigma^2); (0, 0): no credit.
+
+        The flat baseline subtracts a healthy descent from every climb: in the early descent
+        (steps 200-700) that alone kept most 0.005-nat/step climbs under the bar 48 steps in. So
+        the losses of the fit span (the ``fit`` losses before the window) are fitted, least squares
+        on running sums, to a + b * step^-``DESCENT_POWER``, and ``credit`` of that curve's slope,
+        read between the baseline's centre and the window's, lowers the expected level of each loss
+        of the window by slope x its lead. The power law follows the deceleration that made a
+        straight line over a long span over-predict the descent (healthy z up to 15 on the real
+        curves, bench/climb_baseline_probe.py); half of its slope keeps the healthy runs where the
+        flat baseline had them. Only a descent is credited (b > 0), and only when the fit is firm:
+        its error may add at most ``CREDIT_MAX_VAR`` of z's variance (a run whose steps start far
+        from 0, where step^-0.5 hardly varies, gets none), and only when the curve fits its span to
+        ``FIT_MAX_RMS`` per-step sigmas: the first steps of a run are no power law, and a log
+        smoothed before it was written (an EMA) has a per-step sigma far below any misfit."""
+        n = self._rn
+        den = n * self._ruu - self._ru * self._ru
+        if n < self.baseline or den <= 0.0:
+            return 0.0, 0.0
+        b = (n * self._rux - self._ru * self._rx) / den
+        if b <= 0.0:
+            return 0.0, 0.0
+        # the curve must describe the span: a misfit (the first steps' shape, a schedule change, a
+        # smoothed log whose per-step sigma is far below its wander) would be credited as descent
+        a = (self._rx - b * self._ru) / n
+        rss = self._rxx - a * self._rx - b * self._rux
+        if rss > (n - 2.0) * (self.FIT_MAX_RMS * noise) ** 2:
+            return 0.0, 0.0
+        t_mid = step - 0.5 * (1.5 * self.window + 0.5 * self.baseline - 1.0)
+        if t_mid < 1.0:
+            return 0.0, 0.0
+        g = self.credit * self.DESCENT_POWER * t_mid ** -(self.DESCENT_POWER + 1.0)
+        extra = (self._klead * g) ** 2 * n / den
+        if extra > self.CREDIT_MAX_VAR * self._zden * self._zden:
+            return 0.0, 0.0
+        return g * b, extra
+
+    def _fit_add(self, step: int, x: float, sign: float) -> None:
+        """Add (sign 1) or remove (sign -1) one loss of the fit span to its running sums."""
+        u = 1.0 / math.sqrt(step if step > 1 else 1)  # step^-DESCENT_POWER
+        self._rn += sign
+        self._ru += sign * u
+        self._ruu += sign * u * u
+        self._rx += sign * x
+        self._rux += sign * u * x
+        self._rxx += sign * x * x
 
     @property
     def phi(self) -> float:
@@ -229,6 +331,12 @@ class ClimbTrend:
         self._b = sum(vals[:b])
         self._s0 = sum(vals[b:])
         self._s1 = sum(k * v for k, v in zip(self._kw, vals[b:]))
+        if self.credit:
+            self._rn = self._ru = self._ruu = self._rx = self._rux = self._rxx = 0.0
+            for st, v in self._hist:
+                self._fit_add(st, v, 1.0)
+            for st, v in list(self._f)[:b]:
+                self._fit_add(st, v, 1.0)
         self._dirty, self._since_sync = False, 0
 
     def onset(self) -> int:
@@ -238,6 +346,9 @@ class ClimbTrend:
         f = self._f
         while f and f[-1][0] > keep_through_step:
             f.pop()
+        h = self._hist
+        while h and h[-1][0] > keep_through_step:
+            h.pop()
         bl = self._blocks
         while bl and bl[-1][0] > keep_through_step:
             bl.pop()
@@ -257,7 +368,9 @@ class ClimbTrend:
 
     def reset(self) -> None:
         self._f: deque[tuple[int, float]] = deque(maxlen=self.window + self.baseline)
+        self._hist: deque[tuple[int, float]] = deque(maxlen=self.fit - self.baseline)  # the fit span's older part
         self._s0 = self._s1 = self._b = 0.0
+        self._rn = self._ru = self._ruu = self._rx = self._rux = self._rxx = 0.0  # the fit span's running sums (``_descent``)
         self._dirty, self._since_sync = True, 0
         self.n = 0
         self.z = self.rise = 0.0
@@ -272,7 +385,7 @@ class ClimbTrend:
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [list(p) for p in self._f], "n": self.n, "blocks": [list(p) for p in self._blocks],
-                "block": list(self._blk), "zpast": [list(p) for p in self._zpast]}
+                "block": list(self._blk), "zpast": [list(p) for p in self._zpast], "fit": [list(p) for p in self._hist]}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
@@ -282,3 +395,4 @@ class ClimbTrend:
         self._blk = [float(v) for v in d.get("block", [])][: self.window - 1]
         self._spread = _STALE
         self._zpast.extend((int(s), float(z)) for s, z in d.get("zpast", []))  # older state: none
+        self._hist.extend((int(s), float(v)) for s, v in d.get("fit", []))  # older state: none (credit from a short fit)

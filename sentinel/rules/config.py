@@ -138,6 +138,11 @@ class DivergenceRule(RuleBase):
     climb_window: int = Field(48, ge=4)
     climb_baseline: int = Field(100, ge=4)
     climb_sigmas: float = Field(5.5, ge=0)
+    # ... crediting the window with this fraction of the healthy descent, a + b * step^-0.5 fitted
+    # over the climb_fit_window losses before the window (a falling loss makes the window lower, so
+    # the flat baseline subtracted the descent from every climb); 0: off
+    climb_descent_credit: float = Field(0.5, ge=0, le=1)
+    climb_fit_window: int = Field(400, ge=4)
     # ... and the same test over a longer window, for climbs too slow for the short one (the issue's
     # 0.3 nats over 200 steps): caught ~130-160 steps in instead of not within 200; 0 turns it off
     climb_long_window: int = Field(144, ge=0)

@@ -30,7 +30,8 @@ class LossEval(Evaluator):
                                        min_rise=v.min_rise, warmup=s.min_history + 4 * v.level_window)
         # warmup: the spike baseline's own, plus the climb's window and baseline (the early descent)
         self.climb = d.ClimbTrend(window=v.climb_window, baseline=v.climb_baseline, sigmas=v.climb_sigmas or math.inf,
-                                  warmup=s.min_history + v.climb_window + v.climb_baseline)
+                                  warmup=s.min_history + v.climb_window + v.climb_baseline,
+                                  credit=v.climb_descent_credit, fit=v.climb_fit_window)
         self._det_update, self._shift_feed, self._long_feed = self.det.update, self.shift.feed, self.shift_long.feed
         self._climb_update = self.climb.update if v.climb_sigmas > 0 else None
         self.climb_long: d.ClimbTrend | None = None
