@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from typing import Any
@@ -127,7 +128,7 @@ class ClimbTrend:
                 self._s1 += self.window * x - s0
                 self._s0 = s0 + (x - x_mid)
                 self._b += x_mid - old[1]  # the baseline's oldest leaves
-                if self.credit:  # the fit span's sums, inline (``_fit_add``): this runs on every step
+                if self.credit:  # the fit span's sums, updated in place (``_fit_sums`` recomputes them): this runs on every step
                     u = 1.0 / math.sqrt(mid_step if mid_step > 1 else 1)
                     ux = u * x_mid
                     if gone is None:
@@ -272,15 +273,13 @@ class ClimbTrend:
             return 0.0, 0.0
         return g * b, extra
 
-    def _fit_add(self, step: int, x: float, sign: float) -> None:
-        """Add (sign 1) or remove (sign -1) one loss of the fit span to its running sums."""
-        u = 1.0 / math.sqrt(step if step > 1 else 1)  # step^-DESCENT_POWER
-        self._rn += sign
-        self._ru += sign * u
-        self._ruu += sign * u * u
-        self._rx += sign * x
-        self._rux += sign * u * x
-        self._rxx += sign * x * x
+    def _fit_sums(self) -> None:
+        """The fit span's running sums from scratch: its older part and the baseline."""
+        n = su = suu = sx = sux = sxx = 0.0
+        for st, x in itertools.chain(self._hist, itertools.islice(self._f, self.baseline)):
+            u = 1.0 / math.sqrt(st if st > 1 else 1)  # step^-DESCENT_POWER
+            n, su, suu, sx, sux, sxx = n + 1.0, su + u, suu + u * u, sx + x, sux + u * x, sxx + x * x
+        self._rn, self._ru, self._ruu, self._rx, self._rux, self._rxx = n, su, suu, sx, sux, sxx
 
     @property
     def phi(self) -> float:
@@ -332,11 +331,7 @@ class ClimbTrend:
         self._s0 = sum(vals[b:])
         self._s1 = sum(k * v for k, v in zip(self._kw, vals[b:]))
         if self.credit:
-            self._rn = self._ru = self._ruu = self._rx = self._rux = self._rxx = 0.0
-            for st, v in self._hist:
-                self._fit_add(st, v, 1.0)
-            for st, v in list(self._f)[:b]:
-                self._fit_add(st, v, 1.0)
+            self._fit_sums()
         self._dirty, self._since_sync = False, 0
 
     def onset(self) -> int:
