@@ -58,7 +58,7 @@ from sentinel.protocol import (CheckpointInfo, MarkerRecord, SchemaError, StepRe
 from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
-from sentinel.trace_names import TraceKeyError, canonical_step_keys
+from sentinel.trace_names import TraceKeyError, canonical_step_keys, null_loss_is_nan
 from sentinel.trace_tb import TbError, event_subdirs, is_dir, is_event_path, tb_rows
 from sentinel.trace_text import looks_like_text_log, text_rows
 
@@ -111,7 +111,10 @@ def record_from_obj(obj: dict[str, Any], *, default_run: str = "trace", where: s
     if kind == "step":
         # null is "not reported" for every field but the two a step line is about: exported tables
         # (pandas, W&B) write a missing grad norm or val loss as null, and one such column must not
-        # cost every line. A null loss stays an error: that row is no training step.
+        # cost every line. A null loss on a line with nothing else is a NaN a strict JSON writer
+        # wrote (``null_loss_is_nan``); one on a line of other metrics is no training step (an error).
+        if "loss" in obj and obj["loss"] is None and null_loss_is_nan(k for k, v in obj.items() if v is not None):
+            obj["loss"] = float("nan")
         for k in [k for k, v in obj.items() if v is None and k not in ("step", "loss")]:
             del obj[k]
     obj.setdefault("run", default_run)

@@ -8,8 +8,10 @@ through the very same checks as a JSON line (``backtest.record_from_obj``).
 Columns are found by name (case-insensitive, first match wins, see ``STEP_NAMES`` and
 ``LOSS_NAMES``) or named by the caller. Cells:
 
-- an empty cell is "not reported": a row whose loss cell is empty (W&B writes one row per logged
-  step of *any* metric) is skipped and counted, with its reason, as a line is in a JSON trace;
+- an empty cell is "not reported": a row whose loss cell is empty while another metric's is not
+  (W&B writes one row per logged step of *any* metric) is skipped and counted, with its reason, as
+  a line is in a JSON trace; a row with only a step (and a clock) holds a NaN loss, as pandas
+  writes one (``trace_names.null_loss_is_nan``);
 - ``nan`` / ``inf`` losses stay non-finite (that is what the non-finite rule is for);
 - a step written as a float (``100.0``, as pandas writes an int column with gaps) is an integer.
 
@@ -23,7 +25,7 @@ import csv
 import math
 from typing import Any, Iterable, Iterator
 
-from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES, find_name, shown_names
+from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES, find_name, null_loss_is_nan, shown_names
 from sentinel.trace_names import LOSS_NAMES as _LOSS_NAMES
 
 # recognised column names (lower case, in order of preference): shared with JSON lines (``trace_names``)
@@ -89,8 +91,10 @@ class _Columns:
         if any(len(c) > MAX_FIELD for c in cells):
             raise ValueError("a cell too long for a number")
         loss_cell = cells[self.loss].strip()
-        if not loss_cell:
-            raise ValueError(f"no value in column {self.header[self.loss].strip()!r}")
+        if not loss_cell:  # pandas writes a NaN as an empty cell; W&B leaves the rows of other metrics empty
+            if not null_loss_is_nan(h for h, c in zip(self.header, cells) if c.strip()):
+                raise ValueError(f"no value in column {self.header[self.loss].strip()!r}")
+            loss_cell = "nan"
         step = _number(cells[self.step])
         if not math.isfinite(step) or step != int(step):
             raise ValueError(f"step {cells[self.step].strip()[:40]!r} is not a whole number")

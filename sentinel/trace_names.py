@@ -18,6 +18,24 @@ GRAD_NAMES = ("grad_norm", "train/grad_norm", "grad norm", "gradient_norm", "tra
 TIME_NAMES = (("wall_ms", 1e-3), ("wall time", 1.0), ("wall_time", 1.0), ("_timestamp", 1.0), ("time", 1.0), ("timestamp", 1.0))
 
 
+# What a line holds besides its metrics: the step, the loss and the clock under any of their names,
+# the run and kind of our own lines, and the bookkeeping of the exporters (W&B ``_runtime``, HF ``epoch``).
+_BOOKKEEPING = frozenset(n.lower() for n in (*STEP_NAMES, *LOSS_NAMES, *(t for t, _ in TIME_NAMES),
+                                              "run", "kind", "_runtime", "epoch", "value"))
+
+
+def null_loss_is_nan(names_with_values: Iterable[str]) -> bool:
+    """Is a step line's missing (null, empty) loss a loss that was not a number?
+
+    ``names_with_values``: the names of the line's other fields that hold a value. Strict JSON has
+    no NaN, so pandas ``to_json`` and JavaScript write a NaN loss as null, and pandas ``to_csv`` as
+    an empty cell. A line with a step (and a clock) and nothing else was written for that loss: a
+    run whose loss went NaN would otherwise read as a run without losses, and its divergence would
+    go unjudged. A line that holds some other metric (a W&B history row of a val-loss step) only
+    did not report the training loss: it is skipped, as before."""
+    return all(n.strip().lower() in _BOOKKEEPING for n in names_with_values)
+
+
 class TraceKeyError(ValueError):
     """A named key is not in a line (one line, for the CLI)."""
 

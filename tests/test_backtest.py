@@ -165,7 +165,7 @@ HOSTILE_LINES = [
     '{"step": "x", "loss": 3.0}',  # a step that is not a number (it once reached float() unguarded)
     '{"step": [1], "loss": 3.0}',
     '{"step": 1e999, "loss": 3.0}',
-    '{"step": 7, "loss": null}',
+    '{"step": 7, "loss": null, "val_loss": 3.1}',  # a null loss on a line of other metrics: no training step
     '{"step": 7}',
     '["step", 7]',
     'garbage',
@@ -183,6 +183,7 @@ HOSTILE_LINES = [
 ODD_LINES = [
     '{"step": 7, "loss": "3.0"}',
     '{"step": 7, "loss": 3.0, "wall_ms": "soon"}',
+    '{"step": 7, "loss": null}',  # a strict JSON writer's NaN (see test_a_null_loss_on_a_line_of_nothing_else_is_a_nan)
 ]
 
 
@@ -210,11 +211,11 @@ def test_hostile_lines_are_rejected_counted_and_the_curve_still_judged(tmp_path)
 
 def test_null_fields_of_an_exported_table_mean_not_reported(tmp_path):
     """pandas and W&B exports write a missing grad norm, val loss or clock as null: such a line is
-    a step without that field, not a malformed line; a null loss is no training step and is
-    skipped and counted."""
+    a step without that field, not a malformed line; a null loss on a line of another metric (a
+    val-loss row) is no training step and is skipped and counted."""
     rows = [{"step": i + 1, "loss": 3.0 + 0.01 * (i % 5), "wall_ms": None, "grad_norm": None,
              "val_loss": 3.1 if i % 50 == 0 else None, "lr": None, "run": None} for i in range(300)]
-    rows[120]["loss"] = None
+    rows[120].update(loss=None, val_loss=3.2)
     trace = tmp_path / "export.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = CliRunner().invoke(backtest_cmd, [str(trace), "--json"])
@@ -224,6 +225,41 @@ def test_null_fields_of_an_exported_table_mean_not_reported(tmp_path):
     assert "export.jsonl:121" in r.stderr and "loss" in r.stderr
     recs = load_trace(trace, rejected=[])
     assert recs[50].val_loss == 3.1 and recs[51].val_loss is None and recs[0].grad_norm == 0.0
+
+
+def test_a_null_loss_on_a_line_of_nothing_else_is_a_nan(tmp_path):
+    """Strict JSON has no NaN: pandas ``to_json`` and JavaScript write a NaN loss as null, pandas
+    ``to_csv`` as an empty cell. A run whose loss went NaN and was written so must be judged as
+    one (a rollback to before it), not read as a run without losses; one null that the run
+    recovered from is a recovered episode (no action), as a NaN is; a null loss on a row of
+    another metric stays a skipped row (W&B writes one row per logged step of any metric)."""
+    losses = [3.0 + 2.0 * (i + 1) ** -0.5 + 0.03 * ((i * 7919) % 13 - 6) / 6 for i in range(700)]
+
+    def judged(rows: list[dict], fmt: str) -> dict:
+        p = tmp_path / f"t.{fmt}"
+        if fmt == "jsonl":
+            p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:  # as pandas to_csv writes it: NaN (None here) as an empty cell
+            p.write_text("step,loss,wall_ms\n" + "".join(
+                f"{r['step']},{'' if r['loss'] is None else r['loss']},{r['wall_ms']}\n" for r in rows))
+        r = CliRunner().invoke(backtest_cmd, [str(p), "--json"])
+        assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+        return json.loads(r.stdout)
+
+    def rows(nulls) -> list[dict]:
+        return [{"step": i + 1, "loss": None if i + 1 in nulls else round(x, 4), "wall_ms": 1000 * i}
+                for i, x in enumerate(losses)]
+
+    for fmt in ("jsonl", "csv"):
+        went = judged(rows(range(400, 701)), fmt)  # NaN from step 400 on
+        assert went["rejected_lines"] == 0 and went["records"] >= 400, (fmt, went)
+        assert any(a["kind"] == "rollback" and 400 <= a["step"] <= 410 and a["to_step"] < 400 for a in went["actions"]), (fmt, went["actions"])
+        once = judged(rows({400}), fmt)
+        assert once["actions"] == [] and once["records"] == 700 and 400 in once["flagged"], (fmt, once)
+    other = [{"step": i + 1, "loss": round(x, 4), "val_loss": None} for i, x in enumerate(losses)]
+    other[399].update(loss=None, val_loss=3.3)
+    out = judged(other, "jsonl")
+    assert out["rejected_lines"] == 1 and out["records"] == 699 and out["actions"] == []
 
 
 def _curve_trace(tmp_path: Path, losses: list[float]) -> Path:
@@ -491,8 +527,7 @@ HOSTILE_ROWS = [
     "16,\x00",
     '17,"3.0',  # an unterminated quote
     "18," + "9" * 100_000,  # a huge cell
-    "19,",  # no loss value
-]
+]  # ("19," is a NaN loss as pandas writes one: test_a_null_loss_on_a_line_of_nothing_else_is_a_nan)
 
 
 def test_hostile_csv_rows_are_rejected_counted_and_the_curve_still_judged(tmp_path):
