@@ -58,6 +58,8 @@ from sentinel.protocol import (CheckpointInfo, MarkerRecord, SchemaError, StepRe
 from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
+from sentinel.trace_json import MAX_BYTES as JSON_MAX_BYTES
+from sentinel.trace_json import json_document, table_rows
 from sentinel.trace_names import TraceKeyError, canonical_step_keys, null_loss_is_nan
 from sentinel.trace_tb import TbError, event_subdirs, is_dir, is_event_path, tb_rows
 from sentinel.trace_text import looks_like_text_log, text_rows
@@ -162,7 +164,7 @@ def _time_of(obj: dict[str, Any]) -> float:
     return 0.0
 
 
-TRACE_FORMATS = ("auto", "jsonl", "csv", "hf", "text", "tb")
+TRACE_FORMATS = ("auto", "jsonl", "json", "csv", "hf", "text", "tb")
 
 
 def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
@@ -172,7 +174,9 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     and line (or entry), in one line.
 
     ``fmt`` "auto": a ``.csv``/``.tsv`` file is CSV; a ``.json`` file that is one JSON object with a
-    ``log_history`` list is a trainer state; ``.jsonl``/``.json``/``.ndjson`` otherwise JSON lines;
+    ``log_history`` list is a trainer state; a file that is one JSON list, or a ``.json`` file that
+    is one table as pandas writes one, is a history document (``trace_json``);
+    ``.jsonl``/``.json``/``.ndjson`` otherwise JSON lines;
     any other name is JSON lines when its first line is a JSON object, CSV when it is a header with
     commas or tabs (and no step line), else a trainer's text log (``trace_text``). A gzip, bzip2 or
     xz file (by its first bytes) is read decompressed and named without its ``.gz``/``.bz2``/``.xz``.
@@ -202,6 +206,8 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
         if fmt == "hf":
             src.update(step="step", loss="loss")
             entries: Iterator[tuple[str, Any]] = hf_entries(history or [], str(path))
+        elif fmt == "json":
+            entries = _canonical_rows(history or iter(()), step_column, loss_column, src)
         elif fmt == "csv":
             entries = ((f"{path}:{n}", e) for n, e in csv_rows(_capped_lines(fh), str(path), step_column=step_column,
                                                                loss_column=loss_column, source=src))
@@ -241,6 +247,19 @@ def _read_entries(entries: Iterable[tuple[str, Any]], out: list, *, run: str, re
             if rejected is None:
                 raise
             rejected.append(str(e))
+
+
+def _canonical_rows(rows: Iterable[tuple[str, Any]], step_key: str | None, loss_key: str | None,
+                    used: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A history document's rows with their step and loss found under any of their names (as a
+    JSON line's are: ``canonical_step_keys``); a row naming no such key becomes its reason."""
+    for where, row in rows:
+        if isinstance(row, dict) and row.get("kind", "step") == "step":
+            try:
+                row = canonical_step_keys(row, step_key, loss_key, used)
+            except TraceKeyError as e:
+                row = f"{where}: {e}"
+        yield where, row
 
 
 def _load_events(p: Path, rejected: list[str] | None, loss_tag: str | None, source: dict[str, Any]) -> list[StepRecord | TimelineRecord]:
@@ -288,10 +307,10 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-def _trace_format(p: Path, fh, fmt: str) -> tuple[str, list[Any] | None]:
-    """The format to read ``fh`` as ("jsonl", "csv", "hf" or "text"), and a trainer state's log history;
-    ``fh`` is left at its start."""
-    history = None
+def _trace_format(p: Path, fh, fmt: str) -> tuple[str, Any]:
+    """The format to read ``fh`` as ("jsonl", "json", "csv", "hf" or "text"), and a trainer state's
+    log history or a history document's rows; ``fh`` is left at its start."""
+    history: Any = None
     suffix = p.suffix.lower()
     if fmt == "hf" or (fmt == "auto" and suffix == ".json" and b'"log_history"' in fh.read(65536)):
         fh.seek(0)  # the key comes within the first lines of a trainer state: only then is the whole file read
@@ -300,6 +319,16 @@ def _trace_format(p: Path, fh, fmt: str) -> tuple[str, list[Any] | None]:
             raise SchemaError(f"{p}: not a trainer_state.json (one JSON object with a log_history list)")
         if history is not None:
             fmt = "hf"
+    fh.seek(0)
+    if fmt == "json" or (fmt == "auto" and history is None and _may_be_document(p, fh)):
+        fh.seek(0)  # one JSON list, or a .json file that is one object: only then is the whole file read
+        doc = json_document(fh.read(JSON_MAX_BYTES + 1))
+        rows = table_rows(doc, str(p)) if doc is not None else None
+        if rows is None and fmt == "json":
+            raise SchemaError(f"{p}: not a history document (one JSON list of step objects, or a table as "
+                              f"pandas to_json writes one, with a step and a loss column)")
+        if rows is not None:
+            fmt, history = "json", rows
     fh.seek(0)
     if fmt == "auto":
         if suffix in (".csv", ".tsv"):
@@ -355,6 +384,14 @@ def _json_entries(fh, path: str) -> Iterator[tuple[str, bytes | str]]:
         line = raw.strip()
         if line:
             yield f"{path}:{n}", line
+
+
+def _may_be_document(p: Path, fh) -> bool:
+    """Could ``fh`` be one JSON document of a run's history: its first byte opens a list (whatever
+    its name), or one object in a ``.json`` file (JSON lines named .json are read as such when the
+    whole is no single document)? ``fh`` is read from where it stands."""
+    first = _first_line(fh).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+    return first == b"[" or (first == b"{" and p.suffix.lower() == ".json")
 
 
 def _first_line(fh) -> bytes:

@@ -262,6 +262,54 @@ def test_a_null_loss_on_a_line_of_nothing_else_is_a_nan(tmp_path):
     assert out["rejected_lines"] == 1 and out["records"] == 699 and out["actions"] == []
 
 
+def test_a_history_in_one_json_document_gets_the_decisions_of_the_same_json_lines(tmp_path):
+    """``json.dump(rows, f)`` writes one list; pandas ``to_json`` one table in an orient (columns,
+    its default, records, index, split, table), with a NaN as null; a dict of lists is a table by
+    columns, under another tool's names. Each gets the flags and the rollback the JSON-lines trace
+    of the same steps gets; a row that is no object is skipped and counted; ``--format json`` on
+    anything else is one line, rc 2; JSON lines named .json, or one step object, stay JSON lines."""
+    jsonl = loss_only_trace(tmp_path, spikes=(250,), shift_from=400)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    want = _decisions(json.loads(CliRunner().invoke(backtest_cmd, [str(jsonl), "--json"]).stdout))
+    assert any(a[0] == "rollback" and a[2] <= 400 for a in want[1]) and 250 in want[0]
+    idx = [str(i) for i in range(len(rows))]
+    cols = ("step", "loss", "wall_ms")
+    docs = {
+        "records.json": rows,
+        "records-indented.jsonl": rows,  # a list: a document whatever its name
+        "columns.json": {c: dict(zip(idx, (r[c] for r in rows))) for c in cols},
+        "index.json": dict(zip(idx, rows)),
+        "split.json": {"columns": list(cols), "index": list(range(len(rows))), "data": [[r[c] for c in cols] for r in rows]},
+        "table.json": {"schema": {"fields": [{"name": c} for c in cols]}, "data": rows},
+        "lists.json": {"_step": [r["step"] for r in rows], "train/loss": [r["loss"] for r in rows]},
+    }
+    for name, doc in docs.items():
+        p = tmp_path / name
+        p.write_text(json.dumps(doc, indent=1 if "indented" in name else None))
+        r = CliRunner().invoke(backtest_cmd, [str(p), "--json"])
+        assert r.exit_code == 0 and "Traceback" not in r.output, (name, r.output[-2000:])
+        got = json.loads(r.stdout)
+        assert _decisions(got) == want and got["rejected_lines"] == 0, name
+        assert got["source"]["format"] == "json" and got["source"]["loss"] == ("train/loss" if name == "lists.json" else "loss")
+    went = [dict(r, loss=None) if r["step"] >= 400 else r for r in rows]  # a NaN from step 400 on, as pandas writes it
+    (tmp_path / "nan.json").write_text(json.dumps(went))
+    got = json.loads(CliRunner().invoke(backtest_cmd, [str(tmp_path / "nan.json"), "--json"]).stdout)
+    assert any(a["kind"] == "rollback" and 400 <= a["step"] <= 410 and a["to_step"] < 400 for a in got["actions"]), got["actions"]
+    (tmp_path / "odd.json").write_text(json.dumps(rows[:300] + [7, "x", None, [1]] + rows[300:]))
+    got = json.loads(CliRunner().invoke(backtest_cmd, [str(tmp_path / "odd.json"), "--json"]).stdout)
+    assert got["rejected_lines"] == 4 and _decisions(got) == want
+    (tmp_path / "lines.json").write_text(jsonl.read_text())
+    (tmp_path / "one.json").write_text(json.dumps(rows[0]))
+    for name, n in (("lines.json", want[2]), ("one.json", 1)):
+        got = json.loads(CliRunner().invoke(backtest_cmd, [str(tmp_path / name), "--json"]).stdout)
+        assert got["source"]["format"] == "jsonl" and got["records"] == n, name
+    (tmp_path / "deep.json").write_text("[" * 50_000)
+    assert "no step records" in _one_line_error(CliRunner().invoke(backtest_cmd, [str(tmp_path / "deep.json")]))
+    for bad in ("lines.json", "one.json", "deep.json"):
+        msg = _one_line_error(CliRunner().invoke(backtest_cmd, ["--format", "json", str(tmp_path / bad)]))
+        assert "not a history document" in msg, bad
+
+
 def _curve_trace(tmp_path: Path, losses: list[float]) -> Path:
     p = tmp_path / "curve.jsonl"
     p.write_text("".join(json.dumps({"step": i + 1, "loss": round(x, 4), "wall_ms": 31559 + 150 * i}) + "\n" for i, x in enumerate(losses)))

@@ -28,9 +28,12 @@ COMPRESSED = (".gz", ".bz2", ".xz")
 @click.option("--initial-checkpoint/--no-initial-checkpoint", default=True, show_default=True,
               help="Also assume the initial state (step 0) was saved, as the trainer does on a fresh start "
                    "(only for a trace that begins within the first N steps).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "csv", "hf", "text", "tb"]), default="auto", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "json", "csv", "hf", "text", "tb"]), default="auto",
+              show_default=True,
               help="auto: .csv/.tsv files are CSV; a .json file with a log_history list is a Hugging Face "
-                   "trainer_state.json (hf); .jsonl/.json/.ndjson otherwise JSON lines; any other name (train.log, "
+                   "trainer_state.json (hf); a file that is one JSON list of step objects, or a .json file that is one "
+                   "table as pandas to_json writes it (any orient), is a history document (json); "
+                   ".jsonl/.json/.ndjson otherwise JSON lines; any other name (train.log, "
                    "slurm-123.out) is JSON lines when its first line is a JSON object, CSV when it is a comma- or "
                    "tab-separated header, else a trainer's text log (text: modded-nanogpt, nanoGPT, Megatron-LM, "
                    "key=value lines); a TensorBoard event file (events.out.tfevents.*), or a directory of them, is tb.")
