@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from sentinel.trace_names import LOSS_NAMES, STEP_NAMES, find_name
 
-MAX_BYTES = 1 << 30  # a history beyond 1 GiB is not held in memory as one document
+MAX_BYTES = 256 << 20  # a history beyond 256 MiB (millions of steps) is not held in memory as one document
 
 
 def json_document(data: bytes) -> Any | None:
@@ -45,8 +45,8 @@ def table_rows(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any] | str]
     if not isinstance(doc, dict) or not doc:
         return None
     data = doc.get("data")
-    if isinstance(data, list) and isinstance(doc.get("columns"), list):  # orient "split"
-        cols = doc["columns"]
+    cols = doc.get("columns")
+    if isinstance(data, list) and isinstance(cols, list) and all(isinstance(c, str) for c in cols):  # orient "split"
         return ((f"{path}: data[{i}]", dict(zip(cols, row)) if isinstance(row, list) and len(row) == len(cols)
                  else f"{path}: data[{i}]: expected a list of {len(cols)} values") for i, row in enumerate(data))
     if isinstance(data, list) and isinstance(doc.get("schema"), dict):  # orient "table"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -308,6 +309,41 @@ def test_a_history_in_one_json_document_gets_the_decisions_of_the_same_json_line
     for bad in ("lines.json", "one.json", "deep.json"):
         msg = _one_line_error(CliRunner().invoke(backtest_cmd, ["--format", "json", str(tmp_path / bad)]))
         assert "not a history document" in msg, bad
+
+
+_HOSTILE_VALUES = [None, "x", [], {}, [1, 2], {"a": 1}, 1e308, -5, 2**70, 10**400, float("nan"), float("inf"), True, "", [[[[1]]]]]
+
+
+def test_hostile_history_documents_are_rejected_or_read_never_a_crash(tmp_path):
+    """Documents in every orient with values, rows, column names and indexes replaced by hostile
+    ones, some cut short: each is read (its bad rows skipped and counted, or all of them with
+    --strict stopping at the first) or refused in one line, never a traceback."""
+    rng = random.Random(7)
+    read = refused = 0
+    for t in range(150):
+        rows = [{"step": i + 1, "loss": 3.0 + 0.01 * (i % 7), "wall_ms": 1000 * i} for i in range(40)]
+        cols, idx = ["step", "loss", "wall_ms"], [str(i) for i in range(len(rows))]
+        doc = [rows, {c: dict(zip(idx, (r[c] for r in rows))) for c in cols}, dict(zip(idx, rows)),
+               {"columns": cols, "index": list(range(len(rows))), "data": [[r[c] for c in cols] for r in rows]},
+               {"schema": {}, "data": rows}, {c: [r[c] for r in rows] for c in cols}][t % 6]
+        for _ in range(rng.randint(1, 6)):
+            part = doc if isinstance(doc, list) else doc[rng.choice(list(doc))]
+            if isinstance(part, list) and part:
+                part[rng.randrange(len(part))] = copy.deepcopy(rng.choice(_HOSTILE_VALUES))
+            elif isinstance(part, dict) and part:
+                part[rng.choice(list(part))] = copy.deepcopy(rng.choice(_HOSTILE_VALUES))
+            elif isinstance(doc, dict):
+                doc[rng.choice(list(doc))] = copy.deepcopy(rng.choice(_HOSTILE_VALUES))
+        text = json.dumps(doc)
+        p = tmp_path / f"h{t}.json"
+        p.write_text(text[:rng.randrange(len(text))] if t % 5 == 4 else text)
+        for args in ([str(p), "--json"], ["--strict", str(p)]):
+            r = CliRunner().invoke(backtest_cmd, args)
+            assert r.exit_code in (0, 2) and "Traceback" not in r.output, (t, args, r.output[-500:])
+            assert r.exception is None or isinstance(r.exception, SystemExit), (t, args, r.exception)
+            read += r.exit_code == 0
+            refused += r.exit_code == 2
+    assert read > 50 and refused > 20, (read, refused)
 
 
 def _curve_trace(tmp_path: Path, losses: list[float]) -> Path:
