@@ -21,7 +21,7 @@ TIME_NAMES = (("wall_ms", 1e-3), ("wall time", 1.0), ("wall_time", 1.0), ("_time
 # What a line holds besides its metrics: the step, the loss and the clock under any of their names,
 # the run and kind of our own lines, and the bookkeeping of the exporters (W&B ``_runtime``, HF ``epoch``).
 _BOOKKEEPING = frozenset(n.lower() for n in (*STEP_NAMES, *LOSS_NAMES, *(t for t, _ in TIME_NAMES),
-                                              "run", "kind", "_runtime", "epoch", "value"))
+                                              "run", "kind", "_runtime", "epoch", "value", "index"))
 
 
 def null_loss_is_nan(names_with_values: Iterable[str]) -> bool:
@@ -33,7 +33,12 @@ def null_loss_is_nan(names_with_values: Iterable[str]) -> bool:
     run whose loss went NaN would otherwise read as a run without losses, and its divergence would
     go unjudged. A line that holds some other metric (a W&B history row of a val-loss step) only
     did not report the training loss: it is skipped, as before."""
-    return all(n.strip().lower() in _BOOKKEEPING for n in names_with_values)
+    return all(_bookkeeping(n.strip().lower()) for n in names_with_values)
+
+
+def _bookkeeping(name: str) -> bool:
+    # pandas' index column: unnamed ("", or "Unnamed: 0" read back and written again) or "index"
+    return name in _BOOKKEEPING or not name or name.startswith("unnamed:")
 
 
 class TraceKeyError(ValueError):

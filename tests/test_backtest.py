@@ -240,9 +240,12 @@ def test_a_null_loss_on_a_line_of_nothing_else_is_a_nan(tmp_path):
         p = tmp_path / f"t.{fmt}"
         if fmt == "jsonl":
             p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        else:  # as pandas to_csv writes it: NaN (None here) as an empty cell
-            p.write_text("step,loss,wall_ms\n" + "".join(
-                f"{r['step']},{'' if r['loss'] is None else r['loss']},{r['wall_ms']}\n" for r in rows))
+        else:  # as pandas to_csv writes it: NaN (None here) as an empty cell, with its index column or not
+            index = fmt == "csv-index"
+            p = tmp_path / "t.csv"
+            p.write_text((",step,loss,wall_ms\n" if index else "step,loss,wall_ms\n") + "".join(
+                f"{f'{i},' if index else ''}{r['step']},{'' if r['loss'] is None else r['loss']},{r['wall_ms']}\n"
+                for i, r in enumerate(rows)))
         r = CliRunner().invoke(backtest_cmd, [str(p), "--json"])
         assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
         return json.loads(r.stdout)
@@ -251,7 +254,7 @@ def test_a_null_loss_on_a_line_of_nothing_else_is_a_nan(tmp_path):
         return [{"step": i + 1, "loss": None if i + 1 in nulls else round(x, 4), "wall_ms": 1000 * i}
                 for i, x in enumerate(losses)]
 
-    for fmt in ("jsonl", "csv"):
+    for fmt in ("jsonl", "csv", "csv-index"):
         went = judged(rows(range(400, 701)), fmt)  # NaN from step 400 on
         assert went["rejected_lines"] == 0 and went["records"] >= 400, (fmt, went)
         assert any(a["kind"] == "rollback" and 400 <= a["step"] <= 410 and a["to_step"] < 400 for a in went["actions"]), (fmt, went["actions"])
