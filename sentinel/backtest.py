@@ -60,7 +60,7 @@ from sentinel.trace_csv import CsvHeaderError, csv_rows, looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, hf_entries, trainer_state_history
 from sentinel.trace_json import MAX_BYTES as JSON_MAX_BYTES
 from sentinel.trace_json import json_document, table_rows
-from sentinel.trace_names import TraceKeyError, canonical_step_keys, null_loss_is_nan
+from sentinel.trace_names import LOSS_NAMES, STEP_NAMES, TraceKeyError, canonical_step_keys, null_loss_is_nan
 from sentinel.trace_tb import TbError, event_subdirs, is_dir, is_event_path, tb_rows
 from sentinel.trace_text import looks_like_text_log, text_rows
 
@@ -384,6 +384,23 @@ def _json_entries(fh, path: str) -> Iterator[tuple[str, bytes | str]]:
         line = raw.strip()
         if line:
             yield f"{path}:{n}", line
+
+
+def json_file_is_trace(path: str | Path) -> bool:
+    """Does a ``.json`` file (a directory's member, compressed or not) hold a run's steps: a step
+    or trainer-state key (``log_history``) and a loss key, by name, within its first MiB? A
+    directory of curves keeps its index (``INDEX.json``: files and step counts, no loss) and configs
+    beside them; those are no traces and must not be judged as failed ones."""
+    try:
+        with ExitStack() as opened:
+            fh, _ = _open_trace(Path(path), opened)
+            head = fh.read(1 << 20).lower()
+    except (SchemaError, *_STREAM_ERRORS):
+        return False
+    if b'"log_history"' in head:
+        return True
+    return (any(b'"%s"' % n.encode() in head for n in STEP_NAMES)
+            and any(b'"%s"' % n.encode() in head for n in LOSS_NAMES))
 
 
 def _may_be_document(p: Path, fh) -> bool:

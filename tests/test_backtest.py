@@ -965,3 +965,26 @@ def test_a_directory_is_judged_as_the_traces_in_it(tmp_path):
     (tmp_path / "empty").mkdir()
     msg = _one_line_error(CliRunner().invoke(backtest_cmd, [str(tmp_path / "empty")]))
     assert "a directory" in msg
+
+
+def test_a_directory_judges_its_json_files_that_hold_steps_and_passes_over_the_others(tmp_path):
+    """Curves named .json (JSON lines, one list of step objects, gzip'd or not) are a directory's
+    traces; its index (a list of files with their step counts, as ``../shared/curves`` keeps one),
+    a config and a trainer state without a loss are not, and cost no failed row."""
+    import gzip
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    lines = loss_only_trace(tmp_path, spikes=(), shift_from=400).read_text()
+    rows = [json.loads(line) for line in lines.splitlines()]
+    (runs / "a-lines.json").write_text(lines)
+    (runs / "b-list.json").write_text(json.dumps(rows, indent=1))
+    (runs / "c-list.json.gz").write_bytes(gzip.compress(json.dumps(rows).encode()))
+    (runs / "INDEX.json").write_text(json.dumps([{"file": "a-lines.json", "source": "x", "steps": 600}], indent=1))
+    (runs / "config.json").write_text(json.dumps({"lr": 3e-4, "step_count": 5}))
+    (runs / "meta.json").write_text("not JSON at all")
+    r = CliRunner().invoke(backtest_cmd, [str(runs), "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-2000:]
+    out = json.loads(r.stdout)
+    assert [Path(t["trace"]).name for t in out["traces"]] == ["a-lines.json", "b-list.json", "c-list.json.gz"]
+    assert out["failed"] == 0 and out["totals"]["traces_with_rollback"] == 3

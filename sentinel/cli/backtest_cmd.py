@@ -51,8 +51,8 @@ COMPRESSED = (".gz", ".bz2", ".xz")
 def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: int, initial_checkpoint: bool, fmt: str,
              step_column: str | None, loss_column: str | None, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
     """Run the rules offline over TRACE: a steps.jsonl, JSON lines with just step and loss, a
-    CSV export of a run's history (W&B, TensorBoard, pandas), a Hugging Face trainer_state.json,
-    the trainer's own text log (step:100 train_loss:3.21, iter 100: loss 3.21, Megatron's
+    CSV export of a run's history (W&B, TensorBoard, pandas), a history in one JSON document (a
+    list of step objects, a pandas table), a Hugging Face trainer_state.json, the trainer's own text log (step:100 train_loss:3.21, iter 100: loss 3.21, Megatron's
     iteration lines), or TensorBoard event files (a file, or the directory that holds them).
 
     Prints the flagged steps and the actions the policy would have taken. A malformed line (or a
@@ -65,7 +65,7 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     judged is reported in its row and the others still run; the exit status is then 2.
 
     A directory that is not itself a TensorBoard run stands for the traces in it: its files named
-    *.jsonl, *.ndjson, *.csv, *.tsv, *.log, *.out, *.txt or *trainer_state.json (also gzip, bzip2
+    *.jsonl, *.ndjson, *.csv, *.tsv, *.log, *.out, *.txt, and *.json that hold steps (also gzip, bzip2
     or xz compressed), then each TensorBoard run below it, judged as several TRACEs.
     """
     from sentinel.rules import RulesError, default_rules
@@ -95,11 +95,12 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
 
 def _expand(traces: tuple[str, ...]) -> list[str]:
     """Each TRACE, with a directory (not a TensorBoard run itself) replaced by the traces in it, in
-    name order: its log files (``TRACE_SUFFIXES``, ``*trainer_state.json``, compressed or not; not
-    hidden ones, nor its README or an index), then the TensorBoard runs below it. A directory with
+    name order: its log files (``TRACE_SUFFIXES``, and ``*.json`` files that hold steps, compressed or
+    not; not hidden ones, nor its README or an index), then the TensorBoard runs below it. A directory with
     none is kept as it is, and reading it gives its one-line error."""
     from pathlib import Path
 
+    from sentinel.backtest import json_file_is_trace
     from sentinel.trace_tb import event_subdirs, is_dir, is_event_path
 
     out: list[str] = []
@@ -109,7 +110,8 @@ def _expand(traces: tuple[str, ...]) -> list[str]:
             out.append(t)
             continue
         try:
-            files = [str(f) for f in sorted(d.iterdir()) if f.is_file() and _is_trace_name(f.name)]
+            files = [str(f) for f in sorted(d.iterdir()) if f.is_file() and _is_trace_name(f.name)
+                     and (not _is_json_name(f.name) or json_file_is_trace(f))]
         except OSError:  # unreadable: load_trace says so in one line
             files = []
         members = files + [str(r) for r in event_subdirs(d)]
@@ -120,12 +122,20 @@ def _expand(traces: tuple[str, ...]) -> list[str]:
 def _is_trace_name(name: str) -> bool:
     if name.startswith("."):
         return False
-    low = name.lower()
+    low = _uncompressed(name.lower())
+    return low.endswith(TRACE_SUFFIXES) or low.endswith(".json")
+
+
+def _is_json_name(name: str) -> bool:
+    """A ``.json`` member is judged only when it holds steps (``json_file_is_trace``)."""
+    return _uncompressed(name.lower()).endswith(".json")
+
+
+def _uncompressed(low: str) -> str:
     for z in COMPRESSED:
         if low.endswith(z):
-            low = low[: -len(z)]
-            break
-    return low.endswith(TRACE_SUFFIXES) or low.endswith("trainer_state.json")
+            return low[: -len(z)]
+    return low
 
 
 @friendly_errors
