@@ -407,8 +407,10 @@ def _may_be_document(p: Path, fh) -> bool:
     """Could ``fh`` be one JSON document of a run's history: its first byte opens a list (whatever
     its name), or one object in a ``.json`` file (JSON lines named .json are read as such when the
     whole is no single document)? ``fh`` is read from where it stands."""
-    first = _first_line(fh).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
-    return first == b"[" or (first == b"{" and p.suffix.lower() == ".json")
+    head = _first_line(fh).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head[:1] == b"[":  # a list of objects (or of lists), not a log line's "[rank0]:" or "[step=100/...]"
+        return head[1:].lstrip(b" \t\r\n")[:1] in (b"{", b"[", b"]", b"")
+    return head[:1] == b"{" and p.suffix.lower() == ".json"
 
 
 def _first_line(fh) -> bytes:
