@@ -52,12 +52,14 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
              step_column: str | None, loss_column: str | None, strict: bool, skip_bad_lines: bool, as_json: bool) -> None:
     """Run the rules offline over TRACE: a steps.jsonl, JSON lines with just step and loss, a
     CSV export of a run's history (W&B, TensorBoard, pandas), a history in one JSON document (a
-    list of step objects, a pandas table), a Hugging Face trainer_state.json, the trainer's own text log (step:100 train_loss:3.21, iter 100: loss 3.21, Megatron's
-    iteration lines), or TensorBoard event files (a file, or the directory that holds them).
+    list of step objects, a pandas table), a Hugging Face trainer_state.json, the trainer's own
+    text log (step:100 train_loss:3.21, iter 100: loss 3.21, Megatron's iteration lines), or
+    TensorBoard event files (a file, or the directory that holds them).
 
     Prints the flagged steps and the actions the policy would have taken. A malformed line (or a
-    CSV row without a loss value) is skipped and counted (a warning on stderr, rejected_lines in
-    --json); a file with no valid step line at all is an error. Steps that go back (a requeued job
+    row without a loss value that holds another metric) is skipped and counted (a warning on
+    stderr, rejected_lines in --json); a null or empty loss on a line of nothing but its step and
+    clock is a NaN, as pandas writes one; a file with no valid step line at all is an error. Steps that go back (a requeued job
     appending to its log) are read as a restart from the step before, never as a loss change.
 
     Several TRACEs (say, last month's runs against a new rules file): one row per trace, and with
@@ -95,9 +97,9 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
 
 def _expand(traces: tuple[str, ...]) -> list[str]:
     """Each TRACE, with a directory (not a TensorBoard run itself) replaced by the traces in it, in
-    name order: its log files (``TRACE_SUFFIXES``, and ``*.json`` files that hold steps, compressed or
-    not; not hidden ones, nor its README or an index), then the TensorBoard runs below it. A directory with
-    none is kept as it is, and reading it gives its one-line error."""
+    name order: its log files (``TRACE_SUFFIXES``, and ``*.json`` files that hold steps, compressed
+    or not; not hidden ones, nor its README or an index), then the TensorBoard runs below it. A
+    directory with none is kept as it is, and reading it gives its one-line error."""
     from pathlib import Path
 
     from sentinel.backtest import json_file_is_trace
