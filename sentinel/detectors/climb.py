@@ -103,58 +103,92 @@ class ClimbTrend:
         ``spike``: the spike test flagged this loss. It is held at the previous loss instead: a
         spike is its own episode, and a cluster of them at the window's end (k-weighted) would
         otherwise read as a ramp. A climb's losses are not spikes: each is within a few sigma of
-        the one before.
+        the one before."""
+        return self.feed([step], [x], (0,) if spike else (), noise)
 
-        Per step O(1): running sums of the window (plain and k-weighted) and of the baseline give
+    def feed(self, steps: list[int], xs: list[float], spikes, noise: float) -> bool:
+        """``update`` on each loss of ``xs`` (at ``steps``) in turn; the verdict is the last one's.
+        ``spikes``: the indices in ``xs`` that the spike test flagged, ascending.
+
+        The caller batches the losses between verdicts (``LossEval`` feeds every ``stride`` steps):
+        a verdict falls due only at a multiple of ``stride`` admitted losses, so only the last loss
+        of a batch may be one, and the verdicts of the others would be False anyway.
+
+        Per loss O(1): running sums of the window (plain and k-weighted) and of the baseline give
         the unclipped z; clipping only matters with outliers, so the exact clipped z (a pass over
-        ``window + baseline`` values) is computed only when the unclipped one is near the bar."""
+        ``window + baseline`` values) is computed only when the unclipped one is near the bar.
+        The sums are carried in locals through the batch (the same operations in the same order as
+        one loss at a time: the same floats)."""
         f = self._f
-        if spike and f:
-            x = f[-1][1]
-        if len(f) == self._maxlen:
-            mid_step, x_mid = f[self.baseline]  # the window's oldest moves to the baseline
-            blk = self._blk  # ... and, once it has left the window, calibrates phi (see _close_block)
-            blk.append(x_mid)
-            if len(blk) >= self.window:
-                self._close_block(mid_step)
-            old = f[0]
-            gone = None
-            if self.credit:  # the baseline's oldest moves to the fit's older part; its oldest leaves the fit
-                h = self._hist
-                gone = old if not h.maxlen else h[0] if len(h) == h.maxlen else None
-                h.append(old)
-            if not self._dirty:
-                s0 = self._s0
-                self._s1 += self.window * x - s0
-                self._s0 = s0 + (x - x_mid)
-                self._b += x_mid - old[1]  # the baseline's oldest leaves
-                if self.credit:  # the fit span's sums, updated in place (``_fit_sums`` recomputes them): this runs on every step
-                    u = 1.0 / math.sqrt(mid_step if mid_step > 1 else 1)
-                    ux = u * x_mid
-                    if gone is None:
-                        self._rn += 1.0
-                        self._ru += u
-                        self._ruu += u * u
-                        self._rx += x_mid
-                        self._rux += ux
-                        self._rxx += x_mid * x_mid
-                    else:
-                        gs, gx = gone
-                        g = 1.0 / math.sqrt(gs if gs > 1 else 1)
-                        self._ru += u - g
-                        self._ruu += u * u - g * g
-                        self._rx += x_mid - gx
-                        self._rux += ux - g * gx
-                        self._rxx += x_mid * x_mid - gx * gx
-                self._since_sync += 1
+        if spikes:  # held at the loss before (itself held if it was a spike too)
+            xs = list(xs)
+            for i in spikes:
+                if i:
+                    xs[i] = xs[i - 1]
+                elif f:
+                    xs[0] = f[-1][1]
+        maxlen, b, w = self._maxlen, self.baseline, self.window
+        credit = self.credit
+        h = self._hist
+        hmax = h.maxlen
+        blk = self._blk
+        dirty = self._dirty
+        s0, s1, sb = self._s0, self._s1, self._b
+        rn, ru, ruu, rx, rux, rxx = self._rn, self._ru, self._ruu, self._rx, self._rux, self._rxx
+        synced = 0
+        sqrt = math.sqrt
+        for step, x in zip(steps, xs):
+            if len(f) == maxlen:
+                mid_step, x_mid = f[b]  # the window's oldest moves to the baseline
+                blk.append(x_mid)  # ... and, once it has left the window, calibrates phi (see _close_block)
+                if len(blk) >= w:
+                    self._close_block(mid_step)
+                    blk = self._blk
+                old = f[0]
+                gone = None
+                if credit:  # the baseline's oldest moves to the fit's older part; its oldest leaves the fit
+                    gone = old if not hmax else h[0] if len(h) == hmax else None
+                    h.append(old)
+                if not dirty:
+                    s1 += w * x - s0
+                    s0 = s0 + (x - x_mid)
+                    sb += x_mid - old[1]  # the baseline's oldest leaves
+                    if credit:  # the fit span's sums, updated in place (``_fit_sums`` recomputes them)
+                        u = 1.0 / sqrt(mid_step if mid_step > 1 else 1)
+                        ux = u * x_mid
+                        if gone is None:
+                            rn += 1.0
+                            ru += u
+                            ruu += u * u
+                            rx += x_mid
+                            rux += ux
+                            rxx += x_mid * x_mid
+                        else:
+                            gs, gx = gone
+                            g = 1.0 / sqrt(gs if gs > 1 else 1)
+                            ru += u - g
+                            ruu += u * u - g * g
+                            rx += x_mid - gx
+                            rux += ux - g * gx
+                            rxx += x_mid * x_mid - gx * gx
+                    synced += 1
+            else:
+                dirty = True
             f.append((step, x))
-            self.n = n = self.n + 1
-        else:
-            f.append((step, x))
-            self.n = n = self.n + 1
-            self._dirty = True
-            if len(f) < self._maxlen:
-                return False
+        self.n += len(xs)
+        if not dirty:
+            self._s0, self._s1, self._b = s0, s1, sb
+            self._rn, self._ru, self._ruu, self._rx, self._rux, self._rxx = rn, ru, ruu, rx, rux, rxx
+            self._since_sync += synced
+        self._dirty = dirty
+        if len(f) < maxlen:
+            return False
+        return self._verdict(steps[-1], noise)
+
+    def _verdict(self, step: int, noise: float) -> bool:
+        """The verdict after the loss at ``step`` (the window is full). True = climbing."""
+        f = self._f
+        n = self.n
         if n % self.stride or n < self.warmup or not noise > 0:
             return False
         if self._dirty or self._since_sync >= self.RESYNC:

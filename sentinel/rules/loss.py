@@ -33,7 +33,7 @@ class LossEval(Evaluator):
                                   warmup=s.min_history + v.climb_window + v.climb_baseline,
                                   credit=v.climb_descent_credit, fit=v.climb_fit_window)
         self._det_update, self._shift_feed, self._long_feed = self.det.update, self.shift.feed, self.shift_long.feed
-        self._climb_update = self.climb.update if v.climb_sigmas > 0 else None
+        self._climb_on = v.climb_sigmas > 0
         self.climb_long: d.ClimbTrend | None = None
         if v.climb_long_window >= 4 and v.climb_long_sigmas > 0:
             self.climb_long = d.ClimbTrend(window=v.climb_long_window, baseline=v.climb_long_baseline, sigmas=v.climb_long_sigmas,
@@ -43,13 +43,15 @@ class LossEval(Evaluator):
         if v.early_jump_sigmas > 0 and v.early_jump_until > 0:
             self.early = d.DescentJump(sigmas=v.early_jump_sigmas, until=v.early_jump_until)
             self._early_last = self.early.until + self.early.post
-        # The level tests judge only every few admitted losses (their strides); in between, the
-        # losses wait here and are fed in one call per test at the next verdict step (the same
-        # verdicts, one call instead of one per step per test).
-        self._every = math.gcd(self.shift.stride, self.shift_long.stride)
+        # The level and climb tests judge only every few admitted losses (their strides); in
+        # between, the losses wait here and are fed in one call per test at the next step any of
+        # them judges (the same verdicts, one call instead of one per step per test).
+        self._batched: list[d.LevelShift | d.ClimbTrend] = [self.shift, self.shift_long]
+        self._batched += [t for t in (self.climb if self._climb_on else None, self.climb_long) if t is not None]
         self._pend_st: list[int] = []
         self._pend_x: list[float] = []
-        self._due = self._every
+        self._pend_spk: list[int] = []  # the indices in _pend_x of losses the spike test flagged (the climb tests hold them)
+        self._due = self._next_due()
         self.noise = 0.0  # robust per-step sigma of the admitted losses, refreshed every NOISE_EVERY steps
         self._noise_n = 0
         self._noise_every = self.NOISE_EVERY  # read per step: an instance attribute is the faster read in 3.11
@@ -82,14 +84,15 @@ class LossEval(Evaluator):
                 self.det.noise_floor = now if slow <= 0 else slow + self.SLOW_ALPHA * (now - slow)
                 self.det.noise_cap = self.CAP * self.noise
             self._pend_st.append(step)
-            self._pend_x.append(x)
+            px = self._pend_x
+            px.append(x)
+            if code == 2:  # SPIKE
+                self._pend_spk.append(len(px) - 1)
             self._due -= 1
             if self._due:
-                short = long_ = False
+                short = long_ = climb = slow = False
             else:
-                short, long_ = self._flush()
-            climb = self._climb_update is not None and self._climb_update(step, x, self.noise, code == 2)  # 2: SPIKE
-            slow = self.climb_long is not None and self.climb_long.update(step, x, self.noise, code == 2)
+                short, long_, climb, slow = self._flush()
             early = step <= self._early_last and self.early.update(step, x, self.noise, code == 2)
             if (short or long_) and self.div_on:
                 c, sh = self.div_cfg, (self.shift if short else self.shift_long)
@@ -142,13 +145,20 @@ class LossEval(Evaluator):
                                f"{len(kn._flagged)} of the last {kn.n} steps anomalous (loss {fmt(x)}, baseline {fmt(det.baseline)})",
                                value=x, onset_step=kn.onset(), anomaly=True))
 
-    def _flush(self) -> tuple[bool, bool]:
-        """Feed the waiting losses to the two level tests: (short level, long level)."""
-        st, xs, noise = self._pend_st, self._pend_x, self.noise
+    def _flush(self) -> tuple[bool, bool, bool, bool]:
+        """Feed the waiting losses to the level and climb tests: (short level, long level, climb,
+        long climb)."""
+        st, xs, spk, noise = self._pend_st, self._pend_x, self._pend_spk, self.noise
         short, long_ = self._shift_feed(st, xs, noise), self._long_feed(st, xs, noise)
-        self._pend_st, self._pend_x = [], []
-        self._due = self._every - self.shift.n % self._every
-        return short, long_
+        climb = self._climb_on and self.climb.feed(st, xs, spk, noise)
+        slow = self.climb_long is not None and self.climb_long.feed(st, xs, spk, noise)
+        self._pend_st, self._pend_x, self._pend_spk = [], [], []
+        self._due = self._next_due()
+        return short, long_, climb, slow
+
+    def _next_due(self) -> int:
+        """Losses until the next one at which any batched test judges (a multiple of its stride)."""
+        return min(t.stride - t.n % t.stride for t in self._batched)
 
     def _settle(self) -> None:
         """Before the tests' state is read or changed between verdict steps: feed what waits (no
@@ -173,7 +183,7 @@ class LossEval(Evaluator):
         self.nf_run = 0
 
     def reset(self) -> None:
-        self._pend_st, self._pend_x, self._due = [], [], self._every
+        self._pend_st, self._pend_x, self._pend_spk = [], [], []
         self.det.reset()
         self.kofn.clear()
         self.shift.reset()
@@ -186,6 +196,7 @@ class LossEval(Evaluator):
         self.noise, self._noise_n = 0.0, 0
         self.det.noise_floor = self.det.noise_cap = 0.0
         self.nf_run = 0
+        self._due = self._next_due()
 
     def clear_episode(self) -> None:
         """After an incident has been opened, start counting divergence afresh."""
@@ -206,7 +217,7 @@ class LossEval(Evaluator):
             self.climb_long.restart()
         if self.early is not None:
             self.early.reset()
-        self._due = self._every
+        self._due = self._next_due()
         self.nf_run = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -234,5 +245,5 @@ class LossEval(Evaluator):
         self.det.noise_floor = float(st.get("noise_floor", 0.0))
         self.det.noise_cap = self.CAP * self.noise
         self.nf_run = int(st["nf_run"])
-        self._pend_st, self._pend_x = [], []
-        self._due = self._every - self.shift.n % self._every
+        self._pend_st, self._pend_x, self._pend_spk = [], [], []
+        self._due = self._next_due()

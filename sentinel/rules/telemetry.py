@@ -130,33 +130,51 @@ class BandEval(Evaluator):
         self.hold = d.Persistence(cfg.min_steps, cfg.duration_seconds)
         self.floor: float | None = cfg.min_value
         self.relative = cfg.min_value is None
-        self._n = 0
         self._refresh = self.REFRESH  # an instance attribute: Python 3.11 reads a class one through self slower
+        # the count n of healthy values as a countdown (no ``n % REFRESH`` per step): ``_due`` more
+        # values until n reaches the multiple of REFRESH ``_due_n``, so n = _due_n - _due
+        self._due = self._due_n = self.REFRESH
 
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         x = r[self.field]
+        floor = self.floor
+        if x is not None and floor is not None and x >= floor:
+            # in the band (a NaN never is): the common case, first, so it skips the NaN test
+            if self.relative:
+                due = self._due - 1
+                if due:
+                    self._due = due
+                else:  # n reaches a multiple of REFRESH: x enters the reference window
+                    self._count_and_push(r["step"], x)  # (it redoes the decrement not stored here)
+            if self.hold.count:
+                self.hold.reset()
+            return
         if x is None or x != x:
             return
-        floor = self.floor
         if self.relative:
-            if floor is None or x >= floor:
-                self._n += 1
-                if floor is None or self._n % self._refresh == 0:
-                    win = self.win
-                    win.push(r["step"], x)  # only healthy values set the band
-                    self.floor = self.cfg.min_fraction * win.median() if len(win) >= self.cfg.min_history else None
+            if floor is None:  # no floor yet: every healthy value is counted and enters the window
+                self._count_and_push(r["step"], x)
                 if self.hold.count:
                     self.hold.reset()
                 return
-        elif x >= floor:
-            if self.hold.count:
-                self.hold.reset()
+        elif x >= floor:  # never true here; kept for a None floor (a relative rule's state loaded), which raises as before
             return
         step = r["step"]
         if self.hold.update(step, r["time"], True):
             out.append(self.finding(step, f"{self.field} {fmt(x)}{self.unit} below {fmt(floor)} for "
                                     f"{self.hold.count} steps since step {self.hold.since_step}",
                                     value=x, onset_step=self.hold.since_step))
+
+    def _count_and_push(self, step: int, x: float) -> None:
+        """Count a healthy value (n += 1), push it (only healthy values set the band) and refresh the floor."""
+        due = self._due - 1
+        if not due:
+            due = self._refresh
+            self._due_n += due
+        self._due = due
+        win = self.win
+        win.push(step, x)
+        self.floor = self.cfg.min_fraction * win.median() if len(win) >= self.cfg.min_history else None
 
     def rewind(self, keep_through_step: int) -> None:
         self.win.rewind(keep_through_step)
@@ -165,12 +183,14 @@ class BandEval(Evaluator):
         self.floor = c.min_value if c.min_value is not None or len(self.win) < c.min_history else c.min_fraction * self.win.median()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"win": self.win.state_dict(), "hold": self.hold.state_dict(), "floor": self.floor, "n": self._n}
+        return {"win": self.win.state_dict(), "hold": self.hold.state_dict(), "floor": self.floor, "n": self._due_n - self._due}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.win.load_state_dict(st["win"])
         self.hold.load_state_dict(st["hold"])
-        self.floor, self._n = st["floor"], int(st["n"])
+        self.floor, n = st["floor"], int(st["n"])
+        self._due = self._refresh - n % self._refresh  # 1..REFRESH (Python's % is >= 0 here)
+        self._due_n = n + self._due
 
 
 class CheckpointAgeEval(Evaluator):
@@ -190,33 +210,46 @@ class DataWaitEval(Evaluator):
         self.ema = d.Ema(cfg.ema_alpha)
         self.alpha, self.max_fraction, self.min_steps = cfg.ema_alpha, cfg.max_fraction, cfg.min_steps
         self.n = 0
+        self._warm = False  # True once n reached min_steps with the EMA started (only this code sets it)
 
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         ph, st = r["phases"], r["step_seconds"]
-        if not ph or not st or st <= 0:
+        # was ``not st or st <= 0``: for a float or None the same test (``not st`` is st == 0.0, which
+        # st <= 0.0 covers; a NaN passes both), and a float-to-float compare is the specialized one
+        if not ph or st is None or st <= 0.0:
             return
-        w = ph.get("data_wait")
+        try:
+            w = ph["data_wait"]  # one lookup, no method call; a missing phase is the rare case
+        except KeyError:
+            return
         if w is None:
             return
         e = self.ema
         v = e.value
-        frac = w / st if v is None else v + self.alpha * (w / st - v)
-        e.value = frac
-        if self.n < self.min_steps:  # warm-up count stops mattering (and costing) once it is reached
-            self.n += 1
-            if self.n < self.min_steps:
-                return
+        if self._warm:  # the common case: v is not None and n >= min_steps, so both tests are skipped
+            e.value = frac = v + self.alpha * (w / st - v)
+        else:
+            frac = w / st if v is None else v + self.alpha * (w / st - v)
+            e.value = frac
+            if self.n < self.min_steps:  # warm-up count stops mattering (and costing) once it is reached
+                self.n += 1
+                if self.n < self.min_steps:
+                    return
+            self._warm = True  # the EMA now has a value and n no longer changes: true until rewind/load
         if frac > self.max_fraction:
             out.append(self.finding(r["step"], f"data wait {frac:.0%} of step time (max {self.max_fraction:.0%})", value=frac))
 
     def rewind(self, keep_through_step: int) -> None:
-        self.ema.value, self.n = None, 0
+        self.ema.value, self.n, self._warm = None, 0, False
 
     def state_dict(self) -> dict[str, Any]:
         return {"ema": self.ema.value, "n": self.n}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
-        self.ema.value, self.n = st["ema"], int(st["n"])
+        self.ema.value, self.n, self._warm = st["ema"], int(st["n"]), False  # the next step re-tests both
+
+
+_BUSY_1, _BUSY_2, _BUSY_3 = BUSY_PHASES  # spelled out in _rank_busy (this fails loudly if their number changes)
 
 
 def _rank_busy(r: Fields) -> list[float] | None:
@@ -228,7 +261,9 @@ def _rank_busy(r: Fields) -> list[float] | None:
         for ph in rp:
             if "forward_backward" not in ph:
                 return None  # not measured yet on some rank (the first step)
-            out.append(sum(ph.get(p, 0.0) for p in BUSY_PHASES))
+            # = sum(ph.get(p, 0.0) for p in BUSY_PHASES) without the generator: the same additions in
+            # the same order from sum's start 0 (0.0 + x is what 0 + x gives a float, -0.0 included)
+            out.append(0.0 + ph.get(_BUSY_1, 0.0) + ph.get(_BUSY_2, 0.0) + ph.get(_BUSY_3, 0.0))
         return out
     return r["rank_step_seconds"]
 
@@ -263,9 +298,21 @@ class StragglerEval(Evaluator):
         rs = _rank_busy(r) if rp else r["rank_step_seconds"]  # the common case without a call
         if not rs:
             return
-        if not self.hold.count and max(rs) <= self.max_skew * min(rs):
-            self.rank = None  # the median is >= the minimum, so no rank can be over the skew bar
-            return
+        if not self.hold.count:
+            # max(rs) <= max_skew * min(rs): the median is >= the minimum, so no rank can be over
+            # the skew bar. With every time finite (t - t is NaN otherwise) a sorted copy's ends are
+            # the min and max, and a sort compares floats natively where min() and max() do not;
+            # with a NaN or an inf, min() and max() themselves (their NaN results depend on order)
+            t = sum(rs)
+            if t - t == 0.0:
+                s = [*rs]  # = sorted(rs), without a call's overhead (and sorted()'s keyword call to sort)
+                s.sort()
+                if s[-1] <= self.max_skew * s[0]:
+                    self.rank = None
+                    return
+            elif max(rs) <= self.max_skew * min(rs):
+                self.rank = None
+                return
         worst = d.straggler(rs)
         if worst is None:
             return
@@ -304,11 +351,14 @@ class RankLossEval(StragglerEval):
             return
         if not self.hold.count:
             t = sum(rl)
-            # min and max from one sort: a sort compares floats natively, min() and max() do not
-            srt = sorted(rl) if t - t == 0.0 else None  # t - t: NaN unless every rank loss is finite
-            if srt and srt[0] > 0 and srt[-1] - srt[0] <= self.max_dev * srt[0]:
-                self.rank = None  # every median-of-others lies in [lo, hi]: no deviation can exceed the bar
-                return
+            if t - t == 0.0:  # NaN unless every rank loss is finite
+                # min and max from one sort: a sort compares floats natively, min() and max() do not
+                s = [*rl]  # = sorted(rl), see StragglerEval
+                s.sort()
+                lo = s[0]
+                if lo > 0.0 and s[-1] - lo <= self.max_dev * lo:
+                    self.rank = None  # every median-of-others lies in [lo, hi]: no deviation can exceed the bar
+                    return
         worst = d.rank_outlier(rl)
         if worst is None:
             return
