@@ -486,6 +486,39 @@ def test_climb_trend_ignores_a_spike_cluster_at_the_window_end():
     assert fired_plain >= 2  # without the spike flags the k-weighted ramp does fire
 
 
+@pytest.mark.parametrize("credit", [0.0, 0.5])
+def test_climb_trend_fed_in_batches_judges_as_one_loss_at_a_time(credit):
+    """``LossEval`` feeds the climb tests every ``stride`` losses (``feed``); the verdicts, z, rise,
+    onset and state must be those of feeding each loss alone, spikes (held at the loss before, also
+    across a batch's first loss), a climb, a rewind and a state round trip included."""
+    rng = np.random.default_rng(7)
+    xs = _climb(_pretraining(2400, 30), 1700, 0.8, 120)
+    spikes = set(int(s) for s in rng.integers(300, 2400, 40)) | {400, 401, 404, 405}  # 404: a batch's first loss
+    one, many = d.ClimbTrend(credit=credit), d.ClimbTrend(credit=credit)
+    n_true, round_trip, st, xb, sb = 0, False, [], [], []
+    for i, x in enumerate(xs):
+        if i == 1500:  # a rollback to step 1400, then the same losses again from there
+            one.rewind(1400), many.rewind(1400)
+        v1 = one.update(i, x, 0.1, i in spikes)
+        st.append(i), xb.append(x)
+        if i in spikes:
+            sb.append(len(xb) - 1)
+        if (many.n + len(xb)) % many.stride == 0:
+            v2 = many.feed(st, xb, sb, 0.1)
+            st, xb, sb = [], [], []
+            assert v1 == v2 and one.z == many.z and one.rise == many.rise, i
+            if v1:
+                n_true += 1
+                assert one.onset() == many.onset()
+        else:
+            assert not v1, i  # a verdict falls due only at a multiple of the stride
+        if i >= 1000 and not round_trip and not xb:
+            many2 = d.ClimbTrend(credit=credit)
+            many2.load_state_dict(many.state_dict())
+            many, round_trip = many2, True
+    assert n_true > 0 and round_trip  # the climb was caught (the verdict path ran); the state went round
+    assert not xb and one.state_dict() == many.state_dict()
+
 def test_climb_trend_calibration_survives_state_dict_and_rewind():
     rng = np.random.default_rng(2)
     xs = 3.3 + rng.normal(0, 0.1, 1500)
