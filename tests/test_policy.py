@@ -105,6 +105,35 @@ def test_walk_healthy_suspect_incident_rollback_verifying_healthy():
     assert kinds.index("incident_opened") < kinds.index("incident") < kinds.index("verifying") < kinds.index("incident_closed")
 
 
+
+def test_skip_ranges_read_only_the_incident_steps_even_after_a_late_record():
+    """The skip list holds the ids of the steps from onset - margin to detection, read walking back
+    from the newest step. A record that arrived late (step 250, after step 299) stands between
+    them and the newest: the walk must not stop there and lose steps 290-299."""
+    p, _ = policy()
+    warm(p)
+    late = rec(250, noise(3)()).model_copy(update={"sample_ids": [10**6, 10**6 + 1]})  # its ids stand apart
+    assert p.on_step(late) == []
+    act = to_rollback_from(p, 300)
+    assert act.ranges == [(290 * IDS_PER_STEP, (detect_step(p) + 1) * IDS_PER_STEP)]
+    # in order, the walk stops at the onset's margin: ids of earlier steps stay out
+    q, _ = policy()
+    act = to_rollback(q)
+    assert act.ranges == [(290 * IDS_PER_STEP, (detect_step(q) + 1) * IDS_PER_STEP)]
+
+
+def to_rollback_from(p: RunPolicy, start: int, loss: float = 5.0) -> Action:
+    """From ``start`` the loss stays high (the guard skipped the first step) until a rollback."""
+    assert p.on_step(rec(start, loss, skipped=True)) == []
+    acts: list[Action] = []
+    s = start
+    while not acts:
+        s += 1
+        assert s < start + 30, "persistent damage was not rolled back"
+        acts = p.on_step(rec(s, loss))
+    assert [a.kind for a in acts] == ["rollback"]
+    return acts[0]
+
 @pytest.mark.parametrize("skipped", [True, False])
 def test_a_spike_that_recovers_is_annotated_not_rolled_back(skipped):
     """Guard or no guard: one high batch, then the loss is back in band -> recovered, suspects kept."""
