@@ -59,13 +59,18 @@ DAMAGE_AT = 300
 def to_rollback(p: RunPolicy, loss: float = 5.0) -> Action:
     """Healthy run to 299; from 300 the loss stays high (the guard skipped the first step): damage."""
     warm(p)
-    assert p.on_step(rec(DAMAGE_AT, loss, skipped=True)) == []
+    return to_rollback_from(p, DAMAGE_AT, loss)
+
+
+def to_rollback_from(p: RunPolicy, start: int, loss: float = 5.0) -> Action:
+    """From ``start`` the loss stays high (the guard skipped the first step) until a rollback."""
+    assert p.on_step(rec(start, loss, skipped=True)) == []
     assert p.state == "suspect"  # one high batch is not damage
     acts: list[Action] = []
-    s = DAMAGE_AT
+    s = start
     while not acts:
         s += 1
-        assert s < DAMAGE_AT + 30, "persistent damage was not rolled back"
+        assert s < start + 30, "persistent damage was not rolled back"
         acts = p.on_step(rec(s, loss))
     assert [a.kind for a in acts] == ["rollback"]
     return acts[0]
@@ -122,17 +127,6 @@ def test_skip_ranges_read_only_the_incident_steps_even_after_a_late_record():
     assert act.ranges == [(290 * IDS_PER_STEP, (detect_step(q) + 1) * IDS_PER_STEP)]
 
 
-def to_rollback_from(p: RunPolicy, start: int, loss: float = 5.0) -> Action:
-    """From ``start`` the loss stays high (the guard skipped the first step) until a rollback."""
-    assert p.on_step(rec(start, loss, skipped=True)) == []
-    acts: list[Action] = []
-    s = start
-    while not acts:
-        s += 1
-        assert s < start + 30, "persistent damage was not rolled back"
-        acts = p.on_step(rec(s, loss))
-    assert [a.kind for a in acts] == ["rollback"]
-    return acts[0]
 
 @pytest.mark.parametrize("skipped", [True, False])
 def test_a_spike_that_recovers_is_annotated_not_rolled_back(skipped):
