@@ -113,6 +113,9 @@ class ValEval(Evaluator):
         self.best_gap, self.run, self.evals = st["best_gap"], int(st["run"]), int(st.get("evals", 0))
 
 
+_INF = math.inf
+
+
 class BandEval(Evaluator):
     """A value below its band (absolute floor, or a fraction of its own recent median) for long enough.
 
@@ -138,8 +141,8 @@ class BandEval(Evaluator):
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         x = r[self.field]
         floor = self.floor
-        if x is not None and floor is not None and x >= floor:
-            # in the band (a NaN never is): the common case, first, so it skips the NaN test
+        if x is not None and floor is not None and floor <= x < _INF:
+            # in the band (a NaN or an infinity never is): the common case, first, so it skips the test below
             if self.relative:
                 due = self._due - 1
                 if due:
@@ -149,7 +152,7 @@ class BandEval(Evaluator):
             if self.hold.count:
                 self.hold.reset()
             return
-        if x is None or x != x:
+        if x is None or not -_INF < x < _INF:  # NaN or infinite: no measurement (+inf once counted as healthy)
             return
         if self.relative:
             if floor is None:  # no floor yet: every healthy value is counted and enters the window
@@ -214,15 +217,15 @@ class DataWaitEval(Evaluator):
 
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         ph, st = r["phases"], r["step_seconds"]
-        # was ``not st or st <= 0``: for a float or None the same test (``not st`` is st == 0.0, which
-        # st <= 0.0 covers; a NaN passes both), and a float-to-float compare is the specialized one
-        if not ph or st is None or st <= 0.0:
+        # a step time or a data wait that is NaN, infinite or out of range is no measurement: one
+        # NaN let into the average would keep it NaN, and the rule silent, for the rest of the run
+        if not ph or st is None or not 0.0 < st < _INF:
             return
         try:
             w = ph["data_wait"]  # one lookup, no method call; a missing phase is the rare case
         except KeyError:
             return
-        if w is None:
+        if w is None or not 0.0 <= w < _INF:
             return
         e = self.ema
         v = e.value
