@@ -227,12 +227,15 @@ class DataWaitEval(Evaluator):
             return
         if w is None or not 0.0 <= w < _INF:
             return
+        q = w / st
+        if q == _INF:  # a step time so small that the ratio overflows: no measurement either
+            return
         e = self.ema
         v = e.value
         if self._warm:  # the common case: v is not None and n >= min_steps, so both tests are skipped
-            e.value = frac = v + self.alpha * (w / st - v)
+            e.value = frac = v + self.alpha * (q - v)
         else:
-            frac = w / st if v is None else v + self.alpha * (w / st - v)
+            frac = q if v is None else v + self.alpha * (q - v)
             e.value = frac
             if self.n < self.min_steps:  # warm-up count stops mattering (and costing) once it is reached
                 self.n += 1
