@@ -628,7 +628,8 @@ def record_range_error(rec: _Record) -> str | None:
             if x is not None:
                 checks.append(_bad_float(name, x, nonfinite_ok=name in _NONFINITE_OK))
         for name, xs in (("rank_losses", rec.rank_losses), ("rank_step_seconds", rec.rank_step_seconds),
-                         ("phases", list((rec.phases or {}).values()))):
+                         ("phases", list((rec.phases or {}).values())),
+                         ("rank_phases", [x for ph in rec.rank_phases or () for x in ph.values()])):
             checks += [_bad_float(name, x, nonfinite_ok=name == "rank_losses") for x in xs or ()]
     elif isinstance(rec, TimelineRecord):
         checks += [_bad_int("from_step", rec.from_step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),

@@ -89,6 +89,8 @@ def test_issue_records_are_rejected_by_reason_acked_and_never_reread(embedded_bu
         "1e308 loss": (signed({**good, "loss": 1e308}), "out_of_range"),
         "negative loss": (signed({**good, "loss": -1.0}), "out_of_range"),
         "NaN time": (signed({**good, "time": float("nan")}), "out_of_range"),
+        "inf rank phase": (signed({**good, "rank_phases": [{"forward_backward": 0.4}, {"forward_backward": float("inf")}]}),
+                           "out_of_range"),
         "negative step": (signed({**good, "step": -5}), "out_of_range"),
         "another run": (signed({**good, "run": unique_run + "-x"}), "wrong_run"),
         "out of order": (signed({**good, "step": 3}), "out_of_order"),
