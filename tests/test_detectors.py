@@ -107,7 +107,9 @@ def test_spike_detector_warmup_gives_no_verdict():
     det = d.SpikeDetector(min_history=50)
     for i, x in enumerate(healthy(10)):
         det.update(i, x)
-    assert det.update(10, 100.0) == d.WARMUP
+    assert det.update(10, 3.0 * 5) == d.WARMUP  # a spike later; in warmup no verdict
+    # ... but an absurd value (over WARMUP_OUTLIER x the median so far) is refused as a spike
+    assert det.update(11, 100.0) == d.SPIKE and det.baseline < 4.0 and len(det.window) == 11
 
 
 def test_spike_does_not_contaminate_baseline():
@@ -1171,3 +1173,22 @@ def test_telemetry_rules_state_round_trips_mid_stream_on_hostile_values():
     assert got == want
     fired = {json.loads(f)["rule"] for f in want}
     assert {"throughput_low", "mfu_low", "rank_straggler", "rank_loss_outlier", "data_wait_high"} <= fired, fired
+
+
+@pytest.mark.parametrize("at", [0, 10])
+def test_one_absurd_loss_in_warmup_neither_blinds_the_spike_test_nor_the_climb_test(at):
+    """A corrupt first-steps value (a loss of 1e30: in range for the bus) used to be averaged into
+    the spike test's level, which then took ~1300 steps to come back down: the spikes in between
+    were never flagged. It also entered the climb test's running sums, whose float cancellation
+    when it left made their z garbage until the next resync. Now it is a spike (from the third
+    loss on) or resets the level (the very first loss), and the run is judged as without it."""
+    xs = _pretraining(2500, 40)
+    bad = list(xs)
+    bad[at] = 1e30
+    ref, got = RuleEngine(default_rules()), RuleEngine(default_rules())
+    want = [f for i, x in enumerate(xs) for f in ref.evaluate(rec(i, x))]
+    seen = [f for i, x in enumerate(bad) for f in got.evaluate(rec(i, x))]
+    spikes = {f.step for f in want if f.rule == "loss_spike"}
+    assert len([s for s in spikes if s < 1300]) >= 3  # spikes the blinded level used to miss
+    assert {f.step for f in seen if f.rule == "loss_spike"} - {at} == spikes
+    assert [(f.rule, f.step) for f in seen if f.rule == "divergence"] == [(f.rule, f.step) for f in want if f.rule == "divergence"]

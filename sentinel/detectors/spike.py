@@ -112,9 +112,7 @@ class SpikeDetector:
         level = ema.value
         n = len(fifo)
         if n < self.min_history:
-            w.push(step, x)
-            ema.value = x if level is None else level + self._alpha * (x - level)
-            return WARMUP
+            return self._warmup(step, x, n, level)
         ratio = x / level if level > 0 else (math.inf if x > 0 else 1.0)
         if ratio < self._gate:  # the common case: O(1), no order statistics needed
             if n >= self._size:
@@ -180,6 +178,36 @@ class SpikeDetector:
         else:
             self._note_refusal(True)
         return verdict
+
+    WARMUP_OUTLIER = 10.0  # in warmup: a value this many times the median of the ones before is refused as a spike
+
+    def _warmup(self, step: int, x: float, n: int, level: float | None) -> int:
+        """Admit ``x`` while the history is too short for a verdict, unless it is absurd.
+
+        Every value is admitted here and averaged into the level, so one corrupt value (a loss of
+        1e30 at step 10 of a log) would hold the level up for ~1300 steps (5 % a step), and every
+        later spike would be a small ratio of it: measured, 4 of 10 spikes on a real curve went
+        unflagged. So from the third value on, one over ``WARMUP_OUTLIER`` x the median of those
+        before is a SPIKE, not admitted (unless most recent values were refused: then the level
+        has moved), and a level already that far above the median (an absurd first value) is
+        reset to the median. No sane loss or grad norm curve reaches the bar in its first steps."""
+        w, ema = self.window, self.ema
+        if n >= 3:
+            med = w.median()
+            if med > 0.0 and x > self.WARMUP_OUTLIER * med and self._refused_count + 1 < self.readmit_fraction * self.readmit_window:
+                scale = MAD_TO_SIGMA * w.mad()
+                floor = self.scale_floor * med
+                self.z = (x - med) / (scale if scale > floor else floor)
+                self.ratio, self.baseline, self.scale = x / med, med, scale
+                self._note_refusal(True)
+                return SPIKE
+        w.push(step, x)
+        ema.value = v = x if level is None else level + self._alpha * (x - level)
+        if n >= 2:
+            med = w.median()
+            if med > 0.0 and v > self.WARMUP_OUTLIER * med:
+                ema.value = med
+        return WARMUP
 
     def _normal_below_floor(self, x: float, med: float) -> bool:
         """True when ``x`` is NORMAL whatever the spread: its excess over ``med`` is under the lower
