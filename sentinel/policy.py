@@ -551,8 +551,7 @@ class RunPolicy:
         self._set_state(state, inc)
         inc.closed_at = self.clock()
         if state == "recovered":  # the spike's samples stay on record as suspects (not skipped)
-            onset, last = self._ep.get("onset"), self._ep.get("last", -1)
-            ids = self._sample_ids_between(onset, last) if onset is not None else [i for s, v in self._samples if s <= last for i in v]
+            ids = self._sample_ids_between(self._ep.get("onset", 0), self._ep.get("last", -1))  # steps are >= 0
             inc.suspects = merge_ranges(ids_to_ranges(ids))
         self._event("incident_closed", "info", why, step=step, incident_id=inc.id)
         self._current, self._ep = None, {}

@@ -133,51 +133,29 @@ class BandEval(Evaluator):
         self.hold = d.Persistence(cfg.min_steps, cfg.duration_seconds)
         self.floor: float | None = cfg.min_value
         self.relative = cfg.min_value is None
+        self._n = 0
         self._refresh = self.REFRESH  # an instance attribute: Python 3.11 reads a class one through self slower
-        # the count n of healthy values as a countdown (no ``n % REFRESH`` per step): ``_due`` more
-        # values until n reaches the multiple of REFRESH ``_due_n``, so n = _due_n - _due
-        self._due = self._due_n = self.REFRESH
 
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         x = r[self.field]
+        if x is None or not -_INF < x < _INF:  # NaN or infinite: no measurement (+inf once counted as in band)
+            return
         floor = self.floor
-        if x is not None and floor is not None and floor <= x < _INF:
-            # in the band (a NaN or an infinity never is): the common case, first, so it skips the test below
+        if floor is None or x >= floor:  # in band (no floor: a relative band still warming up)
             if self.relative:
-                due = self._due - 1
-                if due:
-                    self._due = due
-                else:  # n reaches a multiple of REFRESH: x enters the reference window
-                    self._count_and_push(r["step"], x)  # (it redoes the decrement not stored here)
+                self._n += 1
+                if floor is None or self._n % self._refresh == 0:
+                    win = self.win
+                    win.push(r["step"], x)  # only healthy values set the band
+                    self.floor = self.cfg.min_fraction * win.median() if len(win) >= self.cfg.min_history else None
             if self.hold.count:
                 self.hold.reset()
-            return
-        if x is None or not -_INF < x < _INF:  # NaN or infinite: no measurement (+inf once counted as healthy)
-            return
-        if self.relative:
-            if floor is None:  # no floor yet: every healthy value is counted and enters the window
-                self._count_and_push(r["step"], x)
-                if self.hold.count:
-                    self.hold.reset()
-                return
-        elif x >= floor:  # never true here; kept for a None floor (a relative rule's state loaded), which raises as before
             return
         step = r["step"]
         if self.hold.update(step, r["time"], True):
             out.append(self.finding(step, f"{self.field} {fmt(x)}{self.unit} below {fmt(floor)} for "
                                     f"{self.hold.count} steps since step {self.hold.since_step}",
                                     value=x, onset_step=self.hold.since_step))
-
-    def _count_and_push(self, step: int, x: float) -> None:
-        """Count a healthy value (n += 1), push it (only healthy values set the band) and refresh the floor."""
-        due = self._due - 1
-        if not due:
-            due = self._refresh
-            self._due_n += due
-        self._due = due
-        win = self.win
-        win.push(step, x)
-        self.floor = self.cfg.min_fraction * win.median() if len(win) >= self.cfg.min_history else None
 
     def rewind(self, keep_through_step: int) -> None:
         self.win.rewind(keep_through_step)
@@ -186,14 +164,12 @@ class BandEval(Evaluator):
         self.floor = c.min_value if c.min_value is not None or len(self.win) < c.min_history else c.min_fraction * self.win.median()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"win": self.win.state_dict(), "hold": self.hold.state_dict(), "floor": self.floor, "n": self._due_n - self._due}
+        return {"win": self.win.state_dict(), "hold": self.hold.state_dict(), "floor": self.floor, "n": self._n}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.win.load_state_dict(st["win"])
         self.hold.load_state_dict(st["hold"])
-        self.floor, n = st["floor"], int(st["n"])
-        self._due = self._refresh - n % self._refresh  # 1..REFRESH (Python's % is >= 0 here)
-        self._due_n = n + self._due
+        self.floor, self._n = st["floor"], int(st["n"])
 
 
 class CheckpointAgeEval(Evaluator):
@@ -213,7 +189,6 @@ class DataWaitEval(Evaluator):
         self.ema = d.Ema(cfg.ema_alpha)
         self.alpha, self.max_fraction, self.min_steps = cfg.ema_alpha, cfg.max_fraction, cfg.min_steps
         self.n = 0
-        self._warm = False  # True once n reached min_steps with the EMA started (only this code sets it)
 
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         ph, st = r["phases"], r["step_seconds"]
@@ -232,27 +207,22 @@ class DataWaitEval(Evaluator):
             return
         e = self.ema
         v = e.value
-        if self._warm:  # the common case: v is not None and n >= min_steps, so both tests are skipped
-            e.value = frac = v + self.alpha * (q - v)
-        else:
-            frac = q if v is None else v + self.alpha * (q - v)
-            e.value = frac
-            if self.n < self.min_steps:  # warm-up count stops mattering (and costing) once it is reached
-                self.n += 1
-                if self.n < self.min_steps:
-                    return
-            self._warm = True  # the EMA now has a value and n no longer changes: true until rewind/load
+        e.value = frac = q if v is None else v + self.alpha * (q - v)
+        if self.n < self.min_steps:  # warm-up count stops mattering (and costing) once it is reached
+            self.n += 1
+            if self.n < self.min_steps:
+                return
         if frac > self.max_fraction:
             out.append(self.finding(r["step"], f"data wait {frac:.0%} of step time (max {self.max_fraction:.0%})", value=frac))
 
     def rewind(self, keep_through_step: int) -> None:
-        self.ema.value, self.n, self._warm = None, 0, False
+        self.ema.value, self.n = None, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"ema": self.ema.value, "n": self.n}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
-        self.ema.value, self.n, self._warm = st["ema"], int(st["n"]), False  # the next step re-tests both
+        self.ema.value, self.n = st["ema"], int(st["n"])
 
 
 _BUSY_1, _BUSY_2, _BUSY_3 = BUSY_PHASES  # spelled out in _rank_busy (this fails loudly if their number changes)
