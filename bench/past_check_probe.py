@@ -63,6 +63,9 @@ def _runs():
 
 
 def main() -> None:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]) or sys.argv[1:2] not in ([], ["drills"], ["variants"]):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     mode = sys.argv[1] if len(sys.argv) > 1 else "drills"
     if mode == "variants":
         for variant in (sys.argv[2] if len(sys.argv) > 2 else "quiet0.3,ema0.2,roll50").split(","):

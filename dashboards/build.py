@@ -42,6 +42,11 @@ def query(expr: str, legend: str, ref_id: str) -> prometheus.Dataquery:
     return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref_id).datasource(DATASOURCE)
 
 
+def increase(counter: str, by: str, legend: str, ref_id: str) -> prometheus.Dataquery:
+    """A counter's increase over the panel's rate window, summed by ``by`` (the run's series only)."""
+    return query(f"sum by ({by}) (increase({counter}{{{RUN}}}[{RATE}]))", legend, ref_id)
+
+
 def thresholds(*steps: tuple[float | None, str]) -> dash_b.ThresholdsConfig:
     return (dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE)
             .steps([dash_m.Threshold(value=v, color=c) for v, c in steps]))
@@ -263,10 +268,8 @@ def skips_panel() -> timeseries.Panel:
     return (default_timeseries().title("Skipped steps by reason").span(6)
             .description("Steps whose update was dropped. Increasingly frequent: the run is approaching its "
                          "stability boundary - do not keep gambling because it recovered.")
-            .with_target(query(f"sum by (run, reason) (increase(training_skipped_steps_total{{{RUN}}}[{RATE}]))",
-                               "{{reason}}", "A"))
-            .with_target(query(f"sum by (run) (increase(training_skipped_samples_total{{{RUN}}}[{RATE}]))",
-                               "skipped samples (skip list)", "B")))
+            .with_target(increase("training_skipped_steps_total", "run, reason", "{{reason}}", "A"))
+            .with_target(increase("training_skipped_samples_total", "run", "skipped samples (skip list)", "B")))
 
 
 def restores_panel() -> timeseries.Panel:
@@ -348,12 +351,9 @@ def telemetry_panel() -> timeseries.Panel:
     return (default_timeseries().title("Telemetry drops, directives, scrape health").span(6)
             .description("Dropped telemetry: the sentinel is partly blind. Rejected directives: bad signature, "
                          "expired or invalid. up == 0 names the rank whose endpoint is down.")
-            .with_target(query(f"sum by (run, rank) (increase(training_telemetry_dropped_total{{{RUN}}}[{RATE}]))",
-                               "dropped rank {{rank}}", "A"))
-            .with_target(query(f"sum by (run) (increase(training_directives_rejected_total{{{RUN}}}[{RATE}]))",
-                               "directives rejected", "B"))
-            .with_target(query(f"sum by (run, kind) (increase(training_directives_applied_total{{{RUN}}}[{RATE}]))",
-                               "applied {{kind}}", "C"))
+            .with_target(increase("training_telemetry_dropped_total", "run, rank", "dropped rank {{rank}}", "A"))
+            .with_target(increase("training_directives_rejected_total", "run", "directives rejected", "B"))
+            .with_target(increase("training_directives_applied_total", "run, kind", "applied {{kind}}", "C"))
             .with_target(query(f"up{{{RUN}}}", "up rank {{rank}}", "D")))
 
 
@@ -404,15 +404,13 @@ def sentinel_steps_panel() -> timeseries.Panel:
 def sentinel_rules_panel() -> timeseries.Panel:
     return (default_timeseries().title("Rules fired")
             .description("Rule firings after cooldowns, by rule.")
-            .with_target(query(f"sum by (run, rule) (increase(sentinel_rule_fired_total{{{RUN}}}[{RATE}]))",
-                               "{{rule}}", "A")))
+            .with_target(increase("sentinel_rule_fired_total", "run, rule", "{{rule}}", "A")))
 
 
 def sentinel_actions_panel() -> timeseries.Panel:
     return (default_timeseries().title("Actions by outcome")
             .description("sent / duplicate / dry_run / failed, per action kind. 'page' means a human is needed.")
-            .with_target(query(f"sum by (run, action, outcome) (increase(sentinel_actions_total{{{RUN}}}[{RATE}]))",
-                               "{{action}} {{outcome}}", "A")))
+            .with_target(increase("sentinel_actions_total", "run, action, outcome", "{{action}} {{outcome}}", "A")))
 
 
 def sentinel_incidents_panel() -> stat.Panel:
@@ -445,6 +443,18 @@ def sentinel_bus_errors_panel() -> timeseries.Panel:
             .override_by_query("B", right_axis("B", "s")))
 
 
+def sentinel_bus_input_panel() -> timeseries.Panel:
+    return (default_timeseries().title("Bus input: refused, trimmed unread, lag")
+            .description("Step-stream entries the sentinel refused, by stream and reason (forged, malformed, newer "
+                         "schema: the SentinelRecordsRejected runbook); step records the capped stream trimmed before "
+                         "the sentinel read them; records not yet read (right axis); embedded buses restarted.")
+            .with_target(increase("sentinel_records_rejected_total", "run, stream, reason", "refused {{stream}} {{reason}}", "A"))
+            .with_target(increase("sentinel_records_trimmed_unread_total", "run", "trimmed unread", "B"))
+            .with_target(increase("sentinel_bus_restarts_total", "run", "bus restarts", "C"))
+            .with_target(query(f"max by (run) (sentinel_stream_lag_records{{{RUN}}})", "lag (records)", "D"))
+            .override_by_query("D", right_axis("D", "none")))
+
+
 def sentinel_dashboard() -> dash_b.Dashboard:
     d = base_dashboard("Sentinel / Daemon health", "sentinel-daemon",
                        "Is the sentinel alive, leading, keeping up with the trainer, and what did it do?")
@@ -457,6 +467,7 @@ def sentinel_dashboard() -> dash_b.Dashboard:
         .with_panel(sentinel_actions_panel())
         .with_panel(sentinel_latency_panel())
         .with_panel(sentinel_bus_errors_panel())
+        .with_panel(sentinel_bus_input_panel())
     )
 
 

@@ -126,17 +126,18 @@ def _check_private(path: Path) -> None:
 
 
 def load_secret(run_dir: str | os.PathLike | None = None, secret_file: str | os.PathLike | None = None) -> bytes:
-    """The HMAC key for directives: env SENTINEL_SECRET > ``secret_file`` > RUN_DIR/bus/secret.
+    """The HMAC key for directives: ``secret_file`` (an explicit --secret-file) > env
+    SENTINEL_SECRET > RUN_DIR/bus/secret, the same order as the bus URL's (flag > env > run dir).
 
     The key is the *text* of the secret (stripped, UTF-8), not its hex-decoded bytes, so that
     ``SENTINEL_SECRET=$(cat RUN_DIR/bus/secret)`` and the file give the same key. A file that
     group or others can access is refused: anyone who can read it can forge rollbacks.
     """
     env = os.environ.get(ENV_SECRET)
-    if env:
-        return env.strip().encode()
     if secret_file is not None:
         path = Path(secret_file)
+    elif env:
+        return env.strip().encode()
     elif run_dir is not None:
         path = Path(run_dir) / "bus" / "secret"
     else:

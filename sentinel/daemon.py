@@ -122,6 +122,10 @@ class RunWatcher:
         self.checkpoints_seen: set[int] = set()
         self._ckpt_raw: dict[int, bytes] = {}  # the hash value last fed per step (a rollback rewrites it)
         self.gate = StepGate(run, opts.secret)
+        # counters of rare events exported at 0 from the start: increase() then sees the first one, and
+        # the dashboard shows "none" rather than "no data" (labels per stream and reason are made on use)
+        for c in (metrics.trimmed, metrics.bus_restarts, metrics.steps):
+            c.labels(run)
         self._recovered = False
         self._history_until = "0-0"  # stream head when the lease was taken: entries up to it may be history
         self._entries_read: int | None = None  # the group's entries-read at the last overload check

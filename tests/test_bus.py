@@ -65,7 +65,8 @@ def test_load_secret_precedence_and_permissions(tmp_path, monkeypatch):
     other.chmod(0o600)
     assert bus.load_secret(tmp_path, secret_file=other) == b"fromfile"
     monkeypatch.setenv(bus.ENV_SECRET, "fromenv")
-    assert bus.load_secret(tmp_path, secret_file=other) == b"fromenv"
+    assert bus.load_secret(tmp_path, secret_file=other) == b"fromfile"  # an explicit flag wins, as for the URL
+    assert bus.load_secret(tmp_path) == b"fromenv"  # ... and the env beats the run dir's file
     monkeypatch.delenv(bus.ENV_SECRET)
 
     f.chmod(0o640)

@@ -183,7 +183,8 @@ def test_training_dashboard_covers_the_operator_table():
     sexprs = " ".join(e for _, e in _queries(_load("sentinel.json")))
     for needed in ("sentinel_steps_processed_total", "sentinel_rule_fired_total", "sentinel_actions_total",
                    "sentinel_incidents_open", "sentinel_detection_latency_seconds_bucket", "sentinel_leader",
-                   "sentinel_bus_errors_total"):  # fmt: skip
+                   "sentinel_bus_errors_total", "sentinel_records_rejected_total", "sentinel_records_trimmed_unread_total",
+                   "sentinel_stream_lag_records", "sentinel_bus_restarts_total"):  # fmt: skip
         assert needed in sexprs, needed
 
 
@@ -294,6 +295,7 @@ def test_every_panel_query_returns_data(tmp_path):
         else:
             raise AssertionError("Prometheus never scraped both (paused) ranks")
         bus.publish(r, keys.directives, Directive(run=run, kind="resume", reason="test: scraped").signed(secret))
+        r.xadd(keys.steps, {"d": b"\xff not a record"})  # a malformed entry: the bus-input panel's refused series
         # Evaluate at a moment while everything is live: after the run ends its series go stale.
         at = None
         deadline = time.monotonic() + 120

@@ -44,6 +44,18 @@ def test_partial_file_inherits_defaults(tmp_path):
     assert rs.policy.max_rollbacks_per_hour == 5
 
 
+def test_a_partial_section_keeps_the_shipped_value_of_every_key_it_leaves_out():
+    """default_rules.yaml says "any key left out takes the value shown here": for every rule
+    section, a file that names only one key of it gets the shipped file's values for the others
+    (mfu_low's severity used to fall back to BandRule's own "warning", not the shipped "info")."""
+    shipped = default_rules()
+    for name, section in shipped.rules.items():
+        rs = parse_rules(f"rules:\n  {name}:\n    enabled: {str(section.enabled).lower()}\n")
+        assert getattr(rs.rules, name) == section, name
+    assert parse_rules("rules:\n  mfu_low:\n    min_fraction: 0.5\n").rules.mfu_low.severity == "info"
+    assert RuleSet() == shipped  # the classes' defaults and the shipped file agree everywhere
+
+
 def test_model_validate_directly():
     rs = RuleSet.model_validate({"rules": {"divergence": {"k": 4, "n": 8}}})
     assert (rs.rules.divergence.k, rs.rules.divergence.n) == (4, 8)

@@ -36,7 +36,7 @@ COMPRESSED = (".gz", ".bz2", ".xz")
                    ".jsonl/.json/.ndjson otherwise JSON lines; any other name (train.log, "
                    "slurm-123.out) is JSON lines when its first line is a JSON object, CSV when it is a comma- or "
                    "tab-separated header, else a trainer's text log (text: modded-nanogpt, nanoGPT, Megatron-LM, "
-                   "key=value lines); a TensorBoard event file (events.out.tfevents.*), or a directory of them, is tb.")
+                   "torchtitan, OLMo-core, key=value lines); a TensorBoard event file (events.out.tfevents.*), or a directory of them, is tb.")
 @click.option("--step-column", default=None, metavar="NAME",
               help="The step column of a CSV, or key of a JSON line (default: the first of step, _step, global_step, "
                    "iteration, iter, ...).")

@@ -39,7 +39,7 @@ def _options(fn):
     fn = click.option("--timeout", type=FiniteFloat(1, 86_000), default=DEFAULT_TIMEOUT, show_default=True,
                       help="Seconds to wait for the trainer's ack.")(fn)
     fn = click.option("--secret-file", type=click.Path(dir_okay=False),
-                      help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")(fn)
+                      help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")(fn)
     return fn
 
 

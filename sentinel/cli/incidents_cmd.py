@@ -342,7 +342,7 @@ def publish_approval(ref, inc, secret: bytes, who: str, reason: str | None):
 @click.option("--force", is_flag=True, help="Send the approval even if the incident does not look like it is waiting for one.")
 @click.option("--wait", "wait_s", type=FiniteFloat(0, 86_000), default=0.0, show_default=True,
               help="Seconds to wait for the sentinel to act on the approval (0: do not wait).")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
 @redis_url_option
 @json_option
 @friendly_errors

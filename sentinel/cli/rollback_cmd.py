@@ -249,7 +249,7 @@ def _print_plan(console, plan: dict) -> None:
 @click.option("--reason", type=OneLineText(), help="Why (goes into the directive, the incident log and the audit log).")
 @click.option("--timeout", type=FiniteFloat(1, 86_000), default=DEFAULT_TIMEOUT, show_default=True,
               help="Seconds to wait for a live trainer's ack.")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
 @redis_url_option
 @json_option
 @friendly_errors

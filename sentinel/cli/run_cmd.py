@@ -41,10 +41,11 @@ def _console_log():
 @click.argument("runs", nargs=-1, metavar="[RUN_DIR_OR_ID]...")
 @redis_url_option
 @click.option("--rules", "rules_file", type=click.Path(dir_okay=False), help="Rules YAML (default: the built-in rules).")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret for directives (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file for directives (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
 @click.option("--dry-run", is_flag=True, help="Decide and record, but send no directive.")
 @click.option("--require-approval", is_flag=True, default=None, help="Page and wait for `sentinel approve` before acting.")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address the metrics endpoint binds (0.0.0.0 for a Prometheus on another host).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve sentinel_* metrics on this port (0: a free port).")
 @click.option("--consumer", help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
 @click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")

@@ -29,7 +29,7 @@ ACTIONS = ("show", "add", "remove")
 @click.option("--reason", type=OneLineText(), default=None, help="Why (recorded in the audit log and the directive).")
 @click.option("--timeout", type=FiniteFloat(1, 86_000), default=60.0, show_default=True,
               help="Seconds to wait for a live trainer's ack after `add`.")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret (default: RUN_DIR/bus/secret; env SENTINEL_SECRET).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
 @redis_url_option
 @json_option
 @friendly_errors

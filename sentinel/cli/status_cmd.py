@@ -325,7 +325,8 @@ def status(runs, watch, interval, redis_url, as_json):
     guard skips, last action. Out-of-band values are red: loss >20% above its recent median, the
     newest checkpoint older than 2 h, a stale heartbeat, a hung run (heartbeat, but no new step
     for max(30 s, 10 steps), or an open hang incident), open incidents. The state says how old the
-    last step is: live, HUNG, paused, stale or stopped.
+    last step is: live, HUNG, paused, stale or stopped; with no bus, offline (from steps.jsonl) or
+    offline-writing (steps.jsonl changed in the last minute: a trainer without telemetry); no-data.
 
     RUN is a run directory (works offline, from steps.jsonl) or a run id on the bus; without RUN,
     every run registered on the bus (--redis-url / SENTINEL_REDIS_URL).

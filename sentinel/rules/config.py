@@ -192,6 +192,13 @@ class BandRule(RuleBase):
     duration_seconds: float = Field(300.0, ge=0)
 
 
+class MfuBandRule(BandRule):
+    """``BandRule`` for MFU: informational by default (a low MFU costs money, it is no outage), so a
+    partial ``mfu_low:`` section keeps the shipped severity."""
+
+    severity: Severity = "info"
+
+
 class CheckpointAgeRule(RuleBase):
     severity: Severity = "warning"
     action: RuleAction = "checkpoint-now"
@@ -266,7 +273,7 @@ class Rules(_Strict):
     divergence: DivergenceRule = DivergenceRule()
     val_divergence: ValDivergenceRule = ValDivergenceRule()
     throughput_low: BandRule = BandRule()
-    mfu_low: BandRule = BandRule(severity="info")
+    mfu_low: MfuBandRule = MfuBandRule()
     checkpoint_age: CheckpointAgeRule = CheckpointAgeRule()
     heartbeat_stale: HeartbeatRule = HeartbeatRule()
     data_wait_high: DataWaitRule = DataWaitRule()
