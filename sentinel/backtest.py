@@ -5,7 +5,8 @@ Backtest = live. It drives the very ``RunPolicy`` the daemon uses, in the mode t
 own timestamps so cooldowns and rate limits replay as they would have live. What it assumes, and why:
 
 - **Checkpoints.** A log rarely says which checkpoints existed, so one is assumed every
-  ``checkpoint_every`` steps (as most trainers are configured), and one of the initial state
+  ``checkpoint_every`` steps (as most trainers are configured; also at a multiple the log has no
+  line for: a trainer saves on schedule whether or not it logs that step), and one of the initial state
   (step 0) when the trace begins within the first interval (``initial_checkpoint``: our trainer
   saves it on a fresh start, so damage before the first periodic save is rolled back to a restart
   that skips its data, not only paged); ``None``/0 assumes none (every incident then escalates).
@@ -24,8 +25,10 @@ own timestamps so cooldowns and rate limits replay as they would have live. What
   falling: steps 1-1000, then 501, 502, ... That is read as a resume from the step before
   (``restarts``; the same as the marker our trainer writes: a new timeline, the loss baselines
   rewound to it, the later checkpoints of the abandoned branch forgotten) and never as a sudden
-  change of the loss. A step logged twice in a row is a duplicate line: the first is kept, the
-  second skipped and counted (``duplicates``), as the live bus rejects a replayed step.
+  change of the loss. It is a restart only when the log carries on from the lower step: one stray
+  or swapped line (step 300 again after 700, then 701) is dropped and counted (``out_of_order``),
+  as the live bus's gate drops it. A step logged twice in a row is a duplicate line: the first is
+  kept, the second skipped and counted (``duplicates``), as the live bus rejects a replayed step.
 - **The clock only moves forward.** The policy's clock is the records' own time (``time``, else
   ``wall_ms``), but a log's timer that starts again (a requeued job's; modded-nanogpt's after its
   first 10 steps) adds nothing: rate limits and cooldowns in seconds count only time the log shows
@@ -44,11 +47,13 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import io
 import json
 import lzma
 import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -75,10 +80,11 @@ class BacktestResult:
     unjudged: int = 0  # records after a rollback/pause that the live run would not have produced
     restarts: int = 0  # steps that went back without a marker: read as resumes
     duplicates: int = 0  # a step logged again right after itself: skipped
+    out_of_order: int = 0  # a step that went back while the steps after it carried on: dropped, as live
 
     def to_json(self) -> dict[str, Any]:
         return {"flagged": self.flagged, "actions": self.actions, "records": self.records, "unjudged": self.unjudged,
-                "restarts": self.restarts, "duplicates": self.duplicates,
+                "restarts": self.restarts, "duplicates": self.duplicates, "out_of_order": self.out_of_order,
                 "incidents": [{k: i[k] for k in ("id", "state", "rule", "onset_step", "detect_step", "pattern")}
                               for i in self.incidents]}
 
@@ -99,6 +105,7 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
         raise SchemaError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise SchemaError(f"{where}: expected a JSON object")
+    obj = _ours_or_step(obj)
     if obj.get("kind", "step") == "step":
         try:
             obj = canonical_step_keys(obj, step_key, loss_key, used)
@@ -109,6 +116,7 @@ def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "tra
 
 def record_from_obj(obj: dict[str, Any], *, default_run: str = "trace", where: str = "trace") -> StepRecord | TimelineRecord:
     """A decoded trace line (a JSON object, or a CSV row as ``trace_csv`` reads it) -> a record."""
+    obj = _ours_or_step(obj)
     kind = obj.get("kind", "step")
     if kind == "step":
         # null is "not reported" for every field but the two a step line is about: exported tables
@@ -132,7 +140,11 @@ def record_from_obj(obj: dict[str, Any], *, default_run: str = "trace", where: s
     for k in ("step", "loss"):
         if k not in obj:
             raise SchemaError(f"{where}: a step line needs at least 'step' and 'loss' (missing {k!r})")
-    if "time" not in obj:
+    if not isinstance(obj["run"], str):  # another tool's run number: the trace's own name instead
+        obj["run"] = default_run
+    if "time" in obj and not _is_number(obj["time"]):  # an ISO timestamp: its Unix time; else the log's clock
+        obj["time"] = _iso_time(obj["time"])
+    if obj.get("time") is None:
         obj["time"] = _time_of(obj)
     loss = obj["loss"]
     obj.setdefault("loss_max_rank", loss)
@@ -148,6 +160,36 @@ def record_from_obj(obj: dict[str, Any], *, default_run: str = "trace", where: s
     if bad:
         raise SchemaError(f"{where}: {bad}")
     return rec
+
+
+RECORD_KINDS = ("step", "marker", "start", "resume", "rollback")  # a line's ``kind`` that names one of our records
+
+
+def _ours_or_step(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj``, less a ``kind`` that names none of our records (another tool's ``"kind": "train"``):
+    such a line is a step line like any other."""
+    kind = obj.get("kind", "step")
+    if not isinstance(kind, str) or kind in RECORD_KINDS:  # a non-string kind is an error, judged as one
+        return obj
+    return {k: v for k, v in obj.items() if k != "kind"}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _iso_time(v: Any) -> float | None:
+    """Unix seconds of an ISO 8601 timestamp string (``2024-10-14T02:31:07Z``; no zone: UTC);
+    None for anything else."""
+    if not isinstance(v, str) or len(v) > 64:
+        return None
+    try:
+        t = datetime.fromisoformat(v.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        return None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return t.timestamp()
 
 
 def _time_of(obj: dict[str, Any]) -> float:
@@ -297,10 +339,44 @@ def _open_trace(p: Path, opened: ExitStack):
         fh.seek(0)
     except OSError as e:
         raise SchemaError(f"{p}: cannot read: {e.strerror or _one_line(e)}") from None
+    name = p
     for magic, opener, suffix in _COMPRESSED:
         if head.startswith(magic):
-            return opened.enter_context(opener(fh, "rb")), (p.with_suffix("") if p.suffix.lower() == suffix else p)
-    return fh, p
+            fh, name = opened.enter_context(opener(fh, "rb")), (p.with_suffix("") if p.suffix.lower() == suffix else p)
+            break
+    return _as_utf8(p, fh), name
+
+
+# UTF-32 first: its little-endian mark starts with UTF-16's
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16"))
+MAX_WIDE_BYTES = 256 << 20  # a UTF-16/32 log is transcoded in memory: at most this much of it
+
+
+def _as_utf8(p: Path, fh):
+    """``fh``, or its text re-encoded as UTF-8 when it starts with a UTF-16 or UTF-32 byte-order
+    mark (what Windows PowerShell's ``>`` writes): every reader splits lines on UTF-8 bytes, and
+    would otherwise reject every line of such a file and judge nothing."""
+    try:
+        head = fh.read(4)
+        fh.seek(0)
+    except _STREAM_ERRORS:  # a broken compressed stream: its readers say so, as they always did
+        try:
+            fh.seek(0)
+        except _STREAM_ERRORS:
+            pass
+        return fh
+    enc = next((e for bom, e in _WIDE_BOMS if head.startswith(bom)), None)
+    if enc is None:
+        return fh
+    raw = fh.read(MAX_WIDE_BYTES + 1)
+    if len(raw) > MAX_WIDE_BYTES:
+        raise SchemaError(f"{p}: a {enc.upper()} file over {MAX_WIDE_BYTES >> 20} MiB; convert it to UTF-8 "
+                          f"(iconv -f {enc.upper()} -t UTF-8)")
+    try:
+        text = raw.decode(enc)
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"{p}: starts as {enc.upper()} but is not: {e.reason} at byte {e.start}") from None
+    return io.BytesIO(text.encode("utf-8"))
 
 
 def _one_line(e: BaseException) -> str:
@@ -338,7 +414,7 @@ def _trace_format(p: Path, fh, fmt: str) -> tuple[str, Any]:
         else:
             first = _first_line(fh)
             fh.seek(0)
-            if first.lstrip(b"\xef\xbb\xbf \t").startswith(b"{"):
+            if first.lstrip(b"\xef\xbb\xbf \t").startswith(b"{") or _mostly_json_objects(fh):
                 fmt = "jsonl"
             elif looks_like_csv(first) and not looks_like_text_log(first):  # "iter 1: loss 4.2, time 9ms" has commas too
                 fmt = "csv"
@@ -413,6 +489,30 @@ def _may_be_document(p: Path, fh) -> bool:
     return head[:1] == b"{" and p.suffix.lower() == ".json"
 
 
+SNIFF_LINES = 32  # non-blank lines read to tell JSON lines behind a banner from a text log
+
+
+def _mostly_json_objects(fh) -> bool:
+    """Are most of the first ``SNIFF_LINES`` non-blank lines JSON objects (JSON lines under a
+    banner, a comment or a shell prompt: ``train.log`` of a script that prints one first)? A text
+    log that prints its config as one JSON line still reads as text. ``fh`` is left at its start."""
+    objects = lines = 0
+    for raw in _capped_lines(fh):
+        line = raw.strip().lstrip(b"\xef\xbb\xbf")
+        if not line:
+            continue
+        lines += 1
+        if line[:1] == b"{" and len(line) <= 65536:
+            try:
+                objects += isinstance(json.loads(line), dict)
+            except (ValueError, RecursionError):
+                pass
+        if lines >= SNIFF_LINES:
+            break
+    fh.seek(0)
+    return objects >= 2 and 2 * objects > lines
+
+
 def _first_line(fh) -> bytes:
     """The first non-blank line of a binary file (at most 64 KiB of it)."""
     for raw in _capped_lines(fh):
@@ -421,20 +521,46 @@ def _first_line(fh) -> bytes:
     return b""
 
 
-def _simulated_checkpoint(rec: StepRecord) -> CheckpointInfo:
-    return CheckpointInfo(run=rec.run, step=rec.step, path=f"<assumed>/step-{rec.step:08d}", created=rec.time, bytes=0,
+def _simulated_checkpoint(rec: StepRecord, step: int | None = None) -> CheckpointInfo:
+    """The checkpoint assumed at ``step`` (default: ``rec``'s), seen when ``rec`` is read."""
+    step = rec.step if step is None else step
+    return CheckpointInfo(run=rec.run, step=step, path=f"<assumed>/step-{step:08d}", created=rec.time, bytes=0,
                           manifest_sha256="", world_size=rec.world_size, timeline=rec.timeline, verified="unverified")
+
+
+UNLOGGED_SAVES = 8  # at most this many assumed checkpoints for one gap in the steps (the newest matter)
+
+
+def _unlogged_saves(prev: int, step: int, every: int) -> list[int]:
+    """The multiples of ``every`` strictly between steps ``prev`` and ``step`` (the newest
+    ``UNLOGGED_SAVES`` of them): saves the log passed without a line for their step."""
+    top = (step - 1) // every * every
+    if top <= prev:
+        return []
+    low = max(prev // every * every + every, top - (UNLOGGED_SAVES - 1) * every)
+    return list(range(low, top + 1, every))
 
 
 def _implied_restarts(records: Iterable[StepRecord | TimelineRecord | MarkerRecord],
                       res: BacktestResult) -> Iterator[StepRecord | TimelineRecord | MarkerRecord]:
     """``records`` with a resume marker before each step that goes back on its timeline, and every
     later record moved to a new timeline (as our trainer numbers them); a step logged again right
-    after itself is dropped. Counts both in ``res``."""
+    after itself is dropped. Counts both in ``res``.
+
+    A step that goes back is a restart only when the log carries on from there: the next step is at
+    or below the last one too (steps 1-1000, then 501, 502, ...). A stray line (step 300 printed
+    again after step 700, then 701) or two lines swapped (805 after 806, then 807) is dropped and
+    counted (``out_of_order``), as the live bus's gate drops a step that goes back on its timeline:
+    read as a restart it would forget the checkpoints after it and rewind the tests."""
     shift = 0  # timelines added so far
     last: int | None = None  # the last step on the current timeline
     timeline = None
-    for rec in records:
+    it = iter(records)
+    ahead: list[StepRecord | TimelineRecord | MarkerRecord] = []  # read to look past a step that went back
+    while True:
+        rec = ahead.pop(0) if ahead else next(it, None)
+        if rec is None:
+            return
         if shift:
             rec = rec.model_copy(update={"timeline": rec.timeline + shift})
         if isinstance(rec, TimelineRecord):
@@ -443,6 +569,17 @@ def _implied_restarts(records: Iterable[StepRecord | TimelineRecord | MarkerReco
             if timeline is not None and rec.timeline == timeline and last is not None and rec.step <= last:
                 if rec.step == last:
                     res.duplicates += 1
+                    continue
+                nxt = None  # the next step or timeline record, not yet moved by ``shift``
+                while nxt is None:
+                    o = next(it, None)
+                    if o is None:
+                        break
+                    ahead.append(o)
+                    if isinstance(o, (StepRecord, TimelineRecord)):
+                        nxt = o
+                if not (isinstance(nxt, StepRecord) and nxt.timeline + shift == timeline and nxt.step <= last):
+                    res.out_of_order += 1
                     continue
                 shift += 1
                 s = rec.step - 1
@@ -466,6 +603,7 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
     flagged: set[int] = set()
     stopped_at: int | None = None  # timeline on which the run was rolled back or paused
     clock_shift = 0.0  # added to the records' times to keep the clock from going back
+    prev_step: int | None = None  # the last step judged on the current timeline (or the one it resumed from)
     for rec in _implied_restarts(records, res):
         if policy is None:
             now[0] = rec.time
@@ -495,8 +633,15 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
             continue
         if isinstance(rec, TimelineRecord):
             policy.on_timeline(rec)
+            prev_step = rec.from_step
         else:
             res.records += 1
+            if checkpoint_every and prev_step is not None:
+                # the trainer saved on schedule whether or not it logged that step: a log of every
+                # 10th step, or one with a line missing, still had the checkpoint in between
+                for s in _unlogged_saves(prev_step, rec.step, checkpoint_every):
+                    policy.on_checkpoint(_simulated_checkpoint(rec, s))
+            prev_step = rec.step
             policy.on_step(rec)
             for f in policy.last_findings:
                 flagged.add(rec.step)

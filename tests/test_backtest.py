@@ -114,7 +114,8 @@ def test_cli_json_shape_on_loss_only_trace(tmp_path):
     r = CliRunner().invoke(backtest_cmd, [str(loss_only_trace(tmp_path, shift_from=500)), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert set(data) == {"flagged", "actions", "records", "unjudged", "restarts", "duplicates", "incidents", "rejected_lines", "source"}
+    assert set(data) == {"flagged", "actions", "records", "unjudged", "restarts", "duplicates", "out_of_order", "incidents",
+                         "rejected_lines", "source"}
     assert data["rejected_lines"] == 0 and data["source"] == {"format": "jsonl", "step": "step", "loss": "loss"}
     assert data["flagged"][0] == 400 and data["actions"][0]["kind"] == "rollback"
     assert [i["state"] for i in data["incidents"]][0] == "recovered"
@@ -988,3 +989,115 @@ def test_a_directory_judges_its_json_files_that_hold_steps_and_passes_over_the_o
     out = json.loads(r.stdout)
     assert [Path(t["trace"]).name for t in out["traces"]] == ["a-lines.json", "b-list.json", "c-list.json.gz"]
     assert out["failed"] == 0 and out["totals"]["traces_with_rollback"] == 3
+
+
+def _jump_at(onset: int, seed: int = 2, n: int = 1500, amp: float = 0.6) -> list[tuple[int, float]]:
+    from test_detectors import _pretraining
+
+    return [(i + 1, x + (amp if i >= onset - 1 else 0.0)) for i, x in enumerate(_pretraining(n, seed))]
+
+
+def _live_actions(path: Path) -> list[tuple]:
+    """The actions of the daemon's own path on the file's step records: ``StepGate`` (which drops a
+    step that goes back on its timeline) and ``RunPolicy`` with a checkpoint every 100 steps and
+    one of the initial state, stopping at the first rollback or pause as the live run would."""
+    from sentinel.bus import FIELD, Entry
+    from sentinel.ingest import StepGate
+    from sentinel.policy import RunPolicy
+    from sentinel.protocol import RECORD_MAC_FIELD, Keys, record_mac
+
+    recs = [r for r in load_trace(path) if isinstance(r, StepRecord)]
+    clock, secret, stream = [recs[0].time], b"k" * 32, Keys(recs[0].run).steps
+    policy, gate = RunPolicy(recs[0].run, default_rules(), clock=lambda: clock[0]), StepGate(recs[0].run, secret)
+    policy.on_checkpoint(backtest_checkpoint(recs[0], 0))
+    out = []
+    for i, r in enumerate(recs):
+        data = r.to_json()
+        entry = Entry(stream, f"{i + 1}-0", {FIELD: data, RECORD_MAC_FIELD: record_mac(secret, stream, data)})
+        v = gate.check(entry)
+        if v.record is None:
+            assert v.reason == "out_of_order", v
+            continue
+        clock[0] = max(clock[0], r.time)
+        policy.on_step(r)
+        if r.step % 100 == 0:
+            policy.on_checkpoint(backtest_checkpoint(r, r.step))
+        acts = [(e.data["action"]["kind"], e.step, e.data["action"].get("to_step")) for e in policy.drain_events() if e.kind == "action"]
+        out += acts
+        if any(a[0] in ("rollback", "pause") for a in acts):
+            break
+    return out
+
+
+def backtest_checkpoint(rec: StepRecord, step: int):
+    from sentinel.backtest import _simulated_checkpoint
+
+    return _simulated_checkpoint(rec, step)
+
+
+def test_a_stray_or_swapped_line_is_dropped_as_live_not_read_as_a_restart(tmp_path):
+    """One line out of place is no restart. Before, step 300 printed again after step 700 was read as
+    a resume from 299: the checkpoints after it were forgotten, and damage at 800 was rolled back to
+    300 where the live daemon (whose gate drops a step that goes back) rolls back to 700. Two lines
+    swapped near the onset moved the target too. Now both are dropped and counted, and the actions
+    equal the live path's and the clean log's; a real restart (the log carries on from the lower
+    step) is still one."""
+    pts = _jump_at(800)
+    clean = backtest(load_trace(_steps_trace(tmp_path, pts, "clean.jsonl")), default_rules())
+    [rb] = clean.actions
+    assert rb["kind"] == "rollback" and 800 <= rb["step"] <= 850 and rb["to_step"] == 700
+    stray = pts[:700] + [pts[299]] + pts[700:]
+    swapped = pts[:804] + [pts[805], pts[804]] + pts[806:]
+    for name, trace in (("stray.jsonl", stray), ("swapped.jsonl", swapped)):
+        path = _steps_trace(tmp_path, trace, name)
+        res = backtest(load_trace(path), default_rules())
+        got = [(a["kind"], a["step"], a["to_step"]) for a in res.actions]
+        assert got == _live_actions(path) and got[0][0] == "rollback" and got[0][2] == 700, (name, got)
+        assert res.restarts == 0 and res.out_of_order == 1 and res.to_json()["out_of_order"] == 1
+    assert backtest(load_trace(_steps_trace(tmp_path, pts[:700] + pts[299:], "real.jsonl")), default_rules()).restarts == 1
+
+
+def test_a_log_of_every_kth_step_still_had_the_checkpoints_in_between(tmp_path):
+    """The trainer saves on schedule whether or not it logs that step. A log of every 3rd step (or
+    of odd steps, or with one line lost) used to assume checkpoints only at logged multiples of 100:
+    damage at 800 was rolled back to the initial state (odd steps) or to 600 for want of 700. Now
+    the checkpoints in between are there."""
+    pts = _jump_at(800)
+    # (the odd steps' onset estimate is 799: 100 steps of margin before it leave the one at 600)
+    for name, keep, want in (("every3.jsonl", lambda s: s % 3 == 0, 700), ("odd.jsonl", lambda s: s % 2 == 1, 600),
+                             ("lost700.jsonl", lambda s: s != 700, 700)):  # before: 600, 0, 600
+        res = backtest(load_trace(_steps_trace(tmp_path, [p for p in pts if keep(p[0])], name)), default_rules())
+        [rb] = [a for a in res.actions if a["kind"] == "rollback"]
+        assert rb["to_step"] == want and 800 <= rb["step"] <= 860, (name, rb)
+
+
+def test_utf16_logs_json_lines_behind_a_banner_and_foreign_fields_read_as_the_plain_log(tmp_path):
+    """What other tools write around the same steps: a UTF-16 file (PowerShell's ``>``: every line
+    was rejected and nothing judged, exit 0), JSON lines in a ``.log`` behind a banner line (read as
+    a text log: no steps), and fields whose names our records use with other tools' values (an ISO
+    ``time``, ``"kind": "train"``, a numeric ``run``: every line rejected). All get the decisions
+    of the plain JSON-lines log."""
+    pts = _jump_at(800)
+    plain = _steps_trace(tmp_path, pts, "plain.jsonl")
+    want = _decisions(backtest(load_trace(plain), default_rules()).to_json())
+    text = plain.read_text()
+    variants = {
+        "utf16.jsonl": ("\ufeff" + text).encode("utf-16-le"),
+        "utf16be.jsonl": text.encode("utf-16"),
+        "utf32.jsonl": text.encode("utf-32"),
+        "train.log": ("Starting run 7 on 8 GPUs\n" + text).encode(),
+        "train.out": ("# launched by sbatch\n" + text).encode(),
+    }
+    lines = [json.loads(ln) for ln in text.splitlines()]
+    for name, extra in (("iso.jsonl", lambda o: {"time": f"2024-10-14T02:{o['step'] // 60 % 60:02d}:{o['step'] % 60:02d}Z"}),
+                        ("kind.jsonl", lambda o: {"kind": "train"}), ("run.jsonl", lambda o: {"run": 7})):
+        variants[name] = "".join(json.dumps({**o, **extra(o)}) + "\n" for o in lines).encode()
+    for name, data in variants.items():
+        (tmp_path / name).write_bytes(data)
+        rejected: list[str] = []
+        got = backtest(load_trace(tmp_path / name, rejected=rejected), default_rules()).to_json()
+        assert _decisions(got) == want, name
+        assert len(rejected) == (1 if name.startswith("train.") else 0), (name, rejected[:2])
+    (tmp_path / "bad16.jsonl").write_bytes(b"\xff\xfe" + b"\x00\xd8" * 3)  # a UTF-16 mark, then a lone surrogate
+    r = CliRunner().invoke(backtest_cmd, [str(tmp_path / "bad16.jsonl"), "--json"])
+    assert r.exit_code == 2 and "UTF-16" in _one_line_error(r)

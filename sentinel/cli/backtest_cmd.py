@@ -289,4 +289,5 @@ def _print_tables(trace: str, res, source: dict) -> None:
                   + (f"; {res.unjudged} later steps not judged (the live run would have rolled back or paused there)"
                      if res.unjudged else "")
                   + (f"; read {res.restarts} restart(s) where the steps went back" if res.restarts else "")
-                  + (f"; skipped {res.duplicates} repeated step line(s)" if res.duplicates else ""))
+                  + (f"; skipped {res.duplicates} repeated step line(s)" if res.duplicates else "")
+                  + (f"; dropped {res.out_of_order} step line(s) out of order" if res.out_of_order else ""))
