@@ -41,7 +41,7 @@ from sentinel.protocol import (
     StepRecord,
     TimelineRecord,
 )
-from sentinel.rules import RuleSet
+from sentinel.rules import RuleSet, rules_yaml
 
 # compare-and-renew: only the holder may extend its lease
 _RENEW = """
@@ -254,6 +254,8 @@ class RunWatcher:
             self._feed(rec, history)
         if self._replaying:
             self._end_replay()
+        if done and self._run_dir is None:  # the trainer registers its run dir with its first steps
+            self._mirror_dir()
         self._read_acks()
         self._read_approvals()
         hb = self._heartbeat_time()
@@ -493,6 +495,9 @@ class RunWatcher:
                 log = lambda m: self.log(f"[{self.run}] {m}")  # noqa: E731
                 self._incidents_mirror = rundir.JsonlMirror(self._run_dir / rundir.INCIDENTS_LOG, log)
                 self._pages_mirror = rundir.JsonlMirror(self._run_dir / rundir.PAGES_LOG, log)
+                why = rundir.write_applied_rules(self._run_dir, rules_yaml(self.opts.rules))
+                if why:
+                    log(f"cannot write {rundir.APPLIED_RULES}: {why} (backtest of this run will use other rules)")
         return self._run_dir
 
     def _mirror_incidents(self, incidents: dict[str, str]) -> None:

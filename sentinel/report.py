@@ -29,7 +29,9 @@ from typing import Any
 from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord
 
 PHASE_COLORS = {"warmup": "#fdf1d6", "stable": "#e8f4ea", "decay": "#e6eef8", "floor": "#efefef"}
-STATE_WORDS = {"healthy": "recovered", "escalated": "ESCALATED", "awaiting_approval": "awaiting approval"}
+# "healthy" is an incident verified healthy after its rollback; "recovered" one whose spike passed with none
+STATE_WORDS = {"healthy": "rolled back, healthy", "recovered": "recovered, no action", "escalated": "ESCALATED",
+               "awaiting_approval": "awaiting approval"}
 LANES = ("incidents", "rollbacks", "resumes / pauses", "skip windows", "guard skips")
 PNG_SUFFIXES = ("", ".png")  # what a report may be named: it is always a PNG, written at exactly that path
 SYSTEM_DIRS = ("/dev", "/proc", "/sys")  # never a place for a picture: /dev/null.png, /dev/full.png

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import yaml
+
 from sentinel.protocol import (
     MAX_STATE_BYTES,
     read_regular_file,
@@ -60,6 +62,7 @@ PENDING = PENDING_ROLLBACK
 DIRECTIVES_LOG = "directives.jsonl"
 AUDIT = "audit.jsonl"
 INCIDENTS_LOG = "incidents.jsonl"
+APPLIED_RULES = "sentinel-rules.applied.yaml"  # the rules the daemon applied to the run (resolved), for backtest
 PAGES_LOG = "pages.jsonl"
 PAGE_FIELDS = ("time", "run", "severity", "summary", "incident_id", "rule", "delivered_to")
 CONFIG = "config.yaml"
@@ -224,6 +227,16 @@ def read_records(run_dir: str | os.PathLike, rejected: list[str] | None = None):
 def effective_steps(records: Iterable) -> list[StepRecord]:
     """The authoritative step records of a record sequence (a rollback supersedes later steps)."""
     return list(authoritative_steps(records).values())
+
+
+def planned_steps(run_dir: str | os.PathLike) -> int | None:
+    """The run's ``max_steps`` from its config.yaml; None when absent, unreadable or not a count."""
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / CONFIG).read_text(encoding="utf-8")[:1 << 20])
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    n = cfg.get("max_steps") if isinstance(cfg, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def steps_mtime(run_dir: str | os.PathLike) -> float | None:
@@ -675,6 +688,24 @@ class JsonlMirror:
                 self._logged.add(why)
                 self._log(f"cannot write {self.path}: {why} (counted; the sentinel goes on)")
             return False
+
+
+def write_applied_rules(run_dir: str | os.PathLike, rules_yaml: str) -> str | None:
+    """Write the rules a daemon applies to the run into ``RUN_DIR/APPLIED_RULES`` (atomically; not
+    at all when the file already says the same), so that ``sentinel backtest RUN_DIR/steps.jsonl``
+    judges the run by them. None on success, else the reason (the caller logs it and goes on)."""
+    path = Path(run_dir) / APPLIED_RULES
+    text = ("# The rules `sentinel run` applied to this run (every setting resolved), for `sentinel backtest`\n"
+            + rules_yaml)
+    try:
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            return None
+        tmp = path.with_name(f".{APPLIED_RULES}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        return os.strerror(e.errno) if getattr(e, "errno", None) else type(e).__name__
 
 
 @dataclass

@@ -1101,3 +1101,42 @@ def test_utf16_logs_json_lines_behind_a_banner_and_foreign_fields_read_as_the_pl
     (tmp_path / "bad16.jsonl").write_bytes(b"\xff\xfe" + b"\x00\xd8" * 3)  # a UTF-16 mark, then a lone surrogate
     r = CliRunner().invoke(backtest_cmd, [str(tmp_path / "bad16.jsonl"), "--json"])
     assert r.exit_code == 2 and "UTF-16" in _one_line_error(r)
+
+
+def test_a_runs_own_steps_jsonl_is_judged_with_its_checkpoint_cadence_and_the_rules_applied(tmp_path):
+    """``sentinel backtest RUN_DIR/steps.jsonl`` answers "what would the sentinel do on this run?"
+    with what the run had: its checkpoint cadence from config.yaml and the rules the daemon wrote it
+    applied. With the defaults instead, a run saving every 10 steps with a 20-step rollback margin
+    was rolled back to step 0 where the live sentinel chose 780. A flag given on the command line
+    still wins; an unreadable rules file is said, and the built-in rules are used."""
+    from sentinel.rules import parse_rules, rules_yaml
+    from sentinel.rundir import APPLIED_RULES, write_applied_rules
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    pts = _jump_at(800)
+    _steps_trace(run_dir, pts, "steps.jsonl")
+    (run_dir / "config.yaml").write_text("preset: tiny\ncheckpoint:\n  every: 10\n  initial: true\n")
+    rules = parse_rules("policy:\n  rollback_margin_steps: 20\n")
+    assert write_applied_rules(run_dir, rules_yaml(rules)) is None
+    assert parse_rules((run_dir / APPLIED_RULES).read_text()) == rules
+
+    def rollback(*flags):
+        r = CliRunner().invoke(backtest_cmd, [str(run_dir / "steps.jsonl"), "--json", *flags])
+        assert r.exit_code == 0, r.output[-1000:]
+        out = json.loads(r.stdout)
+        return [a["to_step"] for a in out["actions"] if a["kind"] == "rollback"], out["source"].get("run_settings")
+
+    to, said = rollback()
+    assert to == [780] and len(said) == 2, (to, said)  # onset ~800, 20 steps of margin, a save every 10
+    assert rollback("--checkpoint-every", "100")[0] == [700]  # the margin applied, the cadence given
+    (tmp_path / "margin0.yaml").write_text("policy:\n  rollback_margin_steps: 0\n")
+    assert rollback("--rules", str(tmp_path / "margin0.yaml"))[0] == [800]  # the rules given, the run's cadence
+    (run_dir / APPLIED_RULES).write_text("policy: [not, a, mapping]\n")
+    to, said = rollback()
+    assert to == [700] and any("unreadable" in s for s in said), (to, said)  # built-in margin 100, cadence 10
+    other = tmp_path / "elsewhere" / "steps.jsonl"  # not beside a config.yaml: no run settings
+    other.parent.mkdir()
+    other.write_text((run_dir / "steps.jsonl").read_text())
+    r = CliRunner().invoke(backtest_cmd, [str(other), "--json"])
+    assert [a["to_step"] for a in json.loads(r.stdout)["actions"]] == [700] and "run_settings" not in json.loads(r.stdout)["source"]

@@ -96,11 +96,32 @@ print("BAD", bad)
 def test_status_offline_from_run_dir(run_copy):
     out = cli_json("status", str(run_copy))
     (row,) = out["runs"]
-    assert row["run"] == "run" and row["source"] == "files" and row["state"] in ("offline", "offline-writing")
+    assert row["run"] == "run" and row["source"] == "files" and row["state"] == "finished"  # its max_steps: 30
     assert row["step"] == 30 and isinstance(row["loss"], float) and row["val_ppl"] is not None
     assert row["grad_norm"] > 0 and row["open_incidents"] == 0 and row["checkpoint_age_seconds"] is not None
     human = cli("status", str(run_copy))
     assert human.exit_code == 0 and "run" in human.stdout and "30" in human.stdout
+
+
+def test_status_offline_counts_mirrored_incidents_and_shows_the_last_rollback(run_copy):
+    """With the bus gone, status reads what the daemon mirrored: an open incident in incidents.jsonl
+    is counted (it said 0 while `incidents` said "rollback in progress"), and the rollback that the
+    later skip directives follow is in the last-action cell, not hidden behind them. A run short of
+    its max_steps is not "finished"; the guard-skip count says over how many steps it is."""
+    recs = [r for r in _steps(run_copy).values() if r.step > 20]
+    with open(run_copy / "steps.jsonl", "a") as f:
+        f.write(TimelineRecord(kind="rollback", run="run", from_step=20, timeline=1, time=time.time()).to_json() + "\n")
+        for r in recs[:5]:  # steps 21-25 again on the new timeline: short of max_steps 30
+            f.write(r.model_copy(update={"timeline": 1}).to_json() + "\n")
+    inc = Incident(id="run-t0-s22", run="run", state="rollback", rule="divergence", onset_step=22, detect_step=25,
+                   rollback_to=20)
+    (run_copy / "incidents.jsonl").write_text(inc.to_json() + "\n")
+    (row,) = cli_json("status", str(run_copy))["runs"]
+    assert row["open_incidents"] == 1 and row["incidents_total"] == 1 and row["open_incident_ids"] == ["run-t0-s22"]
+    assert row["state"] != "finished" and row["step"] == 25, row
+    human = CliRunner().invoke(main, ["status", str(run_copy)], env={"COLUMNS": "80"}, catch_exceptions=False)
+    assert "1 open / 1" in human.stdout and "rollback to step 20" in human.stdout, human.stdout
+    assert f"of last {row['window']}" in human.stdout
 
 
 def _step(run: str, step: int, loss: float, **kw) -> StepRecord:

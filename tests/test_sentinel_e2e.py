@@ -274,6 +274,7 @@ def test_drill_sentinel_rolls_back_skips_and_recovers(bus_kind, baselines, data_
     # after the restore the faulty sample never trained again (the authoritative records after it)
     assert all(fid not in rec.sample_ids for s, rec in res.steps.items() if s > rb.from_step)
     assert sorted(res.steps) == list(range(1, DRILL_STEPS + 1))
+    _backtest_orders_what_live_did(run_dir, inc, rb)
 
     clean = baselines["clean"].final_val_loss
     unguarded = baselines["unguarded"].final_val_loss
@@ -285,6 +286,26 @@ def test_drill_sentinel_rolls_back_skips_and_recovers(bus_kind, baselines, data_
     assert unguarded > (1 + DAMAGED_MIN) * clean, (unguarded, clean)
     # a clear margin between the guarded and unguarded outcomes
     assert unguarded - got > 2 * abs(got - clean)
+
+
+def _backtest_orders_what_live_did(run_dir: Path, inc: dict, rb) -> None:
+    """Backtest = live, on the run's own log: ``sentinel backtest RUN_DIR/steps.jsonl`` takes the
+    rules the daemon wrote it applied and the run's checkpoint cadence, and orders the very rollback
+    the live sentinel did: at the detection step, to the same checkpoint, skipping the same samples."""
+    from click.testing import CliRunner
+
+    from sentinel.cli.backtest_cmd import backtest as backtest_cmd
+    from sentinel.rules import parse_rules
+    from sentinel.rundir import APPLIED_RULES
+
+    assert parse_rules((run_dir / APPLIED_RULES).read_text()) == parse_rules((run_dir / "sentinel-rules.yaml").read_text())
+    r = CliRunner().invoke(backtest_cmd, [str(run_dir / "steps.jsonl"), "--json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    out = json.loads(r.stdout)
+    rollbacks = [a for a in out["actions"] if a["kind"] == "rollback"]
+    assert [(a["step"], a["to_step"]) for a in rollbacks] == [(inc["detect_step"], rb.from_step)], (rollbacks, inc)
+    assert sorted(map(tuple, rollbacks[0]["ranges"])) == sorted(map(tuple, rb.skip_ranges))
+    assert len(out["source"]["run_settings"]) == 2, out["source"]
 
 
 def _later_skips_applied(rollback: Directive, dirs: list[Directive], acks: dict) -> None:

@@ -22,12 +22,16 @@ COMPRESSED = (".gz", ".bz2", ".xz")
 
 @click.command("backtest")
 @click.argument("traces", nargs=-1, required=True, metavar="TRACE...")
-@click.option("--rules", "rules_path", default=None, metavar="FILE", help="Rules YAML (default: the built-in defaults).")
+@click.option("--rules", "rules_path", default=None, metavar="FILE",
+              help="Rules YAML (default: the built-in defaults; for a run directory's own steps.jsonl, the rules "
+                   "the daemon applied to it, RUN_DIR/sentinel-rules.applied.yaml, when it wrote them).")
 @click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=0),
-              help="Assume a checkpoint every N steps when deciding rollbacks (0: assume none).")
+              help="Assume a checkpoint every N steps when deciding rollbacks (0: assume none). For a run "
+                   "directory's own steps.jsonl: the run's checkpoint.every from its config.yaml.")
 @click.option("--initial-checkpoint/--no-initial-checkpoint", default=True, show_default=True,
               help="Also assume the initial state (step 0) was saved, as the trainer does on a fresh start "
-                   "(only for a trace that begins within the first N steps).")
+                   "(only for a trace that begins within the first N steps; for a run's own steps.jsonl, as "
+                   "its config says).")
 @click.option("--format", "fmt", type=click.Choice(["auto", "jsonl", "json", "csv", "hf", "text", "tb"]), default="auto",
               show_default=True,
               help="auto: .csv/.tsv files are CSV; a .json file with a log_history list is a Hugging Face "
@@ -77,9 +81,11 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
         rules = load_rules(rules_path) if rules_path else default_rules()
     except RulesError as e:
         raise SentinelError(str(e)) from None
+    given = {name for name in ("rules_path", "checkpoint_every", "initial_checkpoint")
+             if click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
 
     judge = partial(_judge, rules=rules, checkpoint_every=checkpoint_every, initial_checkpoint=initial_checkpoint, fmt=fmt,
-                    step_column=step_column, loss_column=loss_column, strict=strict)
+                    step_column=step_column, loss_column=loss_column, strict=strict, given=frozenset(given))
 
     expanded = _expand(traces)
     if len(expanded) > 1 or expanded != list(traces):
@@ -142,9 +148,10 @@ def _uncompressed(low: str) -> str:
 
 @friendly_errors
 def _judge(trace: str, *, rules, checkpoint_every: int, initial_checkpoint: bool, fmt: str, step_column: str | None,
-           loss_column: str | None, strict: bool):
+           loss_column: str | None, strict: bool, given: frozenset[str] = frozenset()):
     """(BacktestResult, the rejected lines' reasons) of one trace; ``SentinelError`` (one line) if
-    it cannot be read or has no step."""
+    it cannot be read or has no step. A run directory's own steps.jsonl is judged with what the run
+    had (``_run_settings``) wherever the command line left the setting at its default."""
     from sentinel.backtest import backtest as run_backtest
     from sentinel.backtest import load_trace
     from sentinel.protocol import StepRecord
@@ -155,8 +162,55 @@ def _judge(trace: str, *, rules, checkpoint_every: int, initial_checkpoint: bool
     if not any(isinstance(r, StepRecord) for r in records):
         why = f" ({len(rejected)} line(s) skipped; first: {rejected[0]})" if rejected else ""
         raise SentinelError(f"no step records in {trace}{why}")
+    run = _run_settings(trace, given)
+    if run:
+        rules = run.get("rules", rules)
+        checkpoint_every = run.get("checkpoint_every", checkpoint_every)
+        initial_checkpoint = run.get("initial_checkpoint", initial_checkpoint)
+        source["run_settings"] = run.get("said", [])
     res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None, initial_checkpoint=initial_checkpoint)
     return res, rejected or [], source
+
+
+def _run_settings(trace: str, given: frozenset[str]) -> dict:
+    """For the steps.jsonl of one of our run directories (a ``config.yaml`` beside it): the settings
+    the run had, for those the command line did not give. The checkpoint cadence (``checkpoint.every``,
+    ``checkpoint.initial``) and the rules the daemon applied (``rundir.APPLIED_RULES``, written by
+    ``sentinel run``): judged with the defaults instead, a run with checkpoints every 10 steps and a
+    20-step rollback margin read as "roll back to step 0", where the live sentinel rolled back to 80.
+    ``said``: each setting taken, in words (printed under the tables, ``source.run_settings`` in --json).
+    Anything unreadable is left at the command line's value."""
+    from pathlib import Path
+
+    import yaml
+
+    from sentinel.rundir import APPLIED_RULES
+    from sentinel.rules import RulesError
+    from sentinel.rules_file import load_rules
+
+    p = Path(trace)
+    cfg_path = p.parent / "config.yaml"
+    if p.name != "steps.jsonl" or not cfg_path.is_file():
+        return {}
+    out: dict = {"said": []}
+    try:
+        ck = (yaml.safe_load(cfg_path.read_text(encoding="utf-8")[:1 << 20]) or {}).get("checkpoint") or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        ck = {}
+    every, initial = ck.get("every"), ck.get("initial")
+    if "checkpoint_every" not in given and isinstance(every, int) and not isinstance(every, bool) and every >= 0:
+        out["checkpoint_every"] = every
+        out["said"].append(f"checkpoint every {every} steps (config.yaml)")
+    if "initial_checkpoint" not in given and isinstance(initial, bool):
+        out["initial_checkpoint"] = initial
+    applied = p.parent / APPLIED_RULES
+    if "rules_path" not in given and applied.is_file():
+        try:
+            out["rules"] = load_rules(applied)
+            out["said"].append(f"the rules the daemon applied ({APPLIED_RULES})")
+        except RulesError as e:
+            out["said"].append(f"the built-in rules ({APPLIED_RULES} unreadable: {e})")
+    return out
 
 
 FORMAT_NAMES = {"jsonl": "JSON lines", "csv": "CSV", "hf": "a Hugging Face trainer state", "text": "a text log",
@@ -285,6 +339,8 @@ def _print_tables(trace: str, res, source: dict) -> None:
             it.caption = f"... and {len(res.incidents) - MAX_ROWS} more (use --json for all)"
         console.print(it)
     console.print(escape(_read_as(source)), style="dim")
+    if source.get("run_settings"):
+        console.print(escape("Judged as the run ran: " + "; ".join(source["run_settings"])), style="dim")
     console.print(f"{res.records} steps, {len(res.flagged)} flagged, {len(res.actions)} actions, {len(res.incidents)} incidents"
                   + (f"; {res.unjudged} later steps not judged (the live run would have rolled back or paused there)"
                      if res.unjudged else "")

@@ -147,7 +147,9 @@ def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sen
             t.add_row("rollback", f"to step {rb.from_step}, skipped {sum(h - l for l, h in rb.skip_ranges)} samples ({rb.reason})")
         if spec.sentinel and not res.rollbacks:
             t.add_row("rollback", "[red]none[/]")
-        t.add_row("guard-skipped steps", ", ".join(map(str, out["guard_skipped_steps"])) or "none")
+        gs = out["guard_skipped_steps"]
+        t.add_row("guard skips", (f"{len(gs)} step{'s' * (len(gs) != 1)}, at step{'s' * (len(gs) != 1)} "
+                                  + ", ".join(map(str, gs))) if gs else "none")
         t.add_row("final validation loss", f"{res.final_val_loss:.4f}" if res.final_val_loss is not None else "n/a")
         for inc in out.get("incidents", []):
             t.add_row(f"incident {inc['id']}", f"{inc['rule']}: onset step {inc['onset_step']}, detected at {inc['detect_step']}, now {inc['state']}")
@@ -156,8 +158,10 @@ def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sen
         if out.get("report"):
             console.print(f"[bold]report:[/] {out['report']}  (loss, grad norm, val PPL, the incident and the rollback "
                           "on one timeline)", highlight=False)
-        console.print(f"Look closer:  sentinel incidents {run_dir}   |   sentinel checkpoints {run_dir}   |   "
-                      f"sentinel verify-resume {run_dir} --from-step {spec.ckpt_every * 2}")
+        console.print("Look closer:")
+        for cmd in (f"sentinel incidents {run_dir}", f"sentinel checkpoints {run_dir}",
+                    f"sentinel verify-resume {run_dir} --from-step {spec.ckpt_every * 2}"):
+            console.print(f"  {cmd}", soft_wrap=True, highlight=False)  # one whole line each: copy and paste
         console.print("Culprits: run `sentinel demo --fault garbage --no-sentinel`, then `sentinel replay-batch RUN_DIR "
                       f"--step {drill_step}` names the corrupted samples.")
     if res.returncode != 0:

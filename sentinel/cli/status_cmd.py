@@ -94,6 +94,12 @@ def run_status(ref, now: float | None = None) -> dict:
         if type(hb_step) is int and 0 <= hb_step <= MAX_SAMPLE_ID and (row.get("step") is None or hb_step > row["step"]):
             row["step"] = hb["step"]
 
+    if row["state"] in ("offline", "offline-writing", "stopped") and ref.run_dir is not None:
+        planned = rundir.planned_steps(ref.run_dir)
+        row["max_steps"] = planned
+        if planned is not None and row.get("step") is not None and row["step"] >= planned:
+            row["state"] = "finished"
+
     # checkpoints: the newest one's age
     newest = None
     bad_entries: list[str] = []  # malformed entries of the bus's hashes, skipped
@@ -135,6 +141,10 @@ def run_status(ref, now: float | None = None) -> dict:
                     # heartbeat (a frozen rank 0 stops heartbeating too; it is not a clean stop)
                     row["state"] = "hung"
         row["incidents_total"] = len(inc_raw)
+    elif ref.run_dir is not None:  # no bus: the daemon's mirror of its incidents in the run dir
+        mirrored = rundir.read_incidents_log(ref.run_dir)
+        open_ids = [i.id for i in mirrored if i.closed_at is None]
+        row["incidents_total"] = len(mirrored)
     row["open_incidents"] = len(open_ids)
     row["open_incident_ids"] = sorted(open_ids)
 
@@ -194,6 +204,8 @@ def state_text(r: dict) -> str:
         return f"paused (step {fmt_duration(step_age)} ago)" if step_age is not None else "paused"
     if st == "stopped" and step_age is not None:
         return f"stopped (step {fmt_duration(step_age)} ago)"
+    if st == "finished":
+        return f"finished ({r['max_steps']} steps)"
     return st
 
 
@@ -206,14 +218,14 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
     from sentinel.runref import ago, fmt_duration
 
     now = time.time() if now is None else now
-    t = Table(title=f"sentinel status  ({time.strftime('%H:%M:%S', time.localtime(now))})", title_justify="left")
+    t = Table(title=f"sentinel status  ({time.strftime('%H:%M:%S UTC', time.gmtime(now))})", title_justify="left")
     for col, just in (("run", "left"), ("state", "left"), ("step", "right"), ("loss", "right"), ("val PPL", "right"),
                       ("grad norm", "right"), ("tokens/s", "right"), ("MFU", "right"), ("ckpt age", "right"),
                       ("incidents", "right"), ("guard skips", "right"), ("last action", "left")):
         t.add_column(col, justify=just, no_wrap=col != "last action")
     cards: list = []
     state_style = {"live": "green", "stale": "bold red", "hung": "bold red", "paused": "yellow", "stopped": "dim", "offline": "dim",
-                   "offline-writing": "yellow", "no-data": "dim"}
+                   "offline-writing": "yellow", "no-data": "dim", "finished": "green"}
     for r in rows:
         st_txt = state_text(r)
         loss = _fmt_num(r.get("loss"), ".4f")
@@ -222,10 +234,12 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
         ck = fmt_duration(r.get("checkpoint_age_seconds"))
         if r.get("checkpoint_stale"):
             ck = f"[bold red]{ck}[/]"
-        n_open = r.get("open_incidents", 0)
-        inc = f"[bold red]{n_open} open[/]" if n_open else "[green]0[/]"
+        n_open, total = r.get("open_incidents", 0), r.get("incidents_total")
+        inc = f"[bold red]{n_open} open[/]" if n_open else "[green]0 open[/]"
+        if total:
+            inc += f" / {total}"
         skips = r.get("guard_skips", 0)
-        skips_txt = f"[yellow]{skips}[/]" if skips else "0"
+        skips_txt = (f"[yellow]{skips}[/]" if skips else "0") + (f" [dim]of last {r['window']}[/]" if r.get("window") else "")
         la = r.get("last_action")
         la_txt = "-"
         if la:
@@ -236,6 +250,9 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
             la_txt += f", {ago(la.get('time'), now)} ago"
         if r.get("pending_rollback"):
             la_txt += f" [yellow](pending rollback to {r['pending_rollback'].get('to_step')})[/]"
+        ev = r.get("last_timeline_event")
+        if ev and ev.get("kind") in ("rollback", "resume"):  # the restore behind the directives that followed it
+            la_txt += f"; [yellow]{escape(str(ev['kind']))} to step {ev.get('from_step')}[/], {ago(ev.get('time'), now)} ago"
         mfu = r.get("mfu")
         cells = (Text(r["run"]), Text(st_txt, style=state_style.get(r["state"], "")), _fmt_num(r.get("step"), "d"), loss,
                  _fmt_num(r.get("val_ppl"), ".2f"), _fmt_num(r.get("grad_norm"), ".3f"),
@@ -326,7 +343,10 @@ def status(runs, watch, interval, redis_url, as_json):
     newest checkpoint older than 2 h, a stale heartbeat, a hung run (heartbeat, but no new step
     for max(30 s, 10 steps), or an open hang incident), open incidents. The state says how old the
     last step is: live, HUNG, paused, stale or stopped; with no bus, offline (from steps.jsonl) or
-    offline-writing (steps.jsonl changed in the last minute: a trainer without telemetry); no-data.
+    offline-writing (steps.jsonl changed in the last minute: a trainer without telemetry); no-data;
+    finished (stopped or offline at its configured max_steps). Incidents: open / all; guard skips:
+    of the last steps read (the window); last action: the newest directive, then the newest
+    rollback or resume.
 
     RUN is a run directory (works offline, from steps.jsonl) or a run id on the bus; without RUN,
     every run registered on the bus (--redis-url / SENTINEL_REDIS_URL).

@@ -410,6 +410,11 @@ def parse_rules(text: str, source: str = "<rules>", allow_empty: bool = True) ->
         raise RulesError(_one_line(source, e)) from None
 
 
+def rules_yaml(ruleset: RuleSet) -> str:
+    """``ruleset`` as a rules file, every setting written out: ``parse_rules`` reads it back equal."""
+    return yaml.safe_dump(ruleset.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
 def default_rules() -> RuleSet:
     """The defaults the daemon uses: ``sentinel/default_rules.yaml`` (shipped with the package;
     a file an operator names is read at the edge, by ``sentinel.rules_file.load_rules``)."""
