@@ -8,7 +8,8 @@ works out whether it was actually sent and what came of it:
   -> directive id); its outcome is the trainer's Ack (``acked`` / ``rejected`` / ``failed`` /
   ``duplicate``), ``timed out`` once the directive expired unanswered, else ``waiting for ack``;
 * without a bus, the trainer's own ``directives.jsonl`` says what it applied (matched by id, else by
-  incident and kind);
+  incident and kind, one to one in order: two ``skip-samples`` of one incident are two directives,
+  each with its own answer, never both the first one's);
 * a dry-run decision is shown as ``would send (dry run)`` and never as sent;
 * anything else (rate-limited, duplicate, a hands-off escalation) was *not sent* and is left out of
   the action table (counted in its caption; ``--json`` keeps every action with its outcome).
@@ -56,14 +57,42 @@ def _status_word(status: Any) -> str:
     return ACK_WORDS.get(status, str(status)) if isinstance(status, str) else str(status)
 
 
+def _entry_key(i: int, d: dict[str, Any]) -> str | int:
+    """What one directive is in the trainer's log: its id (a redelivered directive logged twice, as
+    ``applied`` then ``duplicate``, is still one directive), else the line's position."""
+    return d["id"] if d["id"] is not None else i
+
+
+def _match_by_kind(act: dict[str, Any], log: list[dict], claimed: set) -> dict[str, Any] | None:
+    """The first log entry of the action's incident and kind, applied no earlier than it was
+    decided, that no other action has claimed; claims it. One to one, in order: the n-th
+    ``skip-samples`` of an incident is the n-th one the trainer logged for it."""
+    for i, d in enumerate(log):
+        key = _entry_key(i, d)
+        if key in claimed or d["incident_id"] != act["incident_id"] or d["kind"] != act["kind"]:
+            continue
+        if d["time"] >= (act["time"] or 0.0) - 1:
+            claimed.add(key)
+            return d
+    return None
+
+
 def action_outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks: dict[str, dict],
                    trainer_log: list[dict], now: float | None = None) -> dict[str, Any]:
     """``{"sent": bool, "outcome": str, "directive_id": str | None}`` for one incident action.
 
     ``applied``: the bus's idempotency hash (None without a bus); ``acks``: directive id -> Ack dict;
-    ``trainer_log``: the trainer's ``directives.jsonl`` entries."""
+    ``trainer_log``: the trainer's ``directives.jsonl`` entries. For every action of an incident use
+    ``annotate_actions``: only it keeps one log entry from answering for two actions."""
+    log = [_log_entry(d) for d in trainer_log if isinstance(d, dict)]
+    return _outcome(_typed(act), applied=applied, acks=acks, log=log, now=now, claimed=set())
+
+
+def _outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks: dict[str, dict], log: list[dict],
+             now: float | None, claimed: set) -> dict[str, Any]:
+    """``action_outcome`` of a typed action against a typed log; ``claimed``: the log entries
+    (``_entry_key``) already answering for other actions of the incident, grown by this one."""
     now = time.time() if now is None else now
-    act = _typed(act)
     kind = act["kind"]
     if act["dry_run"]:
         return {"sent": False, "outcome": DRY_RUN, "directive_id": None}
@@ -75,10 +104,8 @@ def action_outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks:
         return {"sent": False, "outcome": act["outcome"] or NOT_SENT, "directive_id": did}
     if did is None and applied is not None:
         did = applied.get(act["idempotency_key"])
-    log = [_log_entry(d) for d in trainer_log if isinstance(d, dict)]
     if did is None and applied is None:  # no bus: the trainer's own log, by incident and kind
-        hit = next((d for d in log if d["incident_id"] == act["incident_id"] and d["kind"] == kind
-                    and d["time"] >= (act["time"] or 0.0) - 1), None)
+        hit = _match_by_kind(act, log, claimed)
         if hit is not None:
             return {"sent": True, "outcome": _status_word(hit["status"]), "directive_id": hit["id"]}
     if did is None:
@@ -103,8 +130,17 @@ def action_outcome(act: dict[str, Any], *, applied: dict[str, str] | None, acks:
     return {"sent": True, "outcome": "timed out" if expired else "waiting for ack", "directive_id": did}
 
 
-def annotate_actions(inc: dict[str, Any], **kw) -> None:
-    """Add ``sent``/``outcome``/``directive_id`` to every action of an incident dict, in place."""
-    for a in inc.get("actions") or []:
-        a.update(action_outcome(a, **kw))
+def annotate_actions(inc: dict[str, Any], *, applied: dict[str, str] | None, acks: dict[str, dict],
+                     trainer_log: list[dict], now: float | None = None) -> None:
+    """Add ``sent``/``outcome``/``directive_id`` to every action of an incident dict, in place.
+
+    Each ``directives.jsonl`` entry answers for one action at most: the directives the actions name
+    by id are claimed first, so matching the others by incident and kind, in order, cannot hand one
+    of them an entry that belongs to an action named later."""
+    acts = [a for a in inc.get("actions") or [] if isinstance(a, dict)]
+    typed = [_typed(a) for a in acts]
+    log = [_log_entry(d) for d in trainer_log if isinstance(d, dict)]
+    claimed: set = {t["directive_id"] for t in typed if t["directive_id"] is not None}
+    for a, t in zip(acts, typed):
+        a.update(_outcome(t, applied=applied, acks=acks, log=log, now=now, claimed=claimed))
 

@@ -303,7 +303,7 @@ class RunPolicy:
         elif inc.state == "escalated" and self._current == incident_id:
             self._event("approved", "info", "operator handed the run back to automation", step=self.last_step, incident_id=inc.id)
             out.append(self._incident_action(inc, "resume", "operator approved resuming after escalation"))
-            inc.closed_at = self.clock()
+            self._stamp_closed(inc, self.last_step, "operator handed the run back to automation")
             self._current, self._ep, self._state = None, {}, "healthy"
         else:
             raise ValueError(f"incident {incident_id} is {inc.state}: nothing to approve")
@@ -524,11 +524,12 @@ class RunPolicy:
         deadline = ep["verify_from"] + self.cfg.verify_window_steps
         in_band = base is None or median_of(recent) <= base * (1 + self.cfg.verify_tolerance)
         past_bad_region = rec.step > inc.detect_step or rec.step >= deadline
+        base_txt = "unknown" if base is None else f"{base:.4g}"
         if in_band and past_bad_region:
-            self._close("healthy", rec.step, f"recovered: loss {median_of(recent):.4g} within band of baseline {base} at step {rec.step}")
+            self._close("healthy", rec.step, f"recovered: loss {median_of(recent):.4g} within band of baseline {base_txt} at step {rec.step}")
         elif rec.step >= deadline:
             self._escalate(f"loss did not come back within {self.cfg.verify_window_steps} steps of the restore "
-                           f"(recent {median_of(recent):.4g} vs baseline {base})", out, rec.step)
+                           f"(recent {median_of(recent):.4g} vs baseline {base_txt})", out, rec.step)
 
     def _escalate(self, why: str, out: list[Action], step: int | None) -> None:
         inc = self._incidents.get(self._current) if self._current else None
@@ -549,13 +550,20 @@ class RunPolicy:
     def _close(self, state: str, step: int | None, why: str) -> None:
         inc = self._incidents[self._current]
         self._set_state(state, inc)
-        inc.closed_at = self.clock()
+        self._stamp_closed(inc, step, why)
         if state == "recovered":  # the spike's samples stay on record as suspects (not skipped)
             ids = self._sample_ids_between(self._ep.get("onset", 0), self._ep.get("last", -1))  # steps are >= 0
             inc.suspects = merge_ranges(ids_to_ranges(ids))
         self._event("incident_closed", "info", why, step=step, incident_id=inc.id)
         self._current, self._ep = None, {}
         self._state = "healthy"
+
+    def _stamp_closed(self, inc: Incident, step: int | None, why: str) -> None:
+        """Close ``inc`` now, recording at which step and why on the incident itself: the
+        ``incident_closed`` event says so too, but events live only on the bus, and an outcome read
+        back from the run dir's mirror must still show its evidence."""
+        inc.closed_at = self.clock()
+        inc.closed_step, inc.close_reason = step, why
 
     def _sample_ids_between(self, lo: int, hi: int) -> list[int]:
         """The sample ids of the remembered steps in [lo, hi], oldest first. The steps arrive in
@@ -613,9 +621,10 @@ class RunPolicy:
             return  # a record from before the hang (a backlog being replayed)
         self._hang = None
         if inc is not None:
-            inc.state, inc.closed_at = "recovered", self.clock()
-            self._event("incident_closed", "info", f"steps flow again: step {rec.step} after the hang", step=rec.step,
-                        incident_id=inc.id)
+            why = f"steps flow again: step {rec.step} after the hang"
+            inc.state = "recovered"
+            self._stamp_closed(inc, rec.step, why)
+            self._event("incident_closed", "info", why, step=rec.step, incident_id=inc.id)
 
     def _emit(self, out: list[Action]) -> list[Action]:
         """Record every action as an event; a dry run returns none of them."""

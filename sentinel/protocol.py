@@ -371,6 +371,10 @@ class Incident(_Record):
     skip_ranges: list[tuple[int, int]] = Field(default_factory=list)
     pattern: str | None = None  # spike episodes of the run: one-off | periodic | increasing (policy._classify)
     suspects: list[tuple[int, int]] = Field(default_factory=list)  # sample ids of a recovered spike (kept, not skipped)
+    # why and at which step the policy closed it (RunPolicy._close): the evidence for the outcome,
+    # kept on the incident so the run dir's mirror still has it with the bus (and its events) gone
+    closed_step: int | None = None
+    close_reason: str | None = None
 
 
 CheckpointVerification = Literal["unverified", "checksum_ok", "resume_verified", "failed"]
@@ -640,7 +644,8 @@ def record_range_error(rec: _Record) -> str | None:
                    _bad_float("time", rec.time, nonfinite_ok=False)]
     elif isinstance(rec, Incident):  # the daemon's own record, but read back from a file or a shared bus
         checks += [_bad_int(name, x, 0, MAX_STEP) for name, x in (("onset_step", rec.onset_step),
-                   ("detect_step", rec.detect_step), ("rollback_to", rec.rollback_to)) if x is not None]
+                   ("detect_step", rec.detect_step), ("rollback_to", rec.rollback_to), ("closed_step", rec.closed_step))
+                   if x is not None]
         checks += [_bad_float(name, x, nonfinite_ok=False) for name, x in (("opened_at", rec.opened_at),
                    ("closed_at", rec.closed_at)) if x is not None]
         checks += [f"skip range {lo}:{hi} is out of range" for lo, hi in rec.skip_ranges + rec.suspects

@@ -203,15 +203,15 @@ def count_bus_entries(out: dict, rejected: list[str]) -> None:
     out["rejected_bus_entries"], out["first_rejected_bus_entry"] = len(rejected), (rejected[0] if rejected else None)
 
 
-def fmt_clock(t, fmt: str = "%H:%M:%S") -> str:
-    """A wall-clock time for a table; "?" for a value no clock can show (a corrupt or hostile line's
-    "x", NaN or 1e30 must not take the whole view down with it)."""
+def fmt_clock(t, fmt: str = "%H:%M:%S", utc: bool = False) -> str:
+    """A wall-clock time for a table (local, or UTC); "?" for a value no clock can show (a corrupt
+    or hostile line's "x", NaN or 1e30 must not take the whole view down with it)."""
     import time
 
     if isinstance(t, bool) or not isinstance(t, (int, float)):
         return "?"
     try:
-        return time.strftime(fmt, time.localtime(t))
+        return time.strftime(fmt, time.gmtime(t) if utc else time.localtime(t))
     except (OverflowError, OSError, ValueError):
         return "?"
 

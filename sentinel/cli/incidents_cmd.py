@@ -8,6 +8,8 @@ stream, which the leader daemon reads (``RunWatcher._read_approvals``) and acts 
 
 from __future__ import annotations
 
+import re
+import shlex
 import time
 
 import click
@@ -19,6 +21,10 @@ from sentinel.protocol import finite_or_none
 
 EVENTS_SCAN = 20_000  # newest events read per run to build timelines
 APPROVABLE = ("awaiting_approval", "escalated")
+# the shape of an incident id (RunPolicy: RUN-tTIMELINE-sSTEP[-n|-esc|-hang-T]; sentinel rollback:
+# RUN-manual-YYYYmmddTHHMMSS-xxxx), to tell a person who passed one as RUN how to ask for it
+INCIDENT_ID_SHAPE = re.compile(r"-(?:t\d+-s\d+|manual-\d{8}T\d{6})")
+NOT_DAMAGE = ("suspect", "recovered")  # states of an episode the policy never judged to be damage
 
 
 def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = None) -> dict:
@@ -28,7 +34,8 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
     from sentinel.rundir import read_incidents_log
     from sentinel.protocol import Ack, Event, SchemaError
 
-    out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "incidents": []}
+    out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "only_open": only_open,
+                 "incidents": []}
     rejected: list[str] = []  # malformed lines of the run directory's incidents.jsonl, skipped
     bad_entries: list[str] = []  # malformed entries of the bus's incidents hash, skipped
     trainer_log = rundir.read_directives_log(ref.run_dir, tail=2000) if ref.run_dir else []
@@ -77,6 +84,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
             continue
         d = inc.model_dump(mode="json", exclude={"v"})
         d["open"] = inc.closed_at is None
+        d["first_flagged_step"] = _first_flagged(inc)
         d["timeline"] = by_id.get(inc.id, [])
         d["outcome"] = _outcome(inc, d["timeline"])
         annotate_actions(d, applied=applied, acks=acks, trainer_log=trainer_log)
@@ -86,7 +94,18 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
     return out
 
 
+def _first_flagged(inc) -> int | None:
+    """The earliest step in the incident's evidence: the step a rule first flagged. ``detect_step``
+    is the step the policy declared damage (or the episode's last flagged step), so a spike flagged
+    at 101 and judged damage at 112 reads "detected 112" unless this is shown beside it."""
+    steps = [e.get("step") for e in inc.evidence if isinstance(e, dict)]
+    steps = [s for s in steps if isinstance(s, int) and not isinstance(s, bool)]
+    return min(steps) if steps else None
+
+
 def _outcome(inc, timeline: list[dict]) -> str:
+    """One line: what the incident came to. A closed incident says at which step and why (the
+    policy's own reason, kept on the incident): "closed (healthy)" alone gives no evidence."""
     if inc.closed_at is None:
         if inc.actions and all(a.get("dry_run") for a in inc.actions):
             return "dry run: nothing was sent; one incident held open until the loss is back in band"
@@ -94,6 +113,9 @@ def _outcome(inc, timeline: list[dict]) -> str:
                 "escalated": "escalated: automation stopped, a human must act",
                 "verifying": "rolled back; verifying recovery", "rollback": "rollback in progress",
                 }.get(inc.state, f"open ({inc.state})")
+    if inc.close_reason:
+        at = f" at step {inc.closed_step}" if inc.closed_step is not None else ""
+        return f"closed ({inc.state}){at}: {inc.close_reason}"
     for ev in reversed(timeline):
         if ev["kind"] in ("incident_closed", "manual_rollback", "approved"):
             return ev["message"]
@@ -114,20 +136,18 @@ def _render(runs: list[dict]):
         if run["source"] == "files":
             parts.append(Text(f"{run['run']}: no control bus ({run.get('note') or 'offline'}); "
                               "from the run directory:", style="yellow"))
-            if not run["incidents"]:
-                parts.append(_files_table(run))
         if not run["incidents"]:
-            if run["source"] != "files":
-                parts.append(Text(f"{run['run']}: no incidents", style="green"))
+            parts.extend(_no_incidents(run))
             continue
         for inc in run["incidents"]:
             style = "red" if inc["open"] else "green"
             dur = fmt_duration((inc["closed_at"] or time.time()) - inc["opened_at"])
             pat = inc.get("pattern")
+            at = f" at step {inc['closed_step']}" if inc.get("closed_step") is not None else ""
             head = Text.assemble(("rule ", "dim"), (inc["rule"], "bold"), ("  state ", "dim"), (inc["state"], style),
-                                 ("  onset step ", "dim"), str(inc["onset_step"]), (", detected ", "dim"),
-                                 str(inc["detect_step"]), ("\nopened ", "dim"), _ts(inc["opened_at"]), "  ",
-                                 (f"closed after {dur}" if not inc["open"] else f"open for {dur}", style),
+                                 ("\nonset step ", "dim"), str(inc["onset_step"]), *_steps(inc),
+                                 ("\nopened ", "dim"), _ts(inc["opened_at"]), "  ",
+                                 (f"closed after {dur}{at}" if not inc["open"] else f"open for {dur}", style),
                                  *((("  spikes ", "dim"), (pat, "bold red" if pat == "increasing" else "bold")) if pat else ()))
             body = [head]
             ev = inc.get("evidence") or []
@@ -148,12 +168,12 @@ def _render(runs: list[dict]):
             tl = inc.get("timeline") or []
             if tl:
                 tt = Table(title="timeline", title_justify="left", show_edge=False, pad_edge=False)
-                tt.add_column("time", no_wrap=True)
+                tt.add_column("time (UTC)", no_wrap=True)
                 tt.add_column("step", justify="right", no_wrap=True)
                 tt.add_column("event", ratio=1)
                 sev = {"critical": "red", "warning": "yellow"}
                 for e in tl[-30:]:
-                    tt.add_row(fmt_clock(e["time"]),
+                    tt.add_row(_utc(e["time"]),
                                "" if e.get("step") is None else str(e["step"]),
                                Text.assemble((e["kind"], sev.get(e["severity"], "bold")), " ", e["message"]))
                 body.append(tt)
@@ -167,8 +187,42 @@ def _render(runs: list[dict]):
     return Group(*parts)
 
 
+def _no_incidents(run: dict) -> list:
+    """What a run without (open) incidents shows: says so, whatever the source. Without a bus and
+    without --open, the run directory's manual actions and applied directives follow; with --open
+    they do not answer the question (--json still lists them)."""
+    from rich.text import Text
+
+    what = "no open incidents" if run.get("only_open") else "no incidents"
+    out = [Text(f"{run['run']}: {what}", style="green")]
+    if run["source"] == "files" and not run.get("only_open"):
+        out.append(_files_table(run))
+    return out
+
+
+def _steps(inc: dict) -> tuple:
+    """The heading's step words: ", detected D", or, when a rule flagged the episode before that,
+    ", first flagged F, declared D" (damage) / ", first flagged F, last flagged D" (an episode that
+    recovered), so the step damage was declared at does not hide the step it was first seen."""
+    flagged, detect = inc.get("first_flagged_step"), inc["detect_step"]
+    if flagged is None or flagged >= detect:
+        return ((", detected ", "dim"), str(detect))
+    last = "last flagged" if inc["state"] in NOT_DAMAGE else "declared"
+    return ((", first flagged ", "dim"), str(flagged), (f", {last} ", "dim"), str(detect))
+
+
+def _utc(t, fmt: str = "%H:%M:%S") -> str:
+    """A wall-clock time in UTC: incidents are read next to other machines' logs and by people in
+    other zones, so an unlabelled local time is ambiguous."""
+    return fmt_clock(t, fmt, utc=True)
+
+
 def _ts(t):
-    return fmt_clock(t, "%Y-%m-%d %H:%M:%S") if t else "-"
+    """A date and time, labelled UTC."""
+    if not t:
+        return "-"
+    s = _utc(t, "%Y-%m-%d %H:%M:%S")
+    return s if s == "?" else f"{s} UTC"
 
 
 _OUTCOME_STYLE = {"acked": "green", "acked (duplicate)": "green", "rejected": "bold red", "failed": "bold red",
@@ -191,7 +245,7 @@ def _actions_table(inc: dict) -> list:
     dry = all(a.get("dry_run") for a in shown)
     at = Table(title="would-be actions (dry run: nothing was sent)" if dry else "actions sent", title_justify="left",
                show_edge=False, pad_edge=False)
-    at.add_column("time", no_wrap=True)
+    at.add_column("time (UTC)", no_wrap=True)
     at.add_column("action", no_wrap=True)
     at.add_column("outcome", no_wrap=True)
     at.add_column("why", ratio=1)
@@ -205,7 +259,7 @@ def _actions_table(inc: dict) -> list:
         who = str(a.get("issuer") or "")
         why = str(a.get("reason") or "") + (f" (by {who})" if who.startswith("cli:") else "")
         outcome = a.get("outcome") or ""
-        at.add_row(fmt_clock(a["time"]) if a.get("time") else "-", what,
+        at.add_row(_utc(a["time"]) if a.get("time") else "-", what,
                    Text(outcome, style=_OUTCOME_STYLE.get(outcome, "")), Text(why))
     if hidden:
         at.caption = f"{hidden} more decided but not sent (rate limit, duplicate, hands off); --json lists them"
@@ -218,7 +272,7 @@ def _files_table(run: dict):
 
     t = Table(title="manual actions (audit.jsonl) and applied directives (directives.jsonl)", title_justify="left",
               show_edge=False, pad_edge=False)
-    t.add_column("time", no_wrap=True)
+    t.add_column("time (UTC)", no_wrap=True)
     t.add_column("step", justify="right", no_wrap=True)
     t.add_column("what", ratio=1)
     rows = [(a.get("time"), a.get("to_step", a.get("step", "")),
@@ -228,7 +282,8 @@ def _files_table(run: dict):
               f"{d.get('kind')} {d.get('status')} by {d.get('issuer', '?')}: {d.get('reason') or ''}")
              for d in run.get("directives", [])]
     for r in sorted(rows, key=lambda x: finite_or_none(x[0]) or 0.0):
-        t.add_row(_ts(r[0]), "" if r[1] is None else str(r[1]), Text(r[2].rstrip(": ")))
+        when = _utc(r[0], "%Y-%m-%d %H:%M:%S") if r[0] else "-"  # the column says UTC: no suffix per row
+        t.add_row(when, "" if r[1] is None else str(r[1]), Text(r[2].rstrip(": ")))
     return t
 
 
@@ -270,6 +325,7 @@ def incidents(runs, only_open, incident_id, redis_url, as_json):
     """Incident timelines: evidence (the triggering step records), actions and outcomes.
 
     RUN is a run directory or a run id on the bus; without RUN, every run registered on the bus.
+    One incident: sentinel incidents RUN --id INCIDENT. Times are UTC.
     """
     from sentinel.runref import ops_errors
 
@@ -277,9 +333,7 @@ def incidents(runs, only_open, incident_id, redis_url, as_json):
 
 
 def _incidents(runs, only_open, incident_id, redis_url, as_json):
-    from sentinel.runref import resolve_many
-
-    refs = resolve_many(runs, redis_url)
+    refs = _resolve_runs(runs, redis_url)
     out = [run_incidents(ref, only_open=only_open, incident_id=incident_id) for ref in refs]
     if incident_id and not any(r["incidents"] for r in out):
         raise SentinelError(f"incident {incident_id} not found")
@@ -288,6 +342,27 @@ def _incidents(runs, only_open, incident_id, redis_url, as_json):
             if ref.run_dir is not None and run["incidents"]:
                 _attach_report(ref, run, incident_id)
     emit_runs(out, as_json, _render)
+
+
+def _resolve_runs(runs, redis_url):
+    """The RUN arguments as run refs. RUN is variadic (several runs at once), so an incident id
+    given positionally (``incidents RUN INCIDENT``) is taken for a run and fails to resolve: that
+    error then says how to ask for one incident, instead of only that it is not a run."""
+    from sentinel.runref import RunRefError, all_runs, resolve
+
+    if not runs:
+        return all_runs(redis_url)
+    refs = []
+    for x in runs:
+        try:
+            refs.append(resolve(x, redis_url))
+        except RunRefError as e:
+            if not INCIDENT_ID_SHAPE.search(x):
+                raise
+            run = next((r for r in runs if r != x and not INCIDENT_ID_SHAPE.search(r)), "RUN")
+            raise RunRefError(f"{e}; {x!r} looks like an incident id: to show one incident: "
+                              f"sentinel incidents {shlex.quote(run)} --id {shlex.quote(x)}") from None
+    return refs
 
 
 # --------------------------------------------------------------------------------------------
