@@ -34,6 +34,10 @@ def fmt(x) -> str:
 @click.option("--step", "step", required=True, type=click.IntRange(min=1), help="The step whose batch to replay.")
 @click.option("--checkpoint", "checkpoint", default=None, metavar="ID",
               help="Start from this checkpoint (a step number); default: the newest valid one before the step.")
+@click.option("--timeline", "timeline", default=None, type=click.IntRange(min=0), metavar="T",
+              help="Replay the step as timeline T trained it (after a rollback a step exists on the abandoned "
+                   "branch and on the surviving one); default: the surviving record. The checkpoint comes from "
+                   "T's own lineage.")
 @click.option("--top", "top_k", default=5, show_default=True, type=click.IntRange(min=0), help="How many culprit samples to name.")
 @click.option("--rank-by", "rank_by", type=click.Choice(["loss", "grad_norm"]), default="loss", show_default=True,
               help="Rank culprits by per-sample loss or by per-sample gradient norm.")
@@ -41,7 +45,8 @@ def fmt(x) -> str:
               "skip-samples directive when the run's control bus answers).")
 @json_option
 @friendly_errors
-def replay_batch(run: str, step: int, checkpoint: str | None, top_k: int, rank_by: str, skip_culprits: bool, as_json: bool) -> None:
+def replay_batch(run: str, step: int, checkpoint: str | None, timeline: int | None, top_k: int, rank_by: str,
+                 skip_culprits: bool, as_json: bool) -> None:
     """Replay exactly the batch RUN trained on at --step, offline, and name its culprit samples.
 
     Restores the newest valid checkpoint before the step, fast-forwards with the recorded sample ids
@@ -51,14 +56,16 @@ def replay_batch(run: str, step: int, checkpoint: str | None, top_k: int, rank_b
     is suspected. Per-sample losses and gradient norms name the culprits (id, data source, shard,
     offset, text).
     Multi-rank runs are replayed on the same number of ranks (torchrun).
+    A step trained on more than one timeline (a rollback abandoned the first) is named in a warning;
+    --timeline picks the abandoned branch's record.
     """
     from sentinel.offline import OfflineError, launch_workers, open_run, precheck_checkpoint
 
     ck = parse_checkpoint(checkpoint)
     try:
         log = open_run(run)
-        if step not in log.records:
-            raise OfflineError(f"step {step} is not in the step log of {run} ({log.span()})")
+        if timeline is None and step not in log.records:
+            raise OfflineError(_not_surviving(log, step))
         if ck is not None and ck >= step:
             raise OfflineError(f"checkpoint {ck} is not before step {step}: replay needs the state before the step")
         bar, report = make_progress(not as_json and is_tty())
@@ -70,9 +77,13 @@ def replay_batch(run: str, step: int, checkpoint: str | None, top_k: int, rank_b
                 argv = ["replay", str(log.run_dir), "--step", str(step), "--top", str(top_k), "--rank-by", rank_by]
                 if ck is not None:
                     argv += ["--checkpoint", str(ck)]
+                if timeline is not None:
+                    argv += ["--timeline", str(timeline)]
                 res = launch_workers(log.world_size, argv, progress=report)
+                for m in res.get("warnings", []):  # the workers' stderr went to their log file
+                    click.echo(m, err=True)
             else:
-                res = _in_process(log.run_dir, step, ck, top_k, rank_by, report)
+                res = _in_process(log.run_dir, step, ck, timeline, top_k, rank_by, report)
         finally:
             if bar is not None:
                 bar.stop()
@@ -87,7 +98,21 @@ def replay_batch(run: str, step: int, checkpoint: str | None, top_k: int, rank_b
     _render(res)
 
 
-def _in_process(run_dir, step, ck, top_k, rank_by, report):
+def _not_surviving(log, step: int) -> str:
+    """Why ``step`` cannot be replayed by default: absent from the log, or only on abandoned
+    timelines (then: which, and the --timeline that replays it). Torch-free, before any replay."""
+    from sentinel.protocol import StepRecord
+    from trainer.steplog import read
+
+    log_path = log.run_dir / "steps.jsonl"
+    gone = sorted({r.timeline for r in read(log_path) if isinstance(r, StepRecord) and r.step == step})
+    if not gone:
+        return f"step {step} is not in the step log of {log.run_dir} ({log.span()})"
+    return (f"step {step} is not on the surviving timeline ({log.span()}); it was trained on abandoned timeline(s) "
+            f"{', '.join(map(str, gone))}: pass {' or '.join(f'--timeline {t}' for t in gone)} to replay it")
+
+
+def _in_process(run_dir, step, ck, timeline, top_k, rank_by, report):
     from sentinel.offline import OfflineError
     from sentinel.offline.replay import replay
     from trainer.checkpoint import CheckpointError
@@ -96,8 +121,8 @@ def _in_process(run_dir, step, ck, top_k, rank_by, report):
     from trainer.train import TrainingError
 
     try:
-        return replay(_env(run_dir), run_dir, step, checkpoint=ck, top_k=top_k, rank_by=rank_by, progress=report,
-                      warn=lambda m: click.echo(m, err=True))
+        return replay(_env(run_dir), run_dir, step, checkpoint=ck, timeline=timeline, top_k=top_k, rank_by=rank_by,
+                      progress=report, warn=lambda m: click.echo(m, err=True))
     except (CheckpointError, TrainingError, DataError, ConfigError) as e:
         raise OfflineError(str(e)) from None
 
@@ -131,7 +156,8 @@ def _render(res: dict) -> None:
     from rich.text import Text
 
     con = Console()
-    con.print(Text(f"replay of step {res['step']} from checkpoint {res['checkpoint']} "
+    on = f" (timeline {res['timeline']})" if len(res.get("timelines", [])) > 1 else ""
+    con.print(Text(f"replay of step {res['step']}{on} from checkpoint {res['checkpoint']} "
                    f"({res['world_size']} rank(s), {res['device']}, tolerance {res['tolerance']}; "
                    f"fast-forward {res['fast_forward']['steps']} step(s): "
                    f"{'matched the log' if res['fast_forward']['matched'] else 'DIVERGED'})"))

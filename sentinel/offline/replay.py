@@ -2,9 +2,13 @@
 
 Procedure (the spirit of Megatron's rerun machinery, done from a checkpoint):
 
-1. Restore the newest valid checkpoint C <= N-1 (or the one asked for) into an offline
-   :class:`trainer.train.Trainer` with the run's own config and world size.
-2. Fast-forward C+1 .. N-1 with the **recorded** sample ids of each step (authoritative
+0. Pick the branch: after a rollback a step can exist on an abandoned timeline and on the surviving
+   one. The default is the surviving record (``authoritative_steps``); ``timeline`` picks another,
+   and a warning names every timeline that trained the step (see "branches" below).
+1. Restore the newest valid checkpoint C <= N-1 of that branch's own lineage (or the one asked
+   for) into an offline :class:`trainer.train.Trainer` with the run's own config and world size;
+   the checkpoint brings that branch's data cursor, skip list, guard and RNG state.
+2. Fast-forward C+1 .. N-1 with the **recorded** sample ids of each step (that branch's records in
    steps.jsonl), checking every step's batch fingerprint, LR, loss, grad norm and guard verdict
    against the log, with ``train_step(apply=True)``.
 3. Run step N's forward and backward with ``apply=False`` and compare loss and grad norm with the
@@ -22,10 +26,12 @@ makes the same collective calls on each; results are gathered so every rank retu
 
 from __future__ import annotations
 
+import json
 import math
 import unicodedata
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -134,6 +140,171 @@ def run_step(tr, ids: list[int], *, apply: bool) -> dict:
     return {"loss": float(loss.item()), "rank_losses": [float(x) for x in ranks.tolist()],
             "grad_norm": float(gnorm.item()), "lr": lr, "skipped": float(factor.item()) == 0.0,
             "reason": int(reason.item())}
+
+
+# ------------------------------------------------------------------------------------ branches
+#
+# After a rollback (or a resume) the steps after the restored checkpoint are trained again on a new
+# timeline, so one step number can have a record on an abandoned branch (often the damaged one the
+# on-call engineer asks about) and another on the surviving branch. Each timeline's view of the run
+# is its own lineage: the records of the timeline before it up to the step it restored, then its own.
+# This is the same reading as ``authoritative_steps`` (a timeline record supersedes every later step
+# of the timeline before it); the surviving branch is the last timeline of the log.
+
+
+@dataclass
+class Branch:
+    """One timeline and the records its weights went through, step by step."""
+
+    timeline: int
+    kind: str  # start | resume | rollback (how the timeline began)
+    parent: int | None  # the timeline whose state it restored; None for a fresh start
+    from_step: int  # the checkpoint step it restored (0 for a fresh start)
+    records: dict = field(default_factory=dict)  # step -> StepRecord: the ancestors' up to from_step, then its own
+
+    def trained(self, step: int) -> bool:
+        """Did this timeline train ``step`` itself (rather than inherit the record of its parent)?"""
+        return step in self.records and (self.parent is None or step > self.from_step)
+
+
+def branches(lines) -> dict[int, Branch]:
+    """Every timeline of a steps.jsonl record sequence, in log order (the last one survives)."""
+    from sentinel.protocol import StepRecord, TimelineRecord
+
+    out: dict[int, Branch] = {}
+    cur: Branch | None = None
+    for r in lines:
+        if isinstance(r, TimelineRecord):
+            parent = cur if r.kind != "start" else None  # a fresh start inherits no state
+            prefix = {s: x for s, x in parent.records.items() if s <= r.from_step} if parent else {}
+            cur = Branch(r.timeline, r.kind, parent.timeline if parent else None, r.from_step, prefix)
+            out.pop(r.timeline, None)  # keep log order if a timeline number is reused
+            out[r.timeline] = cur
+        elif isinstance(r, StepRecord):
+            if cur is None:  # a log that does not begin with a timeline record
+                cur = out[r.timeline] = Branch(r.timeline, "start", None, 0)
+            cur.records[r.step] = r
+    return out
+
+
+def owner(views: dict[int, Branch], timeline: int, step: int) -> int | None:
+    """The timeline whose training produced the state after ``step`` on ``timeline``'s branch (its
+    checkpoint at ``step`` is that timeline's); None for a timeline the log does not know."""
+    b = views.get(timeline)
+    while b is not None and b.parent is not None and step <= b.from_step:
+        b = views.get(b.parent)
+    return None if b is None else b.timeline
+
+
+def manifest_timeline(path: Path) -> int | None:
+    """The timeline a checkpoint says it was written on (its manifest; verified later), or None."""
+    try:
+        t = json.loads((path / "manifest.json").read_bytes()).get("timeline")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return t if isinstance(t, int) and not isinstance(t, bool) else None
+
+
+def on_branch(views: dict[int, Branch], timeline: int, ck_step: int, ck_timeline: int | None) -> bool:
+    """Is checkpoint ``ck_step``, written on ``ck_timeline``, a state of ``timeline``'s branch? Yes when
+    both lineages got the state after ``ck_step`` from the same timeline: the checkpoint a rollback
+    restored is the common ancestor of both branches, one saved after the fork belongs to one only
+    (a later timeline re-saving a step overwrites the abandoned branch's checkpoint). A checkpoint
+    that names no timeline (older trainers) is taken for the surviving branch's, the last writer."""
+    if ck_timeline is None:
+        ck_timeline = next(reversed(views)) if views else timeline
+    mine = owner(views, timeline, ck_step)
+    return mine is not None and owner(views, ck_timeline, ck_step) == mine
+
+
+def newest_on_branch(tr, at_or_before: int, fits) -> tuple:
+    """``Checkpointer.newest_valid`` restricted to the checkpoints ``fits(step, timeline)`` accepts:
+    (the newest valid one or None, "step (timeline T)" of each one passed over for its lineage).
+    The lineage is read from the manifest before any sha256 is computed."""
+    from trainer.checkpoint import CheckpointError, ValidCheckpoint, list_checkpoints, verify
+
+    foreign: list[str] = []
+    for s, path in list_checkpoints(tr.ckpt.root):
+        if s > at_or_before:
+            continue
+        t = manifest_timeline(path)
+        if not fits(s, t):
+            foreign.append(f"{s} (timeline {t if t is not None else 'unnamed'})")
+            continue
+        try:
+            return ValidCheckpoint(s, path, verify(path)), foreign
+        except CheckpointError as e:
+            if tr.env.is_main:
+                tr.ckpt.log(f"warning: checkpoint {e}; falling back to the previous one")
+    return None, foreign
+
+
+def and_list(items) -> str:
+    items = [str(x) for x in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def abandoned_by(views: dict[int, Branch], timeline: int, step: int) -> Branch | None:
+    """The timeline that abandoned ``timeline``'s record of ``step``: the first later one that
+    restored a checkpoint before the step (each timeline continues the one before it in the log)."""
+    order = list(views)
+    for b in (views[t] for t in order[order.index(timeline) + 1:]):
+        if b.from_step < step:
+            return b
+    return None
+
+
+def pick_branch(views: dict[int, Branch], run_dir: Path, step: int, timeline: int | None) -> tuple[int, dict]:
+    """(branch, its records) to replay ``step`` on: ``timeline``'s, or by default the surviving one's.
+    A step the chosen branch never reached is a one-line OfflineError that names where it is."""
+    if not views:
+        raise OfflineError(f"step {step} is not in the step log of {run_dir} (no steps)")
+    elsewhere = [t for t, b in views.items() if b.trained(step)]
+    if timeline is None:
+        timeline = next(reversed(views))
+        if step not in views[timeline].records:
+            recs = views[timeline].records
+            span = f"steps {min(recs)}..{max(recs)}" if recs else "no steps"
+            if elsewhere:
+                ts = " or ".join(f"--timeline {t}" for t in elsewhere)
+                raise OfflineError(f"step {step} is not on the surviving timeline {timeline} ({span}); it was trained "
+                                   f"on abandoned timeline(s) {and_list(elsewhere)}: pass {ts} to replay it")
+            raise OfflineError(f"step {step} is not in the step log of {run_dir} ({span})")
+    elif timeline not in views:
+        raise OfflineError(f"timeline {timeline} is not in the step log of {run_dir} (timelines {and_list(views)})")
+    recs = views[timeline].records
+    if step not in recs:
+        where = f"; it was trained on timeline(s) {and_list(elsewhere)}" if elsewhere else ""
+        span = f"steps {min(recs)}..{max(recs)}" if recs else "no steps"
+        raise OfflineError(f"step {step} is not on timeline {timeline} ({span}){where}")
+    return timeline, recs
+
+
+def branch_warning(views: dict[int, Branch], step: int, timeline: int) -> str | None:
+    """One line when ``step`` was trained on more than one timeline: which ones, which record is
+    replayed, and how to replay the others. An abandoned record outside its own branch's loss band
+    (or dropped by the guard) is called anomalous: that is the batch someone asking about a spike
+    wants, and the default replays the surviving, usually healthy, one."""
+    trained = [t for t, b in views.items() if b.trained(step)]
+    if len(trained) < 2:
+        return None
+    rec = views[timeline].records[step]
+    mine = rec.timeline if rec.timeline in trained else timeline
+    surviving = views[next(reversed(views))].records.get(step)
+    which = "the surviving" if surviving is rec else "the abandoned"
+    head = (f"warning: step {step} was trained on timelines {and_list(trained)}: replaying {which} timeline {mine}'s "
+            f"record (loss {rec.loss:.4g})")
+    others = []
+    for t in (t for t in trained if t != mine):
+        r, by = views[t].records[step], abandoned_by(views, t, step)
+        if r is surviving or by is None:
+            others.append(f"timeline {t}'s is the surviving record (loss {r.loss:.4g}; replayed without --timeline)")
+            continue
+        odd = abnormal(r, loss_band(views[t].records, step))
+        state = f"{'anomalous: ' if odd else ''}loss {r.loss:.4g}{', dropped by the guard' if r.skipped else ''}"
+        others.append(f"timeline {t}'s was abandoned by a {by.kind} to step {by.from_step} ({state}): "
+                      f"pass --timeline {t} to replay it")
+    return head + "; " + "; ".join(others)
 
 
 # ------------------------------------------------------------------------------------ culprits
@@ -313,22 +484,59 @@ def batch_on_weights(tr, ck_step: int, micro, micro_ids, lr) -> float:
 # ------------------------------------------------------------------------------------ replay
 
 
-def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_k: int = 5, rank_by: str = "loss",
-           progress: ProgressFn | None = None, warn=None) -> dict:
-    """Replay step ``step`` of the run in ``run_dir`` (see the module docstring); every rank returns
-    the same result dict."""
-    from trainer import rng
+def pick_checkpoint(tr, views: dict[int, Branch], timeline: int, step: int, checkpoint: int | None, fits, note) -> int:
+    """The checkpoint to restore: ``checkpoint`` if given, else the newest valid one before ``step``,
+    either way one of ``timeline``'s branch. A checkpoint the surviving branch saved after a fork
+    holds none of the abandoned branch's updates: fast-forwarding the abandoned records from it would
+    replay a batch on weights that never trained it."""
     from trainer.checkpoint import CheckpointError
-    from trainer.steplog import authoritative
+
+    if checkpoint is None:
+        passed_over: list[str] = []
+        tr.ckpt.log = passed_over.append
+        ck, foreign = newest_on_branch(tr, step - 1, fits)
+        tr.ckpt.log = note
+        if ck is None:
+            why = [m.removeprefix("warning: checkpoint ").split(";")[0] for m in passed_over]
+            if foreign:
+                why.append(f"{and_list(foreign)} not on timeline {timeline}'s branch")
+            branch = f" of timeline {timeline}'s branch" if len(views) > 1 else ""
+            raise OfflineError(f"no valid checkpoint{branch} at or before step {step - 1} in {tr.ckpt.root}"
+                               + (f" ({'; '.join(why)})" if why else ""))
+        for m in passed_over:
+            note(m)
+        if foreign:
+            note(f"note: checkpoint(s) {and_list(foreign)} passed over: saved on another branch after it forked from "
+                 f"timeline {timeline}'s; replaying from checkpoint {ck.step}")
+        return ck.step
+    if checkpoint >= step:
+        raise OfflineError(f"checkpoint {checkpoint} is not before step {step}: replay needs the state before the step")
+    try:
+        ck = tr.ckpt.exact(checkpoint)
+    except CheckpointError as e:
+        raise OfflineError(checkpoint_problem(e)) from None
+    t = manifest_timeline(ck.path)
+    if not fits(ck.step, t):
+        raise OfflineError(f"checkpoint {ck.step} was saved on timeline {t}, not on timeline {timeline}'s branch (a "
+                           f"later save after the fork replaced it): it does not hold the state timeline {timeline} "
+                           f"trained step {step} from")
+    return ck.step
+
+
+def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, timeline: int | None = None,
+           top_k: int = 5, rank_by: str = "loss", progress: ProgressFn | None = None, warn=None) -> dict:
+    """Replay step ``step`` of the run in ``run_dir`` (see the module docstring); every rank returns
+    the same result dict. ``timeline`` picks the branch whose record of the step is replayed (default:
+    the surviving one); the checkpoint and the fast-forward come from that branch's own lineage."""
+    from trainer import rng
+    from trainer.steplog import read
 
     run_dir = Path(run_dir)
-    records = authoritative(run_dir / "steps.jsonl")
-    rec = records.get(step)
-    if rec is None:
-        span = f"steps {min(records)}..{max(records)}" if records else "no steps"
-        raise OfflineError(f"step {step} is not in the step log of {run_dir} ({span})")
     if step < 1:
         raise OfflineError("steps are numbered from 1")
+    views = branches(read(run_dir / "steps.jsonl"))
+    timeline, records = pick_branch(views, run_dir, step, timeline)
+    rec = records[step]
     warnings: list[str] = []
 
     def note(msg: str) -> None:
@@ -336,29 +544,18 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_
         if env.is_main:
             (warn or _stderr)(msg)
 
+    def fits(ck_step: int, ck_timeline: int | None) -> bool:
+        return on_branch(views, timeline, ck_step, ck_timeline)
+
     tr = build_trainer(run_dir, env, warn=note)
     if tr.global_batch != len(rec.sample_ids):
         raise OfflineError(f"step {step} trained {len(rec.sample_ids)} samples, but the run's config gives a global batch "
                            f"of {tr.global_batch} on {env.world_size} rank(s)")
-    # --- checkpoint
-    if checkpoint is None:
-        passed_over: list[str] = []
-        tr.ckpt.log = passed_over.append
-        ck = tr.ckpt.newest_valid(at_or_before=step - 1)
-        tr.ckpt.log = note
-        if ck is None:
-            why = f" ({'; '.join(m.removeprefix('warning: checkpoint ').split(';')[0] for m in passed_over)})" if passed_over else ""
-            raise OfflineError(f"no valid checkpoint at or before step {step - 1} in {run_dir / 'checkpoints'}{why}")
-        for m in passed_over:
-            note(m)
-        c = ck.step
-    else:
-        if checkpoint >= step:
-            raise OfflineError(f"checkpoint {checkpoint} is not before step {step}: replay needs the state before the step")
-        try:
-            c = tr.ckpt.exact(checkpoint).step
-        except CheckpointError as e:
-            raise OfflineError(checkpoint_problem(e)) from None
+    held: list[str] = []  # said once the checkpoint is settled: an error comes alone, as one line
+    c = pick_checkpoint(tr, views, timeline, step, checkpoint, fits, held.append)
+    tr.ckpt.log = note
+    for m in filter(None, [branch_warning(views, step, timeline), *held]):
+        note(m)
     missing = [s for s in range(c + 1, step) if s not in records]
     if missing:
         raise OfflineError(f"cannot fast-forward from checkpoint {c}: step {missing[0]} is missing from the step log")
@@ -427,7 +624,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_
     if batch["normal"] is False:
         onset = find_onset(records, step)
         batch["onset"] = onset
-        pre = tr.ckpt.newest_valid(at_or_before=onset - 2)  # the same convention as rollback --before-step
+        pre, _ = newest_on_branch(tr, onset - 2, fits)  # the same convention as rollback --before-step
         pre_band = loss_band(records, onset)
         if pre is not None and pre_band is not None:
             rng.restore(rng_before)
@@ -458,6 +655,8 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, top_
     return {
         "run": rec.run,
         "step": step,
+        "timeline": rec.timeline,
+        "timelines": [t for t, b in views.items() if b.trained(step)],
         "checkpoint": c,
         "world_size": env.world_size,
         "device": dev,

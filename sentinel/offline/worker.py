@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint", type=int, default=None)
     r.add_argument("--top", type=int, default=5)
     r.add_argument("--rank-by", default="loss")
+    r.add_argument("--timeline", type=int, default=None)
     v = sub.add_parser("verify")
     v.add_argument("run_dir")
     v.add_argument("--from-step", type=int, required=True)
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
             from sentinel.offline.replay import replay
 
             result = replay(env, Path(args.run_dir), args.step, checkpoint=args.checkpoint, top_k=args.top, rank_by=args.rank_by,
+                            timeline=args.timeline,
                             progress=progress, warn=warn)
         else:
             from sentinel.offline.verify import verify_resume
