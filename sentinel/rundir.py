@@ -22,6 +22,7 @@ this module does not import them (``trainer.checkpoint`` imports torch).
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -29,8 +30,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
-
-import yaml
 
 from sentinel.protocol import (
     MAX_STATE_BYTES,
@@ -231,11 +230,7 @@ def effective_steps(records: Iterable) -> list[StepRecord]:
 
 def planned_steps(run_dir: str | os.PathLike) -> int | None:
     """The run's ``max_steps`` from its config.yaml; None when absent, unreadable or not a count."""
-    try:
-        cfg = yaml.safe_load((Path(run_dir) / CONFIG).read_text(encoding="utf-8")[:1 << 20])
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    n = cfg.get("max_steps") if isinstance(cfg, dict) else None
+    n = _config(Path(run_dir)).get("max_steps")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
@@ -586,6 +581,66 @@ def read_directives_log(run_dir: str | os.PathLike, tail: int | None = None) -> 
 
 def read_audit(run_dir: str | os.PathLike, tail: int | None = None) -> list[dict]:
     return _read_jsonl(Path(run_dir) / AUDIT, tail)
+
+
+def skip_origins(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Where the run's skip ranges came from, oldest first: ``{"ranges", "source", "step",
+    "reason", "incident_id"}`` for the config's ``data.skip`` (the --skip flag), each rollback (its
+    timeline record in steps.jsonl), each applied skip-samples directive (directives.jsonl, which
+    logs its ranges), and each skip an operator added offline (audit.jsonl). For "why is sample N
+    skipped?" (``sentinel skip-list RUN show``)."""
+    d = Path(run_dir)
+    out: list[dict[str, Any]] = []
+    cfg = config_skip_ranges(d)
+    if cfg:
+        out.append({"ranges": cfg, "source": "config", "step": None, "reason": "data.skip in config.yaml (--skip)",
+                    "incident_id": None})
+    for rec in read_records(d):
+        if isinstance(rec, TimelineRecord) and rec.kind == "rollback" and rec.skip_ranges:
+            out.append({"ranges": merge_ranges(rec.skip_ranges), "source": "rollback", "step": rec.from_step,
+                        "reason": rec.reason, "incident_id": None, "directive_id": rec.directive_id})
+    by_directive = {o.get("directive_id"): o for o in out if o.get("directive_id")}
+    for e in read_directives_log(d):
+        if e.get("status") != "applied":
+            continue
+        if e.get("kind") == "rollback" and e.get("id") in by_directive:  # the timeline record said it: name the incident
+            by_directive[e["id"]]["incident_id"] = e.get("incident_id") if isinstance(e.get("incident_id"), str) else None
+            continue
+        ranges = _ranges_of(e.get("ranges"))  # logged by the trainer since 2026-11-24
+        if not ranges:
+            continue
+        out.append({"ranges": ranges, "source": str(e.get("kind")), "step": e.get("step") if type(e.get("step")) is int else None,
+                    "reason": e.get("reason") if isinstance(e.get("reason"), str) else None,
+                    "incident_id": e.get("incident_id") if isinstance(e.get("incident_id"), str) else None})
+    for a in read_audit(d):
+        ranges = _ranges_of(a.get("ranges"))
+        if a.get("action") == "skip-samples" and a.get("phase") == "applied" and ranges:
+            out.append({"ranges": ranges, "source": "operator", "step": None,
+                        "reason": a.get("reason") if isinstance(a.get("reason"), str) else None,
+                        "incident_id": None, "who": a.get("who") if isinstance(a.get("who"), str) else None})
+    for o in out:
+        o.pop("directive_id", None)
+    return out
+
+
+def _ranges_of(raw: Any) -> list[tuple[int, int]]:
+    """Sample-id ranges from a log line: ``[[lo, hi], ...]`` of ints with lo < hi; [] for anything else."""
+    if not isinstance(raw, list):
+        return []
+    ok = [(lo, hi) for r in raw[:100_000] if isinstance(r, (list, tuple)) and len(r) == 2
+          for lo, hi in [r] if type(lo) is int and type(hi) is int and 0 <= lo < hi <= MAX_SAMPLE_ID]
+    return merge_ranges(ok)
+
+
+def origin_of(lo: int, hi: int, origins: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first origin (``skip_origins``) whose ranges overlap ``[lo, hi)``. Each origin's ranges
+    are merged (sorted, disjoint): one bisection each."""
+    for o in origins:
+        rs = o["ranges"]
+        i = bisect.bisect_right(rs, (hi, -1)) - 1  # the last range starting before hi
+        if i >= 0 and rs[i][1] > lo:
+            return o
+    return None
 
 
 def append_audit(run_dir: str | os.PathLike, record: dict[str, Any]) -> dict[str, Any]:

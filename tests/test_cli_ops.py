@@ -220,6 +220,34 @@ def test_skip_list_show_add_remove_offline(run_copy):
     assert cli("skip-list", d, "add").exit_code == 2
 
 
+def test_skip_list_says_why_each_range_is_there(run_copy):
+    """"Why is sample 684 skipped?": each range names where it came from. A rollback (its timeline
+    record in steps.jsonl, and the incident from the directive log), a skip-samples directive (the
+    trainer logs its ranges), the config's --skip, an operator's offline add; a range nobody
+    explains says so ("-"). The table and --json carry the same."""
+    from sentinel.protocol import TimelineRecord
+
+    d = run_copy
+    with open(d / "steps.jsonl", "a") as f:
+        f.write(TimelineRecord(kind="rollback", run="run", from_step=20, timeline=1, time=time.time(), directive_id="d-rb",
+                               reason="divergence", skip_ranges=[(684, 685), (700, 702)]).to_json() + "\n")
+    with open(d / "directives.jsonl", "a") as f:
+        f.write(json.dumps({"id": "d-rb", "kind": "rollback", "status": "applied", "step": 20, "incident_id": "run-t0-s25"}) + "\n")
+        f.write(json.dumps({"id": "d-sk", "kind": "skip-samples", "status": "applied", "step": 21, "incident_id": "run-t0-s25",
+                            "reason": "samples of step 27", "ranges": [[1799, 1800]]}) + "\n")
+        f.write(json.dumps({"id": "d-no", "kind": "skip-samples", "status": "rejected", "step": 21, "ranges": [[5, 6]]}) + "\n")
+    assert cli_json("skip-list", str(d), "add", "9000:9010", "--reason", "bad shard")["mode"] == "offline"
+    (d / "skiplist.json").write_text(json.dumps([[5, 6], [684, 685], [700, 702], [1799, 1800], [9000, 9010]]))
+    out = cli_json("skip-list", str(d))
+    sources = [o and (o["source"], o["step"], o["incident_id"]) for o in out["origins"]]
+    assert sources == [None, ("rollback", 20, "run-t0-s25"), ("rollback", 20, "run-t0-s25"),
+                       ("skip-samples", 21, "run-t0-s25"), ("operator", None, None)], sources
+    assert out["origins"][4]["reason"] == "bad shard" and out["origins"][4]["who"].startswith("cli:")
+    human = CliRunner().invoke(main, ["skip-list", str(d)], env={"COLUMNS": "160"}, catch_exceptions=False).stdout
+    assert "rollback to step 20, incident run-t0-s25" in human and "skip-samples, applied at step 21" in human
+    assert "added by cli:" in human
+
+
 def test_skip_list_live_run_only_grows(embedded_bus):
     run_dir = embedded_bus.run_dir  # run id: the dir's name
     r = bus.connect(embedded_bus.url)
@@ -331,6 +359,9 @@ def test_rollback_live_two_rank_run(tmp_path, dataset):
     assert after[0].sample_ids != old[21].sample_ids
     applied = [json.loads(x) for x in (run_dir / "directives.jsonl").read_text().splitlines()]
     assert any(a["id"] == out["directive_id"] and a["status"] == "applied" and a["issuer"].startswith("cli:") for a in applied)
+    # the trainer logs what the directive put on the skip list: skip-list show names the rollback for each
+    assert [sorted(map(tuple, a["ranges"])) for a in applied if a["id"] == out["directive_id"]] == [[(j, j + 1) for j in skip_ids]]
+    assert {o["source"] for o in cli_json("skip-list", str(run_dir))["origins"]} == {"rollback"}
     audit = [json.loads(x) for x in (run_dir / "audit.jsonl").read_text().splitlines()]
     assert [a.get("phase") for a in audit] == ["issued", "outcome"] and audit[-1]["outcome"] == "applied"
     assert audit[0]["reason"] == "live drill" and audit[0]["who"].startswith("cli:")

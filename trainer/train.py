@@ -583,9 +583,12 @@ class Trainer:
         self.ctl.applied.add(d.id)
         if env.is_main:
             with open(self.run_dir / "directives.jsonl", "a") as f:
-                f.write(json.dumps({"id": d.id, "kind": d.kind, "status": status, "step": self.state.step,
-                                    "timeline": self.state.timeline, "time": time.time(), "issuer": d.issuer,
-                                    "reason": d.reason, "incident_id": d.incident_id}) + "\n")
+                entry = {"id": d.id, "kind": d.kind, "status": status, "step": self.state.step,
+                         "timeline": self.state.timeline, "time": time.time(), "issuer": d.issuer,
+                         "reason": d.reason, "incident_id": d.incident_id}
+                if d.ranges:  # what it put on the skip list: `sentinel skip-list RUN show` says why each range is there
+                    entry["ranges"] = [list(r) for r in d.ranges]
+                f.write(json.dumps(entry) + "\n")
         if self.metrics and status == "applied":
             self.metrics.on_directive(d.kind, True)
         self._ack(d, status, detail)

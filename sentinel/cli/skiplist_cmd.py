@@ -102,12 +102,16 @@ def _show(ref, as_json):
     rs, source = current_ranges(ref)
     cfg = rundir.config_skip_ranges(ref.run_dir) if ref.run_dir else []
     pending = rundir.read_pending_rollback(ref.run_dir) if ref.run_dir else None
+    origins = rundir.skip_origins(ref.run_dir) if ref.run_dir else []
+    why = [rundir.origin_of(lo, hi, origins) for lo, hi in rs]
     out = {"run": ref.run, "source": source, "ranges": [list(r) for r in rs], "samples": rundir.count(rs),
            "config_ranges": [list(r) for r in cfg],
-           "pending_rollback_ranges": (pending or {}).get("ranges", []) if pending else []}
+           "pending_rollback_ranges": (pending or {}).get("ranges", []) if pending else [],
+           "origins": [None if o is None else {k: v for k, v in o.items() if k != "ranges"} for o in why]}
     if as_json:
         emit_json(out)
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from sentinel.cli.status_cmd import console_for_output
@@ -116,12 +120,22 @@ def _show(ref, as_json):
     t.add_column("from (incl.)", justify="right", no_wrap=True)
     t.add_column("to (excl.)", justify="right", no_wrap=True)
     t.add_column("samples", justify="right", no_wrap=True)
-    t.add_column("as LO:HI", no_wrap=True)  # the form --skip / skip-list --add / --inject-fault take
-    for lo, hi in rs[:200]:
-        t.add_row(str(lo), str(hi), f"{hi - lo:,}", f"{lo}:{hi}")
+    t.add_column("as LO:HI", no_wrap=True)  # the form --skip / skip-list add / --inject-fault take
+    t.add_column("why", overflow="fold")
+    for (lo, hi), o in list(zip(rs, why))[:200]:
+        t.add_row(str(lo), str(hi), f"{hi - lo:,}", f"{lo}:{hi}", escape(_why(o)))
     if len(rs) > 200:
         t.caption = f"... and {len(rs) - 200} more ranges (--json for all)"
     console_for_output().print(t)
+
+
+def _why(o: dict | None) -> str:
+    """An origin (``rundir.skip_origins``) in a few words: "rollback to 80 (incident r-t0-s101)"."""
+    if o is None:
+        return "-"
+    what = {"rollback": f"rollback to step {o['step']}", "skip-samples": f"skip-samples, applied at step {o['step']}",
+            "config": "config (--skip)", "operator": f"added by {o.get('who') or 'an operator'}"}.get(o["source"], o["source"])
+    return what + (f", incident {o['incident_id']}" if o.get("incident_id") else "")
 
 
 def _audit(ref, record: dict) -> None:
