@@ -70,22 +70,64 @@ class BusUnavailable(BusError):
 # --------------------------------------------------------------------------------------------
 
 
+_SCHEME_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:/*")
+
+
 def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (userinfo and ``password=`` query)."""
+    """Return ``url`` with any password replaced by ``***`` (userinfo and ``password=`` query).
+
+    The userinfo is everything between the scheme and the *last* ``@``, however the URL is
+    otherwise broken: a password with an unencoded ``/``, ``?`` or ``#`` (``redis://:pw/x@host``)
+    ends the host part for a URL parser, which would then find no ``@`` and print the password;
+    a mistyped scheme (``redis:/:pw@h``, ``:pw@h``) too."""
+    head, at, tail = url.rpartition("@")
+    if at:
+        m = _SCHEME_PREFIX.match(head)
+        scheme, userinfo = (head[:m.end()], head[m.end():]) if m else ("", head)
+        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
+        url = f"{scheme}{user}:***@{tail}" if user else f"{scheme}***@{tail}"
     try:
         parts = urlsplit(url)
     except ValueError:
-        return re.sub(r"(://)([^@/\s]*)@", r"\1***@", url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-        netloc = f"{user}:***@{host}" if user else f"***@{host}" if userinfo else f"@{host}"
-    query = parts.query
-    if query:
-        pairs = [(k, "***" if k.lower() in ("password", "pass", "pw") else v) for k, v in parse_qsl(query, keep_blank_values=True)]
-        query = urlencode(pairs, safe="/*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        return url
+    if not parts.query:
+        return url
+    pairs = [(k, "***" if k.lower() in ("password", "pass", "pw") else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(pairs, safe="/*"), parts.fragment))
+
+
+# what a bus URL's query may hold besides the TLS files: redis-py passes every other key to its
+# connection class, and an unknown one (a typo) raised a TypeError at the first command
+URL_OPTIONS = frozenset({"db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "retry_on_timeout",
+                         "max_connections", "health_check_interval", "client_name", "ssl_cert_reqs",
+                         "ssl_check_hostname", "protocol", "timeout", "readonly", "username", "password"})
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a bus URL, in one line with no secret in it; None when it can be used.
+    No network: the trainer checks its --redis-url with this before it creates anything."""
+    try:
+        clean, _ = _split_tls_query(url)
+        parts = urlsplit(clean)
+        parts.port  # noqa: B018 -- a port that is not a number, or out of range, raises here, not in redis-py
+        keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    except ValueError as e:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
+        # the parser's words may quote the password ("Port could not be cast to integer value as 'pw'"):
+        # with credentials in the URL, only say where to look
+        why = ("it does not parse (a password with / ? # or @ must be percent-encoded)" if "@" in url
+               else " ".join(str(e).split()))
+        return f"invalid bus URL {redact_url(url)}: {why}"
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return f"unsupported bus URL scheme {parts.scheme!r} in {redact_url(url)}: use redis://, rediss:// or unix://"
+    if parts.scheme != "unix" and not parts.hostname:  # redis:/h (one slash) reads as a path: it would go to localhost
+        return f"invalid bus URL {redact_url(url)}: no host (redis://[USER:PASSWORD@]HOST[:PORT][/DB])"
+    if parts.scheme == "unix" and not parts.path:
+        return f"invalid bus URL {redact_url(url)}: no socket path (unix:///path/to/redis.sock)"
+    unknown = sorted(set(keys) - URL_OPTIONS)
+    if unknown:
+        return (f"invalid bus URL {redact_url(url)}: unknown option(s) {', '.join(repr(k[:40]) for k in unknown[:5])} "
+                f"(known: tls_ca, tls_cert, tls_key, {', '.join(sorted(URL_OPTIONS))})")
+    return None
 
 
 def resolve_url(run_dir: str | os.PathLike | None = None, redis_url: str | None = None) -> str:
@@ -166,13 +208,18 @@ def load_secret(run_dir: str | os.PathLike | None = None, secret_file: str | os.
 def _split_tls_query(url: str) -> tuple[str, dict[str, str]]:
     """Remove our TLS query parameters from ``url`` (redis-py would pass unknown ones through)."""
     parts = urlsplit(url)
+    if not parts.query:
+        return url, {}  # as given: urlunsplit would turn unix:///path into unix:/path
     keep, tls = [], {}
     for k, v in parse_qsl(parts.query, keep_blank_values=True):
         if k in _TLS_QUERY:
             tls[_TLS_QUERY[k]] = v
         else:
             keep.append((k, v))
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(keep), parts.fragment)), tls
+    rebuilt = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(keep), parts.fragment))
+    if not parts.netloc and url.startswith(f"{parts.scheme}://"):
+        rebuilt = f"{parts.scheme}://{rebuilt[len(parts.scheme) + 1:]}"
+    return rebuilt, tls
 
 
 def _describe(r: redis.Redis) -> str:
@@ -181,6 +228,8 @@ def _describe(r: redis.Redis) -> str:
     scheme = "rediss" if r.connection_pool.connection_class.__name__.startswith("SSL") else "redis"
     user = kw.get("username")
     auth = f"{quote(user)}:***@" if user else ("***@" if kw.get("password") else "")
+    if kw.get("path"):  # a unix socket
+        return f"unix://{auth}{kw['path']}?db={kw.get('db', 0)}"
     return f"{scheme}://{auth}{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
 
 
@@ -245,15 +294,12 @@ def connect(
     command is retried on a connection error (short exponential backoff, capped at 0.5 s).
     ``decode=False`` returns ``bytes`` (for readers of untrusted streams: see ``raw``).
     """
-    try:
-        scheme = urlsplit(url).scheme
-        clean, tls = _split_tls_query(url)
-        parts = urlsplit(clean)
-        parts.port  # noqa: B018 -- a port that is not a number, or out of range, raises here, not in redis-py
-    except ValueError as e:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
-        raise BusError(f"invalid bus URL {redact_url(url)}: {e}") from None
-    if scheme not in ("redis", "rediss", "unix"):
-        raise BusError(f"unsupported bus URL scheme {scheme!r} in {redact_url(url)}: use redis:// or rediss://")
+    bad = url_problem(url)
+    if bad:
+        raise BusError(bad)
+    clean, tls = _split_tls_query(url)
+    parts = urlsplit(clean)
+    scheme = parts.scheme
     kwargs: dict[str, Any] = {
         "decode_responses": decode,
         # a non-UTF-8 byte anywhere in a reply must not raise out of a reader that only displays it
@@ -282,11 +328,14 @@ def connect(
         raise BusError(f"TLS files given for a non-TLS URL {redact_url(url)}: use rediss://")
     try:
         r = redis.Redis.from_url(clean, **kwargs)
-    except ValueError as e:
-        raise BusError(f"invalid bus URL {redact_url(url)}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise BusError(f"invalid bus URL {redact_url(url)}: {' '.join(redact_url(str(e)).split())[:200]}") from None
     if check:
-        with bus_errors(r):
-            r.ping()
+        try:
+            with bus_errors(r):
+                r.ping()
+        except (ValueError, TypeError) as e:  # an option value redis-py only checks when it connects (ssl_cert_reqs=bogus)
+            raise BusError(f"invalid bus URL {redact_url(url)}: {' '.join(redact_url(str(e)).split())[:200]}") from None
     return r
 
 

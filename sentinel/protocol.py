@@ -404,9 +404,14 @@ class Keys:
     PREFIX = f"sentinel:v{SCHEMA_VERSION}"
     RUNS = f"{PREFIX}:runs"  # set of run ids
 
+    MAX_RUN_ID = 256
+
     def __init__(self, run: str):
-        if not run or any(c in run for c in " :{}\n"):
-            raise ValueError(f"invalid run id {run!r}: use letters, digits, '-', '_' or '.'")
+        # no control characters either: a run id is printed in every log line and table, and one
+        # registered by anyone with bus access must not drive the operator's terminal (escapes)
+        if (not run or len(run) > self.MAX_RUN_ID or any(c in run for c in " :{}\n")
+                or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in run)):
+            raise ValueError(f"invalid run id {run[:64]!r}: use letters, digits, '-', '_' or '.' (at most {self.MAX_RUN_ID})")
         self.run = run
         p = f"{self.PREFIX}:run:{run}"
         self.steps = f"{p}:steps"  # stream of StepRecord / TimelineRecord / MarkerRecord

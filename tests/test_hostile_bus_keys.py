@@ -288,7 +288,8 @@ def test_hostile_members_of_the_run_registry_are_left_out(embedded_bus, unique_r
     r = bus.connect(embedded_bus.url)
     _good_run(r, unique_run)
     bus.raw(r).sadd(Keys.RUNS, b"\xff\xfe", b"a b", b"x:y", b"{x}", b"")
-    bus.raw(r).sadd(Keys.RUNS, b"[" * 10_000, b"x" * 100_000)  # valid run ids: listed, with no data
+    bus.raw(r).sadd(Keys.RUNS, b"[" * 10_000, b"x" * 100_000, b"esc\x1b[31m")  # overlong, control characters: left out too
+    bus.raw(r).sadd(Keys.RUNS, b"[" * 200, b"x" * 256)  # odd but valid run ids: listed, with no data
     cmds = _commands(unique_run, embedded_bus.url)
     results = {c: CliRunner().invoke(main, cmds[c]) for c in ("status (all) --json", "incidents (all) --json")}
     # an approval searched for in every run (no --run): a run (sorted first) whose incidents key is a string is looked past

@@ -10,7 +10,6 @@ import re
 import warnings
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -145,13 +144,11 @@ class TelemetryConfig(_Strict):
         # a typo must not leave a run dir with a lock and an empty step log behind
         if v is None or v == "embedded":
             return v
-        try:
-            parts = urlsplit(v)
-            parts.port  # noqa: B018 -- a port that is not a number, or out of range, raises here
-        except ValueError as e:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
-            raise ValueError(f"invalid bus URL: {e}") from None
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unsupported bus URL scheme {parts.scheme!r}: use redis://, rediss:// or 'embedded'")
+        from sentinel.bus import url_problem  # the bus's own rules, and its redaction: no password in the error
+
+        bad = url_problem(v)
+        if bad:
+            raise ValueError(bad)
         return v
 
 

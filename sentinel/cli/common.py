@@ -35,8 +35,11 @@ def friendly_errors(fn):
             raise
         except SchemaError as e:
             raise SentinelError(str(e)) from None
-        except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError) as e:
-            raise SentinelError(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e)) from None
+        except OSError as e:  # a missing, unreadable or impossible path (a name longer than the filesystem allows)
+            name = getattr(e, "filename", None)
+            shown = (str(name)[:120] + "...") if name is not None and len(str(name)) > 120 else name
+            why = e.strerror or " ".join(str(e).split()) or type(e).__name__
+            raise SentinelError(f"{why}: {shown}" if shown is not None else why) from None
         except Exception as e:  # matched by module so this file imports neither redis nor torch
             mod = type(e).__module__
             if mod.startswith(("redis", "valkey")):
@@ -98,10 +101,13 @@ class OneLineText(click.ParamType):
 
 
 def _redact(text: str) -> str:
-    """Never print secrets: drop anything that looks like a password in a URL."""
+    """Never print secrets: every word with an ``@`` in it (a URL's userinfo, however broken the
+    URL: ``redis://:pw/x@host``) has its password replaced (``bus.redact_url``)."""
     import re
 
-    return re.sub(r"(rediss?://)([^@/\s]*)@", r"\1***@", text)
+    from sentinel.bus import redact_url
+
+    return re.sub(r"\S*@\S*", lambda m: redact_url(m.group()), text)
 
 
 def make_progress(enabled: bool):
@@ -217,8 +223,11 @@ def fmt_clock(t, fmt: str = "%H:%M:%S", utc: bool = False) -> str:
 
 
 def looks_like_run_dir(run: str) -> bool:
-    p = Path(run)
-    return p.is_dir() or os.sep in run or run.startswith(".")
+    try:
+        is_dir = Path(run).is_dir()
+    except OSError:  # a name too long for the filesystem (3.11's is_dir raises ENAMETOOLONG): no directory
+        is_dir = False
+    return is_dir or os.sep in run or run.startswith(".")
 
 
 def is_tty() -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import click
 
-from sentinel.cli.common import emit_runs, fmt_clock, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import (count_bus_entries, emit_runs, fmt_clock, friendly_errors, json_option, read_or_reject,
+                                 redis_url_option)
 
 EVENTS_SCAN = 20_000  # newest events read per run
 
@@ -21,9 +22,11 @@ def run_pages(ref, limit: int | None = None) -> dict:
 
     out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "pages": []}
     pages: dict[tuple, dict] = {}
+    bad_entries: list[str] = []
     if ref.r is not None:
-        with bus.bus_errors(ref.r):
-            entries = ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN)
+        with bus.bus_errors(ref.r):  # one run's key of the wrong type costs that run's bus pages, not the listing
+            entries = read_or_reject(ref.r, "events", lambda: ref.r.xrevrange(ref.keys.events, count=EVENTS_SCAN),
+                                     bad_entries, [])
         for eid, fields in entries:
             try:
                 ev = bus.decode((eid, fields), Event)
@@ -44,6 +47,7 @@ def run_pages(ref, limit: int | None = None) -> dict:
         if ref.r is not None and (ref.run_dir / rundir.PAGES_LOG).is_file():
             out["source"] = "bus+files"
     ordered = sorted(pages.values(), key=lambda p: p["time"])
+    count_bus_entries(out, bad_entries)
     out["total"] = len(ordered)
     out["pages"] = ordered[-limit:] if limit else ordered
     return out

@@ -7,6 +7,7 @@ daemon's mirror), else from the bus when it answers. Painting is ``sentinel.repo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -18,8 +19,12 @@ INCIDENT_CONTEXT_STEPS = 40  # steps shown around an incident with --incident
 
 
 def default_path(run_dir: Path, incident_id: str | None = None) -> Path:
-    name = f"incident-{incident_id}.png" if incident_id else "run.png"
-    return Path(run_dir) / REPORTS_DIR / name
+    """RUN_DIR/reports/run.png, or incident-ID.png: an id is only part of a file name (one read
+    from a hostile mirror line or bus entry, ``../../x``, must not write outside the run dir)."""
+    if not incident_id:
+        return Path(run_dir) / REPORTS_DIR / "run.png"
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", incident_id)[:128].lstrip(".") or "_"
+    return Path(run_dir) / REPORTS_DIR / f"incident-{safe}.png"
 
 
 def load_incidents(ref) -> tuple[list, str]:

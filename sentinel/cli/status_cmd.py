@@ -39,12 +39,13 @@ def run_status(ref, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     row: dict = {"run": ref.run, "run_dir": str(ref.run_dir) if ref.run_dir else None, "bus": ref.describe_bus(),
                  "source": "bus" if ref.r is not None else "files"}
+    bad_entries: list[str] = []  # malformed entries (or keys of the wrong type) on the bus, skipped
     records: list = []
     hb = None
     if ref.r is not None:
         k = ref.keys
-        with bus.bus_errors(ref.r):
-            entries = ref.r.xrevrange(k.steps, count=WINDOW)
+        with bus.bus_errors(ref.r):  # a steps key of the wrong type costs this run's bus view, not the listing
+            entries = read_or_reject(ref.r, "steps", lambda: ref.r.xrevrange(k.steps, count=WINDOW), bad_entries, [])
         for eid, fields in reversed(entries):
             try:
                 records.append(bus.decode((eid, fields)))
@@ -82,7 +83,7 @@ def run_status(ref, now: float | None = None) -> dict:
         row["heartbeat_age_seconds"] = age
         row["last_step_age_seconds"] = step_age
         row["hung_after_seconds"] = hung_after_seconds(records)
-        if age is not None and age > HEARTBEAT_STALE_S:
+        if age is None or age > HEARTBEAT_STALE_S:  # no readable time (a hostile or broken key) proves no life
             row["state"] = "stale"
         elif hb.get("paused") is True:
             row["state"] = "paused"
@@ -102,7 +103,6 @@ def run_status(ref, now: float | None = None) -> dict:
 
     # checkpoints: the newest one's age
     newest = None
-    bad_entries: list[str] = []  # malformed entries of the bus's hashes, skipped
     if ref.r is not None:
         raw = read_or_reject(ref.r, "checkpoints", lambda: ref.r.hgetall(ref.keys.checkpoints), bad_entries, {})
         for field, v in raw.items():
@@ -152,7 +152,7 @@ def run_status(ref, now: float | None = None) -> dict:
     last = None
     if ref.r is not None:
         with bus.bus_errors(ref.r):
-            acks = ref.r.xrevrange(ref.keys.acks, count=1)
+            acks = read_or_reject(ref.r, "acks", lambda: ref.r.xrevrange(ref.keys.acks, count=1), bad_entries, [])
         for _, fields in acks:
             try:
                 a = Ack.from_json(fields.get("json", "{}"))
@@ -199,7 +199,8 @@ def state_text(r: dict) -> str:
     if st == "hung":
         return f"HUNG: no step {fmt_duration(step_age)}"
     if st == "stale":
-        return f"stale: no hb {fmt_duration(r.get('heartbeat_age_seconds'))}"
+        age = r.get("heartbeat_age_seconds")
+        return f"stale: no hb {fmt_duration(age)}" if age is not None else "stale: heartbeat unreadable"
     if st == "paused":
         return f"paused (step {fmt_duration(step_age)} ago)" if step_age is not None else "paused"
     if st == "stopped" and step_age is not None:
