@@ -4,21 +4,90 @@ Floats are written with the shortest repr that round-trips exactly (NaN/Infinity
 constants). After a resume or rollback the re-run steps are appended again behind a
 TimelineRecord; the last record for a step number is the authoritative one
 (``sentinel.protocol.authoritative_steps``).
+
+At open, a log whose last line lacks its newline (a crash mid-write) is repaired without losing a
+byte: a whole record keeps its line (the newline is appended), a torn write is moved to
+``steps.jsonl.torn-<unix time>`` beside the log. A log no reader can parse is refused, untouched.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from sentinel.protocol import StepRecord, TimelineRecord, authoritative_steps, parse_step_line
+from sentinel.protocol import (MAX_RECORD_BYTES, SchemaError, StepRecord, TimelineRecord, authoritative_steps,
+                               parse_step_line)
 
 # Records held in memory while the disk refuses writes (ENOSPC, EFBIG, EDQUOT, EIO). A record is
 # 1-5 KB, so the buffer is at most a few tens of MB; past it the oldest records are dropped and counted.
 MAX_BUFFERED = 10_000
+
+# The most a last line without a newline may hold and still be handled at start (kept, or moved to a
+# side file): a torn write is a prefix of one record (<= MAX_RECORD_BYTES), or a few blocks of zeros a
+# crash left past the end. Anything longer is no torn write, and the start is refused.
+TAIL_LIMIT = 16 << 20
+_LINE_CAP = MAX_RECORD_BYTES + 1  # bytes of one line held in memory; a longer line is never a record
+
+
+class StepLogError(SchemaError):
+    """A steps.jsonl the trainer cannot continue (a line no reader can parse); its one-line message
+    names the file and the 1-based line. Raised before anything in the file is changed."""
+
+
+def _lines(f):
+    """``(line number, offset, bytes, complete)`` for every line of the binary file ``f`` from its
+    current position, in bounded memory: a line over ``_LINE_CAP`` bytes is returned cut to its first
+    ``_LINE_CAP`` bytes (so parsing it fails as too large). ``complete``: it ends in a newline."""
+    n, pos = 0, f.tell()
+    while True:
+        line = f.readline(_LINE_CAP)
+        if not line:
+            return
+        n += 1
+        start = pos
+        pos += len(line)
+        if line.endswith(b"\n") or len(line) < _LINE_CAP:
+            yield n, start, line, line.endswith(b"\n")
+            continue
+        while True:  # an overlong line: skip to its end
+            more = f.readline(1 << 20)
+            pos += len(more)
+            if not more or more.endswith(b"\n"):
+                break
+        yield n, start, line, bool(more)
+
+
+def _reason(e: SchemaError) -> str:
+    msg = str(e)
+    for prefix in ("steps.jsonl line: ", "steps.jsonl: "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def _parse_at(path: Path, n: int, line: bytes):
+    """One line of ``path`` (line ``n``, 1-based) as a record; a StepLogError naming both if it is none."""
+    try:
+        return parse_step_line(line)
+    except SchemaError as e:
+        raise StepLogError(f"{path}: line {n}: {_reason(e)}", e.reason) from None
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def clean_text(value):
@@ -67,29 +136,103 @@ class StepLog:
         if self.path.exists() and not self.path.is_file():
             # a FIFO would block the open below forever, /dev/null or /dev/zero would swallow every record
             raise OSError(errno.EINVAL, "not a regular file (the step log must be one)", str(self.path))
+        self.log = log
         self._repair_torn_tail()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = os.fstat(self._fd).st_size  # end of the last whole record
         self._pending: deque[bytes] = deque()
         self.max_buffered = max_buffered
-        self.log = log
         self.write_failures = 0  # write attempts the disk refused
         self.lost = 0  # records dropped because the buffer overflowed
         self.last_error: str | None = None
         self._failing_since: int | None = None  # write_failures when the current outage began
 
     def _repair_torn_tail(self) -> None:
-        """A SIGKILL mid-write can leave a partial last line: cut it so the log stays valid JSONL."""
-        if not self.path.is_file() or self.path.stat().st_size == 0:
+        """Make the log end in a newline, so the next record starts a line of its own, losing nothing.
+
+        A last line without its newline is either a whole record (kept: the newline is appended) or a
+        torn write, the prefix of a record a crash cut short (its bytes are moved to a side file
+        ``steps.jsonl.torn-<unix time>`` and the log cut back to its last whole line: appending behind
+        it would glue two records into one unreadable line). Either way every whole line is checked
+        first, with the reader's parser: a log that cannot be read (a line that is not UTF-8, not JSON,
+        not a record) is a StepLogError naming the line, and the file is left exactly as it was.
+        A log that already ends in a newline is not read here at all."""
+        p = self.path
+        if not p.is_file():
             return
-        with open(self.path, "rb+") as f:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return
             f.seek(-1, os.SEEK_END)
             if f.read(1) == b"\n":
                 return
             f.seek(0)
-            data = f.read()
-            cut = data.rfind(b"\n") + 1
-            f.truncate(cut)
+            cut = tail_no = None
+            for n, start, line, complete in _lines(f):
+                if not complete:
+                    cut, tail_no = start, n
+                    break
+                if line.strip():
+                    _parse_at(p, n, line)
+            if cut is None:  # the file changed under us (it cannot, with the run dir locked): touch nothing
+                return
+            if size - cut > TAIL_LIMIT:
+                raise StepLogError(f"{p}: line {tail_no}: the last line has no newline and holds {size - cut} bytes, "
+                                   f"more than a torn record could ({TAIL_LIMIT}); left unchanged: repair it or move "
+                                   "the file aside", "too_large")
+            f.seek(cut)
+            tail = f.read(size - cut)
+        try:  # exactly the line the reader will see once the newline is there
+            whole = bool(tail.strip()) and parse_step_line(tail + b"\n") is not None
+        except SchemaError:
+            whole = False
+        if whole:
+            fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+            try:
+                if os.write(fd, b"\n") != 1:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(p))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.log(f"note: {p}: line {tail_no}, the last, is a whole record without its newline; kept, "
+                     "newline appended")
+            return
+        side = self._side_file(tail)
+        fd = os.open(p, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, cut)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.log(f"warning: {p}: line {tail_no}, the last, is a torn write ({len(tail)} bytes, no newline); "
+                 f"moved to {side} and the log cut back to its last whole line")
+
+    def _side_file(self, data: bytes) -> Path:
+        """Write ``data`` durably to a new ``steps.jsonl.torn-<unix time>[-k]`` beside the log."""
+        base = f"{self.path.name}.torn-{int(time.time())}"
+        for k in range(1000):
+            side = self.path.with_name(base if k == 0 else f"{base}-{k}")
+            try:
+                fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                continue
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                try:
+                    side.unlink()
+                except OSError:
+                    pass
+                raise
+            os.close(fd)
+            _fsync_dir(self.path.parent)
+            return side
+        raise OSError(errno.EEXIST, "no free name for the torn tail's side file", str(self.path.with_name(base)))
 
     @property
     def buffered(self) -> int:
@@ -154,16 +297,17 @@ class StepLog:
 
 
 def read(path: Path):
-    """Yield every record of a steps.jsonl (skipping a torn final line)."""
+    """Yield every record of a steps.jsonl (skipping a torn final line). A line that is no record is a
+    StepLogError (a SchemaError) naming the file and the line."""
     p = Path(path)
     if not p.is_file():
         return
     with open(p, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
+        for n, _, line, complete in _lines(f):
+            if not complete:
                 break  # torn tail from a crash
             if line.strip():
-                yield parse_step_line(line)
+                yield _parse_at(p, n, line)
 
 
 def authoritative(path: Path) -> dict[int, StepRecord]:
