@@ -144,6 +144,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the trainer ``pid`` (a session leader), its process group and every process below it.
+    The group alone is not enough: torchrun starts each worker in a session of its own, and killing
+    only torchrun left the ranks training on, orphaned."""
+    below = _descendants(pid)  # before the kill: an orphan's parent is no longer ``pid``
+    for target, group in [(pid, True)] + [(p, False) for p in below]:
+        try:
+            (os.killpg if group else os.kill)(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def trainer_command(spec: DrillSpec, fault_arg: str | None, redis_url: str | None) -> list[str]:
     if spec.ranks > 1:
         torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun") or "torchrun"
@@ -291,18 +327,19 @@ def run_drill(spec: DrillSpec, *, on_tick=None, timeout: float = 900.0) -> Drill
                 if on_tick:
                     on_tick(spec.run_dir, log)
                 if time.time() - t0 > timeout:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_tree(proc.pid)
                     break
                 time.sleep(0.25)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
+        except BaseException:  # Ctrl-C, or SIGTERM made into one (``sentinel demo``): no trainer left behind
+            kill_tree(proc.pid)
             raise
         finally:
             rc = proc.wait()
     if sentinel:
-        last = max(read_steps(spec.run_dir)[0], default=0)
-        sentinel.wait_caught_up(last)
-        time.sleep(0.5)  # and the last acks
+        if rc == 0:  # a trainer that failed has nothing more coming: do not wait for the sentinel to catch up
+            last = max(read_steps(spec.run_dir)[0], default=0)
+            sentinel.wait_caught_up(last)
+            time.sleep(0.5)  # and the last acks
         sentinel.stop()
     steps, timeline = read_steps(spec.run_dir)
     if on_tick:

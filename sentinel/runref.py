@@ -28,6 +28,28 @@ from sentinel.rundir import RunDirError, require_run_dir, run_id_of
 
 # the trainer refreshes the heartbeat about every second (TTL 30 s); older than this is "stale"
 HEARTBEAT_STALE_S = 15.0
+# an unknown run id's error lists at most this many registered ids, each cut to SHOWN_ID_CHARS: anyone
+# with bus access can register ids, and a line of 5000 ids (or one id of 5000 characters) is a flood
+SHOWN_RUN_IDS = 10
+SHOWN_ID_CHARS = 64
+
+
+def printable(text: str, limit: int = SHOWN_ID_CHARS) -> str:
+    """``text`` for one line of a terminal: control and other unprintable characters escaped
+    (``\\x1b``, ``\\n``), at most ``limit`` characters, ``...`` when cut."""
+    text = str(text)
+    head = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    cut = len(text) > limit or len(head) > limit
+    return head[:limit] + ("..." if cut else "")
+
+
+def known_runs_hint(known: list[str]) -> str:
+    """`` (known runs: a, b, ... and N more)`` for an error about a run id the bus does not know."""
+    if not known:
+        return " (no runs registered)"
+    more = len(known) - SHOWN_RUN_IDS
+    return (f" (known runs: {', '.join(printable(k) for k in known[:SHOWN_RUN_IDS])}"
+            + (f", and {more} more" if more > 0 else "") + ")")
 
 
 class RunRefError(Exception):
@@ -122,13 +144,13 @@ def resolve(run: str, redis_url: str | None = None, *, need_bus: bool = False) -
         )
     try:
         Keys(run)
-    except ValueError as e:
-        raise RunRefError(str(e)) from None
+    except ValueError as e:  # its words, cut short: they quote the id
+        raise RunRefError(printable(str(e), 300)) from None
     r = bus.connect(explicit)
     known = bus.list_runs(r)
     if run not in known:
-        hint = f" (known runs: {', '.join(known[:10])}{', ...' if len(known) > 10 else ''})" if known else " (no runs registered)"
-        raise RunRefError(f"run {run!r} is not known to the control bus at {bus.redact_url(explicit)}{hint}")
+        raise RunRefError(f"run '{printable(run)}' is not known to the control bus at {bus.redact_url(explicit)}"
+                          f"{known_runs_hint(known)}")
     info = _info(r, run)
     return RunRef(run, local_dir(info.get("run_dir")), r, explicit, info=info)
 

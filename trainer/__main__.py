@@ -170,6 +170,32 @@ def _cuda_problem(device: str) -> str | None:
     return None
 
 
+def _raised_in(e: BaseException, module: str, function: str) -> bool:
+    """Whether ``e`` went through ``module.function`` on its way up (its traceback has that frame)."""
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _metrics_serve_problem(e: OSError, cfg, local_rank: int) -> str | None:
+    """The metrics endpoint could not be served (a host that does not resolve or is not ours, a port
+    in use or not allowed): say which address and which flags, not only the OS's words. None for an
+    OSError from anywhere else."""
+    if not _raised_in(e, "trainer.telemetry.metrics", "serve"):
+        return None
+    host, base = str(cfg.telemetry.metrics_host), cfg.telemetry.metrics_port
+    port = base + local_rank if base else 0
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in host[:80]) + ("..." if len(host) > 80 else "")
+    addr = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
+    rank = f", the base port + local rank {local_rank}" if base and local_rank else ""
+    why = e.strerror or " ".join(str(e).split()) or type(e).__name__
+    return f"cannot serve metrics on {addr} (--metrics-host/--metrics-port{rank}): {why}"
+
+
 def _say(msg: str) -> None:
     """``error: MSG`` on stderr, always one line (a newline in a flag or a path is shown escaped)."""
     print("error: " + str(msg).replace("\r", "\\r").replace("\n", "\\n"), file=sys.stderr, flush=True)
@@ -213,6 +239,10 @@ def main(argv=None) -> int:
         _say(e)
         return 2
     except OSError as e:  # storage outside the handled paths (run dir, config, targets): full, read-only, gone
+        bad = _metrics_serve_problem(e, cfg, env.local_rank)
+        if bad:
+            _say(bad)
+            return 2
         where = f": {e.filename}" if e.filename else ""
         _say(f"{e.strerror or e}{where}")
         return 2

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -68,11 +71,8 @@ def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sen
     (or corrupted), its validation slice regresses while the others improve, and the sentinel pages
     with that source named."""
     from rich.console import Console
-    from rich.live import Live
-    from rich.table import Table
 
-    from sentinel.drill import (MIXTURE_FAULTS, MIXTURE_RULES, MIXTURE_SOURCES, DrillSpec, incidents_of, read_markers,
-                                run_drill)
+    from sentinel.drill import MIXTURE_FAULTS, MIXTURE_SOURCES
 
     mixture = drill == "mixture"
     fault = fault or ("reweight" if mixture else "lr")
@@ -93,8 +93,33 @@ def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sen
         raise SentinelError(f"--drill-step must be at least 1 (got {drill_step})")
     if drill_step >= steps:
         raise click.BadParameter("must be smaller than --steps", param_hint="--drill-step")
-    console = Console(stderr=as_json)
     run_dir = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    # before anything is written: the drill's bus, rules, logs, checkpoints and report never go into
+    # a directory that holds something (another run, a copy of one)
+    _refuse_used_dir(run_dir)
+    if compare:
+        for d in _compare_dirs(run_dir, not no_sentinel):
+            _refuse_used_dir(d, f"--compare needs {d}, which")
+    console = Console(stderr=as_json)
+    with _sigterm_as_interrupt() as term:
+        try:
+            _demo(console, run_dir, steps, ranks, drill_step, mixture, fault, source, factor, names, no_sentinel,
+                  compare, as_json)
+        except KeyboardInterrupt:
+            if term["signal"]:  # `timeout`, `kill`, a scheduler: say so, and exit as killed by it would
+                stopped = "the trainer" + ("" if no_sentinel else " and the embedded bus")
+                raise SentinelError(f"terminated by {term['signal']}: stopped {stopped}; the run so far is in {run_dir}",
+                                    exit_code=128 + signal.SIGTERM) from None
+            raise
+
+
+def _demo(console, run_dir, steps, ranks, drill_step, mixture, fault, source, factor, names, no_sentinel, compare,
+          as_json):
+    from rich.live import Live
+    from rich.table import Table
+
+    from sentinel.drill import MIXTURE_RULES, DrillSpec, incidents_of, read_markers, run_drill
+
     with console.status(f"preparing the {'mixture' if mixture else 'Shakespeare'} corpus (first run only)..."):
         data_dir = _data_dir(mixture)
     spec = DrillSpec(run_dir=run_dir, steps=steps, ranks=ranks, drill_step=drill_step, fault=fault,
@@ -112,29 +137,28 @@ def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sen
         console.print(f"{ranks}-rank GPT ({spec.preset}) on Shakespeare for {steps} steps; a [bold red]{fault}[/] drill "
                       f"on one sample of step {drill_step}; sentinel {'[red]off' if no_sentinel else '[green]on'}[/].")
     render = _live_view(spec, None)
-    if as_json or not console.is_terminal:
-        res = run_drill(spec)
-    else:
-        with Live(console=console, refresh_per_second=4) as live:
-            res = run_drill(spec, on_tick=lambda d, log: live.update(render(d, log)))
-    out = res.summary()
-    if mixture:
-        out["markers"] = [{"step": m.step, "marker": m.marker, "detail": m.detail} for m in read_markers(run_dir)]
-    if spec.sentinel:
-        try:
-            out["incidents"] = [{k: i[k] for k in ("id", "state", "rule", "onset_step", "detect_step", "rollback_to") if k in i}
-                                for i in incidents_of(run_dir)]
-        except Exception:
-            out["incidents"] = []
-        try:
-            out["report"] = _report(run_dir)  # while the bus still holds the incidents
-        finally:
-            from sentinel.embedded import stop_embedded
-
-            stop_embedded(run_dir)
-    else:
-        out["report"] = _report(run_dir)
-    if compare and res.returncode == 0:
+    try:
+        if as_json or not console.is_terminal:
+            res = run_drill(spec)
+        else:
+            with Live(console=console, refresh_per_second=4) as live:
+                res = run_drill(spec, on_tick=lambda d, log: live.update(render(d, log)))
+        if res.returncode != 0:  # nothing to show: no drill happened, or it did not finish
+            raise SentinelError(_trainer_failed(res.returncode, run_dir / "trainer.log"), exit_code=1)
+        out = res.summary()
+        if mixture:
+            out["markers"] = [{"step": m.step, "marker": m.marker, "detail": m.detail} for m in read_markers(run_dir)]
+        if spec.sentinel:
+            try:
+                out["incidents"] = [{k: i[k] for k in ("id", "state", "rule", "onset_step", "detect_step", "rollback_to") if k in i}
+                                    for i in incidents_of(run_dir)]
+            except Exception:
+                out["incidents"] = []
+        out["report"] = _report(run_dir)  # while the bus still holds the incidents
+    finally:
+        if spec.sentinel:  # also after a failure, Ctrl-C or SIGTERM: the embedded valkey server is ours to stop
+            _stop_bus(run_dir)
+    if compare:
         out["compare"] = _compare(spec, res, console, as_json)
     if as_json:
         emit_json(out)
@@ -164,10 +188,93 @@ def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sen
             console.print(f"  {cmd}", soft_wrap=True, highlight=False)  # one whole line each: copy and paste
         console.print("Culprits: run `sentinel demo --fault garbage --no-sentinel`, then `sentinel replay-batch RUN_DIR "
                       f"--step {drill_step}` names the corrupted samples.")
-    if res.returncode != 0:
-        raise click.ClickException(f"the trainer exited with {res.returncode}; see {run_dir / 'trainer.log'}")
     if "compare" in out and not as_json:
         _print_compare(out["compare"], console)
+
+
+def _refuse_used_dir(path: Path, what: str | None = None) -> None:
+    """A one-line error (exit 2) unless ``path`` is missing or an empty directory. Reads only."""
+    what = what or f"--run-dir {path}"
+    try:
+        with os.scandir(path) as it:
+            used = next(it, None) is not None
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise SentinelError(f"{what} exists and is not a directory") from None
+    except OSError as e:
+        raise SentinelError(f"{what} cannot be read ({e.strerror or type(e).__name__})") from None
+    if used:
+        raise SentinelError(f"{what} already exists and is not empty: the demo writes a new run (bus, rules, "
+                            "checkpoints, logs, report) and needs a new or empty directory")
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM handled like Ctrl-C (a KeyboardInterrupt), so the same cleanup runs: the trainer's
+    processes are killed and the embedded bus stopped. A second SIGTERM during that cleanup is ignored
+    (it is bounded); SIGKILL still ends everything at once."""
+    term = {"signal": None}
+
+    def on_term(signum, frame):
+        if term["signal"] is None:
+            term["signal"] = signal.Signals(signum).name
+            raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread (an embedding): leave signals alone
+        yield term
+        return
+    try:
+        yield term
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _stop_bus(run_dir: Path) -> None:
+    from sentinel.embedded import stop_embedded
+
+    try:
+        stop_embedded(run_dir)
+    except Exception as e:  # noqa: BLE001 - say it, but do not hide the error that brought us here
+        click.echo(f"warning: the demo's embedded bus in {run_dir / 'bus'} did not stop: {e}", err=True)
+
+
+def _trainer_failed(rc: int, log: Path) -> str:
+    """``the trainer exited with RC; see LOG (last error: ...)``: one line."""
+    how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals()
+           else f"exited with {rc}")
+    last = _last_error_line(log)
+    return f"the trainer {how}; see {log}" + (f" (last error: {last})" if last else "")
+
+
+# torchrun's own report of a failed worker: a frame around "Root Cause", with no cause in it
+_TORCHRUN_FRAME = ("=====", "-----", "Failures:", "<NO_OTHER_FAILURES>", "Root Cause", "time ", "host ", "rank ",
+                   "exitcode ", "error_file", "traceback ", "trainer FAILED")
+
+
+def _last_error_line(log: Path, tail_bytes: int = 64 * 1024) -> str | None:
+    """The trainer's last ``error: ...`` line in ``log`` (its one-line errors), else its last exception
+    line, else the last line that is not torchrun's failure frame; from the file's last 64 KB,
+    escaped and cut short (the log holds whatever the trainer printed)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()]
+    except OSError:
+        return None
+    lines = [ln for ln in lines if ln and not ln.startswith(_TORCHRUN_FRAME) and not ln[:1] == "["
+             and "torch.distributed.elastic" not in ln]
+    pick = (next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
+            or next((ln for ln in reversed(lines) if ln.split(":", 1)[0].endswith(("Error", "Exception"))), None)
+            or (lines[-1] if lines else None))
+    if pick is None:
+        return None
+    pick = pick.removeprefix("error:").strip()
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in pick[:200])
+    return shown + ("..." if len(pick) > 200 else "")
 
 
 MIXTURE_STEPS = 300
@@ -227,11 +334,16 @@ def _compare(spec, res, console, as_json: bool) -> dict:
     variants = [("clean (no drill)", dict(fault=None, sentinel=False))]
     if spec.sentinel:
         variants.append(("drill, no sentinel", dict(sentinel=False)))
-    for label, over in variants:
-        d = spec.run_dir.with_name(spec.run_dir.name + "-" + label.split()[0].strip(",").lower() + ("-nosentinel" if "no sentinel" in label else ""))
+    for (label, over), d in zip(variants, _compare_dirs(spec.run_dir, spec.sentinel)):
         with console.status(f"running {label} for comparison..."):
             runs[label] = run_drill(dataclasses.replace(spec, run_dir=d, **over)).final_val_loss
     return runs
+
+
+def _compare_dirs(run_dir: Path, sentinel: bool) -> list[Path]:
+    """Where ``--compare`` runs its variants: beside the run dir, one per variant of ``_compare``."""
+    names = ["clean"] + (["drill-nosentinel"] if sentinel else [])
+    return [run_dir.with_name(f"{run_dir.name}-{n}") for n in names]
 
 
 def _print_compare(runs: dict, console) -> None:

@@ -372,8 +372,8 @@ def _resolve_runs(runs, redis_url):
 
 def find_incident(incident_id: str, run: str | None, redis_url: str | None):
     """(RunRef, Incident) for an incident id: in ``--run``'s incidents hash, else in every registered run's."""
-    from sentinel.protocol import Incident
-    from sentinel.runref import all_runs, resolve
+    from sentinel.protocol import Incident, SchemaError
+    from sentinel.runref import all_runs, printable, resolve
 
     if run:
         refs = [resolve(run, redis_url, need_bus=True)]
@@ -386,12 +386,20 @@ def find_incident(incident_id: str, run: str | None, redis_url: str | None):
             if isinstance(e, RunRefError):
                 raise RunRefError(f"{e}; or pass --run RUN_DIR") from None
             raise
+    malformed = None
     for ref in refs:  # a run whose incidents key is of another type holds no incident: look on
         raw = read_unless_wrong_type(ref.r, lambda: ref.r.hget(ref.keys.incidents, incident_id))
         if raw and raw is not WRONG_TYPE:
-            return ref, Incident.from_json(raw)
-    where = f"run {refs[0].run}" if run else f"any of the {len(refs)} run(s) on the bus"
-    raise SentinelError(f"incident {incident_id} not found in {where}")
+            try:
+                return ref, Incident.from_json(raw)
+            except SchemaError as e:  # anyone with bus access can write it: look on, and say so if nothing else is found
+                malformed = malformed or (ref, e)
+    if malformed:
+        ref, e = malformed
+        raise SentinelError(f"run {printable(ref.run)}: incident {printable(incident_id)}: its entry in the bus's incidents "
+                            f"hash is malformed ({printable(str(e), 200)}); nothing was approved")
+    where = f"run {printable(refs[0].run)}" if run else f"any of the {len(refs)} run(s) on the bus"
+    raise SentinelError(f"incident {printable(incident_id, 200)} not found in {where}")
 
 
 def publish_approval(ref, inc, secret: bytes, who: str, reason: str | None):

@@ -25,6 +25,25 @@ def _check_alertmanager_url(url: str) -> None:
         raise SentinelError(f"--alertmanager-url {url[:80]!r}: use http://HOST:PORT or https://HOST:PORT")
 
 
+def _run_dir_problem(path: str) -> str | None:
+    """Why the RUN_DIR argument ``path`` is no run directory (as the other commands say it), or None."""
+    import os
+    import stat
+
+    from sentinel.runref import printable
+
+    shown = printable(path, 200)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"run directory not found: {shown}"
+    except OSError as e:  # a parent that is a file, no permission, a name too long
+        return f"run directory {shown}: {e.strerror or type(e).__name__}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"not a directory: {shown}"
+    return None
+
+
 def _console_log():
     from rich.console import Console
 
@@ -72,8 +91,10 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     if alertmanager_url is not None:
         _check_alertmanager_url(alertmanager_url)
     for r in runs:
-        if ("/" in r or r.startswith(".")) and not Path(r).is_dir():
-            raise SentinelError(f"run directory not found: {r}")
+        if "/" in r or r.startswith("."):
+            bad = _run_dir_problem(r)
+            if bad:
+                raise SentinelError(bad)
     try:
         rules = load_rules(rules_file) if rules_file else default_rules()
     except RulesError as e:

@@ -72,16 +72,39 @@ def read_documents(paths: Sequence[Path], root: Path | None = None) -> list[Docu
     docs = []
     for path in paths:
         path = Path(path)
-        if not path.is_file():
-            raise DataError(f"text file {path} does not exist")
+        bad = _not_a_text_file(path)
+        if bad:
+            raise DataError(f"text file {path} {bad}")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise DataError(f"text file {path} is not UTF-8 text") from None
+        except OSError as e:  # no permission, an I/O error
+            raise DataError(f"text file {path} cannot be read ({e.strerror or type(e).__name__})") from None
         if not text.strip():
             raise DataError(f"text file {path} is empty")
         docs.append(Document(str(path.relative_to(root)) if root else path.name, text))
     return docs
+
+
+def _not_a_text_file(path: Path) -> str | None:
+    """What keeps ``path`` from being read as one text file (it is missing, a directory, a device such
+    as /dev/zero that never ends, a FIFO that blocks), or None for a regular file."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist" if not path.is_symlink() else "is a broken symbolic link"
+    except OSError as e:  # a parent that is a file, no permission on a parent, a name too long
+        return f"cannot be opened ({e.strerror or type(e).__name__})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory (give the files in it: --text DIR/*.txt)"
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    return f"is not a regular file ({kind})"
 
 
 def split_point(text: str, val_fraction: float) -> int:
