@@ -210,7 +210,7 @@ class RunWatcher:
         recent = []
         for eid, fields in reversed(bus.raw(self.r).xrevrange(self.keys.steps, max=self.last_id, count=n)):
             v = StepGate(self.run, self.opts.secret).check(bus.to_entry(self.keys.steps, eid, fields))
-            if isinstance(v.record, StepRecord):
+            if isinstance(v.record, (StepRecord, TimelineRecord)):  # the markers drop what a rollback abandoned
                 recent.append(v.record)
         self.policy.restore_samples(recent)
 

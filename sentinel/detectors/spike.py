@@ -245,7 +245,10 @@ class SpikeDetector:
         self._refused_count = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window.state_dict(), "ema": self.ema.value, "refused": list(self._refused)}
+        # the recent values and their differences too: they set the local spread a spike is judged
+        # by and the per-step noise; without them a restored detector judged its next steps otherwise
+        return {"window": self.window.state_dict(), "ema": self.ema.value, "refused": list(self._refused),
+                "raw": list(self._raw), "dabs": list(self._dabs)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.window.load_state_dict(d["window"])
@@ -254,6 +257,10 @@ class SpikeDetector:
         self._refused_count = 0
         for r in d["refused"]:
             self._note_refusal(bool(r))
+        self._raw.clear()
+        self._dabs.clear()
+        self._raw.extend(float(v) for v in d.get("raw", []))  # older state: none (refilled within 2 x recent steps)
+        self._dabs.extend(float(v) for v in d.get("dabs", []))
 
 
 class KOfN:

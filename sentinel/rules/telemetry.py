@@ -30,6 +30,7 @@ class GradEval(Evaluator):
             z_elevated=cfg.threshold, ratio_elevated=cfg.min_ratio, ema_alpha=cfg.ema_alpha,
         )
         self._update = self.det.update
+        self.nf_since: int | None = None  # the first step of the current run of non-finite grad norms
 
     def __call__(self, r: Fields, out: list[Finding]) -> None:
         g = r["grad_norm"]
@@ -37,13 +38,20 @@ class GradEval(Evaluator):
             return
         step = r["step"]
         code = self._update(step, g)
+        if code != d.NONFINITE:
+            self.nf_since = None
         if code <= 0:
             return
         if code == d.NONFINITE:
+            if self.nf_since is None:
+                self.nf_since = step
             if self.nf_cfg.enabled and math.isfinite(r["loss"]):  # a non-finite loss was reported already
                 c = self.nf_cfg
-                out.append(Finding("nonfinite", c.severity, c.action, step, f"grad norm is {g}",
-                                   value=g, onset_step=step, anomaly=True))
+                # the onset is the run's first: the policy judges persistence from it (an inf grad
+                # norm on every step, every update skipped, is damage however finite the loss)
+                out.append(Finding("nonfinite", c.severity, c.action, step, f"grad norm is {g} "
+                                   f"({step - self.nf_since + 1} step(s) in a row)",
+                                   value=g, onset_step=self.nf_since, anomaly=True))
         elif code == d.SPIKE and self.cfg.enabled:
             det = self.det
             out.append(self.finding(step, f"grad norm {fmt(g)} vs baseline {fmt(det.baseline)}: z={det.z:.1f}, x{det.ratio:.2f}",
@@ -51,15 +59,19 @@ class GradEval(Evaluator):
 
     def rewind(self, keep_through_step: int) -> None:
         self.det.rewind(keep_through_step)
+        self.nf_since = None
 
     def reset(self) -> None:
         self.det.reset()
+        self.nf_since = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"det": self.det.state_dict()}
+        return {"det": self.det.state_dict(), "nf_since": self.nf_since}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.det.load_state_dict(st["det"])
+        v = st.get("nf_since")
+        self.nf_since = v if type(v) is int else None
 
 
 class ValEval(Evaluator):
