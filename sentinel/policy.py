@@ -9,6 +9,9 @@ States (``RunPolicy.state``)::
           non-finite persists                  └─ no checkpoint / rate limit ──┴─ rejected ─┴─ loss not back
                                                                        └──> escalated (pause + page, hands off)
     verifying ──loss back within band past the bad region──> healthy
+    rollback ──no restore within verify_window_steps steps (never applied, or the trainer resumed
+               by itself first)──> escalated; a step of a newer timeline whose marker was lost is
+               taken as the restore (from its step - 1)
 
 Why this shape: a high loss on one batch is not damage; damage is loss that stays high on the
 following, *different* batches. So a spike opens a *suspect* episode and nothing more, whether or not
@@ -18,8 +21,12 @@ kept as suspects) unless the loss stays above the run's own best level, which is
 finding. Damage is undone the PaLM way: restore a checkpoint from at least ``rollback_margin_steps``
 before the onset and skip the samples from shortly before the onset through the end of the elevated
 region: the detection, and every step the trainer still trained on the damaged branch before it
-applied the rollback (``skip-samples`` directives, ``_skip_later``). A recovery is not assumed: the loss must come back within
-``verify_window_steps`` or a human is paged, and automation stops for the run.
+applied the rollback (``skip-samples`` directives, ``_skip_later``). The target is strictly before
+the onset (a checkpoint of step N holds step N's update) and on the surviving lineage (never one of
+a branch a later timeline forked away from). A recovery is not assumed: the detectors go back to the
+restored step and judge the replay afresh, and the loss must come back within ``verify_window_steps``
+steps past the bad region (a non-finite loss meanwhile is damage) or a human is paged, and
+automation stops for the run.
 
 Recovered spikes are not forgotten: each episode is classified (``pattern``) as one-off, periodic
 (same interval, or the same batch fingerprint / sample ids as an earlier spike: a data cause) or
@@ -29,7 +36,9 @@ human even though every spike recovered.
 Rate limits count only rollbacks really sent, per hour and per ``rollback_window_steps`` trained
 steps. A dry run decides and records but never consumes them, and one fault stays one incident: after
 a would-be rollback the incident is held open (the damage was not undone, so it is still there) until
-the loss is back in band. With ``require_approval`` the run is paused while it waits for a human.
+the loss is back in band. With ``require_approval`` the run is paused while it waits for a human
+(and paused again if the trainer restarts meanwhile); a dry run pauses nothing and asks nobody, so
+it decides as without approval.
 
 The policy is pure: the daemon feeds it records, acks, checkpoints and clock ticks, and sends the
 ``Action`` objects it returns. Every decision is also an ``Event`` (``drain_events``) and lands in an
@@ -39,6 +48,7 @@ and, with the deterministic ``idempotency_key``, never performs an action twice.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from statistics import median
@@ -124,6 +134,9 @@ class RunPolicy:
         self.pattern = "none"  # one-off | periodic | increasing, over this run's spike episodes
         self._hang: str | None = None  # id of the open hang incident (beside any anomaly incident)
         self._rebaselined_at: int | None = None  # steps_seen at the last planned-level rebaseline
+        # [timeline, from_step] of each rollback/resume/start marker (dominated ones pruned): a
+        # checkpoint of an older timeline after such a fork point is off the surviving lineage
+        self._forks: list[list[int]] = []
 
     # ------------------------------------------------------------------ public interface
 
@@ -140,13 +153,42 @@ class RunPolicy:
         return ev
 
     def on_checkpoint(self, info: CheckpointInfo) -> None:
-        """A checkpoint exists (and is a rollback candidate unless its verification failed)."""
-        if info.verified != "failed":
-            self._checkpoints[info.step] = info
+        """A checkpoint exists: a rollback candidate, unless its verification failed (a checkpoint
+        re-registered as failed is withdrawn) or it lies on a branch a later timeline abandoned (an
+        async save of the damaged branch that registers after the rollback marker)."""
+        if info.verified == "failed":
+            old = self._checkpoints.get(info.step)
+            if old is not None and (old.timeline == info.timeline or old.path == info.path):
+                del self._checkpoints[info.step]
+                self._event("checkpoint_withdrawn", "warning", f"checkpoint of step {info.step} (timeline {info.timeline}) "
+                            "failed verification: no longer a rollback target", step=info.step, incident_id=self._current)
+            return
+        if self._abandoned(info):
+            self._event("checkpoint_ignored", "info", f"checkpoint of step {info.step} (timeline {info.timeline}) lies on "
+                        "a branch a later timeline abandoned: never a rollback target", step=info.step, incident_id=self._current)
+            return
+        self._checkpoints[info.step] = info
+
+    def _abandoned(self, info: CheckpointInfo) -> bool:
+        """Is ``info`` off the surviving lineage: a later timeline forked its timeline before its step?"""
+        return any(t > info.timeline and info.step > s for t, s in self._forks)
+
+    def _note_fork(self, timeline: int, from_step: int) -> None:
+        """Remember that ``timeline`` forked at ``from_step``. A fork (t, s) abandons the checkpoints
+        of timelines < t after step s; one whose abandoned set another's contains is dropped, so the
+        list stays as short as the run's genuinely different fork points."""
+        if any(t >= timeline and s <= from_step for t, s in self._forks):
+            return
+        self._forks = [[t, s] for t, s in self._forks if not (timeline >= t and from_step <= s)] + [[timeline, from_step]]
 
     def end_replay(self, why: str) -> None:
-        """A backlog replayed as a dry run is over: an incident it held open is history, not live."""
-        if self._current and self._ep.get("held"):
+        """A backlog replayed as a dry run is over: an incident it held open is history, not live.
+        So is one parked for an approval that nobody was asked for (every action of it a dry run)."""
+        inc = self._incidents.get(self._current) if self._current else None
+        if inc is None:
+            return
+        if self._ep.get("held") or (self._state == "awaiting_approval" and all(a.get("dry_run") for a in inc.actions)):
+            self._pending.pop(inc.id, None)
             self._close("healthy", self.last_step, why)
 
     def forget_checkpoint(self, step: int) -> None:
@@ -156,6 +198,26 @@ class RunPolicy:
     def on_step(self, rec: StepRecord) -> list[Action]:
         if rec.timeline < self.timeline:
             return []  # a late record from a timeline a rollback abandoned
+        pre: list[Action] = []
+        if rec.timeline > self.timeline and self._state in ("rollback", "awaiting_approval"):
+            pre = self._inferred_restore(rec)
+        return pre + self._on_step(rec)
+
+    def _inferred_restore(self, rec: StepRecord) -> list[Action]:
+        """A step of a newer timeline arrived while a rollback (or an approval) waits, but not the
+        marker that started that timeline (the capped stream trimmed it before it was read): the
+        trainer restored something. Take this first record of the new timeline as the restore,
+        from its step - 1: a rollback that was sent is then verified like any other, and a
+        restart while approval is pending pauses the run again."""
+        kind = "rollback" if self._state == "rollback" else "resume"
+        s = max(rec.step - 1, 0)
+        self._event("timeline_inferred", "warning", f"step {rec.step} of timeline {rec.timeline} arrived without its "
+                    f"marker (trimmed from the stream?): taken as a {kind} from step {s}", step=rec.step,
+                    incident_id=self._current)
+        return self.on_timeline(TimelineRecord(kind=kind, run=self.run, from_step=s, timeline=rec.timeline, time=rec.time,
+                                               reason=f"inferred from step {rec.step} of timeline {rec.timeline}"))
+
+    def _on_step(self, rec: StepRecord) -> list[Action]:
         if rec.timeline > self.timeline:
             self.timeline = rec.timeline
         self.last_step, self.last_time = rec.step, rec.time
@@ -176,6 +238,16 @@ class RunPolicy:
         if self.dry_run and st in ("verifying", "escalated") and self._ep.get("held"):
             self._hold(rec, findings)
             return self._emit([])
+        if st == "rollback":
+            # the restore must come: a trainer that resumed by itself before applying the rollback,
+            # or never applies it, trains on unjudged; after a window of steps a human takes over
+            since = self.steps_seen - self._ep.setdefault("rollback_seen", self.steps_seen)
+            if since >= self.cfg.verify_window_steps:
+                out = [later] if later is not None else []
+                inc = self._incidents[self._current]
+                self._escalate(f"rollback not applied: {since} steps trained since the rollback to step "
+                               f"{inc.rollback_to} was sent, and no restore of it seen", out, rec.step)
+                return self._emit(out)
         if not findings:
             if st == "suspect" and rec.step - self._ep["last"] >= self.cfg.suspect_clear_steps:
                 self._close("recovered", rec.step, self._recovered_why(rec))
@@ -211,7 +283,9 @@ class RunPolicy:
         that has happened starts verification."""
         out: list[Action] = []
         s = rec.from_step
+        current = rec.timeline >= self.timeline  # not a late marker of a timeline already left behind
         self.timeline = max(self.timeline, rec.timeline)
+        self._note_fork(rec.timeline, s)
         self._last_fire = {r: [None, v[1]] for r, v in self._last_fire.items()}  # step cooldowns restart
         # checkpoints of the abandoned branch are not ancestors any more; those written on this timeline
         # or a later one are (a sentinel replaying an old backlog already knows checkpoints made after it)
@@ -226,17 +300,38 @@ class RunPolicy:
         if rec.kind == "start" and s == 0:
             self.engine.reset()
         elif inc is not None and self._state == "rollback" and (rec.kind == "rollback" or s == inc.rollback_to):
-            # our rollback happened. Keep the healthy pre-onset baseline; drop everything from the onset on.
-            self.engine.rewind(inc.onset_step - 1)
+            # our rollback happened. The detectors go back to the restored step, as the weights did:
+            # the replay of the steps after it is judged against what came before them, not against
+            # the later (on a falling curve: lower) level the old branch reached by the onset. The
+            # pre-onset baseline of the episode is kept for the verdict.
+            self.engine.rewind(s)
             self._set_state("verifying", inc)
             self._ep.update(verify_from=s, verify_recent=[])
-            self._event("verifying", "info", f"restored step {s}; verifying that the loss stays within "
-                        f"{self.cfg.verify_tolerance:.0%} of {self._ep.get('baseline')} for up to {self.cfg.verify_window_steps} steps",
-                        step=s, incident_id=inc.id)
+            self._event("verifying", "info", f"restored step {s}; verifying that the loss comes back within "
+                        f"{self.cfg.verify_tolerance:.0%} of {self._ep.get('baseline')} by step {self._verify_deadline(inc)} "
+                        f"({self.cfg.verify_window_steps} steps past the bad region)", step=s, incident_id=inc.id)
         else:
             self.engine.rewind(s)
             if self._state == "suspect":
                 self._close("recovered", s, f"superseded by {rec.kind} to step {s}")
+            elif self._state == "rollback" and inc is not None:
+                # not our restore (the trainer restarted by itself first): the rollback directive may still
+                # be applied; if it is not within verify_window_steps steps, on_step escalates
+                self._event("rollback_pending", "warning", f"{rec.kind} from step {s}, not the rollback to step "
+                            f"{inc.rollback_to}: still waiting for it (at most {self.cfg.verify_window_steps} steps)",
+                            step=s, incident_id=inc.id)
+        if self._state == "awaiting_approval" and inc is not None and current:
+            # the trainer restarted while it waited: the pause it was sent went with the old process, so
+            # pause the new one too; the steps it trains on the new timeline before that pause takes
+            # effect join the waiting rollback's skip (``_skip_later``), like those of the old one
+            ep = self._ep
+            ep["skip_to"] = max(s, ep.get("skip_to", s))
+            ep["skip_base"] = ep["skip_to"]
+            ep["skip_timeline"] = rec.timeline
+            ep.pop("skip_capped", None)
+            out.append(self._incident_action(inc, "pause", f"the trainer restarted ({rec.kind} from step {s}, timeline "
+                                             f"{rec.timeline}) while the rollback to step {inc.rollback_to} awaits "
+                                             f"approval: paused again until `sentinel approve {inc.id}`"))
         return self._emit(out)
 
     LEVEL_MARKERS = ("mixture_change", "seq_len_change")  # planned changes of the loss level
@@ -409,8 +504,9 @@ class RunPolicy:
         self._ep.update(skip_to=step, skip_timeline=self.timeline)  # the last step whose samples the skip covers (_skip_later)
         act = self._incident_action(inc, "rollback", f"{rule}: {why}", to_step=target, ranges=inc.skip_ranges,
                                     skip_steps=(max(lo, 0), step))
-        if self.require_approval:
-            # do not keep training on damaged weights while a human decides
+        if self.require_approval and not self.dry_run:
+            # do not keep training on damaged weights while a human decides. (A dry run pauses nothing
+            # and asks nobody: it decides as without approval, and holds the incident open below.)
             self._pending[inc.id] = act.model_dump(mode="json")
             self._set_state("awaiting_approval", inc)
             out.append(self._incident_action(inc, "pause", f"paused until a human approves rolling back to step {target}"))
@@ -432,11 +528,13 @@ class RunPolicy:
         inc = self._incidents.get(self._current) if self._current else None
         if inc is None or rec.step <= self._ep.get("skip_to", rec.step) or rec.timeline != self._ep.get("skip_timeline"):
             return None  # a replay, or a step of the restored branch (its marker not read yet)
-        if rec.step - inc.detect_step > SKIP_LATER_MAX_STEPS:
+        base = self._ep.get("skip_base", inc.detect_step)  # a restart while approval is pending counts anew
+        if rec.step - base > SKIP_LATER_MAX_STEPS:
             if not self._ep.get("skip_capped"):  # a trainer that does not apply directives: say so once, do not flood
                 self._ep["skip_capped"] = True
-                self._event("rollback_not_applied", "warning", f"the trainer is still on the damaged branch {rec.step - inc.detect_step} "
-                            f"steps after the rollback to step {inc.rollback_to} was sent; later samples are not added to the skip",
+                sent = "the pause" if self._state == "awaiting_approval" else f"the rollback to step {inc.rollback_to}"
+                self._event("rollback_not_applied", "warning", f"the trainer is still on the damaged branch {rec.step - base} "
+                            f"steps after {sent} was sent; later samples are not added to the skip",
                             step=rec.step, incident_id=inc.id)
             return None
         self._ep["skip_to"] = rec.step
@@ -470,9 +568,11 @@ class RunPolicy:
         if self.dry_run:
             # nothing will be restored, so the damage is still there: hold this incident open (one
             # fault, one incident) until the loss is back in band, instead of re-detecting it
-            self._hold_open(inc, f"dry run: would roll back to step {act.to_step}")
+            ask = " (after pausing for a human's approval)" if self.require_approval else ""
+            self._hold_open(inc, f"dry run: would roll back to step {act.to_step}{ask}")
         else:
             self._set_state("rollback", inc)
+            self._ep["rollback_seen"] = self.steps_seen  # the restore must come within verify_window_steps steps
 
     def _hold_open(self, inc: Incident, why: str) -> None:
         self._set_state("verifying" if inc.state != "escalated" else "escalated", inc)
@@ -488,6 +588,9 @@ class RunPolicy:
             if f.anomaly and len(inc.evidence) < MAX_EVIDENCE:
                 inc.evidence.append(_evidence(rec, f))
         recent = self._ep.setdefault("verify_recent", [])
+        if not math.isfinite(rec.loss):
+            recent.clear()  # a non-finite loss is not "back in band"; the median must never see it
+            return
         recent.append(rec.loss)
         if len(recent) > self.cfg.verify_recent_steps:
             del recent[0]
@@ -498,12 +601,15 @@ class RunPolicy:
             self._close("healthy", rec.step, f"dry run: loss {median_of(recent):.4g} back within band of {base:.4g} (nothing was rolled back)")
 
     def _pick_target(self, onset: int) -> int | None:
-        steps = sorted(self._checkpoints)
+        """The newest checkpoint at least ``rollback_margin_steps`` before the onset, else the oldest
+        one before it. Strictly before: a checkpoint of step N holds the weights after step N's
+        update, so one of the onset step may already carry the damage first seen there. Never one
+        of a branch a later timeline abandoned."""
+        steps = sorted(s for s, c in self._checkpoints.items() if s < onset and not self._abandoned(c))
         margin_ok = [s for s in steps if s <= onset - self.cfg.rollback_margin_steps]
         if margin_ok:
             return margin_ok[-1]
-        before = [s for s in steps if s <= onset]
-        return before[0] if before else None
+        return steps[0] if steps else None
 
     def _recovered_why(self, rec: StepRecord) -> str:
         lvl = self.engine.loss_level()
@@ -512,24 +618,37 @@ class RunPolicy:
                 "no rollback (the sample ids stay on record as suspects)") if lvl is not None and base is not None \
             else "recovered: no further anomalies"
 
+    def _verify_deadline(self, inc: Incident) -> int:
+        """The step by which the loss must be back: ``verify_window_steps`` past the bad region. Counted
+        from the detection (or the restore, if later), not from the restore alone: a checkpoint far
+        before the onset replays a long healthy stretch first, and its own (higher, on a falling
+        curve) losses must not use up the window before the replay even reaches the onset."""
+        return max(self._ep["verify_from"], inc.detect_step) + self.cfg.verify_window_steps
+
     def _verify(self, rec: StepRecord, out: list[Action]) -> None:
         ep = self._ep
         inc = self._incidents[self._current]
+        if not math.isfinite(rec.loss):
+            # damage, not a number to take a median of (sorted() with a NaN returns a finite middle)
+            self._escalate(f"non-finite loss ({rec.loss}) at step {rec.step} during recovery verification after the "
+                           f"rollback to step {inc.rollback_to}", out, rec.step)
+            return
         recent = ep["verify_recent"]
         recent.append(rec.loss)
         k = self.cfg.verify_recent_steps
         if len(recent) > k:
             del recent[0]
         base = ep.get("baseline")
-        deadline = ep["verify_from"] + self.cfg.verify_window_steps
+        deadline = self._verify_deadline(inc)
         in_band = base is None or median_of(recent) <= base * (1 + self.cfg.verify_tolerance)
         past_bad_region = rec.step > inc.detect_step or rec.step >= deadline
         base_txt = "unknown" if base is None else f"{base:.4g}"
         if in_band and past_bad_region:
             self._close("healthy", rec.step, f"recovered: loss {median_of(recent):.4g} within band of baseline {base_txt} at step {rec.step}")
         elif rec.step >= deadline:
-            self._escalate(f"loss did not come back within {self.cfg.verify_window_steps} steps of the restore "
-                           f"(recent {median_of(recent):.4g} vs baseline {base_txt})", out, rec.step)
+            self._escalate(f"loss did not come back within {self.cfg.verify_window_steps} steps past the bad region "
+                           f"(detection at step {inc.detect_step}, restored step {ep['verify_from']}; "
+                           f"recent {median_of(recent):.4g} vs baseline {base_txt})", out, rec.step)
 
     def _escalate(self, why: str, out: list[Action], step: int | None) -> None:
         inc = self._incidents.get(self._current) if self._current else None
@@ -642,7 +761,9 @@ class RunPolicy:
             ls, lt = last
             if cfg.cooldown_steps and step is not None and ls is not None and step - ls < cfg.cooldown_steps:
                 return False
-            if cfg.cooldown_seconds and lt is not None and now - lt < cfg.cooldown_seconds:
+            # a clock that stepped back (NTP) gives a negative elapsed time: not "still cooling down"
+            # (that would silence a page for as long as the step), so the cooldown restarts from now
+            if cfg.cooldown_seconds and lt is not None and 0 <= now - lt < cfg.cooldown_seconds:
                 return False
         self._last_fire[f.rule] = [step, now]
         return True
@@ -692,6 +813,7 @@ class RunPolicy:
             "last_fire": self._last_fire,
             "hang": self._hang,
             "rebaselined_at": self._rebaselined_at,
+            "forks": [list(f) for f in self._forks],
             "engine": self.engine.state_dict(),
             "events": [e.model_dump(mode="json") for e in self._events],
         }
@@ -717,6 +839,7 @@ class RunPolicy:
         self._hang = d.get("hang")
         rb = d.get("rebaselined_at")
         self._rebaselined_at = int(rb) if rb is not None else None
+        self._forks = [[int(t), int(s)] for t, s in d.get("forks", [])]
         self.engine.load_state_dict(d["engine"])
         self._events = [Event.model_validate(e) for e in d.get("events", [])]
 

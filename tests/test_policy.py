@@ -213,13 +213,17 @@ def test_escalates_when_loss_does_not_recover_within_w():
     assert [a.kind for a in p.on_step(rec(302, float("nan")))] == ["rollback"]
     p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
     acts = []
-    for s in range(201, 251):
+    d = p.incidents[0].detect_step
+    # W counts past the bad region (the detection at 302), not from the restore: the deadline is 352
+    for s in range(201, d + 50):
         acts += p.on_step(rec(s, 3.0 * 1.07, timeline=1))  # 7% high: outside the 5% band, not a spike
+    assert p.state == "verifying" and acts == []
+    acts += p.on_step(rec(d + 50, 3.0 * 1.07, timeline=1))
     assert p.state == "escalated"
-    assert [a.kind for a in acts] == ["pause", "page"]
+    assert [a.kind for a in acts] == ["pause", "page"] and "did not come back" in acts[0].reason
     assert p.incidents[0].state == "escalated"
     # automation is stopped: a new spike does nothing
-    assert p.on_step(rec(251, 9.0, timeline=1)) == []
+    assert p.on_step(rec(d + 51, 9.0, timeline=1)) == []
 
 
 def test_damage_during_verification_escalates():
