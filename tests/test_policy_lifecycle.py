@@ -10,24 +10,9 @@ import random
 
 from sentinel.policy import SKIP_LATER_MAX_STEPS, Action, RunPolicy
 from sentinel.protocol import CheckpointInfo, StepRecord, TimelineRecord
-from sentinel.rules import RuleSet, default_rules
+from sentinel.rules import RuleSet
 
-RUN = "run1"
-IDS_PER_STEP = 4
-
-
-class Clock:
-    def __init__(self, t: float = 10_000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def rec(step: int, loss: float, *, timeline: int = 0, skipped: bool = False) -> StepRecord:
-    return StepRecord(run=RUN, step=step, timeline=timeline, loss=loss, loss_max_rank=loss, grad_norm=0.0, lr=1e-3,
-                      tokens=step * 1000, batch_fingerprint=f"fp{step}-t{timeline}", time=1000.0 + step, skipped=skipped,
-                      sample_ids=list(range(step * IDS_PER_STEP, (step + 1) * IDS_PER_STEP)))
+from test_policy import IDS_PER_STEP, RUN, Clock, noise, policy, rec, warm  # noqa: F401 - the same records and runs
 
 
 def ckpt(step: int, timeline: int = 0, **kw) -> CheckpointInfo:
@@ -35,26 +20,8 @@ def ckpt(step: int, timeline: int = 0, **kw) -> CheckpointInfo:
                           manifest_sha256="x", world_size=1, timeline=timeline, **kw)
 
 
-def noise(seed: int):
-    rng = random.Random(seed)
-    return lambda: 3.0 * (1 + rng.gauss(0, 0.01))
-
-
-def policy(rules: RuleSet | None = None, **kw) -> tuple[RunPolicy, Clock]:
-    c = Clock()
-    return RunPolicy(RUN, rules or default_rules(), clock=c, **kw), c
-
-
 def rules(**pol) -> RuleSet:
     return RuleSet.model_validate({"policy": pol})
-
-
-def warm(p: RunPolicy, upto: int = 300, seed: int = 0, ckpt_every: int = 50) -> None:
-    x = noise(seed)
-    for s in range(1, upto):
-        assert p.on_step(rec(s, x())) == []
-        if s % ckpt_every == 0:
-            p.on_checkpoint(ckpt(s))
 
 
 def damage(p: RunPolicy, start: int, timeline: int = 0, loss: float = 5.0) -> list[Action]:
