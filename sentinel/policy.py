@@ -67,6 +67,11 @@ SPIKE_PATTERNS = ("one-off", "periodic", "increasing")
 PATTERN_HISTORY = 32  # spike episodes remembered for the pattern (one-off / periodic / increasing)
 PATTERN_RANGES = 64  # sample-id ranges kept per episode to recognise the same data coming back
 _PRIORITY = {"divergence": 0, "nonfinite": 1, "loss_spike": 2}  # which anomaly names the incident
+# spikes that keep coming: this many separate spikes (flagged steps apart, not one spike's steps) in
+# one open episode, each within episode_gap_steps of the last, page as "increasing" although none
+# was damage: spikes every 6-12 steps merge into one episode that never closes, so the pattern of
+# closed episodes never sees them (a 1000-step storm of 125 spikes paged nothing)
+SPIKE_STORM = 10
 SKIP_LATER_MAX_STEPS = 16  # steps after a sent rollback whose samples still join its skip (a trainer acts within 1-2)
 
 
@@ -444,6 +449,11 @@ class RunPolicy:
                 self._classify(inc, rec, out)
         inc = self._incidents[self._current]
         ep = self._ep
+        if not damage and self._state == "suspect" and any(a.rule == "loss_spike" for a in anomalies) \
+                and (ep["count"] == 0 or rec.step - ep["last"] >= 2):  # a new spike, not the next step of one
+            ep["spikes"] = ep.get("spikes", 0) + 1
+            if ep["spikes"] == SPIKE_STORM:
+                self._spike_storm(inc, rec, out)
         ep["count"] += 1
         ep["last"] = rec.step
         if onset < ep["onset"] - (self.cfg.episode_gap_steps if ep["count"] > 1 else 0):
@@ -456,6 +466,20 @@ class RunPolicy:
                 inc.evidence.append(_evidence(rec, a))
         if damage:
             self._open_incident(inc, f.rule, f.detail, rec.step, out)
+
+    def _spike_storm(self, inc: Incident, rec: StepRecord, out: list[Action]) -> None:
+        """``SPIKE_STORM`` spikes in one episode that never went quiet: the frequency went up (from
+        isolated spikes to one every few steps). Pattern "increasing", and a page (once per episode)."""
+        n, span = self._ep["spikes"], rec.step - self._ep["onset"] + 1
+        why = f"{n} spikes in {span} steps, none {self.cfg.episode_gap_steps} steps apart (the episode never went quiet)"
+        prev, self.pattern = self.pattern, "increasing"
+        inc.pattern = "increasing"
+        if prev != "increasing":
+            self._event("spike_pattern", "warning", f"spike pattern: increasing ({why})", step=rec.step, incident_id=inc.id,
+                        data={"pattern": "increasing", "spikes": n, "steps": span})
+        if self.cfg.page_on_increasing_spikes:
+            out.append(self._incident_action(inc, "page", f"spikes keep coming: {why}; each recovered, but recovered "
+                                             "is not healthy (check lr, data order, precision)"))
 
     def _classify(self, inc: Incident, rec: StepRecord, out: list[Action]) -> None:
         """Name the pattern of this run's spike episodes (the seed's spike debug path): one-off,

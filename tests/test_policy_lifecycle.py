@@ -480,3 +480,25 @@ def test_a_backlog_replay_with_approval_leaves_the_live_run_watched():
         if out:
             break
     assert kinds(out) == ["pause", "page"] and p.state == "awaiting_approval"
+
+
+def test_spikes_that_keep_coming_page_once_even_though_each_recovered():
+    """Spikes every 8 steps merge into one suspect episode that never goes quiet, so the pattern of
+    closed episodes never saw them: 125 spikes over 1000 steps paged nothing. Ten separate spikes in
+    one episode now read as "increasing" and page, once; a burst of a few does not."""
+    p, _ = policy()
+    warm(p)
+    x = noise(1)
+    acts = []
+    for s in range(300, 1300):
+        acts += p.on_step(rec(s, x() * (1.6 if s % 8 == 0 else 1.0)))
+    pages = [a for a in acts if a.kind == "page"]
+    assert len(pages) == 1 and "spikes keep coming" in pages[0].reason, [a.kind for a in acts]
+    assert p.pattern == "increasing" and not [a for a in acts if a.kind in ("rollback", "pause")]
+    q, _ = policy()
+    warm(q)
+    y = noise(1)
+    acts = []
+    for s in range(300, 700):
+        acts += q.on_step(rec(s, y() * (1.6 if s in (400, 408, 416) else 1.0)))
+    assert [a for a in acts if a.kind == "page"] == [] and q.pattern != "increasing"
