@@ -25,6 +25,10 @@ def test_demo_detects_rolls_back_and_recovers(tmp_path):
     assert rb["to_step"] <= 100 - 20  # from before the drill, by the demo's margin
     assert any(lo <= fault < hi for lo, hi in rb["skip_ranges"])  # the data that caused it is skipped
     assert [i["state"] for i in out["incidents"]] == ["healthy"]  # recovery verified
+    # what the demo says was skipped adds up to the skip list (the later skip-samples directives too)
+    skipped = sum(h - lo for lo, h in rb["skip_ranges"]) + sum(x["samples"] for x in out["later_skips"])
+    on_list = sum(h - lo for lo, h in json.loads((run_dir / "skiplist.json").read_text()))
+    assert skipped == on_list, (skipped, on_list, out["later_skips"])
     assert "Traceback" not in p.stderr
     # the picture of it all (sentinel report): written into the run dir, its path in the output
     assert out["report"] == str(run_dir / "reports" / "run.png")

@@ -154,6 +154,7 @@ def _demo(console, run_dir, steps, ranks, drill_step, mixture, fault, source, fa
                                     for i in incidents_of(run_dir)]
             except Exception:
                 out["incidents"] = []
+        out["later_skips"] = _later_skips(run_dir)
         out["report"] = _report(run_dir)  # while the bus still holds the incidents
     finally:
         if spec.sentinel:  # also after a failure, Ctrl-C or SIGTERM: the embedded valkey server is ours to stop
@@ -171,6 +172,10 @@ def _demo(console, run_dir, steps, ranks, drill_step, mixture, fault, source, fa
             t.add_row("rollback", f"to step {rb.from_step}, skipped {sum(h - l for l, h in rb.skip_ranges)} samples ({rb.reason})")
         if spec.sentinel and not res.rollbacks:
             t.add_row("rollback", "[red]none[/]")
+        later = out.get("later_skips") or []
+        if later:
+            t.add_row("later skips", f"{sum(x['samples'] for x in later)} samples in {len(later)} skip-samples directive(s): the "
+                                     "steps the damaged branch still trained before the rollback took effect")
         gs = out["guard_skipped_steps"]
         t.add_row("guard skips", (f"{len(gs)} step{'s' * (len(gs) != 1)}, at step{'s' * (len(gs) != 1)} "
                                   + ", ".join(map(str, gs))) if gs else "none")
@@ -230,6 +235,21 @@ def _sigterm_as_interrupt():
         yield term
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def _later_skips(run_dir: Path) -> list[dict]:
+    """The skip-samples directives the trainer applied (directives.jsonl logs their ranges): what
+    the incident skipped besides its rollback's own ranges, so the demo's totals match skip-list."""
+    from sentinel import rundir
+
+    out = []
+    for e in rundir.read_directives_log(run_dir):
+        ranges = e.get("ranges") if isinstance(e.get("ranges"), list) else []
+        if e.get("kind") == "skip-samples" and e.get("status") == "applied" and ranges:
+            n = sum(r[1] - r[0] for r in ranges if isinstance(r, list) and len(r) == 2
+                    and all(type(v) is int for v in r) and r[1] > r[0])
+            out.append({"step": e.get("step"), "samples": n, "reason": e.get("reason")})
+    return out
 
 
 def _stop_bus(run_dir: Path) -> None:
