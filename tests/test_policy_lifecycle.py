@@ -12,7 +12,7 @@ from sentinel.policy import SKIP_LATER_MAX_STEPS, Action, RunPolicy
 from sentinel.protocol import CheckpointInfo, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet
 
-from test_policy import IDS_PER_STEP, RUN, Clock, noise, policy, rec, warm  # noqa: F401 - the same records and runs
+from test_policy import IDS_PER_STEP, RUN, Clock, damage, noise, policy, rec, warm  # noqa: F401 - the same records and runs
 
 
 def ckpt(step: int, timeline: int = 0, **kw) -> CheckpointInfo:
@@ -22,15 +22,6 @@ def ckpt(step: int, timeline: int = 0, **kw) -> CheckpointInfo:
 
 def rules(**pol) -> RuleSet:
     return RuleSet.model_validate({"policy": pol})
-
-
-def damage(p: RunPolicy, start: int, timeline: int = 0, loss: float = 5.0) -> list[Action]:
-    acts: list[Action] = []
-    for s in range(start, start + 30):
-        acts += p.on_step(rec(s, loss, timeline=timeline))
-        if acts:
-            break
-    return acts
 
 
 def kinds(acts: list[Action]) -> list[str]:
