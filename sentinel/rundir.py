@@ -228,9 +228,14 @@ def effective_steps(records: Iterable) -> list[StepRecord]:
     return list(authoritative_steps(records).values())
 
 
+def run_config(run_dir: str | os.PathLike) -> dict:
+    """The run's config.yaml as a mapping ({} when missing or unreadable: see ``_config``)."""
+    return _config(Path(run_dir))
+
+
 def planned_steps(run_dir: str | os.PathLike) -> int | None:
     """The run's ``max_steps`` from its config.yaml; None when absent, unreadable or not a count."""
-    n = _config(Path(run_dir)).get("max_steps")
+    n = run_config(run_dir).get("max_steps")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 

@@ -62,6 +62,17 @@ def to_rollback(p: RunPolicy, loss: float = 5.0) -> Action:
     return to_rollback_from(p, DAMAGE_AT, loss)
 
 
+def replay_restored(p: RunPolicy, until: int, seed: int) -> None:
+    """The rollback to step 200 happens (timeline 1) and the run trains healthy to ``until`` - 1,
+    saving a checkpoint every 50 steps."""
+    p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
+    x = noise(seed)
+    for s in range(201, until):
+        p.on_step(rec(s, x(), timeline=1))
+        if s % 50 == 0:
+            p.on_checkpoint(ckpt(s, timeline=1))
+
+
 def to_rollback_from(p: RunPolicy, start: int, loss: float = 5.0) -> Action:
     """From ``start`` the loss stays high (the guard skipped the first step) until a rollback."""
     assert p.on_step(rec(start, loss, skipped=True)) == []
@@ -294,12 +305,7 @@ def test_rate_limit_resets_after_an_hour_and_enough_steps():
     rs = RuleSet.model_validate({"policy": {"max_rollbacks_per_hour": 1, "rollback_window_steps": 100}})
     p, clock = policy(rs)
     to_rollback(p)
-    p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
-    x = noise(2)
-    for s in range(201, 420):
-        p.on_step(rec(s, x(), timeline=1))
-        if s % 50 == 0:
-            p.on_checkpoint(ckpt(s, timeline=1))
+    replay_restored(p, 420, seed=2)
     clock.t += 4000
     assert [a.kind for a in damage(p, 420, timeline=1)] == ["rollback"]
 

@@ -12,7 +12,7 @@ from sentinel.policy import SKIP_LATER_MAX_STEPS, Action, RunPolicy
 from sentinel.protocol import CheckpointInfo, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet
 
-from test_policy import IDS_PER_STEP, RUN, Clock, damage, noise, policy, rec, warm  # noqa: F401 - the same records and runs
+from test_policy import IDS_PER_STEP, RUN, Clock, damage, noise, policy, rec, replay_restored, warm  # noqa: F401 - the same records and runs
 
 
 def ckpt(step: int, timeline: int = 0, **kw) -> CheckpointInfo:
@@ -263,12 +263,7 @@ def test_a_rollback_applied_in_time_is_not_escalated():
 def test_a_late_checkpoint_of_the_abandoned_branch_is_never_a_target():
     p, clock = policy()
     _, d = to_rollback(p)
-    p.on_timeline(TimelineRecord(kind="rollback", run=RUN, from_step=200, timeline=1, time=2000.0))
-    x = noise(3)
-    for s in range(201, 340):
-        p.on_step(rec(s, x(), timeline=1))
-        if s % 50 == 0:
-            p.on_checkpoint(ckpt(s, timeline=1))
+    replay_restored(p, 340, seed=3)
     assert p.state == "healthy"
     p.on_checkpoint(ckpt(d, timeline=0))  # the async save of the damaged branch registers late
     assert d not in p._checkpoints

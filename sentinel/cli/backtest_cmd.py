@@ -182,21 +182,16 @@ def _run_settings(trace: str, given: frozenset[str]) -> dict:
     Anything unreadable is left at the command line's value."""
     from pathlib import Path
 
-    import yaml
-
-    from sentinel.rundir import APPLIED_RULES
+    from sentinel.rundir import APPLIED_RULES, CONFIG, run_config
     from sentinel.rules import RulesError
     from sentinel.rules_file import load_rules
 
     p = Path(trace)
-    cfg_path = p.parent / "config.yaml"
-    if p.name != "steps.jsonl" or not cfg_path.is_file():
+    if p.name != "steps.jsonl" or not (p.parent / CONFIG).is_file():
         return {}
     out: dict = {"said": []}
-    try:
-        ck = (yaml.safe_load(cfg_path.read_text(encoding="utf-8")[:1 << 20]) or {}).get("checkpoint") or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
-        ck = {}
+    ck = run_config(p.parent).get("checkpoint")
+    ck = ck if isinstance(ck, dict) else {}
     every, initial = ck.get("every"), ck.get("initial")
     if "checkpoint_every" not in given and isinstance(every, int) and not isinstance(every, bool) and every >= 0:
         out["checkpoint_every"] = every

@@ -238,18 +238,12 @@ def _sigterm_as_interrupt():
 
 
 def _later_skips(run_dir: Path) -> list[dict]:
-    """The skip-samples directives the trainer applied (directives.jsonl logs their ranges): what
-    the incident skipped besides its rollback's own ranges, so the demo's totals match skip-list."""
+    """The skip-samples directives the trainer applied (``rundir.skip_origins``): what the incident
+    skipped besides its rollback's own ranges, so the demo's totals match skip-list."""
     from sentinel import rundir
 
-    out = []
-    for e in rundir.read_directives_log(run_dir):
-        ranges = e.get("ranges") if isinstance(e.get("ranges"), list) else []
-        if e.get("kind") == "skip-samples" and e.get("status") == "applied" and ranges:
-            n = sum(r[1] - r[0] for r in ranges if isinstance(r, list) and len(r) == 2
-                    and all(type(v) is int for v in r) and r[1] > r[0])
-            out.append({"step": e.get("step"), "samples": n, "reason": e.get("reason")})
-    return out
+    return [{"step": o["step"], "samples": rundir.count(o["ranges"]), "reason": o["reason"]}
+            for o in rundir.skip_origins(run_dir) if o["source"] == "skip-samples"]
 
 
 def _stop_bus(run_dir: Path) -> None:
