@@ -288,8 +288,13 @@ class RunPolicy:
         that has happened starts verification."""
         out: list[Action] = []
         s = rec.from_step
-        current = rec.timeline >= self.timeline  # not a late marker of a timeline already left behind
-        self.timeline = max(self.timeline, rec.timeline)
+        if rec.timeline < self.timeline:
+            # a late marker of a timeline already left behind (the daemon's gate drops these first):
+            # acting on it would rewind the detectors and drop the samples of the live timeline
+            self._event("stale_marker", "warning", f"ignored a {rec.kind} marker of timeline {rec.timeline} from step "
+                        f"{s}: timeline {self.timeline} is current", step=s, incident_id=self._current)
+            return out
+        self.timeline = rec.timeline
         self._note_fork(rec.timeline, s)
         self._last_fire = {r: [None, v[1]] for r, v in self._last_fire.items()}  # step cooldowns restart
         # checkpoints of the abandoned branch are not ancestors any more; those written on this timeline
@@ -325,7 +330,7 @@ class RunPolicy:
                 self._event("rollback_pending", "warning", f"{rec.kind} from step {s}, not the rollback to step "
                             f"{inc.rollback_to}: still waiting for it (at most {self.cfg.verify_window_steps} steps)",
                             step=s, incident_id=inc.id)
-        if self._state == "awaiting_approval" and inc is not None and current:
+        if self._state == "awaiting_approval" and inc is not None:
             # the trainer restarted while it waited: the pause it was sent went with the old process, so
             # pause the new one too; the steps it trains on the new timeline before that pause takes
             # effect join the waiting rollback's skip (``_skip_later``), like those of the old one

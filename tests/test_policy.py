@@ -443,6 +443,20 @@ def test_stale_timeline_records_are_ignored():
     assert p.state == "verifying"
 
 
+def test_a_stale_marker_of_an_abandoned_timeline_changes_nothing():
+    """After the rollback to 200 (timeline 1) and a healthy replay to 359, a late resume marker of
+    timeline 0 from step 100 arrives. It used to rewind the detectors and drop the live timeline's
+    sample ids past step 100; it is now an event and nothing else."""
+    p, _ = policy()
+    to_rollback(p)
+    replay_restored(p, 360, seed=3)
+    p.drain_events()
+    before = json.dumps(p.state_dict(), sort_keys=True)
+    assert p.on_timeline(TimelineRecord(kind="resume", run=RUN, from_step=100, timeline=0, time=2500.0)) == []
+    assert [e.kind for e in p.drain_events()] == ["stale_marker"]
+    assert json.dumps(p.state_dict(), sort_keys=True) == before  # detectors, samples, forks, checkpoints
+    assert p.timeline == 1 and p.last_step == 359
+
 def test_tick_heartbeat_pages_with_cooldown():
     p, clock = policy()
     warm(p, upto=10)
