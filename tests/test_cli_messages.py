@@ -66,6 +66,16 @@ def test_prepare_text_that_is_not_a_regular_file_says_what_it_is(tmp_path, what,
     assert not out.exists()
 
 
+def test_prepare_source_that_is_a_device_says_so_and_writes_nothing(tmp_path):
+    """``--source x=/dev/zero`` was read as a directory with no text files in it."""
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "trainer.data", "prepare", "--out", str(out), "--source", "x=/dev/zero"],
+                       cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=60)
+    line = assert_one_line_error(p, contains="source path /dev/zero is not a regular file or a directory")
+    assert "directory /dev/zero" not in line
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------ approve: a malformed incident on the bus
 def test_approve_a_malformed_incident_names_run_incident_and_entry(embedded_bus):
     r = bus.connect(embedded_bus.url)

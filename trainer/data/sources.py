@@ -190,6 +190,10 @@ def python_stdlib_files() -> list[Path]:
 def path_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    if not path.is_dir():  # a device, a FIFO, a socket: nothing to read text from (/dev/zero never ends)
+        raise DataError(f"source path {path} is not a regular file or a directory")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
     if not files:
         raise DataError(f"directory {path} has no {'/'.join(TEXT_SUFFIXES)} files")
