@@ -35,6 +35,7 @@ from sentinel.protocol import (
     CheckpointInfo,
     Directive,
     Event,
+    Incident,
     Keys,
     MarkerRecord,
     SchemaError,
@@ -139,6 +140,7 @@ class RunWatcher:
         self._incidents_mirror: rundir.JsonlMirror | None = None
         self._pages_mirror: rundir.JsonlMirror | None = None
         self._mirrored: dict[str, str] = {}  # incident id -> the JSON last appended to incidents.jsonl
+        self._written: dict[str, str] = {}  # incident id -> the JSON last written to the bus hash
         self.ensure_steps()
 
     def ensure_steps(self) -> None:
@@ -268,7 +270,7 @@ class RunWatcher:
         if done:
             bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
         self.m.incidents_open.labels(self.run).set(
-            sum(1 for i in self.policy.incidents if i.state not in ("healthy", "escalated") and i.closed_at is None))
+            sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
         return len(done)
 
     def _feed(self, rec: StepRecord | TimelineRecord | MarkerRecord, history: bool) -> None:
@@ -473,11 +475,27 @@ class RunWatcher:
                                              f"not acting on history, would have sent" if history else "DRY RUN: would send")
                          + f" {act.get('kind')} ({act.get('reason')})")
             self._write_own("events", self.keys.events, lambda: bus.publish(self.r, self.keys.events, ev))
-        incidents = {i.id: i.to_json() for i in self.policy.incidents}
-        if events and incidents:
-            self._write_own("incidents", self.keys.incidents, lambda: self.r.hset(self.keys.incidents, mapping=incidents))
-            self._mirror_incidents(incidents)
+        if events:
+            self._publish_incidents(events)
         return len(events)
+
+    def _publish_incidents(self, events: list[Event]) -> None:
+        """Write the incidents that changed since they were last written to the bus hash and the run
+        dir's mirror. One that changed has an event in ``events`` or is among the policy's recent
+        ones (every open one and the newest closed ones); the older closed ones were written when
+        they closed, and an 18-day run has thousands."""
+        recent = {i.id: i for i in self.policy.recent_incidents()}
+        for e in events:  # opened and closed since the last write, in a batch that closed more than the recent few
+            if e.incident_id and e.incident_id not in recent:
+                inc = self.policy.incident(e.incident_id)
+                if inc is not None:
+                    recent[inc.id] = inc
+        js = {iid: inc.to_json() for iid, inc in recent.items()}
+        changed = {iid: j for iid, j in js.items() if self._written.get(iid) != j}
+        if changed:
+            self._write_own("incidents", self.keys.incidents, lambda: self.r.hset(self.keys.incidents, mapping=changed))
+        self._written = js  # what left the recent set is forgotten: it cannot change any more
+        self._mirror_incidents(recent, js)
 
     # ------------------------------------------------------------------ run-dir mirror
     def _mirror_dir(self) -> Path | None:
@@ -500,19 +518,20 @@ class RunWatcher:
                     log(f"cannot write {rundir.APPLIED_RULES}: {why} (backtest of this run will use other rules)")
         return self._run_dir
 
-    def _mirror_incidents(self, incidents: dict[str, str]) -> None:
+    def _mirror_incidents(self, recent: dict[str, Incident], js: dict[str, str]) -> None:
         """Append every incident whose state changed since it was last mirrored (readers keep the last
         line per id), so incident history survives the bus."""
         if self._mirror_dir() is None:
             return
-        for iid, js in incidents.items():
-            if self._mirrored.get(iid) == js:
+        for iid, j in js.items():
+            if self._mirrored.get(iid) == j:
                 continue
-            inc = next(i for i in self.policy.incidents if i.id == iid)
-            if self._incidents_mirror.append(inc.model_dump(mode="json")):
-                self._mirrored[iid] = js
+            if self._incidents_mirror.append(recent[iid].model_dump(mode="json")):
+                self._mirrored[iid] = j
             else:
                 self.m.mirror_failures.labels(self.run, rundir.INCIDENTS_LOG).inc()
+        if len(self._mirrored) > 2 * len(js):  # forget what left the recent set
+            self._mirrored = {iid: j for iid, j in self._mirrored.items() if iid in js}
 
     def _mirror_page(self, page: dict) -> None:
         if self._mirror_dir() is None:
@@ -523,7 +542,7 @@ class RunWatcher:
     def _page_rule(self, a: Action) -> str | None:
         """The rule behind a page: its incident's rule, else the "rule: detail" prefix of an operational page."""
         if a.incident_id:
-            inc = next((i for i in self.policy.incidents if i.id == a.incident_id), None)
+            inc = self.policy.incident(a.incident_id)
             if inc is not None:
                 return inc.rule
         head = a.reason.split(":", 1)[0]

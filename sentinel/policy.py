@@ -64,6 +64,10 @@ ActionKind = Literal["rollback", "skip-samples", "pause", "resume", "stop", "che
 DIRECTIVE_KINDS = frozenset({"rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now"})
 MAX_EVIDENCE = 50  # per incident: enough to see the shape, bounded so incidents stay small
 SPIKE_PATTERNS = ("one-off", "periodic", "increasing")
+# closed incidents a state carries and a daemon keeps publishing: the newest this many. An 18-day run
+# closes thousands (a recovered spike is one); each is on the bus and in the run dir's mirror when it
+# closes, and carrying them all made every state save and every incident write grow with the run
+RECENT_CLOSED = 64
 PATTERN_HISTORY = 32  # spike episodes remembered for the pattern (one-off / periodic / increasing)
 PATTERN_RANGES = 64  # sample-id ranges kept per episode to recognise the same data coming back
 _PRIORITY = {"divergence": 0, "nonfinite": 1, "loss_spike": 2}  # which anomaly names the incident
@@ -151,7 +155,24 @@ class RunPolicy:
 
     @property
     def incidents(self) -> list[Incident]:
+        """Every incident of this policy's life (a backtest reports them all); a restored state has
+        only ``recent_incidents`` of the one saved."""
         return list(self._incidents.values())
+
+    def recent_incidents(self) -> list[Incident]:
+        """The incidents that may still change: every open one, and the newest ``RECENT_CLOSED``
+        closed ones (an ack or a mirror write may still be on its way for those), oldest first."""
+        out: list[Incident] = []
+        closed = 0
+        for inc in reversed(self._incidents.values()):
+            if inc.closed_at is None or closed < RECENT_CLOSED:
+                out.append(inc)
+                closed += inc.closed_at is not None
+        out.reverse()
+        return out
+
+    def incident(self, incident_id: str) -> Incident | None:
+        return self._incidents.get(incident_id)
 
     def drain_events(self) -> list[Event]:
         ev, self._events = self._events, []
@@ -829,7 +850,7 @@ class RunPolicy:
             "timeline": self.timeline,
             "last_step": self.last_step,
             "last_time": self.last_time,
-            "incidents": [i.model_dump(mode="json") for i in self._incidents.values()],
+            "incidents": [i.model_dump(mode="json") for i in self.recent_incidents()],
             "current": self._current,
             "episode": self._ep,
             "pending": self._pending,

@@ -377,6 +377,47 @@ def test_recovered_spikes_are_annotated_and_their_pattern_is_a_metric(redis_url,
     assert states == {"recovered"}
 
 
+def test_closed_incidents_leave_the_saved_state_but_stay_on_the_bus(redis_url, unique_run, monkeypatch):
+    """An 18-day run closes thousands of incidents (each recovered spike is one). The saved policy
+    state and each incident write used to carry all of them, so both grew with the run. Now the
+    state keeps the newest ``RECENT_CLOSED`` closed ones, each write carries only what changed, and
+    the bus hash still holds every incident, across a restart too."""
+    monkeypatch.setattr("sentinel.policy.RECENT_CLOSED", 3)
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    written: list[int] = []
+    hset = r.hset
+
+    def counting_hset(key, *a, mapping=None, **kw):
+        if key == k.incidents:
+            written.append(len(mapping or {}))
+        return hset(key, *a, mapping=mapping, **kw)
+
+    monkeypatch.setattr(r, "hset", counting_hset)
+    d = make_daemon(r, run)
+    register_checkpoints(r, run)
+    spikes = list(range(100, 700, 60))  # 10 spikes, each a recovered incident
+    for s in range(1, 720):
+        bus.publish(r, k.steps, step_rec(run, s, 6.0 if s in spikes else None), secret=SECRET)
+        if s % 20 == 0 or s == 719:  # as a live run sends them: a few steps per poll
+            pump(d, until=lambda s=s: sample(d, "sentinel_steps_processed_total", run=run) == s)
+    assert r.xlen(k.directives) == 0
+    on_bus = {json.loads(v)["onset_step"]: json.loads(v)["state"] for v in r.hgetall(k.incidents).values()}
+    assert on_bus == {s: "recovered" for s in spikes}
+    saved = json.loads(r.get(k.policy))["policy"]["incidents"]
+    assert [i["onset_step"] for i in saved] == spikes[-3:]
+    assert written and max(written) <= 2  # what changed (the incident an event named, a closing one), never all ten
+
+    for w in d.watchers.values():
+        w.release()  # a warm stop: saves the state, hands the lease over
+    d2 = make_daemon(r, run, consumer="b")
+    for s in range(720, 800):
+        bus.publish(r, k.steps, step_rec(run, s, 6.0 if s == 760 else None), secret=SECRET)
+    pump(d2, until=lambda: sample(d2, "sentinel_steps_processed_total", run=run) == 80)
+    on_bus = {json.loads(v)["onset_step"] for v in r.hgetall(k.incidents).values()}
+    assert on_bus == set(spikes) | {760}
+
+
 # ------------------------------------------------------------------ dry run, approvals
 
 

@@ -457,6 +457,33 @@ def test_a_stale_marker_of_an_abandoned_timeline_changes_nothing():
     assert json.dumps(p.state_dict(), sort_keys=True) == before  # detectors, samples, forks, checkpoints
     assert p.timeline == 1 and p.last_step == 359
 
+def test_the_saved_state_carries_the_open_incident_and_only_the_newest_closed_ones(monkeypatch):
+    """Recovered spikes every 60 steps, then damage: the saved state holds the open incident and the
+    newest RECENT_CLOSED closed ones, not all; ``incidents`` still lists every one (a backtest
+    reports them), and a policy restored from that state orders the same rollback."""
+    monkeypatch.setattr("sentinel.policy.RECENT_CLOSED", 4)
+    p, clock = policy()
+    x = noise(0)
+    spikes = set(range(100, 1000, 60))
+    for s in range(1, 1000):
+        assert p.on_step(rec(s, 6.0 if s in spikes else x())) == []
+        if s % 50 == 0:
+            p.on_checkpoint(ckpt(s))
+    assert p.on_step(rec(1000, 5.0, skipped=True)) == [] and p.state == "suspect"
+    st = json.loads(json.dumps(p.state_dict()))
+    kept = [i["onset_step"] for i in st["incidents"]]
+    assert kept == sorted(spikes)[-4:] + [1000]
+    assert len(p.incidents) == len(spikes) + 1
+    q = RunPolicy(RUN, p.rules, clock=clock)
+    q.load_state_dict(st)
+    for s in range(1001, 1030):
+        a, b = p.on_step(rec(s, 5.0)), q.on_step(rec(s, 5.0))
+        assert [x.model_dump() for x in a] == [y.model_dump() for y in b]
+        if a:
+            break
+    assert [x.kind for x in a] == ["rollback"] and a[0].to_step <= 950
+
+
 def test_tick_heartbeat_pages_with_cooldown():
     p, clock = policy()
     warm(p, upto=10)
