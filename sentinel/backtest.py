@@ -74,7 +74,8 @@ from sentinel.trace_text import looks_like_text_log, text_rows
 class BacktestResult:
     flagged: list[int] = field(default_factory=list)  # steps any rule flagged (sorted, unique)
     actions: list[dict[str, Any]] = field(default_factory=list)  # what the policy would have done, with step
-    fired: list[dict[str, Any]] = field(default_factory=list)  # every finding: step, rule, severity, detail
+    fired: list[dict[str, Any]] = field(default_factory=list)  # the first FIRED_KEPT findings: step, rule, severity, detail
+    fired_count: int = 0  # every finding (a rule that fires on every step of a long log fires millions of times)
     incidents: list[dict[str, Any]] = field(default_factory=list)
     records: int = 0
     unjudged: int = 0  # records after a rollback/pause that the live run would not have produced
@@ -90,6 +91,7 @@ class BacktestResult:
 
 
 STOPS_THE_TIMELINE = frozenset({"rollback", "pause", "stop"})
+FIRED_KEPT = 10_000  # findings kept for the tables; ``fired_count`` counts them all
 
 
 def parse_trace_line(line: str, *, default_run: str = "trace", where: str = "trace", step_key: str | None = None,
@@ -211,7 +213,18 @@ TRACE_FORMATS = ("auto", "jsonl", "json", "csv", "hf", "text", "tb")
 
 def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
                loss_column: str | None = None, source: dict[str, Any] | None = None) -> list[StepRecord | TimelineRecord]:
-    """Read a steps.jsonl, a loss-only trace, a CSV export (W&B, TensorBoard, pandas: see
+    """``iter_trace``, read whole into a list."""
+    return list(iter_trace(path, rejected=rejected, fmt=fmt, step_column=step_column, loss_column=loss_column, source=source))
+
+
+def iter_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str = "auto", step_column: str | None = None,
+               loss_column: str | None = None, source: dict[str, Any] | None = None) -> Iterator[StepRecord | TimelineRecord]:
+    """The records of a trace, read as they are taken: a log of millions of steps is judged in
+    bounded memory (read whole, an 18-day run's steps.jsonl held gigabytes of records). The
+    errors below are raised when the reading reaches them: what the file is, before the first
+    record; a bad line, at that line.
+
+    Read a steps.jsonl, a loss-only trace, a CSV export (W&B, TensorBoard, pandas: see
     ``trace_csv``) or a Hugging Face ``trainer_state.json`` (``trace_hf``). Errors name the file
     and line (or entry), in one line.
 
@@ -231,12 +244,13 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
     src: dict[str, Any] = source if source is not None else {}
     if fmt == "tb" or (fmt == "auto" and is_event_path(Path(path))):
         src["format"] = "tb"
-        return _load_events(Path(path), rejected, loss_column, src)
+        yield from _load_events(Path(path), rejected, loss_column, src)
+        return
     if is_dir(Path(path)):
         runs = event_subdirs(Path(path))
         hint = f" (TensorBoard runs below it: {', '.join(str(r) for r in runs[:3])}{' ...' if len(runs) > 3 else ''})" if runs else ""
         raise SchemaError(f"{path}: a directory; name a log file, or a directory of TensorBoard event files{hint}")
-    out: list[StepRecord | TimelineRecord] = []
+    n = 0  # records read
     with ExitStack() as opened:
         fh, p = _open_trace(Path(path), opened)
         run = p.stem or "trace"
@@ -258,37 +272,39 @@ def load_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
         else:
             entries = _json_entries(fh, str(path))
         try:
-            _read_entries(entries, out, run=run, rejected=rejected, step_key=step_column, loss_key=loss_column,
-                          used=src if fmt == "jsonl" else None)
+            for rec in _read_entries(entries, run=run, rejected=rejected, step_key=step_column, loss_key=loss_column,
+                                     used=src if fmt == "jsonl" else None):
+                n += 1
+                yield rec
         except CsvHeaderError as e:
             raise SchemaError(str(e)) from None
         except _STREAM_ERRORS as e:  # a compressed log cut short (a copy that did not finish) or damaged
-            why = f"{path}: the compressed stream ends early or is damaged after {len(out)} record(s) ({_one_line(e)})"
+            why = f"{path}: the compressed stream ends early or is damaged after {n} record(s) ({_one_line(e)})"
             if rejected is None:
                 raise SchemaError(why) from None
             rejected.append(why)  # what was read stays judged
-    if fmt == "text" and not out:
+    if fmt == "text" and not n:
         raise SchemaError(f"{path}: read as a text log, but no line names a step and a training loss "
                           f"(like 'step:100 loss:3.21' or 'iter 100: loss 3.21'); --format names another format")
-    return out
 
 
-def _read_entries(entries: Iterable[tuple[str, Any]], out: list, *, run: str, rejected: list[str] | None,
-                  step_key: str | None = None, loss_key: str | None = None, used: dict[str, Any] | None = None) -> None:
-    """Append each entry's record to ``out`` (a JSON line as bytes, or a decoded dict); an entry
-    that is a reason string, or whose record fails its checks, goes to ``rejected`` as one line
-    (None: the ``SchemaError`` is raised). ``out`` is the caller's, so what was read before a
-    stream error stays."""
+def _read_entries(entries: Iterable[tuple[str, Any]], *, run: str, rejected: list[str] | None, step_key: str | None = None,
+                  loss_key: str | None = None, used: dict[str, Any] | None = None) -> Iterator[StepRecord | TimelineRecord]:
+    """Each entry's record (from a JSON line as bytes, or a decoded dict); an entry that is a reason
+    string, or whose record fails its checks, goes to ``rejected`` as one line (None: the
+    ``SchemaError`` is raised). What was yielded before a stream error stays judged."""
     for where, entry in entries:
         try:
             if isinstance(entry, str):  # a row or entry rejected with this reason
                 raise SchemaError(entry)
-            out.append(parse_trace_line(entry, default_run=run, where=where, step_key=step_key, loss_key=loss_key, used=used)
-                       if isinstance(entry, bytes) else record_from_obj(entry, default_run=run, where=where))
+            rec = (parse_trace_line(entry, default_run=run, where=where, step_key=step_key, loss_key=loss_key, used=used)
+                   if isinstance(entry, bytes) else record_from_obj(entry, default_run=run, where=where))
         except SchemaError as e:
             if rejected is None:
                 raise
             rejected.append(str(e))
+            continue
+        yield rec
 
 
 def _canonical_rows(rows: Iterable[tuple[str, Any]], step_key: str | None, loss_key: str | None,
@@ -304,17 +320,15 @@ def _canonical_rows(rows: Iterable[tuple[str, Any]], step_key: str | None, loss_
         yield where, row
 
 
-def _load_events(p: Path, rejected: list[str] | None, loss_tag: str | None, source: dict[str, Any]) -> list[StepRecord | TimelineRecord]:
+def _load_events(p: Path, rejected: list[str] | None, loss_tag: str | None, source: dict[str, Any]) -> Iterator[StepRecord | TimelineRecord]:
     """A TensorBoard event file, or a directory of them (``trace_tb``), as records."""
     run = (p.name if is_dir(p) else p.parent.name) or "trace"
-    out: list[StepRecord | TimelineRecord] = []
     try:
-        _read_entries(tb_rows(p, loss_tag=loss_tag, source=source), out, run=run, rejected=rejected)
+        yield from _read_entries(tb_rows(p, loss_tag=loss_tag, source=source), run=run, rejected=rejected)
     except TbError as e:
         raise SchemaError(str(e)) from None
     except OSError as e:
         raise SchemaError(f"{p}: cannot read ({e.strerror or _one_line(e)})") from None
-    return out
 
 
 # (magic bytes, opener, the suffix it is written with): archived logs are compressed
@@ -645,7 +659,9 @@ def backtest(records: Iterable[StepRecord | TimelineRecord], rules: RuleSet | No
             policy.on_step(rec)
             for f in policy.last_findings:
                 flagged.add(rec.step)
-                res.fired.append({"step": rec.step, "rule": f.rule, "severity": f.severity, "detail": f.detail})
+                res.fired_count += 1
+                if len(res.fired) < FIRED_KEPT:
+                    res.fired.append({"step": rec.step, "rule": f.rule, "severity": f.severity, "detail": f.detail})
             if checkpoint_every and rec.step % checkpoint_every == 0:
                 policy.on_checkpoint(_simulated_checkpoint(rec))
         for ev in policy.drain_events():

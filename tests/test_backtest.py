@@ -1140,3 +1140,38 @@ def test_a_runs_own_steps_jsonl_is_judged_with_its_checkpoint_cadence_and_the_ru
     other.write_text((run_dir / "steps.jsonl").read_text())
     r = CliRunner().invoke(backtest_cmd, [str(other), "--json"])
     assert [a["to_step"] for a in json.loads(r.stdout)["actions"]] == [700] and "run_settings" not in json.loads(r.stdout)["source"]
+
+
+def test_a_trace_is_read_as_it_is_judged_not_whole_first(tmp_path):
+    """An 18-day run's steps.jsonl held whole was gigabytes of records (bench/backtest_memory.py:
+    572 MiB peak for 300,000 loss-only steps, 42 MiB now). ``iter_trace`` reads a record when it
+    is taken: the first comes back before a bad line further down is reached (strict), and the
+    same bad line is skipped and counted when lines may be rejected."""
+    from sentinel.backtest import iter_trace
+    from sentinel.protocol import SchemaError
+
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "loss": 3.0}) + "\n" for s in range(1, 4)) + "not json\n"
+                 + json.dumps({"step": 4, "loss": 3.0}) + "\n")
+    it = iter_trace(p)
+    assert [next(it).step for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(SchemaError, match=r"t\.jsonl:4"):
+        next(it)
+    rejected: list[str] = []
+    assert [r.step for r in iter_trace(p, rejected=rejected)] == [1, 2, 3, 4] and len(rejected) == 1
+
+
+def test_findings_past_the_kept_ones_are_counted_not_held(tmp_path, monkeypatch):
+    """A rule that fires on every step of a long log would hold one finding per step: the result
+    keeps the first FIRED_KEPT and counts them all, and the table says how many more there were."""
+    import sentinel.backtest as bt
+    import sentinel.cli.backtest_cmd as cmd
+
+    monkeypatch.setattr(bt, "FIRED_KEPT", 3)
+    monkeypatch.setattr(cmd, "MAX_ROWS", 2)
+    p = loss_only_trace(tmp_path, spikes=range(100, 900, 40), n=1000)  # 20 spikes, each recovered
+    res = backtest(load_trace(p), default_rules())
+    assert res.actions == [] and len(res.fired) == 3 and res.fired_count >= 20
+    r = CliRunner().invoke(backtest_cmd, [str(p)])
+    assert r.exit_code == 0, r.output
+    assert f"and {res.fired_count - 2} more findings" in " ".join(r.output.split())

@@ -153,22 +153,22 @@ def _judge(trace: str, *, rules, checkpoint_every: int, initial_checkpoint: bool
     it cannot be read or has no step. A run directory's own steps.jsonl is judged with what the run
     had (``_run_settings``) wherever the command line left the setting at its default."""
     from sentinel.backtest import backtest as run_backtest
-    from sentinel.backtest import load_trace
-    from sentinel.protocol import StepRecord
+    from sentinel.backtest import iter_trace
 
     rejected: list[str] | None = None if strict else []
     source: dict = {}
-    records = load_trace(trace, rejected=rejected, fmt=fmt, step_column=step_column, loss_column=loss_column, source=source)
-    if not any(isinstance(r, StepRecord) for r in records):
-        why = f" ({len(rejected)} line(s) skipped; first: {rejected[0]})" if rejected else ""
-        raise SentinelError(f"no step records in {trace}{why}")
     run = _run_settings(trace, given)
     if run:
         rules = run.get("rules", rules)
         checkpoint_every = run.get("checkpoint_every", checkpoint_every)
         initial_checkpoint = run.get("initial_checkpoint", initial_checkpoint)
         source["run_settings"] = run.get("said", [])
+    # read as judged: a long run's log is never held whole
+    records = iter_trace(trace, rejected=rejected, fmt=fmt, step_column=step_column, loss_column=loss_column, source=source)
     res = run_backtest(records, rules, checkpoint_every=checkpoint_every or None, initial_checkpoint=initial_checkpoint)
+    if not res.records:  # the first step record is always judged: there was none
+        why = f" ({len(rejected)} line(s) skipped; first: {rejected[0]})" if rejected else ""
+        raise SentinelError(f"no step records in {trace}{why}")
     return res, rejected or [], source
 
 
@@ -311,8 +311,8 @@ def _print_tables(trace: str, res, source: dict) -> None:
         t.add_column(col, justify="right" if col == "step" else "left")
     for f in res.fired[:MAX_ROWS]:
         t.add_row(str(f["step"]), f["rule"], f"[{style.get(f['severity'], '')}]{f['severity']}[/]", f["detail"])
-    if len(res.fired) > MAX_ROWS:
-        t.caption = f"... and {len(res.fired) - MAX_ROWS} more findings (use --json for all)"
+    if res.fired_count > MAX_ROWS:
+        t.caption = f"... and {res.fired_count - MAX_ROWS} more findings (--json lists every flagged step)"
     console.print(t)
     a = Table(title="Actions the policy would take", title_justify="left")
     for col in ("step", "action", "to_step", "data skipped", "incident", "reason"):
