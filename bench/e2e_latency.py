@@ -144,7 +144,8 @@ def main() -> int:
                 time.sleep(0.05)
             for _ in range(n_incidents):
                 r.hset(k.checkpoints, str(step), CheckpointInfo(run=run, step=step, path=f"/ckpt/{step}", created=time.time(),
-                                                                bytes=1, manifest_sha256="0" * 64, world_size=1).to_json())
+                                                                bytes=1, manifest_sha256="0" * 64, world_size=1,
+                                                                timeline=timeline).to_json())  # saved on the current timeline
                 # (the sentinel re-reads checkpoints at the start of every poll, so the poll that sees the
                 # NaN step sees this checkpoint too.) Arrive at a random moment of the daemon's loop:
                 time.sleep(random.uniform(0.0, 0.1))  # its blocking read is 100 ms

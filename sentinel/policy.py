@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_right
 from collections import deque
 from statistics import median
 from typing import Any, Callable, Literal
@@ -146,6 +147,7 @@ class RunPolicy:
         # [timeline, from_step] of each rollback/resume/start marker (dominated ones pruned): a
         # checkpoint of an older timeline after such a fork point is off the surviving lineage
         self._forks: list[list[int]] = []
+        self._fork_cut: tuple[list[int], list[int]] | None = None  # ``_abandoned``'s index of the forks
 
     # ------------------------------------------------------------------ public interface
 
@@ -196,8 +198,22 @@ class RunPolicy:
         self._checkpoints[info.step] = info
 
     def _abandoned(self, info: CheckpointInfo) -> bool:
-        """Is ``info`` off the surviving lineage: a later timeline forked its timeline before its step?"""
-        return any(t > info.timeline and info.step > s for t, s in self._forks)
+        """Is ``info`` off the surviving lineage: a later timeline forked its timeline before its step?
+        (Some fork (t, s) with t > its timeline and s < its step: the smallest fork step over the
+        timelines after its own, by bisection. The scan of every fork for every checkpoint took
+        7 ms a rollback target after 300 rollbacks with 300 checkpoints.)"""
+        if self._fork_cut is None:
+            forks = sorted((t, s) for t, s in self._forks)
+            mins: list[int] = []
+            low = None
+            for _, s in reversed(forks):  # suffix minimum of the fork steps
+                low = s if low is None or s < low else low
+                mins.append(low)
+            mins.reverse()
+            self._fork_cut = ([t for t, _ in forks], mins)
+        ts, mins = self._fork_cut
+        i = bisect_right(ts, info.timeline)  # the first fork of a later timeline
+        return i < len(ts) and info.step > mins[i]
 
     def _note_fork(self, timeline: int, from_step: int) -> None:
         """Remember that ``timeline`` forked at ``from_step``. A fork (t, s) abandons the checkpoints
@@ -206,6 +222,7 @@ class RunPolicy:
         if any(t >= timeline and s <= from_step for t, s in self._forks):
             return
         self._forks = [[t, s] for t, s in self._forks if not (timeline >= t and from_step <= s)] + [[timeline, from_step]]
+        self._fork_cut = None
 
     def end_replay(self, why: str) -> None:
         """A backlog replayed as a dry run is over: an incident it held open is history, not live.
@@ -890,6 +907,7 @@ class RunPolicy:
         rb = d.get("rebaselined_at")
         self._rebaselined_at = int(rb) if rb is not None else None
         self._forks = [[int(t), int(s)] for t, s in d.get("forks", [])]
+        self._fork_cut = None
         self.engine.load_state_dict(d["engine"])
         self._events = [Event.model_validate(e) for e in d.get("events", [])]
 

@@ -488,3 +488,18 @@ def test_spikes_that_keep_coming_page_once_even_though_each_recovered():
     for s in range(300, 700):
         acts += q.on_step(rec(s, y() * (1.6 if s in (400, 408, 416) else 1.0)))
     assert [a for a in acts if a.kind == "page"] == [] and q.pattern != "increasing"
+
+
+def test_the_lineage_check_agrees_with_its_definition_on_random_forks():
+    """``_abandoned`` answers by bisection over the forks (it scanned every fork for every
+    checkpoint: 7 ms a rollback target after 300 rollbacks). It must say what the definition says:
+    a fork (t, s) with t later than the checkpoint's timeline and s before its step."""
+    rng = random.Random(5)
+    for _ in range(200):
+        p, _clock = policy()
+        for _ in range(rng.randint(0, 12)):
+            p._note_fork(rng.randint(0, 8), rng.randint(0, 500))
+        for _ in range(20):
+            c = ckpt(rng.randint(0, 520), timeline=rng.randint(0, 9))
+            want = any(t > c.timeline and c.step > s for t, s in p._forks)
+            assert p._abandoned(c) == want, (p._forks, c.timeline, c.step)
