@@ -312,3 +312,65 @@ def read(path: Path):
 
 def authoritative(path: Path) -> dict[int, StepRecord]:
     return authoritative_steps(read(path))
+
+
+class LogScan:
+    """What one streamed pass over a steps.jsonl leaves (``scan``): the authoritative records of the
+    steps asked for, and the few facts about the rest that the offline tools need. A long run's log
+    is millions of records; held whole as ``authoritative`` holds it, it was gigabytes."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, StepRecord] = {}  # authoritative, only the kept steps
+        self.first: int | None = None  # the first and last authoritative step of the whole log
+        self.last: int | None = None
+        self.last_record: StepRecord | None = None  # the last step record read (world size, run id)
+        self.timelines: list[TimelineRecord] = []  # every timeline record, in order (they are few)
+        self.applied_upto: int | None = None
+        self._present = bytearray()  # steps 1..applied_upto: authoritative record present / skipped
+        self._skipped = bytearray()
+
+    def applied(self) -> int | None:
+        """Authoritative steps 1..applied_upto whose update was applied (not skipped by the guard);
+        None when one of those steps has no authoritative record (or ``scan`` was not asked)."""
+        if self.applied_upto is None:
+            return None
+        if not all(self._present[1:]):
+            return None
+        return self.applied_upto - sum(self._skipped[1:])
+
+
+def scan(path: Path, keep: Callable[[int], bool] = lambda step: True, applied_upto: int | None = None) -> LogScan:
+    """One pass over a steps.jsonl in bounded memory: ``LogScan.records`` holds the authoritative
+    record of each step ``keep`` says yes to (exactly what ``authoritative`` would give for those
+    steps), plus the whole log's first and last authoritative step, its last step record, its
+    timeline records, and (``applied_upto``) how many of steps 1..applied_upto were applied. Errors
+    as ``read``."""
+    out = LogScan()
+    n = max(0, applied_upto) if applied_upto is not None else 0
+    if applied_upto is not None:
+        out.applied_upto = n
+        out._present, out._skipped = bytearray(n + 1), bytearray(n + 1)
+    recs = out.records
+    for r in read(path):
+        if isinstance(r, StepRecord):
+            if keep(r.step):
+                recs[r.step] = r
+            if out.first is None:
+                out.first = r.step
+            out.last, out.last_record = r.step, r
+            if 0 < r.step <= n:
+                out._present[r.step], out._skipped[r.step] = 1, 1 if r.skipped else 0
+        elif isinstance(r, TimelineRecord):
+            out.timelines.append(r)
+            s = r.from_step  # a rollback/resume invalidates every record after the restored step
+            for k in [k for k in recs if k > s]:
+                del recs[k]
+            if s < n:
+                out._present[s + 1:] = bytes(n - s)
+            if out.last is not None and out.last > s:
+                out.last = s if out.first is not None and out.first <= s else None
+            if out.first is not None and out.first > s:
+                out.first = None
+    if out.last is None:
+        out.first = None
+    return out

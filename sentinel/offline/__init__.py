@@ -63,27 +63,23 @@ class RunLog:
     """What the CLI needs to know about a run before importing torch."""
 
     run_dir: Path
-    records: dict  # step -> StepRecord (authoritative)
+    records: dict  # step -> StepRecord (authoritative), of the steps ``open_run`` was asked to keep
     world_size: int
     run_id: str
-
-    @property
-    def first(self) -> int | None:
-        return min(self.records) if self.records else None
-
-    @property
-    def last(self) -> int | None:
-        return max(self.records) if self.records else None
+    first: int | None = None  # the log's first and last authoritative step
+    last: int | None = None
 
     def span(self) -> str:
-        return f"steps {self.first}..{self.last}" if self.records else "no steps"
+        return f"steps {self.first}..{self.last}" if self.last is not None else "no steps"
 
 
-def open_run(run: str | os.PathLike) -> RunLog:
-    """Validate a run directory and read its authoritative step log (torch-free)."""
+def open_run(run: str | os.PathLike, keep: Callable[[int], bool] = lambda step: False) -> RunLog:
+    """Validate a run directory and read its step log (torch-free), in one streamed pass: the
+    authoritative records of the steps ``keep`` names, the first and last step, and the world size
+    and run id of the last record. (Read whole, a long run's log was gigabytes in memory.)"""
     from sentinel.protocol import SchemaError
     from trainer.config import ConfigError, load_run_config
-    from trainer.steplog import authoritative
+    from trainer.steplog import scan
 
     run_dir = Path(run)
     if not run_dir.exists():
@@ -98,14 +94,13 @@ def open_run(run: str | os.PathLike) -> RunLog:
     if not log.is_file():
         raise OfflineError(f"{run_dir} has no step log (steps.jsonl)")
     try:
-        records = authoritative(log)
+        got = scan(log, keep)
     except SchemaError as e:
         raise OfflineError(f"{log}: {e}") from None
-    world = 1
-    if records:
-        world = int(records[max(records)].world_size or 1)
-    run_id = cfg.run_id or (records[max(records)].run if records else run_dir.resolve().name)
-    return RunLog(run_dir=run_dir, records=records, world_size=world, run_id=run_id)
+    last = got.last_record if got.last is not None else None
+    world = int(last.world_size or 1) if last is not None else 1
+    run_id = cfg.run_id or (last.run if last is not None else run_dir.resolve().name)
+    return RunLog(run_dir=run_dir, records=got.records, world_size=world, run_id=run_id, first=got.first, last=got.last)
 
 
 def precheck_checkpoint(run_dir: Path, *, exact: int | None = None, before: int | None = None) -> int:

@@ -160,15 +160,22 @@ class Branch:
     kind: str  # start | resume | rollback (how the timeline began)
     parent: int | None  # the timeline whose state it restored; None for a fresh start
     from_step: int  # the checkpoint step it restored (0 for a fresh start)
-    records: dict = field(default_factory=dict)  # step -> StepRecord: the ancestors' up to from_step, then its own
+    records: dict = field(default_factory=dict)  # step -> StepRecord: the ancestors' up to from_step, then its own (kept steps)
+    first: int | None = None  # the branch's first and last step, kept or not
+    last: int | None = None
 
     def trained(self, step: int) -> bool:
         """Did this timeline train ``step`` itself (rather than inherit the record of its parent)?"""
         return step in self.records and (self.parent is None or step > self.from_step)
 
+    def span(self) -> str:
+        return f"steps {self.first}..{self.last}" if self.last is not None else "no steps"
 
-def branches(lines) -> dict[int, Branch]:
-    """Every timeline of a steps.jsonl record sequence, in log order (the last one survives)."""
+
+def branches(lines, keep=lambda step: True) -> dict[int, Branch]:
+    """Every timeline of a steps.jsonl record sequence, in log order (the last one survives). Only
+    the records of the steps ``keep`` says yes to are held (a long run's log is millions); the
+    branches' structure and spans are the whole log's."""
     from sentinel.protocol import StepRecord, TimelineRecord
 
     out: dict[int, Branch] = {}
@@ -178,12 +185,18 @@ def branches(lines) -> dict[int, Branch]:
             parent = cur if r.kind != "start" else None  # a fresh start inherits no state
             prefix = {s: x for s, x in parent.records.items() if s <= r.from_step} if parent else {}
             cur = Branch(r.timeline, r.kind, parent.timeline if parent else None, r.from_step, prefix)
+            if parent is not None and parent.first is not None and parent.first <= r.from_step:
+                cur.first, cur.last = parent.first, min(parent.last, r.from_step)
             out.pop(r.timeline, None)  # keep log order if a timeline number is reused
             out[r.timeline] = cur
         elif isinstance(r, StepRecord):
             if cur is None:  # a log that does not begin with a timeline record
                 cur = out[r.timeline] = Branch(r.timeline, "start", None, 0)
-            cur.records[r.step] = r
+            if keep(r.step):
+                cur.records[r.step] = r
+            if cur.first is None:
+                cur.first = r.step
+            cur.last = r.step
     return out
 
 
@@ -263,8 +276,7 @@ def pick_branch(views: dict[int, Branch], run_dir: Path, step: int, timeline: in
     if timeline is None:
         timeline = next(reversed(views))
         if step not in views[timeline].records:
-            recs = views[timeline].records
-            span = f"steps {min(recs)}..{max(recs)}" if recs else "no steps"
+            span = views[timeline].span()
             if elsewhere:
                 ts = " or ".join(f"--timeline {t}" for t in elsewhere)
                 raise OfflineError(f"step {step} is not on the surviving timeline {timeline} ({span}); it was trained "
@@ -275,8 +287,7 @@ def pick_branch(views: dict[int, Branch], run_dir: Path, step: int, timeline: in
     recs = views[timeline].records
     if step not in recs:
         where = f"; it was trained on timeline(s) {and_list(elsewhere)}" if elsewhere else ""
-        span = f"steps {min(recs)}..{max(recs)}" if recs else "no steps"
-        raise OfflineError(f"step {step} is not on timeline {timeline} ({span}){where}")
+        raise OfflineError(f"step {step} is not on timeline {timeline} ({views[timeline].span()}){where}")
     return timeline, recs
 
 
@@ -484,6 +495,21 @@ def batch_on_weights(tr, ck_step: int, micro, micro_ids, lr) -> float:
 # ------------------------------------------------------------------------------------ replay
 
 
+# steps before the replayed one that its verdict reads: the onset walk-back and the loss band before it
+CONTEXT_STEPS = ONSET_LOOKBACK + 4 * BAND_WINDOW + 2
+
+
+def _window_start(run_dir: Path, step: int, checkpoint: int | None) -> int:
+    """The first step whose record a replay of ``step`` may read: the checkpoint it restores
+    (given, or the newest saved before the step; ``replay`` reads further back if that one is
+    passed over), or the context of the verdict, whichever is earlier."""
+    from sentinel.rundir import checkpoint_steps
+
+    if checkpoint is None:
+        checkpoint = next((s for s, _ in checkpoint_steps(run_dir) if s < step), 0)
+    return max(0, min(checkpoint, step - CONTEXT_STEPS))
+
+
 def pick_checkpoint(tr, views: dict[int, Branch], timeline: int, step: int, checkpoint: int | None, fits, note) -> int:
     """The checkpoint to restore: ``checkpoint`` if given, else the newest valid one before ``step``,
     either way one of ``timeline``'s branch. A checkpoint the surviving branch saved after a fork
@@ -534,7 +560,8 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     run_dir = Path(run_dir)
     if step < 1:
         raise OfflineError("steps are numbered from 1")
-    views = branches(read(run_dir / "steps.jsonl"))
+    lo = _window_start(run_dir, step, checkpoint)
+    views = branches(read(run_dir / "steps.jsonl"), keep=lambda s: lo <= s <= step)
     timeline, records = pick_branch(views, run_dir, step, timeline)
     rec = records[step]
     warnings: list[str] = []
@@ -553,6 +580,11 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
                            f"of {tr.global_batch} on {env.world_size} rank(s)")
     held: list[str] = []  # said once the checkpoint is settled: an error comes alone, as one line
     c = pick_checkpoint(tr, views, timeline, step, checkpoint, fits, held.append)
+    if c < lo:  # newer checkpoints were invalid or on another branch: read the steps from this one too
+        lo = c
+        views = branches(read(run_dir / "steps.jsonl"), keep=lambda s: lo <= s <= step)
+        timeline, records = pick_branch(views, run_dir, step, timeline)
+        rec = records[step]
     tr.ckpt.log = note
     for m in filter(None, [branch_warning(views, step, timeline), *held]):
         note(m)

@@ -274,13 +274,17 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
                   progress: ProgressFn | None = None, warn=None) -> dict:
     """Verify the resume from checkpoint ``from_step``; every rank returns the same result dict."""
     from trainer.checkpoint import CheckpointError
-    from trainer.steplog import authoritative
+    from sentinel.rundir import checkpoint_steps
+    from trainer.steplog import scan
 
     run_dir = Path(run_dir)
     c = int(from_step)
     if steps < 1:
         raise OfflineError("--steps must be at least 1")
-    records = authoritative(run_dir / "steps.jsonl")
+    # the steps compared and the checkpoints' recorded digests; the rest of a long log is only counted
+    saved = {s for s, _ in checkpoint_steps(run_dir)}
+    log = scan(run_dir / "steps.jsonl", keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c)
+    records = log.records
     notes: list[str] = []
 
     def note(msg: str) -> None:
@@ -352,8 +356,8 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
         restore(tr, c)
     opt_steps = _opt_step_count(tr)
     opt_step_ok = None
-    if opt_steps is not None and not drill and all(s in records for s in range(1, c + 1)):
-        applied = sum(1 for s in range(1, c + 1) if not records[s].skipped)
+    applied = log.applied()  # None when a step up to C has no record
+    if opt_steps is not None and not drill and applied is not None:
         opt_step_ok = opt_steps == float(applied)
     loaded_step = tr.state.step
     sched_ok = loaded_step == c

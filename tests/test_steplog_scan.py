@@ -1,0 +1,63 @@
+"""``trainer.steplog.scan`` and ``replay.branches(keep=...)``: the offline tools read a long run's
+step log in one streamed pass and hold only the steps they need. On random logs with rollbacks,
+resumes and guard skips they must give exactly what reading the whole log gave, for those steps."""
+
+from __future__ import annotations
+
+import random
+
+from sentinel.offline.replay import branches
+from sentinel.protocol import StepRecord, TimelineRecord, authoritative_steps
+from trainer.steplog import read, scan
+
+
+def random_log(rng: random.Random, path):
+    recs, step, timeline = [TimelineRecord(kind="start", run="r", from_step=0, timeline=0, time=1.0)], 0, 0
+    for _ in range(rng.randint(1, 8)):
+        for _ in range(rng.randint(0, 60)):
+            step += 1
+            recs.append(StepRecord(run="r", step=step, timeline=timeline, loss=3.0 + rng.random(), loss_max_rank=3.5, grad_norm=1.0,
+                                   lr=1e-3, tokens=step, batch_fingerprint="ab", skipped=rng.random() < 0.1, time=float(step),
+                                   world_size=rng.choice([1, 2])))
+        if step and rng.random() < 0.8:
+            timeline += 1
+            step = rng.randint(0, step)
+            recs.append(TimelineRecord(kind=rng.choice(["rollback", "resume"]), run="r", from_step=step, timeline=timeline,
+                                       time=float(step)))
+    path.write_text("".join(r.to_json() + "\n" for r in recs))
+    return recs
+
+
+def test_scan_gives_what_the_whole_log_gives_for_the_kept_steps(tmp_path):
+    rng = random.Random(11)
+    for i in range(300):
+        p = tmp_path / f"s{i}.jsonl"
+        random_log(rng, p)
+        full = authoritative_steps(read(p))
+        lo = rng.randint(0, 200)
+        hi = lo + rng.randint(0, 100)
+        upto = rng.randint(0, 250)
+        got = scan(p, keep=lambda s: lo <= s <= hi, applied_upto=upto)
+        assert got.records == {s: r for s, r in full.items() if lo <= s <= hi}
+        assert (got.first, got.last) == ((min(full), max(full)) if full else (None, None))
+        want = sum(1 for s in range(1, upto + 1) if not full[s].skipped) if all(s in full for s in range(1, upto + 1)) else None
+        assert got.applied() == want
+        if full:
+            assert got.last_record.step >= max(full)
+
+
+def test_branches_keep_only_holds_fewer_records_never_other_ones(tmp_path):
+    rng = random.Random(12)
+    for i in range(300):
+        p = tmp_path / f"b{i}.jsonl"
+        random_log(rng, p)
+        whole = branches(read(p))
+        lo = rng.randint(0, 200)
+        hi = lo + rng.randint(0, 100)
+        part = branches(read(p), keep=lambda s: lo <= s <= hi)
+        assert list(part) == list(whole)
+        for t, b in whole.items():
+            q = part[t]
+            assert (q.kind, q.parent, q.from_step) == (b.kind, b.parent, b.from_step)
+            assert q.records == {s: r for s, r in b.records.items() if lo <= s <= hi}
+            assert (q.first, q.last) == ((min(b.records), max(b.records)) if b.records else (None, None)), (t, b.records.keys())
