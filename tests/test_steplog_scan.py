@@ -28,14 +28,19 @@ def random_log(rng: random.Random, path):
     return recs
 
 
-def test_scan_gives_what_the_whole_log_gives_for_the_kept_steps(tmp_path):
-    rng = random.Random(11)
-    for i in range(300):
-        p = tmp_path / f"s{i}.jsonl"
+def cases(tmp_path, seed: int, n: int = 300):
+    """(rng, log path, lo, hi): ``n`` random logs, each with a random window of steps to keep."""
+    rng = random.Random(seed)
+    for i in range(n):
+        p = tmp_path / f"log{seed}-{i}.jsonl"
         random_log(rng, p)
-        full = authoritative_steps(read(p))
         lo = rng.randint(0, 200)
-        hi = lo + rng.randint(0, 100)
+        yield rng, p, lo, lo + rng.randint(0, 100)
+
+
+def test_scan_gives_what_the_whole_log_gives_for_the_kept_steps(tmp_path):
+    for rng, p, lo, hi in cases(tmp_path, 11):
+        full = authoritative_steps(read(p))
         upto = rng.randint(0, 250)
         got = scan(p, keep=lambda s: lo <= s <= hi, applied_upto=upto)
         assert got.records == {s: r for s, r in full.items() if lo <= s <= hi}
@@ -47,13 +52,8 @@ def test_scan_gives_what_the_whole_log_gives_for_the_kept_steps(tmp_path):
 
 
 def test_branches_keep_only_holds_fewer_records_never_other_ones(tmp_path):
-    rng = random.Random(12)
-    for i in range(300):
-        p = tmp_path / f"b{i}.jsonl"
-        random_log(rng, p)
+    for _rng, p, lo, hi in cases(tmp_path, 12):
         whole = branches(read(p))
-        lo = rng.randint(0, 200)
-        hi = lo + rng.randint(0, 100)
         part = branches(read(p), keep=lambda s: lo <= s <= hi)
         assert list(part) == list(whole)
         for t, b in whole.items():
