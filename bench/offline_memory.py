@@ -4,10 +4,11 @@
 
 Makes a real 2-rank run with `sentinel demo` (about a minute), appends ``--steps`` more step
 records to its steps.jsonl (copies of its last record, renumbered: a run that went on for a long
-time), then runs `sentinel replay-batch RUN --step 150` and `sentinel verify-resume RUN
---from-step 140 --steps 5` on it, each in its own child process, and reports each one's peak
+time), then runs `sentinel replay-batch RUN --step 150`, `sentinel verify-resume RUN
+--from-step 140 --steps 5` and `sentinel report RUN` on it, each in its own child process, and reports each one's peak
 resident memory (the largest process of its tree, torchrun's ranks included) and wall time. The
-tools read only the steps they need (``trainer.steplog.scan``, ``replay.branches(keep=...)``), so
+tools read only the steps they need (``trainer.steplog.scan``, ``replay.branches(keep=...)``; the
+report keeps only what it draws of each step), so
 their memory should not grow with ``--steps``: run it at two sizes and compare.
 """
 
@@ -62,7 +63,8 @@ def main() -> None:
         size = (run / "steps.jsonl").stat().st_size / 2**20
         for name, args in (("replay-batch --step 150", ["replay-batch", str(run), "--step", "150", "--json"]),
                            ("verify-resume --from-step 140 --steps 5",
-                            ["verify-resume", str(run), "--from-step", "140", "--steps", "5", "--json"])):
+                            ["verify-resume", str(run), "--from-step", "140", "--steps", "5", "--json"]),
+                           ("report", ["report", str(run), "--json"])):
             t0 = time.perf_counter()
             _, secs, mib = measure(args)
             print(f"{name}: log of {a.steps + 200} steps ({size:.0f} MiB): peak RSS {mib:.0f} MiB, {secs:.1f} s "

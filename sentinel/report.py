@@ -119,51 +119,77 @@ class ReportData:
 # --------------------------------------------------------------------------------------------
 
 
-def gather(run: str, records: list, *, skiplist: list[tuple[int, int]] | None = None, incidents: list | None = None,
+def gather(run: str, records, *, skiplist: list[tuple[int, int]] | None = None, incidents: list | None = None,
            directives: list[dict] | None = None, config: dict | None = None) -> ReportData:
     """Build :class:`ReportData` from steps.jsonl records (steps, timeline records, markers), the skip
-    list, incidents (``Incident`` objects or dicts) and the trainer's applied-directives log."""
-    from sentinel.protocol import authoritative_steps
+    list, incidents (``Incident`` objects or dicts) and the trainer's applied-directives log.
 
+    ``records`` is read once, in order, and only what the figure draws is kept of each step (a long
+    run's log is millions of records: held whole, gigabytes). Which steps a rollback superseded is
+    settled after the pass, as ``authoritative_steps`` settles it: a step is abandoned when a later
+    record has its step number, or a later timeline record restored a step before it."""
     data = ReportData(run=run)
-    final = authoritative_steps(records)  # step -> the record that stands (a rollback supersedes later ones)
     markers: list[MarkerRecord] = []
+    froms: list[int] = []  # from_step of each timeline record, in order
+    rows: list[tuple] = []  # (step, timeline, loss, grad_norm, lr, skipped, skip_reason, val_ppl, timeline records before it)
+    hits = _SkipHits(skiplist or [])
     last_step = 0
-    cur: Segment | None = None
     for r in records:
         if isinstance(r, TimelineRecord):
             if r.kind == "rollback":
                 data.rollbacks.append({"at": last_step, "to": r.from_step, "reason": r.reason or ""})
             elif r.kind == "resume":
                 data.resumes.append({"step": r.from_step, "kind": "resume"})
-            cur, last_step = None, r.from_step
+            froms.append(r.from_step)
+            last_step = r.from_step
             continue
         if isinstance(r, MarkerRecord):
             markers.append(r)
             continue
         if not isinstance(r, StepRecord):
             continue
-        gone = final.get(r.step) is not r
-        if cur is None or cur.abandoned != gone or cur.timeline != r.timeline:
-            cur = Segment(r.timeline, [], [], [], [], abandoned=gone)
-            data.segments.append(cur)
-        cur.steps.append(r.step)
-        cur.loss.append(r.loss)
-        cur.grad_norm.append(r.grad_norm)
-        cur.lr.append(r.lr)
+        rows.append((r.step, r.timeline, r.loss, r.grad_norm, r.lr, r.skipped, r.skip_reason, r.val_ppl, len(froms)))
+        hits.add(r.step, r.sample_ids)
         last_step = r.step
-        if r.skipped and not gone:
-            data.guard_skips.append((r.step, r.loss, r.skip_reason or "skipped"))
-        if r.val_ppl is not None and math.isfinite(r.val_ppl) and not gone:
-            data.val.append((r.step, r.val_ppl))
+    gone = _superseded(rows, froms)
+    cur: Segment | None = None
+    prev_marks = -1
+    for (step, timeline, loss, grad_norm, lr, skipped, skip_reason, val_ppl, marks), abandoned in zip(rows, gone):
+        if cur is None or marks != prev_marks or cur.abandoned != abandoned or cur.timeline != timeline:
+            cur = Segment(timeline, [], [], [], [], abandoned=abandoned)
+            data.segments.append(cur)
+        prev_marks = marks
+        cur.steps.append(step)
+        cur.loss.append(loss)
+        cur.grad_norm.append(grad_norm)
+        cur.lr.append(lr)
+        if skipped and not abandoned:
+            data.guard_skips.append((step, loss, skip_reason or "skipped"))
+        if val_ppl is not None and math.isfinite(val_ppl) and not abandoned:
+            data.val.append((step, val_ppl))
     data.val = _last_per_step(data.val)
-    data.skip_windows = _skip_windows(records, skiplist or [])
+    data.skip_windows = hits.windows()
     data.incidents = [_incident(i) for i in incidents or []]
     for d in directives or []:
         if d.get("kind") in ("pause", "resume", "stop") and d.get("status") == "applied" and isinstance(d.get("step"), int):
             data.resumes.append({"step": d["step"], "kind": d["kind"]})
     data.phases = lr_phases(data.segments, markers, config)
     return data
+
+
+def _superseded(rows: list[tuple], froms: list[int]) -> list[bool]:
+    """For each step row (its step first, the number of timeline records before it last): did a later
+    record of the same step, or a later timeline record restoring a step before it, supersede it?"""
+    low = [math.inf] * (len(froms) + 1)  # the least from_step of the timeline records from index k on
+    for k in range(len(froms) - 1, -1, -1):
+        low[k] = min(froms[k], low[k + 1])
+    seen = bytearray(max((row[0] for row in rows), default=0) + 1)  # steps with a later record
+    out = [False] * len(rows)
+    for i in range(len(rows) - 1, -1, -1):
+        step, marks = rows[i][0], rows[i][-1]
+        out[i] = bool(seen[step]) or step > low[marks]
+        seen[step] = 1
+    return out
 
 
 def _last_per_step(pairs):
@@ -179,32 +205,36 @@ def _incident(inc) -> dict[str, Any]:
             "state": d.get("state", "?"), "rule": d.get("rule", "?"), "rollback_to": d.get("rollback_to")}
 
 
-def _skip_windows(records: list, skiplist: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Steps (in any timeline) whose batch held a sample now on the skip list, as contiguous windows."""
-    if not skiplist:
-        return []
-    from bisect import bisect_right
+class _SkipHits:
+    """Steps (in any timeline) whose batch held a sample now on the skip list, counted as the records
+    stream by (``add``), then as contiguous windows (``windows``)."""
 
-    ranges = sorted((int(lo), int(hi)) for lo, hi in skiplist)
-    los = [lo for lo, _ in ranges]
-    hit: dict[int, int] = {}
-    for r in records:
-        if not isinstance(r, StepRecord):
-            continue
-        n = 0
-        for sid in r.sample_ids:
+    def __init__(self, skiplist: list[tuple[int, int]]):
+        self.ranges = sorted((int(lo), int(hi)) for lo, hi in skiplist)
+        self.los = [lo for lo, _ in self.ranges]
+        self.hit: dict[int, int] = {}
+
+    def add(self, step: int, sample_ids: list[int]) -> None:
+        if not self.ranges:
+            return
+        from bisect import bisect_right
+
+        los, ranges, n = self.los, self.ranges, 0
+        for sid in sample_ids:
             j = bisect_right(los, sid) - 1
             if j >= 0 and sid < ranges[j][1]:
                 n += 1
         if n:
-            hit[r.step] = max(hit.get(r.step, 0), n)
-    out: list[tuple[int, int, int]] = []
-    for s in sorted(hit):
-        if out and s <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], s, out[-1][2] + hit[s])
-        else:
-            out.append((s, s, hit[s]))
-    return out
+            self.hit[step] = max(self.hit.get(step, 0), n)
+
+    def windows(self) -> list[tuple[int, int, int]]:
+        out: list[tuple[int, int, int]] = []
+        for s in sorted(self.hit):
+            if out and s <= out[-1][1] + 1:
+                out[-1] = (out[-1][0], s, out[-1][2] + self.hit[s])
+            else:
+                out.append((s, s, self.hit[s]))
+        return out
 
 
 def lr_phases(segments: list[Segment], markers: list, config: dict | None) -> list[tuple[str, int, int]]:

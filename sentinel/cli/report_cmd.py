@@ -60,17 +60,17 @@ def build(ref, incident_id: str | None = None):
 
     run_dir = ref.run_dir
     rejected: list[str] = []
-    records = list(rundir.read_records(run_dir, rejected))
-    if not any(r.kind == "step" for r in records):
-        why = f" ({len(rejected)} malformed line(s); first: {rejected[0]})" if rejected else ""
-        raise SentinelError(f"{run_dir / rundir.STEPS} has no step records yet: nothing to draw{why}")
     incs, source = load_incidents(ref)
     try:
         cfg = yaml.safe_load((run_dir / rundir.CONFIG).read_text()) if (run_dir / rundir.CONFIG).is_file() else None
     except (OSError, ValueError, RecursionError, yaml.YAMLError):  # not UTF-8, nested 50,000 deep: no phases from it
         cfg = None
-    data = gather(ref.run, records, skiplist=rundir.read_skiplist(run_dir), incidents=incs,
+    # the log is streamed into the figure's data: a long run's is never held whole
+    data = gather(ref.run, rundir.read_records(run_dir, rejected), skiplist=rundir.read_skiplist(run_dir), incidents=incs,
                   directives=rundir.read_directives_log(run_dir), config=cfg if isinstance(cfg, dict) else None)
+    if not data.segments:
+        why = f" ({len(rejected)} malformed line(s); first: {rejected[0]})" if rejected else ""
+        raise SentinelError(f"{run_dir / rundir.STEPS} has no step records yet: nothing to draw{why}")
     if incident_id:
         inc = next((i for i in data.incidents if i["id"] == incident_id), None)
         if inc is None:
