@@ -217,3 +217,17 @@ def test_times_are_shown_in_utc_and_say_so(tmp_path):
     empty = make_run(tmp_path / "b", [], [_directive("d-roll", "rollback", "applied", T0 + 2)])
     text = human("incidents", str(empty))  # no incidents: the run dir's history table
     assert "no incidents" in text and "time (UTC)" in text and "2026-11-24 23:43:11" in text
+
+
+def test_a_long_run_shows_its_newest_incidents_and_says_how_many_are_older(tmp_path):
+    """A long run closes thousands of incidents (each recovered spike is one): `incidents` shows
+    the newest 20 and says how many older ones it left out; --last 0 shows all, --id any one."""
+    incs = [_incident(id=f"{RUN}-t0-s{100 * k}", state="recovered", onset_step=100 * k, detect_step=100 * k,
+                      opened_at=T0 + k, closed_at=T0 + k + 1, rollback_to=None, actions=[]) for k in range(1, 26)]
+    d = make_run(tmp_path, incs)
+    run = as_json("incidents", str(d))
+    assert [i["onset_step"] for i in run["incidents"]] == [100 * k for k in range(6, 26)]
+    assert run["older_not_shown"] == 5
+    assert "5 older incident(s) not shown" in human("incidents", str(d))
+    assert len(as_json("incidents", str(d), "--last", "0")["incidents"]) == 25
+    assert [i["onset_step"] for i in as_json("incidents", str(d), "--id", f"{RUN}-t0-s100")["incidents"]] == [100]

@@ -27,8 +27,12 @@ INCIDENT_ID_SHAPE = re.compile(r"-(?:t\d+-s\d+|manual-\d{8}T\d{6})")
 NOT_DAMAGE = ("suspect", "recovered")  # states of an episode the policy never judged to be damage
 
 
-def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = None) -> dict:
-    """{"run", "incidents": [incident + "timeline" + "outcome"], "orphan_events": [...]} for one run."""
+LAST = 20  # incidents shown by default, newest last: a long run closes thousands (each recovered spike is one)
+
+
+def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = None, last: int = 0) -> dict:
+    """{"run", "incidents": [incident + "timeline" + "outcome"], "orphan_events": [...]} for one run;
+    ``last`` > 0: only the newest ``last`` of them (``older_not_shown`` counts the rest)."""
     from sentinel import bus, rundir
     from sentinel.incidents_view import annotate_actions
     from sentinel.rundir import read_incidents_log
@@ -77,11 +81,9 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
         if ev.incident_id:
             by_id.setdefault(ev.incident_id, []).append({"id": eid, **ev.model_dump(mode="json", exclude={"v", "run"})})
     incs.sort(key=lambda i: i.opened_at)
-    for inc in incs:
-        if incident_id and inc.id != incident_id:
-            continue
-        if only_open and inc.closed_at is not None:
-            continue
+    incs = [i for i in incs if (not incident_id or i.id == incident_id) and not (only_open and i.closed_at is not None)]
+    out["older_not_shown"] = max(0, len(incs) - last) if last > 0 else 0
+    for inc in incs[len(incs) - last:] if last > 0 else incs:
         d = inc.model_dump(mode="json", exclude={"v"})
         d["open"] = inc.closed_at is None
         d["first_flagged_step"] = _first_flagged(inc)
@@ -139,6 +141,9 @@ def _render(runs: list[dict]):
         if not run["incidents"]:
             parts.extend(_no_incidents(run))
             continue
+        if run.get("older_not_shown"):
+            parts.append(Text(f"{run['run']}: {run['older_not_shown']} older incident(s) not shown; the newest "
+                              f"{len(run['incidents'])} follow (--last 0 shows all, --id INCIDENT one)", style="dim"))
         for inc in run["incidents"]:
             style = "red" if inc["open"] else "green"
             dur = fmt_duration((inc["closed_at"] or time.time()) - inc["opened_at"])
@@ -318,10 +323,12 @@ def _ranges(raw) -> list[tuple[int, int]]:
 @click.argument("runs", nargs=-1, metavar="[RUN]...")
 @click.option("--open", "only_open", is_flag=True, help="Only incidents that are still open.")
 @click.option("--id", "incident_id", metavar="INCIDENT", help="Only this incident.")
+@click.option("--last", "last", type=click.IntRange(min=0), default=LAST, show_default=True,
+              help="Only the newest N incidents of each run (0: all). A long run closes thousands.")
 @redis_url_option
 @json_option
 @friendly_errors
-def incidents(runs, only_open, incident_id, redis_url, as_json):
+def incidents(runs, only_open, incident_id, last, redis_url, as_json):
     """Incident timelines: evidence (the triggering step records), actions and outcomes.
 
     RUN is a run directory or a run id on the bus; without RUN, every run registered on the bus.
@@ -329,12 +336,12 @@ def incidents(runs, only_open, incident_id, redis_url, as_json):
     """
     from sentinel.runref import ops_errors
 
-    ops_errors(_incidents)(runs, only_open, incident_id, redis_url, as_json)
+    ops_errors(_incidents)(runs, only_open, incident_id, last, redis_url, as_json)
 
 
-def _incidents(runs, only_open, incident_id, redis_url, as_json):
+def _incidents(runs, only_open, incident_id, last, redis_url, as_json):
     refs = _resolve_runs(runs, redis_url)
-    out = [run_incidents(ref, only_open=only_open, incident_id=incident_id) for ref in refs]
+    out = [run_incidents(ref, only_open=only_open, incident_id=incident_id, last=0 if incident_id else last) for ref in refs]
     if incident_id and not any(r["incidents"] for r in out):
         raise SentinelError(f"incident {incident_id} not found")
     if not as_json:
