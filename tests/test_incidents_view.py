@@ -221,7 +221,7 @@ def test_times_are_shown_in_utc_and_say_so(tmp_path):
 
 def test_a_long_run_shows_its_newest_incidents_and_says_how_many_are_older(tmp_path):
     """A long run closes thousands of incidents (each recovered spike is one): `incidents` shows
-    the newest 20 and says how many older ones it left out; --last 0 shows all, --id any one."""
+    the newest 20 and says how many older ones it left out; --limit 0 shows all, --id any one."""
     incs = [_incident(id=f"{RUN}-t0-s{100 * k}", state="recovered", onset_step=100 * k, detect_step=100 * k,
                       opened_at=T0 + k, closed_at=T0 + k + 1, rollback_to=None, actions=[]) for k in range(1, 26)]
     d = make_run(tmp_path, incs)
@@ -229,5 +229,5 @@ def test_a_long_run_shows_its_newest_incidents_and_says_how_many_are_older(tmp_p
     assert [i["onset_step"] for i in run["incidents"]] == [100 * k for k in range(6, 26)]
     assert run["older_not_shown"] == 5
     assert "5 older incident(s) not shown" in human("incidents", str(d))
-    assert len(as_json("incidents", str(d), "--last", "0")["incidents"]) == 25
+    assert len(as_json("incidents", str(d), "--limit", "0")["incidents"]) == 25
     assert [i["onset_step"] for i in as_json("incidents", str(d), "--id", f"{RUN}-t0-s100")["incidents"]] == [100]

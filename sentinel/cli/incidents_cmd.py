@@ -143,7 +143,7 @@ def _render(runs: list[dict]):
             continue
         if run.get("older_not_shown"):
             parts.append(Text(f"{run['run']}: {run['older_not_shown']} older incident(s) not shown; the newest "
-                              f"{len(run['incidents'])} follow (--last 0 shows all, --id INCIDENT one)", style="dim"))
+                              f"{len(run['incidents'])} follow (--limit 0 shows all, --id INCIDENT one)", style="dim"))
         for inc in run["incidents"]:
             style = "red" if inc["open"] else "green"
             dur = fmt_duration((inc["closed_at"] or time.time()) - inc["opened_at"])
@@ -323,8 +323,8 @@ def _ranges(raw) -> list[tuple[int, int]]:
 @click.argument("runs", nargs=-1, metavar="[RUN]...")
 @click.option("--open", "only_open", is_flag=True, help="Only incidents that are still open.")
 @click.option("--id", "incident_id", metavar="INCIDENT", help="Only this incident.")
-@click.option("--last", "last", type=click.IntRange(min=0), default=LAST, show_default=True,
-              help="Only the newest N incidents of each run (0: all). A long run closes thousands.")
+@click.option("--limit", "last", type=click.IntRange(min=0), default=LAST, show_default=True,
+              help="Show the newest N incidents per run (0: all; a long run closes thousands).")
 @redis_url_option
 @json_option
 @friendly_errors
