@@ -353,7 +353,6 @@ class LogScan:
         self.first: int | None = None  # the first and last authoritative step of the whole log
         self.last: int | None = None
         self.last_record: StepRecord | None = None  # the last step record read (world size, run id)
-        self.timelines: list[TimelineRecord] = []  # every timeline record, in order (they are few)
         self.applied_upto: int | None = None
         self._present = bytearray()  # steps 1..applied_upto: authoritative record present / skipped
         self._skipped = bytearray()
@@ -371,9 +370,8 @@ class LogScan:
 def scan(path: Path, keep: Callable[[int], bool] = lambda step: True, applied_upto: int | None = None) -> LogScan:
     """One pass over a steps.jsonl in bounded memory: ``LogScan.records`` holds the authoritative
     record of each step ``keep`` says yes to (exactly what ``authoritative`` would give for those
-    steps), plus the whole log's first and last authoritative step, its last step record, its
-    timeline records, and (``applied_upto``) how many of steps 1..applied_upto were applied. Errors
-    as ``read``."""
+    steps), plus the whole log's first and last authoritative step, its last step record, and
+    (``applied_upto``) how many of steps 1..applied_upto were applied. Errors as ``read``."""
     out = LogScan()
     n = max(0, applied_upto) if applied_upto is not None else 0
     if applied_upto is not None:
@@ -390,7 +388,6 @@ def scan(path: Path, keep: Callable[[int], bool] = lambda step: True, applied_up
             if 0 < r.step <= n:
                 out._present[r.step], out._skipped[r.step] = 1, 1 if r.skipped else 0
         elif isinstance(r, TimelineRecord):
-            out.timelines.append(r)
             s = r.from_step  # a rollback/resume invalidates every record after the restored step
             for k in [k for k in recs if k > s]:
                 del recs[k]
