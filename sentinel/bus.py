@@ -20,6 +20,7 @@ import json
 import os
 import re
 import stat
+import time
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
@@ -518,6 +519,65 @@ def publish(r: redis.Redis, stream: str, record: Any, maxlen: int | None = 100_0
         fields[RECORD_MAC_FIELD] = record_mac(secret, stream, data)
     with bus_errors(r):
         return r.xadd(stream, fields, maxlen=maxlen, approximate=True)
+
+
+# Every entry id stamped more than a day ahead of the server's clock goes, by copying the rest to a
+# new key that replaces the stream (valkey >= 8 will not lower a stream's last id by XSETID once an
+# entry above it was deleted). Consumer groups go with the old key: their readers recreate them.
+_REPAIR_IDS = """
+local t = redis.call('TIME')
+local bound = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1]))
+local keep = redis.call('XRANGE', KEYS[1], '-', bound)
+local n = redis.call('XLEN', KEYS[1])
+if #keep == n then
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  local last = ''
+  for i = 1, #info, 2 do if info[i] == 'last-generated-id' then last = info[i + 1] end end
+  if (tonumber(string.match(last, '^(%d+)-')) or 0) <= tonumber(bound) then return -1 end
+end
+redis.call('DEL', KEYS[2])
+for _, e in ipairs(keep) do redis.call('XADD', KEYS[2], e[1], unpack(e[2])) end
+if #keep == 0 then redis.call('DEL', KEYS[1]) else redis.call('RENAME', KEYS[2], KEYS[1]) end
+return n - #keep
+"""
+FUTURE_ID_MS = 86_400_000  # an entry id further ahead of the server's clock than this is hostile
+
+
+def id_exhausted(e: BaseException) -> bool:
+    """True for the XADD refusal a stream gets once an entry with a far-future (or the largest) id is in it."""
+    text = str(e)
+    return "exhausted the last possible ID" in text or "equal or smaller than the target stream top item" in text
+
+
+def repair_stream_ids(r: redis.Redis, stream: str) -> int:
+    """Drop the entries of ``stream`` whose ids are stamped more than a day ahead (anyone with
+    bus access can XADD ``18446744073709551615-18446744073709551615``, after which no writer can
+    add to the stream, ever). Returns how many went, or -1 when the stream needed no repair."""
+    with bus_errors(r):
+        return int(r.eval(_REPAIR_IDS, 2, stream, stream + ":repair", FUTURE_ID_MS))
+
+
+def is_future_id(eid: str, now: float | None = None) -> bool:
+    """An entry id stamped more than a day ahead of ``now`` (this machine's clock)."""
+    ms, _, _ = eid.partition("-")
+    return len(ms) > 15 or (ms.isdigit() and int(ms) > ((time.time() if now is None else now) * 1000 + FUTURE_ID_MS))
+
+
+def publish_own(r: redis.Redis, stream: str, record: Any, maxlen: int | None = 100_000) -> str:
+    """``publish`` to a stream only the sentinel's side writes (directives, approvals, events),
+    through what anyone with bus access can do to it: a key of another Redis type there is
+    replaced, and entries stamped far ahead (which refuse every XADD after them) are removed."""
+    try:
+        return publish(r, stream, record, maxlen)
+    except BusError as e:
+        if "WRONGTYPE" in str(e):
+            with bus_errors(r):
+                r.delete(stream)
+        elif id_exhausted(e):
+            repair_stream_ids(r, stream)
+        else:
+            raise
+    return publish(r, stream, record, maxlen)
 
 
 _BY_SUFFIX = {":directives": Directive, ":acks": Ack, ":events": Event}

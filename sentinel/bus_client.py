@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import redis
 
-from sentinel.bus import FIELD, BusError, connect, redact_url
+from sentinel.bus import FIELD, BusError, connect, id_exhausted, is_future_id, redact_url, repair_stream_ids
 from sentinel.protocol import (
     RECORD_MAC_FIELD,
     Ack,
@@ -58,6 +58,10 @@ _STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 RECONNECT_EVERY_S = 5.0  # how often an unreachable bus may be restarted (``reconnect``)
 
 
+INBOX_MAX = 10_000  # directive entries read and not yet handed to the training loop
+REJECT_ACK_BURST = 20.0  # rejections acked at once; then one a second (every one is counted)
+
+
 def _id_tuple(eid: str) -> tuple[int, int]:
     a, _, b = eid.partition("-")
     return int(a), int(b or 0)
@@ -71,7 +75,8 @@ def read_cursor(path: str | os.PathLike | None) -> str | None:
         text = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return text if _STREAM_ID.match(text) else None
+    # a position stamped far ahead would skip every directive written after it
+    return text if _STREAM_ID.match(text) and not is_future_id(text) else None
 
 
 class BusClient:
@@ -153,7 +158,9 @@ class BusClient:
         self._checkpoints: dict[str, str] = {}  # step -> CheckpointInfo json (coalesced)
         self._skiplist: str | None = None  # latest value only
         # (stream id, directive json or None, reject reason when it could not be decoded)
-        self._inbox: deque[tuple[str, str | None, str | None]] = deque(maxlen=10_000)
+        # never capped by dropping: a flood of junk must not push a genuine directive out. Reading the
+        # stream pauses instead while it holds INBOX_MAX (the training loop drains it at every poll)
+        self._inbox: deque[tuple[str, str | None, str | None]] = deque()
         self._inflight = 0
         self._step: int | None = None
         self._timeline = 0
@@ -163,6 +170,14 @@ class BusClient:
         self._paused = False
         self._closed = False
         self._last_logged: dict[str, float] = {}
+        self._reject_tokens, self._reject_refill = float(REJECT_ACK_BURST), time.monotonic()
+        self._info: dict[str, str] | None = None  # the run's registry metadata (register)
+        self._info_sent = False
+        self._ckpt_known: dict[str, str] = {}  # every checkpoint entry registered and not retired: re-sent
+        self._skip_known: str | None = None  # ... and the skip list, when the registry lost the run
+        self._dir_wrong_type = False  # the directives key holds another Redis type (counted once)
+        self._repaired_at: dict[str, float] = {}  # stream -> when its far-future entries were last removed
+        self._future_seen: set[str] = set()  # far-future directive entries refused already (until removed)
 
         self._r = connect(url, check=False, timeout=io_timeout_s, retries=0, decode=False)
         self._wake = threading.Event()
@@ -195,11 +210,23 @@ class BusClient:
             self._push(self._telemetry, (self.keys.events, data, self._events_maxlen, None))
         self._wake.set()
 
+    def register(self, info: dict[str, Any]) -> None:
+        """Add the run to the bus's run registry (``Keys.RUNS``) with its metadata hash, and keep it
+        there: every heartbeat re-adds it, and when it was missing (Redis came back without its data,
+        or someone removed it) the metadata, checkpoints and skip list are written again, or a
+        restarted sentinel would not find the run, nor its rollback targets."""
+        mapping = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
+        with self._lock:
+            self._info = mapping
+            self._info_sent = False
+        self._wake.set()
+
     def register_checkpoint(self, info) -> None:
         """Queue ``HSET Keys(run).checkpoints step -> CheckpointInfo``."""
         data = info.to_json()
         with self._lock:
             self._checkpoints[str(info.step)] = data
+            self._ckpt_known[str(info.step)] = data
         self._wake.set()
 
     def retain_checkpoints(self, steps) -> None:
@@ -215,7 +242,7 @@ class BusClient:
         """Queue ``SET Keys(run).skiplist`` (JSON list of [lo, hi)); only the latest value is sent."""
         data = json.dumps([[int(lo), int(hi)] for lo, hi in ranges])
         with self._lock:
-            self._skiplist = data
+            self._skiplist = self._skip_known = data
         self._wake.set()
 
     def ack(self, ack) -> None:
@@ -258,7 +285,7 @@ class BusClient:
                 out.append(d)
             else:
                 self._reject(entry_id, d, reason, code)
-                if not out:  # nothing before it is still in the caller's hands
+                if not out and not is_future_id(entry_id):  # nothing before it is still in the caller's hands
                     done = entry_id
         self._handed_upto = items[-1][0] if out else None
         if done is not None:
@@ -268,7 +295,7 @@ class BusClient:
     def _check(self, data: str | None, bad: str | None) -> tuple[Directive | None, str | None, str]:
         """(directive, None, "") when authentic and ours, else (directive or None, detail, reason)."""
         if bad:
-            return None, "not UTF-8", bad
+            return None, _BAD_DETAIL.get(bad, bad), bad
         if data is None:
             return None, f"malformed (no '{FIELD}' field)", "malformed"
         try:
@@ -346,8 +373,9 @@ class BusClient:
                 + (self._retain is not None) + self._inflight)
 
     def _reject(self, entry_id: str, d: Directive | None, reason: str, code: str = "malformed") -> None:
-        self.rejected += 1
-        self.rejected_by_reason[code] += 1
+        with self._lock:  # the I/O thread counts too (_repair)
+            self.rejected += 1
+            self.rejected_by_reason[code] += 1
         did = d.id[:64] if d is not None else f"stream:{entry_id}"
         kind: Any = d.kind if d is not None else "unknown"
         # a flood of junk must not flood the log: one line per reason every 30 s, all of them counted
@@ -356,8 +384,16 @@ class BusClient:
             self._last_logged[f"reject:{code}"] = now
             self._log.warning("rejected directive %s (%s) for run %s: %s (%d rejected so far)", did, kind, self.run,
                               reason, self.rejected)
+        # the ack tells whoever sent it (an operator with the wrong secret waits for it), but a flood
+        # must not turn into a flood of acks and events: at most REJECT_ACK_BURST, then 1 a second
+        self._reject_tokens = min(REJECT_ACK_BURST, self._reject_tokens + (now - self._reject_refill))
+        self._reject_refill = now
+        if self._reject_tokens < 1.0:
+            return
+        self._reject_tokens -= 1.0
         step = self._step or 0
-        self.ack(Ack(run=self.run, directive_id=did, kind=kind, status="rejected", step=step, timeline=self._timeline, detail=reason))
+        self.ack(Ack(run=self.run, directive_id=did, kind=kind, status="rejected", step=step, timeline=self._timeline, detail=reason,
+                     entry_id=entry_id))
         self.publish_event(
             Event(
                 run=self.run,
@@ -451,6 +487,9 @@ class BusClient:
             gone = [f for f, s in steps.items() if s < max(keep) and s not in keep]
             if gone:
                 r.hdel(self.keys.checkpoints, *gone)
+            with self._lock:
+                for f in [f for f in self._ckpt_known if int(f) < max(keep) and int(f) not in keep]:
+                    del self._ckpt_known[f]
         except redis.ResponseError as e:
             # e.g. WRONGTYPE: retrying cannot fix it, and must not hold back the step records behind it
             self._log_limited("retention", "checkpoint retention on the bus skipped: %s", _short(e))
@@ -499,29 +538,87 @@ class BusClient:
             hb = step is not None and (step != self._hb_step or now - self._hb_sent >= self._hb_every)
             if hb:
                 pipe.set(k.heartbeat, json.dumps({"step": step, "time": step_time, "sent": now, "pid": os.getpid(), "paused": paused}), px=self._hb_ttl_ms)
-            pipe.xread({k.directives: self._last_dir_id}, count=100)
+            with self._lock:
+                info, info_sent = self._info, self._info_sent
+                read_dirs = len(self._inbox) < INBOX_MAX
+            registering = info is not None and (hb or not info_sent)
+            if registering:
+                pipe.sadd(Keys.RUNS, self.run)
+            if registering and not info_sent:
+                pipe.hset(k.info, mapping=info)
+            if read_dirs:
+                pipe.xread({k.directives: self._last_dir_id}, count=100)
             results = pipe.execute(raise_on_error=False)
         except BaseException:
             self._requeue(batch, ckpts, skip)
             raise
         with self._lock:
             self._inflight = 0
-        failed = [res for res in results[: len(batch)] if isinstance(res, Exception)]
+        failed = [(item, res) for item, res in zip(batch, results[: len(batch)]) if isinstance(res, Exception)]
+        retry = self._repair_exhausted(r, failed)
+        failed = [(item, res) for item, res in failed if item[0] not in retry]
+        if retry:  # their stream is repaired: sent again, in order, at the next iteration
+            self._requeue([item for item, res in zip(batch, results[: len(batch)])
+                           if isinstance(res, Exception) and item[0] in retry], {}, None)
         if failed:
             # a record Redis refused (OOM, ACL, wrong type) will not succeed by retrying: count it
             with self._lock:
                 self.dropped += len(failed)
-            self._log_limited("refused", "control bus refused %d record(s): %s", len(failed), _short(failed[0]))
-        for res in results[len(batch) : -1]:
+            self._log_limited("refused", "control bus refused %d record(s): %s", len(failed), _short(failed[0][1]))
+        for res in results[len(batch) : len(results) - read_dirs]:
             if isinstance(res, Exception):
                 self._log_limited("state", "control bus refused a checkpoint/skip-list/heartbeat write: %s", _short(res))
         if hb:
             self._hb_sent, self._hb_step = now, step
-        reply = results[-1]
+        if registering:
+            self._registered(results[len(results) - read_dirs - (not info_sent) - 1], info, info_sent)
+        if read_dirs:
+            self._take_directives(r, results[-1])
+        with self._lock:
+            if self._telemetry or self._control:
+                self._wake.set()  # a backlog larger than one batch: go again at once
+
+    def _registered(self, added, info: dict[str, str], info_sent: bool) -> None:
+        """The SADD's reply: 1 when the registry did not hold the run. After the first time that
+        means the bus lost it: the metadata, checkpoints and skip list go out again."""
+        if isinstance(added, Exception):
+            self._log_limited("register", "could not register the run on the bus: %s", _short(added))
+            return
+        with self._lock:
+            if not info_sent:
+                self._info_sent = self._info is info
+            elif added:
+                self._info_sent = False
+                self._checkpoints = {**self._ckpt_known, **self._checkpoints}
+                if self._skiplist is None:
+                    self._skiplist = self._skip_known
+        if info_sent and added:
+            self._log.warning("the bus had lost run %s from its registry (a Redis restart without its data?): "
+                              "registered again, with its checkpoints and skip list", self.run)
+            self._wake.set()
+
+    def _take_directives(self, r: redis.Redis, reply) -> None:
         if isinstance(reply, Exception):
+            if "WRONGTYPE" in str(reply) and not self._dir_wrong_type:
+                # counted once while it lasts; the sentinel and the CLI replace the key at their next directive
+                self._dir_wrong_type = True
+                with self._lock:
+                    self.rejected += 1
+                    self.rejected_by_reason["wrong_type"] += 1
             self._log_limited("xread", "reading directives failed: %s", _short(reply))
             return
+        self._dir_wrong_type = False
         entries = [(eid.decode(), fields) for _stream, items in (reply or []) for eid, fields in items]
+        future = [eid for eid, _ in entries if is_future_id(eid)]
+        if future:
+            # refused and removed, and never the read position: nothing written after it would be read
+            entries = [(eid, f) for eid, f in entries if not is_future_id(eid)]
+            with self._lock:
+                self._inbox.extend((eid, None, "future_id") for eid in future if eid not in self._future_seen)
+                if len(self._future_seen) > 10_000:
+                    self._future_seen.clear()
+                self._future_seen.update(future)
+            self._repair(r, self.keys.directives)
         if entries:
             with self._lock:
                 for eid, fields in entries:
@@ -529,9 +626,35 @@ class BusClient:
             self._last_dir_id = entries[-1][0]
             if len(entries) == 100:
                 self._wake.set()  # more may be waiting
-        with self._lock:
-            if self._telemetry or self._control:
-                self._wake.set()  # a backlog larger than one batch: go again at once
+
+    def _repair_exhausted(self, r: redis.Redis, failed) -> set[str]:
+        """The streams among ``failed`` XADDs that refused because an entry stamped far ahead is in
+        them (anyone with bus access can add ``18446744073709551615-18446744073709551615``, and then
+        no writer can add to the stream again): repaired, returned for a retry. A stream repaired
+        in the last 10 s is not again: what it refuses then is dropped and counted."""
+        out: set[str] = set()
+        for item, res in failed:
+            if item[0] not in out and id_exhausted(res) and self._repair(r, item[0]):
+                out.add(item[0])
+        return out
+
+    def _repair(self, r: redis.Redis, stream: str) -> bool:
+        now = time.monotonic()
+        if now - self._repaired_at.get(stream, -1e9) < 10.0:
+            return False
+        self._repaired_at[stream] = now
+        try:
+            n = repair_stream_ids(r, stream)
+        except BusError as e:
+            self._log_limited("repair", "could not remove entries stamped far ahead from %s: %s", stream, _short(e))
+            return False
+        if n > 0:
+            with self._lock:
+                self.rejected += n
+                self.rejected_by_reason["future_id"] += n
+            self._log_limited("repair", "removed %d entries stamped more than a day ahead from %s (%d rejected so far)",
+                              n, stream, self.rejected)
+        return True
 
 
 def _directive_text(fields: dict | None) -> tuple[str | None, str | None]:
@@ -541,6 +664,9 @@ def _directive_text(fields: dict | None) -> tuple[str | None, str | None]:
     except (UnicodeDecodeError, AttributeError):
         return None, "not_utf8"
     return decoded.get(FIELD), None
+
+
+_BAD_DETAIL = {"not_utf8": "not UTF-8", "future_id": "an entry id stamped more than a day ahead (removed from the stream)"}
 
 
 def _short(e: BaseException) -> str:

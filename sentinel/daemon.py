@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -27,7 +28,7 @@ from typing import Callable
 import redis
 
 from sentinel import bus, rundir
-from sentinel.ingest import StepGate, Verdict, check_ack
+from sentinel.ingest import StepGate, Verdict, check_ack, is_authentic
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
 from sentinel.protocol import (
@@ -65,6 +66,10 @@ return 0
 """
 
 DIRECTIVE_TTL_S = 600.0  # a directive nobody applied within 10 minutes is stale: the trainer rejects it
+DISCOVER_PER_PASS = 2000  # registered names looked at per discovery pass (every 2 s)
+LIVE_PROBE = 16  # newest steps entries looked at for one the trainer signed
+SENT_KEPT = 1024  # directives this sentinel sent, remembered (id -> stream entry) to tell their acks apart
+SENT_SAVED = 256  # ... and how many of them the persisted state carries to a successor
 
 
 def _is_file(p: Path) -> bool:
@@ -86,6 +91,20 @@ def _count(v: object, none: bool = False) -> int | None:
     return v
 
 
+def _finite(v: object) -> float | None:
+    """A finite time from a saved state, or None (absent: a state saved before it was kept)."""
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise ValueError("not a time")
+    return float(v)
+
+
+def _id_seconds(eid: str) -> float:
+    """The Unix time a stream entry id is stamped with."""
+    return int(eid.partition("-")[0]) / 1000.0
+
+
 def _stream_id_tuple(eid: str) -> tuple[int, int]:
     a, _, b = eid.partition("-")
     return int(a), int(b or 0)
@@ -104,6 +123,10 @@ class Options:
     # records older than this, already on the stream when the lease was taken, are history: they
     # rebuild the detectors' state, but the sentinel does not act on incidents that are long over
     backlog_age_s: float = 120.0
+    # with no run named: how many registered runs to watch at most, and after how long without a
+    # step record (and no heartbeat) a run counts as over
+    max_runs: int = 1024
+    idle_s: float = 86_400.0
     # run id -> its run directory, where incidents and pages are mirrored (else the dir the trainer
     # registered on the bus, when it exists on this machine)
     run_dirs: dict[str, Path] = field(default_factory=dict)
@@ -141,6 +164,10 @@ class RunWatcher:
         self._pages_mirror: rundir.JsonlMirror | None = None
         self._mirrored: dict[str, str] = {}  # incident id -> the JSON last appended to incidents.jsonl
         self._written: dict[str, str] = {}  # incident id -> the JSON last written to the bus hash
+        # directive id -> its directives-stream entry, for the directives this sentinel sent: only
+        # their acks are verdicts on its actions (anyone can make the trainer refuse a junk entry)
+        self._sent: OrderedDict[str, str] = OrderedDict()
+        self.last_read = time.time()  # when a step entry was last read (or the watcher made): Daemon._retire_idle
         self.ensure_steps()
 
     def ensure_steps(self) -> None:
@@ -193,7 +220,10 @@ class RunWatcher:
                 raise ValueError("stream ids")
             seen = {_count(s) for s in st.get("checkpoints_seen", [])}
             gate = st.get("gate") or {}
-            gate = {"timeline": _count(gate.get("timeline"), none=True), "last_step": _count(gate.get("last_step"), none=True)}
+            gate = {"timeline": _count(gate.get("timeline"), none=True), "last_step": _count(gate.get("last_step"), none=True),
+                    "last_time": _finite(gate.get("last_time"))}
+            sent = [(str(d), str(i)) for d, i in st.get("sent", [])[-SENT_SAVED:]
+                    if isinstance(d, str) and isinstance(i, str) and _STREAM_ID.fullmatch(i)]
             self.policy.load_state_dict(st["policy"])
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:  # corrupt or hostile: start afresh, loudly
             self.log(f"[{self.run}] persisted policy state is unreadable ({e.__class__.__name__}); starting from a fresh state")
@@ -202,6 +232,7 @@ class RunWatcher:
         self.last_id, self.acks_id, self.approvals_id = ids
         self.checkpoints_seen = seen
         self.gate.load_state_dict(gate)
+        self._sent = OrderedDict(sent)
         if st["policy"].get("samples") is None:
             self._restore_samples()
         self.log(f"[{self.run}] resumed policy state at stream id {self.last_id} (state {self.policy.state})")
@@ -219,7 +250,7 @@ class RunWatcher:
     def _save_state(self) -> None:
         st = {"policy": self.policy.state_dict(include_samples=False), "last_id": self.last_id, "acks_id": self.acks_id,
               "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen),
-              "gate": self.gate.state_dict(), "saved": time.time()}
+              "gate": self.gate.state_dict(), "sent": list(self._sent.items())[-SENT_SAVED:], "saved": time.time()}
         self.r.set(self.keys.policy, json.dumps(st))
 
     # ------------------------------------------------------------------ one iteration
@@ -239,23 +270,38 @@ class RunWatcher:
                                        min_idle_ms=0, count=10_000)
             todo = claimed + todo
             self._recovered = True
-        todo.sort(key=lambda e: _stream_id_tuple(e.id))
+        # the recovery reads return what the ">" read just delivered too: each entry once
+        todo = sorted({e.id: e for e in todo}.values(), key=lambda e: _stream_id_tuple(e.id))
+        if entries and _stream_id_tuple(entries[0].id) <= _stream_id_tuple(self.last_id):
+            self._check_stream_restart()
         done: list[str] = []
+        future = False
         for e in todo:
             done.append(e.id)
             if _stream_id_tuple(e.id) <= _stream_id_tuple(self.last_id):
                 continue  # already covered by the persisted state
-            self.last_id = e.id  # rejected or not, it is done: XACKed below and never re-read
+            if bus.is_future_id(e.id):
+                future = True
             v = self.gate.check(e)
             if v.record is None:
+                # XACKed below, never re-read; but last_id moves on accepted records only: an unsigned
+                # entry with the largest possible id must not put everything after it out of reach
                 self._rejected("steps", v)
                 continue
+            self.last_id = e.id
             rec = v.record
             history = (_stream_id_tuple(e.id) <= _stream_id_tuple(self._history_until)
                        and rec.time < time.time() - self.opts.backlog_age_s)
             self._feed(rec, history)
         if self._replaying:
             self._end_replay()
+        if future:  # the trainer could add no record after it: remove it (the trainer would too, on its next XADD)
+            bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
+            n = bus.repair_stream_ids(self.r, self.keys.steps)
+            self.log(f"[{self.run}] the steps stream held entries stamped more than a day ahead: removed {max(n, 0)}")
+            done = []
+        if done:
+            self.last_read = time.time()
         if done and self._run_dir is None:  # the trainer registers its run dir with its first steps
             self._mirror_dir()
         self._read_acks()
@@ -272,6 +318,21 @@ class RunWatcher:
         self.m.incidents_open.labels(self.run).set(
             sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
         return len(done)
+
+    def _check_stream_restart(self) -> None:
+        """New entries at or below the position the state covers: either old ones delivered again
+        (the consumer group was recreated), or a stream that started over below it (Redis lost its
+        data, or its ids were repaired): then the position is reset, or every record is skipped."""
+        try:
+            info = bus.raw(self.r).xinfo_stream(self.keys.steps)
+        except redis.ResponseError:
+            return
+        last = info.get(b"last-generated-id", info.get("last-generated-id"))
+        last = last.decode() if isinstance(last, bytes) else last
+        if isinstance(last, str) and _STREAM_ID.fullmatch(last) and _stream_id_tuple(last) < _stream_id_tuple(self.last_id):
+            self.log(f"[{self.run}] the steps stream started over below the position read ({last} < {self.last_id}); "
+                     "reading it from its start")
+            self.last_id = "0-0"
 
     def _feed(self, rec: StepRecord | TimelineRecord | MarkerRecord, history: bool) -> None:
         """Give one accepted record to the policy. History (an old backlog) informs, never acts."""
@@ -304,11 +365,15 @@ class RunWatcher:
     def _rejected(self, stream: str, v: Verdict) -> None:
         """Count a refused entry; log it, but at most once a minute per (stream, reason)."""
         self.m.rejected.labels(self.run, stream, v.reason).inc()
-        key, now = f"{stream}:{v.reason}", time.monotonic()
+        self._log_limited(f"{stream}:{v.reason}", f"[{self.run}] rejected {stream} entry ({v.reason}): {v.detail[:200]}"
+                          + " (further ones counted in sentinel_records_rejected_total, logged once a minute)")
+
+    def _log_limited(self, key: str, line: str) -> None:
+        """Log ``line``, but at most once a minute per ``key``: bus content must not flood the log."""
+        now = time.monotonic()
         if now >= self._log_budget.get(key, 0.0):
             self._log_budget[key] = now + 60.0
-            self.log(f"[{self.run}] rejected {stream} entry ({v.reason}): {v.detail[:200]}"
-                     + " (further ones counted in sentinel_records_rejected_total, logged once a minute)")
+            self.log(line)
 
     def _read_trusting_type(self, what: str, read):
         """``read(raw client)``, or None when the key holds another Redis type (WRONGTYPE): anyone
@@ -324,15 +389,32 @@ class RunWatcher:
 
     def _write_own(self, what: str, key: str, write):
         """``write()`` to a key the sentinel writes (a hash, the events or directives stream); a key of another type there (WRONGTYPE) is
-        replaced once, counted: otherwise every write fails and the run is never judged again."""
+        replaced once, counted: otherwise every write fails and the run is never judged again. So
+        is a stream that refuses every XADD because someone added an entry stamped far ahead."""
         try:
             return write()
         except (redis.ResponseError, bus.BusError) as e:
-            if "WRONGTYPE" not in str(e):
+            if "WRONGTYPE" in str(e):
+                self._rejected(what, Verdict(None, "wrong_type", f"the {what} key held another Redis type; replaced"))
+                self.r.delete(key)
+            elif bus.id_exhausted(e):
+                n = bus.repair_stream_ids(self.r, key)
+                self._rejected(what, Verdict(None, "future_id", f"the {what} stream refused new entries: removed {max(n, 0)} "
+                                             "entries stamped more than a day ahead"))
+            else:
                 raise
-            self._rejected(what, Verdict(None, "wrong_type", f"the {what} key held another Redis type; replaced"))
-            self.r.delete(key)
             return write()
+
+    def _future_entry(self, what: str, key: str, e: bus.Entry) -> bool:
+        """True for an entry whose id is stamped more than a day ahead: a reader's cursor must not move
+        to it, or everything written after it is skipped for good. The stream is repaired (the
+        writers could add nothing after it either), counted; the read goes on at the next poll."""
+        if not bus.is_future_id(e.id):
+            return False
+        n = bus.repair_stream_ids(self.r, key)
+        self._rejected(what, Verdict(None, "future_id", f"entry {e.id[:48]}: stamped more than a day ahead; "
+                                     f"removed {max(n, 0)} such entries from the stream"))
+        return True
 
     def _refresh_checkpoints(self) -> None:
         """Mirror the bus's checkpoint hash: new or rewritten entries in, deleted ones out.
@@ -413,12 +495,26 @@ class RunWatcher:
 
     def _read_acks(self) -> None:
         for e in self._read_trusting_type("acks", lambda _: bus.read_stream(self.r, self.keys.acks, self.acks_id, count=1000)) or []:
+            if self._future_entry("acks", self.keys.acks, e):
+                break
             self.acks_id = e.id
             v = check_ack(e, self.run, self.opts.secret)
             if v.record is None:
                 self._rejected("acks", v)
                 continue
             a = v.record
+            ours = self._sent.get(a.directive_id)
+            if ours is None or (a.entry_id is not None and a.entry_id != ours):
+                # not a verdict on an action of ours: an operator's directive (its CLI waits for the
+                # ack itself), or junk the trainer refused. A refusal of another entry under our
+                # directive's id is a forged copy: counted, while the original is still judged
+                if ours is not None:
+                    self._rejected("acks", Verdict(None, "forged_copy", f"ack {e.id}: the trainer {a.status} entry "
+                                                   f"{a.entry_id}, a copy of directive {a.directive_id[:16]} (sent as {ours})"))
+                else:
+                    self._log_limited(f"ack:{a.status}", f"[{self.run}] ack {a.kind} {a.directive_id[:16]}: {a.status}"
+                                      + (f" ({a.detail[:200]})" if a.detail else "") + ", for a directive this sentinel did not send")
+                continue
             self.log(f"[{self.run}] ack {a.kind} {a.directive_id[:8]}: {a.status}" + (f" ({a.detail})" if a.detail else ""))
             if a.status in ("failed", "rejected"):  # "sent" was counted at XADD; the trainer's verdict lands here
                 self.m.actions.labels(self.run, a.kind, a.status).inc()
@@ -426,6 +522,8 @@ class RunWatcher:
 
     def _read_approvals(self) -> None:
         for e in self._read_trusting_type("approvals", lambda _: bus.read_stream(self.r, self.keys.approvals, self.approvals_id, count=100)) or []:
+            if self._future_entry("approvals", self.keys.approvals, e):
+                break
             self.approvals_id = e.id
             try:
                 d = bus.decode(e, Directive)
@@ -563,7 +661,10 @@ class RunWatcher:
                 if not self._write_own("applied", self.keys.applied, lambda: self.r.hsetnx(self.keys.applied, a.idempotency_key, d.id)):
                     self.m.actions.labels(self.run, a.kind, "duplicate").inc()
                     continue
-                self._write_own("directives", self.keys.directives, lambda: bus.publish(self.r, self.keys.directives, d))
+                eid = self._write_own("directives", self.keys.directives, lambda: bus.publish(self.r, self.keys.directives, d))
+                self._sent[d.id] = eid.decode() if isinstance(eid, bytes) else str(eid)
+                while len(self._sent) > SENT_KEPT:
+                    self._sent.popitem(last=False)
                 if published_at is not None:
                     self.m.latency.labels(self.run).observe(max(0.0, time.time() - published_at))
                 self.m.actions.labels(self.run, a.kind, "sent").inc()
@@ -622,16 +723,76 @@ class Daemon:
         self.m = metrics or SentinelMetrics()
         self.log = log
         self.watchers: dict[str, RunWatcher] = {}
+        self._not_before: dict[str, float] = {}  # registered names found not live: looked at again then
+        self._cap_logged = 0.0
         self.stop_requested = False
         self._last_discovery = 0.0
         self._last_lease = 0.0
 
     def _discover(self) -> None:
-        runs = self.fixed_runs if self.fixed_runs is not None else bus.list_runs(self.r)
-        for run in runs:
-            if run not in self.watchers:
-                self.watchers[run] = RunWatcher(self.r, run, self.opts, self.m, self.log)
-                self.log(f"watching run {run}")
+        if self.fixed_runs is not None:
+            for run in self.fixed_runs:
+                if run not in self.watchers:
+                    self.watchers[run] = RunWatcher(self.r, run, self.opts, self.m, self.log)
+                    self.log(f"watching run {run}")
+            return
+        self._retire_idle()
+        now = time.monotonic()
+        new = [run for run in bus.list_runs(self.r) if run not in self.watchers and self._not_before.get(run, 0.0) <= now]
+        unwatched = 0
+        for run in self._live_runs(new[:DISCOVER_PER_PASS]):
+            if len(self.watchers) >= self.opts.max_runs:
+                unwatched += 1
+                self._not_before[run] = now + 60.0
+                continue
+            self.watchers[run] = RunWatcher(self.r, run, self.opts, self.m, self.log)
+            self.log(f"watching run {run}")
+        self.m.runs_unwatched.set(unwatched)
+        if unwatched and now >= self._cap_logged:
+            self._cap_logged = now + 60.0
+            self.log(f"{unwatched} more live runs on the bus than --max-runs {self.opts.max_runs}: not watched "
+                     "(start another sentinel, or raise --max-runs)")
+
+    def _live_runs(self, names: list[str]) -> list[str]:
+        """The registered names whose steps stream holds a record the trainer signed in the last
+        ``opts.idle_s``. The registry is a set anyone with bus access can SADD to: a junk name
+        must not cost a watcher, a consumer group, a lease and metric series. The rest are looked
+        at again in a minute."""
+        if not names:
+            return []
+        pipe = bus.raw(self.r).pipeline(transaction=False)
+        for run in names:
+            pipe.xrevrange(Keys(run).steps, count=LIVE_PROBE)
+            pipe.exists(Keys(run).heartbeat)
+        res = pipe.execute(raise_on_error=False)
+        out, now = [], time.time()
+        for run, entries, beating in zip(names, res[::2], res[1::2]):
+            if isinstance(entries, redis.ResponseError) and "WRONGTYPE" in str(entries):
+                entries = []
+            elif isinstance(entries, Exception):
+                raise entries
+            signed = [bus.to_entry(Keys(run).steps, eid, f) for eid, f in entries]
+            signed = [e for e in signed if is_authentic(e, self.opts.secret)]
+            # a paused run publishes no step, but its heartbeat goes on
+            if signed and (beating is True or beating == 1 or now - _id_seconds(signed[0].id) <= self.opts.idle_s):
+                out.append(run)
+            else:
+                self._not_before[run] = time.monotonic() + 60.0
+        if len(self._not_before) > 100_000:  # names come and go; a flood of them must not grow this
+            self._not_before.clear()
+        return out
+
+    def _retire_idle(self) -> None:
+        """Stop watching a run with no step record for ``opts.idle_s`` and no heartbeat (it ended,
+        or its name was junk): its state is saved and its lease released; a record brings it back."""
+        now = time.time()
+        for run, w in list(self.watchers.items()):
+            if now - w.last_read <= self.opts.idle_s or w._heartbeat_time() is not None:
+                continue
+            w.release()
+            del self.watchers[run]
+            self._not_before[run] = time.monotonic() + 60.0
+            self.log(f"run {run}: no step record for {self.opts.idle_s / 3600:.0f} h and no heartbeat: no longer watched")
 
     def iterate(self, block_ms: int = 100) -> int:
         now = time.time()

@@ -9,16 +9,26 @@ Order of checks, cheapest and most decisive first: undecodable entry, missing ``
 (so unsigned junk is never even parsed), schema, run name, value ranges, then order on the
 record's timeline (a step at or below the last one seen on the same timeline is a duplicate or
 a replay; a record of an older timeline belongs to a branch a rollback abandoned).
+
+The MAC binds a record to its run's stream, not to its place in it: a copy of a genuine record
+verifies. So order is what refuses replays: every start, resume and rollback opens a new timeline
+(the trainer numbers them previous + 1), and a copy of one that was seen already would reset the
+detectors; a marker names the boundary after the last step. Plausibility bounds what one signed
+record can do to the gate (a buggy writer's step 2**52 would refuse every genuine step after it):
+a step may run ahead of the last by at most ``MAX_STEP_RATE`` per second between their stamps,
+and no record may be stamped more than ``MAX_FUTURE_S`` ahead of the reader's clock.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 from sentinel.bus import FIELD, Entry
 from sentinel.protocol import (
     RECORD_MAC_FIELD,
     Ack,
+    MarkerRecord,
     SchemaError,
     StepRecord,
     TimelineRecord,
@@ -26,6 +36,10 @@ from sentinel.protocol import (
     record_mac_error,
     record_range_error,
 )
+
+
+MAX_STEP_RATE = 1_000_000  # steps per second of record time, and the jump allowed at no time apart
+MAX_FUTURE_S = 86_400.0
 
 
 class Verdict(NamedTuple):
@@ -47,6 +61,11 @@ def _authentic(entry: Entry, secret: bytes) -> Verdict | str:
     return data
 
 
+def is_authentic(entry: Entry, secret: bytes) -> bool:
+    """True when the entry carries a record its writer MAC'd with ``secret`` (nothing else is checked)."""
+    return not isinstance(_authentic(entry, secret), Verdict)
+
+
 class StepGate:
     """Validates the step stream of one run; remembers the last step per timeline."""
 
@@ -54,8 +73,11 @@ class StepGate:
         self.run, self.secret = run, secret
         self.timeline: int | None = None
         self.last_step: int | None = None
+        self.last_time: float | None = None  # the stamp of the last accepted step or timeline record
+        self._marker_at: tuple[int, int] | None = None  # the boundary (timeline, step) of the last marker
+        self._markers: set[str] = set()  # ... and the kinds seen there
 
-    def check(self, entry: Entry) -> Verdict:
+    def check(self, entry: Entry, now: float | None = None) -> Verdict:
         data = _authentic(entry, self.secret)
         if isinstance(data, Verdict):
             return data
@@ -68,26 +90,58 @@ class StepGate:
         bad = record_range_error(rec)
         if bad:
             return Verdict(None, "out_of_range", f"entry {entry.id}: {bad}")
+        if rec.time > (time.time() if now is None else now) + MAX_FUTURE_S:
+            return Verdict(None, "future_time", f"entry {entry.id}: stamped {rec.time:.0f}, more than a day ahead")
+        if isinstance(rec, TimelineRecord):
+            return self._timeline(entry, rec)
         if self.timeline is not None and rec.timeline < self.timeline:
             return Verdict(None, "out_of_order", f"entry {entry.id}: timeline {rec.timeline} < current {self.timeline}")
-        if isinstance(rec, TimelineRecord):
-            self.timeline, self.last_step = rec.timeline, rec.from_step
-            return Verdict(rec)
-        if not isinstance(rec, StepRecord):  # a marker: it names a step boundary, it is not a step
-            return Verdict(rec)
-        if rec.timeline == self.timeline and self.last_step is not None and rec.step <= self.last_step:
-            if rec.step == self.last_step:
-                return Verdict(None, "duplicate", f"entry {entry.id}: step {rec.step} seen already on timeline {rec.timeline}")
-            return Verdict(None, "out_of_order", f"entry {entry.id}: step {rec.step} after step {self.last_step}")
-        self.timeline, self.last_step = rec.timeline, rec.step
+        if isinstance(rec, MarkerRecord):
+            return self._marker(entry, rec)
+        if rec.timeline == self.timeline and self.last_step is not None:
+            if rec.step <= self.last_step:
+                if rec.step == self.last_step:
+                    return Verdict(None, "duplicate", f"entry {entry.id}: step {rec.step} seen already on timeline {rec.timeline}")
+                return Verdict(None, "out_of_order", f"entry {entry.id}: step {rec.step} after step {self.last_step}")
+            if self.last_time is not None and \
+                    rec.step - self.last_step > MAX_STEP_RATE * (1.0 + max(0.0, rec.time - self.last_time)):
+                return Verdict(None, "step_jump", f"entry {entry.id}: step {rec.step} after step {self.last_step}, "
+                                                  f"{max(0.0, rec.time - self.last_time):.0f} s later")
+        self._advance(rec.timeline, rec.step, rec.time)
         return Verdict(rec)
 
+    def _timeline(self, entry: Entry, rec: TimelineRecord) -> Verdict:
+        """A start, resume or rollback: a new timeline, or a replay of one seen already. The one
+        exception is a run name used again from scratch: a start stamped after everything seen."""
+        if self.timeline is not None and rec.timeline <= self.timeline \
+                and not (rec.kind == "start" and rec.time > (self.last_time or 0.0)):
+            return Verdict(None, "replayed", f"entry {entry.id}: {rec.kind} of timeline {rec.timeline}, "
+                                             f"and timeline {self.timeline} was seen already")
+        self._advance(rec.timeline, rec.from_step, rec.time)
+        return Verdict(rec)
+
+    def _marker(self, entry: Entry, rec: MarkerRecord) -> Verdict:
+        """A marker names the boundary after the last step: one of each kind there."""
+        if rec.timeline == self.timeline and self.last_step is not None and rec.step < self.last_step:
+            return Verdict(None, "out_of_order", f"entry {entry.id}: {rec.marker} marker at step {rec.step} after step {self.last_step}")
+        at = (rec.timeline, rec.step)
+        if at != self._marker_at:
+            self._marker_at, self._markers = at, set()
+        elif rec.marker in self._markers:
+            return Verdict(None, "duplicate", f"entry {entry.id}: {rec.marker} marker at step {rec.step} seen already")
+        self._markers.add(rec.marker)
+        return Verdict(rec)
+
+    def _advance(self, timeline: int, step: int, t: float) -> None:
+        self.timeline, self.last_step, self.last_time = timeline, step, t
+
     def state_dict(self) -> dict[str, Any]:
-        return {"timeline": self.timeline, "last_step": self.last_step}
+        return {"timeline": self.timeline, "last_step": self.last_step, "last_time": self.last_time}
 
     def load_state_dict(self, d: dict[str, Any] | None) -> None:
         d = d or {}
-        self.timeline, self.last_step = d.get("timeline"), d.get("last_step")
+        self.timeline, self.last_step, self.last_time = d.get("timeline"), d.get("last_step"), d.get("last_time")
+        self._marker_at, self._markers = None, set()
 
 
 def check_ack(entry: Entry, run: str, secret: bytes) -> Verdict:

@@ -29,6 +29,8 @@ class SentinelMetrics:
                                    ["run", "pattern"], registry=r)
         self.episodes = Counter("sentinel_anomaly_episodes", "Anomaly episodes closed, by outcome: recovered (annotated, no action) or damage.",
                                 ["run", "outcome"], registry=r)
+        self.runs_unwatched = Gauge("sentinel_runs_unwatched", "Live runs on the bus beyond --max-runs, not watched by this sentinel.",
+                                    registry=r)
         self.bus_errors = Counter("sentinel_bus_errors", "Control-bus errors (each retried).", registry=r)
         # stream: a bus key's short name (steps, acks, approvals, checkpoints, heartbeat, info, leader, incidents,
         # applied, events, directives); reason: protocol.REJECT_REASONS (both small, fixed)

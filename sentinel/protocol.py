@@ -39,6 +39,10 @@ REJECT_REASONS = (
     "wrong_run",  # names another run
     "out_of_order",  # a step older than one already seen on its timeline, or an abandoned timeline
     "duplicate",  # the same step twice on one timeline (a re-delivery, or a replay)
+    "replayed",  # a resume/rollback/start record of a timeline already seen: every one opens a new timeline
+    "step_jump",  # a step further ahead of the last than any run advances in the time between them
+    "future_time",  # a record stamped more than a day ahead of the reader's clock
+    "forged_copy",  # a directive's id on another entry: the trainer refused the copy, not the original
     "wrong_type",  # a bus key that holds another Redis type than this protocol's (set by someone else)
     "no_lease",  # a leader key with no TTL or of another type: it would hold the run's lease forever
 )
@@ -279,6 +283,7 @@ DirectiveKind = Literal["skip-samples", "rollback", "checkpoint-now", "pause", "
 
 
 MAX_DIRECTIVE_TTL_S = 86_400.0  # a directive that expires later than this after its issue is refused
+MAX_CLOCK_SKEW_S = 600.0  # a directive issued later than this ahead of the reader's clock is refused
 
 
 class Directive(_Record):
@@ -317,7 +322,10 @@ class Directive(_Record):
             return "bad expiry"  # NaN compares false with now: it would never expire
         if self.expires_at is not None and self.expires_at - self.issued_at > MAX_DIRECTIVE_TTL_S:
             return "expiry too far ahead"  # a command must not wait days for a trainer that restarts
-        if self.expires_at is not None and (now if now is not None else time.time()) > self.expires_at:
+        now = now if now is not None else time.time()
+        if self.issued_at > now + MAX_CLOCK_SKEW_S:
+            return "issued in the future"  # else a skewed or captured directive stays valid for months
+        if self.expires_at is not None and now > self.expires_at:
             return "expired"
         return None
 
@@ -331,6 +339,9 @@ class Ack(_Record):
     timeline: int = 0
     detail: str | None = None
     time: float = Field(default_factory=time.time)
+    # the directives-stream entry answered, on a refusal: anyone can XADD a copy of a directive's id
+    # with a bad signature, and its "rejected" must not read as the verdict on the signed original
+    entry_id: str | None = None
 
 
 # --------------------------------------------------------------------------------------------

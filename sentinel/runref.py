@@ -255,13 +255,21 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def last_ack_id(ref: RunRef) -> str:
+    """The acks stream's newest entry id, where waiting for an ack starts: an entry stamped far
+    ahead (anyone can XADD one) does not count, or no ack after it would ever be read."""
     with bus.bus_errors(ref.r):
-        last = ref.r.xrevrange(ref.keys.acks, count=1)
-    return last[0][0] if last else "0-0"
+        last = ref.r.xrevrange(ref.keys.acks, count=16)
+    return next((eid for eid, _ in last if not bus.is_future_id(eid)), "0-0")
 
 
-def wait_ack(ref: RunRef, directive_id: str, after_id: str, timeout: float, on_tick=None):
-    """Block until the trainer acks ``directive_id`` (returns the ``Ack``) or ``timeout`` passes (None)."""
+def wait_ack(ref: RunRef, directive_id: str, after_id: str, timeout: float, on_tick=None, *,
+             secret: bytes | None = None, entry_id: str | None = None):
+    """Block until the trainer acks ``directive_id`` (returns the ``Ack``) or ``timeout`` passes (None).
+
+    With ``secret``, only acks the trainer signed count (anyone can XADD an "applied"); with
+    ``entry_id`` (the directive's own stream entry), a refusal of another entry under the same
+    directive id (a forged copy) is not the answer."""
+    from sentinel.ingest import check_ack
     from sentinel.protocol import Ack, SchemaError
 
     t0 = time.monotonic()
@@ -276,16 +284,24 @@ def wait_ack(ref: RunRef, directive_id: str, after_id: str, timeout: float, on_t
             resp = ref.r.xread({ref.keys.acks: cursor}, count=100, block=max(1, int(min(0.5, left) * 1000)))
         for _, items in resp or []:
             for eid, fields in items:
+                if bus.is_future_id(eid):
+                    continue  # never the cursor: nothing after it would be read
                 cursor = eid
-                try:
-                    a = Ack.from_json((fields or {}).get(bus.FIELD, "{}"))
-                except SchemaError:
+                if secret is not None:
+                    a = check_ack(bus.to_entry(ref.keys.acks, eid, fields), ref.run, secret).record
+                else:
+                    try:
+                        a = Ack.from_json((fields or {}).get(bus.FIELD, "{}"))
+                    except SchemaError:
+                        continue
+                if a is None or a.directive_id != directive_id:
                     continue
-                if a.directive_id == directive_id:
-                    return a
+                if entry_id is not None and a.entry_id is not None and a.entry_id != entry_id:
+                    continue
+                return a
 
 
 def publish_event(ref: RunRef, ev) -> str | None:
     if ref.r is None:
         return None
-    return bus.publish(ref.r, ref.keys.events, ev)
+    return bus.publish_own(ref.r, ref.keys.events, ev)

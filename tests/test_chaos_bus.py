@@ -430,18 +430,57 @@ def test_step_gate_state_survives_failover(embedded_bus, unique_run):
 
 
 def test_hostile_run_registry_members_do_not_stop_discovery(embedded_bus, unique_run):
-    """In all-runs mode the daemon discovers runs from a set anyone with bus access can SADD to."""
+    """In all-runs mode the daemon discovers runs from a set anyone with bus access can SADD to: a
+    name costs a watcher (a consumer group, a lease, metric series) only once its trainer signed a
+    step record. Junk names, junk streams and a flood of them leave no key and no watcher behind."""
     r = bus.connect(embedded_bus.url)
     raw = bus.connect(embedded_bus.url, decode=False)
     raw.sadd(Keys.RUNS, b"\xff\xfe", b"has space", b"a:b", b"")
+    raw.sadd(Keys.RUNS, *[f"junk-{i:05d}" for i in range(3000)])
+    raw.xadd(Keys("junk-00001").steps, {b"json": step_rec("junk-00001", 1).to_json().encode()})  # unsigned
+    bus.publish(r, Keys("junk-00002").steps, step_rec("junk-00002", 1), secret=b"guessed-secret")
+    raw.set(Keys("junk-00003").steps, b"x")  # another Redis type
     bus.register_run(r, unique_run, {"run_dir": "/x"})
-    d = Daemon(r, Options(rules=parse_rules(RULES), secret=SECRET, consumer="disc"), metrics=SentinelMetrics(), log=lambda _m: None)
+    keys_before = set(raw.keys("*"))
+    logs: list[str] = []
+    d = Daemon(r, Options(rules=parse_rules(RULES), secret=SECRET, consumer="disc"), metrics=SentinelMetrics(), log=logs.append)
     for _ in range(3):
         d.iterate(block_ms=10)
-    assert list(d.watchers) == [unique_run]
+    assert list(d.watchers) == [], "a registered run with no signed record yet is not watched"
+    assert set(raw.keys("*")) == keys_before, "discovery wrote nothing for names that are not live runs"
     publish_steps(r, unique_run, range(1, 6))
+    d._last_discovery = 0.0
+    d._not_before.clear()  # (looked at again a minute later; the test does not wait)
     pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=unique_run) == 5)
-    chaos("hostile run registry", bad_members=4, discovered=len(d.watchers))
+    assert list(d.watchers) == [unique_run]
+    assert sample(d, "sentinel_runs_unwatched") == 0
+    chaos("hostile run registry", bad_members=4 + 3000, discovered=len(d.watchers))
+
+
+def test_discovery_caps_the_runs_watched_and_retires_ended_ones(embedded_bus, unique_run):
+    """--max-runs bounds the watchers (the rest are counted, not watched); a run with no record for
+    ``idle_s`` and no heartbeat is released, and its next signed record brings it back."""
+    r = bus.connect(embedded_bus.url)
+    runs = [f"{unique_run}-{i}" for i in range(3)]
+    for run in runs:
+        bus.register_run(r, run, {"run_dir": "/x"})
+        publish_steps(r, run, range(1, 3))
+    logs: list[str] = []
+    d = Daemon(r, Options(rules=parse_rules(RULES), secret=SECRET, consumer="cap", max_runs=2, idle_s=3.0),
+               metrics=SentinelMetrics(), log=logs.append)
+    d.iterate(block_ms=10)
+    assert len(d.watchers) == 2 and sample(d, "sentinel_runs_unwatched") == 1
+    assert any("--max-runs 2" in line for line in logs)
+    time.sleep(3.5)  # no record for longer than idle_s, and no heartbeat: both retire
+    d._last_discovery = 0.0
+    d.iterate(block_ms=10)
+    assert d.watchers == {}, logs[-3:]
+    assert sum("no longer watched" in line for line in logs) == 2
+    publish_steps(r, runs[0], range(3, 5))
+    d._last_discovery = 0.0
+    d._not_before.clear()
+    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=runs[0]) >= 4)
+    assert list(d.watchers) == [runs[0]]
 
 
 def test_cli_views_survive_hostile_entries(embedded_bus, unique_run):

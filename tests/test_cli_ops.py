@@ -395,7 +395,7 @@ def test_rollback_live_audit_records_on_the_bus(embedded_bus):
                 d = Directive.from_json(fields["json"])
                 if d.verify(secret) is None:
                     bus.publish(r, k.acks, Ack(run="run", directive_id=d.id, kind=d.kind, status="applied", step=d.to_step,
-                                               timeline=3, detail=f"resumed at step {d.to_step}, timeline 3"))
+                                               timeline=3, detail=f"resumed at step {d.to_step}, timeline 3"), secret=secret)
                     return
             time.sleep(0.05)
 

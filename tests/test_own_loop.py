@@ -96,10 +96,10 @@ def test_a_foreign_loop_is_rolled_back_past_its_poison_samples_by_the_daemon(emb
     secret = tmp_path / "secret"
     secret.write_bytes(b"a-secret-the-loop-and-the-daemon-share-0123")
     secret.chmod(0o600)
-    bus.register_run(bus.connect(url), run, {"world_size": 1, "model": "toy", "started": time.time()})
     daemon = subprocess.Popen([sys.executable, "-m", "sentinel", "run", run, "--redis-url", url, "--secret-file", str(secret),
                                "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = BusClient(url, run, secret.read_bytes())
+    client.register({"world_size": 1, "model": "toy", "started": time.time()})
     loop = ToyLoop(client, run)
     try:
         loop.save_checkpoint()  # the initial state (step 0)

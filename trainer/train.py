@@ -323,7 +323,7 @@ class Trainer:
             write_targets(self.run_dir, self.run_id, gathered)
 
     def _connect_bus(self, url: str) -> None:
-        from sentinel.bus import load_secret, register_run
+        from sentinel.bus import load_secret
         from sentinel.bus_client import BusClient
 
         reconnect = None
@@ -341,15 +341,9 @@ class Trainer:
         self.bus = BusClient(url, self.run_id, self.secret, start_after_id="0-0",
                              cursor_file=self.run_dir / "directives.cursor", reconnect=reconnect)
         self.bus_url = url
-        try:
-            from sentinel.bus import connect
-
-            register_run(connect(url), self.run_id, {
-                "run_dir": str(self.run_dir.resolve()), "world_size": self.env.world_size,
-                "model": self.cfg.preset or "custom", "started": time.time(),
-            })
-        except Exception as e:  # the bus is optional for training: never fail a run for it
-            print(f"warning: could not register run on the bus: {e.__class__.__name__}", flush=True)
+        # from the bus client's I/O thread, and again whenever the bus has lost it (never fails the run)
+        self.bus.register({"run_dir": str(self.run_dir.resolve()), "world_size": self.env.world_size,
+                           "model": self.cfg.preset or "custom", "started": time.time()})
 
     # ================================================================== state
     def _train_state(self) -> dict:

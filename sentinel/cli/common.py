@@ -239,18 +239,19 @@ def is_tty() -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def send_and_wait(ref, d, timeout: float, *, console, as_json: bool, doing: str):
+def send_and_wait(ref, d, timeout: float, *, console, as_json: bool, doing: str, secret: bytes | None = None):
     """Publish the signed directive ``d`` on the run's directives stream and wait up to ``timeout``
-    seconds for the trainer's Ack (returned; None on timeout), with a spinner for a person."""
+    seconds for the trainer's Ack (returned; None on timeout), with a spinner for a person. With
+    ``secret``, only an ack the trainer signed counts."""
     from sentinel import bus
     from sentinel.runref import last_ack_id, wait_ack
 
     after = last_ack_id(ref)  # before publishing, so a fast ack is not missed
-    bus.publish(ref.r, ref.keys.directives, d)
+    eid = bus.publish_own(ref.r, ref.keys.directives, d)
     if as_json:
-        return wait_ack(ref, d.id, after, timeout)
+        return wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid)
     with console.status(f"{doing}: waiting for the trainer's ack...") as st:
-        return wait_ack(ref, d.id, after, timeout, on_tick=lambda el: st.update(
+        return wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid, on_tick=lambda el: st.update(
             f"{doing}: waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
 
 

@@ -92,7 +92,7 @@ def control(kind: str, run: str, reason: str | None, timeout: float, secret_file
             "step": hb.get("step"), "approved_incidents": approved}
     if ref.run_dir is not None:
         rundir.append_audit(ref.run_dir, {**base, "phase": "issued"})
-    ack = send_and_wait(ref, d, timeout, console=console, as_json=as_json, doing=DOING[kind])
+    ack = send_and_wait(ref, d, timeout, console=console, as_json=as_json, doing=DOING[kind], secret=secret)
     outcome = ack.status if ack else "timeout"
     publish_event(ref, Event(run=ref.run, kind=f"manual_{kind}", severity="warning" if kind != "resume" else "info",
                              step=ack.step if ack else hb.get("step"), incident_id=d.incident_id,

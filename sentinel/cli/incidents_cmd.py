@@ -417,7 +417,7 @@ def publish_approval(ref, inc, secret: bytes, who: str, reason: str | None):
 
     d = Directive(run=ref.run, kind="resume", incident_id=inc.id, issuer=who,
                   reason=reason or f"approved by {who}").signed(secret)
-    sid = bus.publish(ref.r, ref.keys.approvals, d)
+    sid = bus.publish_own(ref.r, ref.keys.approvals, d)
     if ref.run_dir is not None:
         rundir.append_audit(ref.run_dir, {"action": "approve", "who": who, "run": ref.run, "incident_id": inc.id,
                                           "incident_state": inc.state, "reason": reason, "directive_id": d.id,

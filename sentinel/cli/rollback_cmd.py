@@ -362,7 +362,7 @@ def _live(ref, plan, ranges, reason, timeout, secret, console, as_json):
                            message=f"{who} rolled back to step {to}" + (f": {reason}" if reason else ""),
                            data={"phase": "issued", "directive_id": d.id, "to_step": to, "ranges": plan["skip_ranges"],
                                  "issuer": who, "reason": reason, "mode": "live"}))
-    ack = send_and_wait(ref, d, timeout, console=console, as_json=as_json, doing=f"rolling back to step {to}")
+    ack = send_and_wait(ref, d, timeout, console=console, as_json=as_json, doing=f"rolling back to step {to}", secret=secret)
     outcome = ack.status if ack else "timeout"
     done = time.time()
     inc.actions[0]["outcome"] = outcome

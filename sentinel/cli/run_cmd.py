@@ -70,9 +70,11 @@ def _console_log():
 @click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")
 @click.option("--lease-ms", type=click.IntRange(500, 3_600_000), default=10_000, show_default=True,
               help="Leader lease TTL in ms (HA: one sentinel acts per run).")
+@click.option("--max-runs", type=click.IntRange(1, 100_000), default=1024, show_default=True,
+              help="With no run named: watch at most this many live runs (a run is live when its trainer signed a step record in the last day, or its heartbeat is on).")
 @friendly_errors
 def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, metrics_host, metrics_port, consumer,
-        alertmanager_url, lease_ms):
+        alertmanager_url, lease_ms, max_runs):
     """Watch every step of the given runs (run dirs or run ids; none: every run on the bus) and act.
 
     The first SIGTERM/Ctrl-C finishes the current batch, saves state and releases leases (warm
@@ -100,7 +102,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     except RulesError as e:
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
-                   alertmanager_url=alertmanager_url, lease_ms=lease_ms,
+                   alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs,
                    run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer

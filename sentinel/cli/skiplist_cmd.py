@@ -159,19 +159,19 @@ def _add(ref, want, reason, timeout, secret_file, as_json):
         after = last_ack_id(ref)
         _audit(ref, {"action": "skip-samples", "phase": "issued", "who": who, "run": ref.run, "ranges": want,
                      "reason": reason, "directive_id": d.id, "mode": "live"})
-        bus.publish(ref.r, ref.keys.directives, d)
+        eid = bus.publish_own(ref.r, ref.keys.directives, d)
         publish_event(ref, Event(run=ref.run, kind="manual_skip", severity="warning",
                                  message=f"{who} asked to skip {n} samples ({rundir.fmt_ranges(want)})"
                                  + (f": {reason}" if reason else ""),
                                  data={"directive_id": d.id, "ranges": want, "issuer": who, "reason": reason}))
         if as_json:
-            ack = wait_ack(ref, d.id, after, timeout)
+            ack = wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid)
         else:
             from sentinel.cli.status_cmd import console_for_output
 
             console = console_for_output(stderr=True)
             with console.status("waiting for the trainer's ack...") as st:
-                ack = wait_ack(ref, d.id, after, timeout,
+                ack = wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid,
                                on_tick=lambda el: st.update(f"waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
         outcome = ack.status if ack else "timeout"
         _audit(ref, {"action": "skip-samples", "phase": "outcome", "who": who, "run": ref.run, "directive_id": d.id,
