@@ -250,6 +250,17 @@ def iter_trace(path: str | Path, *, rejected: list[str] | None = None, fmt: str 
         runs = event_subdirs(Path(path))
         hint = f" (TensorBoard runs below it: {', '.join(str(r) for r in runs[:3])}{' ...' if len(runs) > 3 else ''})" if runs else ""
         raise SchemaError(f"{path}: a directory; name a log file, or a directory of TensorBoard event files{hint}")
+    try:
+        yield from _iter_file(path, rejected, fmt, step_column, loss_column, src)
+    except TraceTooLong as e:
+        raise SchemaError(f"{path}: {e}") from None
+
+
+class TraceTooLong(SchemaError):
+    """A trace of more lines (or blank lines in a row) than any run writes: a decompressed bomb."""
+
+
+def _iter_file(path, rejected, fmt, step_column, loss_column, src) -> Iterator[StepRecord | TimelineRecord]:
     n = 0  # records read
     with ExitStack() as opened:
         fh, p = _open_trace(Path(path), opened)
@@ -440,6 +451,8 @@ def _trace_format(p: Path, fh, fmt: str) -> tuple[str, Any]:
 
 
 MAX_LINE_BYTES = 16 << 20  # a step line is ~1 KB; a "line" of binary garbage (no newline) can be gigabytes
+MAX_TRACE_LINES = 20_000_000  # lines of one trace: 20M steps; a 1 MiB gzip can hold a billion empty ones
+MAX_BLANK_RUN = 1_000_000  # blank lines in a row
 
 
 def _capped_lines(fh, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
@@ -448,10 +461,16 @@ def _capped_lines(fh, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
     otherwise be held whole in memory as one line. The rest of an over-long line is read past in
     1 MiB pieces; what is yielded for it (``limit + 1`` bytes) is rejected by every reader
     (``_overlong``)."""
+    n = blank = 0
     while True:
         line = fh.readline(limit + 1)
         if not line:
             return
+        n += 1
+        blank = blank + 1 if not line.strip() else 0
+        if n > MAX_TRACE_LINES or blank > MAX_BLANK_RUN:  # a decompressed bomb: gigabytes of newlines
+            raise TraceTooLong(f"more than {MAX_BLANK_RUN:,} blank lines in a row: not a step log" if blank > MAX_BLANK_RUN
+                               else f"more than {MAX_TRACE_LINES:,} lines: split the log (no run logs that many steps)")
         if len(line) > limit and not line.endswith(b"\n"):
             while True:
                 rest = fh.readline(1 << 20)

@@ -38,7 +38,10 @@ from sentinel.protocol import (
     SchemaError,
     StepRecord,
     TimelineRecord,
+    UnreadableFileError,
+    open_regular,
     parse_step_line,
+    read_regular_file,
     record_mac,
 )
 
@@ -116,8 +119,10 @@ def url_problem(url: str) -> str | None:
         # the parser's words may quote the password ("Port could not be cast to integer value as 'pw'"):
         # with credentials in the URL, only say where to look
         why = ("it does not parse (a password with / ? # or @ must be percent-encoded)" if "@" in url
-               else " ".join(str(e).split()))
+               and not str(e).startswith("Port out of range") else " ".join(str(e).split()))
         return f"invalid bus URL {redact_url(url)}: {why}"
+    if not parts.scheme and "://" not in url:  # a bare word may be a secret pasted into the wrong flag: not echoed
+        return "invalid bus URL: it has no scheme; use redis://[USER:PASSWORD@]HOST[:PORT][/DB], rediss:// or unix://"
     if parts.scheme not in ("redis", "rediss", "unix"):
         return f"unsupported bus URL scheme {parts.scheme!r} in {redact_url(url)}: use redis://, rediss:// or unix://"
     if parts.scheme != "unix" and not parts.hostname:  # redis:/h (one slash) reads as a path: it would go to localhost
@@ -144,14 +149,15 @@ def resolve_url(run_dir: str | os.PathLike | None = None, redis_url: str | None 
         return env
     if run_dir is not None:
         f = Path(run_dir) / "bus" / "url"
-        try:
-            url = f.read_text().strip()
+        try:  # a regular file of at most 64 KiB: a FIFO there would wait forever, a device never end
+            url = read_regular_file(f, 1 << 16).decode().strip()
         except FileNotFoundError:
             raise BusError(
                 f"no control bus for {run_dir}: {f} does not exist (start the run, or pass --redis-url / set {ENV_URL})"
             ) from None
         except (OSError, UnicodeDecodeError) as e:  # a directory, binary garbage: no URL to try
-            raise BusError(f"no control bus for {run_dir}: {f} is unreadable ({getattr(e, 'strerror', None) or e.__class__.__name__})") from None
+            why = getattr(e, "strerror", None) or (str(e) if isinstance(e, UnreadableFileError) else e.__class__.__name__)
+            raise BusError(f"no control bus for {run_dir}: {f} is unreadable ({why})") from None
         if not url:
             raise BusError(f"no control bus for {run_dir}: {f} is empty")
         from sentinel.embedded import with_password  # the embedded bus's password sits beside its url
@@ -166,6 +172,9 @@ def _check_private(path: Path) -> None:
         raise BusError(
             f"secret file {path} is accessible by group/others (mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
         )
+
+
+MAX_SECRET_BYTES = 1 << 16
 
 
 def load_secret(run_dir: str | os.PathLike | None = None, secret_file: str | os.PathLike | None = None) -> bytes:
@@ -186,16 +195,26 @@ def load_secret(run_dir: str | os.PathLike | None = None, secret_file: str | os.
     else:
         raise BusError(f"no directive secret: set {ENV_SECRET}, pass --secret-file, or give a run directory")
     try:
-        _check_private(path)
-        text = path.read_text().strip()
+        # a regular file first (/dev/zero or a pipe would be read forever, a FIFO wait for a writer),
+        # then private, then at most 64 KiB of UTF-8 text
+        with open_regular(path) as f:
+            _check_private(path)
+            data = f.read(MAX_SECRET_BYTES + 1)
+        if len(data) > MAX_SECRET_BYTES:
+            raise BusError(f"secret file {path} is larger than {MAX_SECRET_BYTES // 1024} KiB: not a secret")
+        text = data.decode().strip()
     except FileNotFoundError:
         raise BusError(f"secret file {path} does not exist") from None
     except PermissionError:
         raise BusError(f"secret file {path} is not readable by this user") from None
     except IsADirectoryError:
         raise BusError(f"secret file {path} is a directory") from None
+    except UnreadableFileError as e:
+        raise BusError(f"secret file {path} is {e}") from None
     except UnicodeDecodeError:  # never echo its bytes: it is a secret, even when it is a broken one
         raise BusError(f"secret file {path} is not UTF-8 text") from None
+    except OSError as e:  # a symlink loop, a name too long
+        raise BusError(f"secret file {path} is unreadable ({e.strerror or e.__class__.__name__})") from None
     if not text:
         raise BusError(f"secret file {path} is empty")
     return text.encode()
@@ -228,7 +247,8 @@ def _describe(r: redis.Redis) -> str:
     kw = r.connection_pool.connection_kwargs
     scheme = "rediss" if r.connection_pool.connection_class.__name__.startswith("SSL") else "redis"
     user = kw.get("username")
-    auth = f"{quote(user)}:***@" if user else ("***@" if kw.get("password") else "")
+    # a user with no password may be a password whose colon was forgotten (redis://PASSWORD@host): hidden too
+    auth = f"{quote(user)}:***@" if user and kw.get("password") else ("***@" if user or kw.get("password") else "")
     if kw.get("path"):  # a unix socket
         return f"unix://{auth}{kw['path']}?db={kw.get('db', 0)}"
     return f"{scheme}://{auth}{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"

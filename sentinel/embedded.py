@@ -114,10 +114,14 @@ def _ensure_secret(d: Path) -> None:
 
 def read_password(d: Path) -> str | None:
     """The embedded bus's password (``bus/password``), or None for a bus made before passwords."""
-    try:
-        return (d / PASSWORD_FILE).read_text().strip() or None
+    from sentinel.protocol import read_regular_file
+
+    try:  # a regular file of at most 64 KiB (a FIFO there would wait forever)
+        return read_regular_file(d / PASSWORD_FILE, 1 << 16).decode().strip() or None
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BusError(f"the bus password file {d / PASSWORD_FILE} is unreadable ({getattr(e, 'strerror', None) or e})") from None
 
 
 def with_password(url: str, d: Path) -> str:

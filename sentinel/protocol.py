@@ -18,9 +18,9 @@ import math
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 SCHEMA_VERSION = 1
 
@@ -104,6 +104,30 @@ def loads_bounded(data: str | bytes, what: str = "record") -> Any:
     return obj
 
 
+_PLAIN = {  # pydantic's error types, in the words of a config or a log line's reader
+    "extra_forbidden": "unknown key",
+    "model_type": "expected a mapping", "dict_type": "expected a mapping", "model_attributes_type": "expected a mapping",
+    "list_type": "expected a list", "tuple_type": "expected a list",
+    "float_parsing": "expected a number", "float_type": "expected a number", "finite_number": "expected a finite number",
+    "int_parsing": "expected an integer", "int_type": "expected an integer", "int_from_float": "expected an integer",
+    "int_parsing_size": "expected an integer of at most 4,300 digits",
+    "bool_parsing": "expected true or false", "bool_type": "expected true or false",
+    "string_type": "expected a string", "missing": "missing (required)",
+}
+
+
+def plain_error(err: dict) -> str:
+    """One pydantic error (``ValidationError.errors()[i]``) as the words a person reads: "unknown
+    key", "expected a number", not "Extra inputs are not permitted" or "Input should be a valid
+    dictionary or instance of LossSpikeRule". A true/false where a number goes says so."""
+    typ, value = err.get("type", ""), err.get("input")
+    if isinstance(value, bool) and typ in ("greater_than_equal", "greater_than", "less_than_equal", "less_than",
+                                           "float_type", "int_type", "multiple_of"):
+        return f"expected a number, not {str(value).lower()}"
+    msg = _PLAIN.get(typ) or str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    return msg
+
+
 class _Record(BaseModel):
     # ignore unknown fields (forward compatibility); NaN/inf survive JSON as NaN/Infinity
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="constants", frozen=False)
@@ -129,7 +153,7 @@ class _Record(BaseModel):
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-            raise SchemaError(f"{cls.__name__}.{loc}: {err['msg']}") from None
+            raise SchemaError(f"{cls.__name__}.{loc}: {plain_error(err)}") from None
         except (RecursionError, ValueError, TypeError, OverflowError) as e:  # pydantic internals on hostile input
             raise SchemaError(f"{cls.__name__}: invalid ({e.__class__.__name__})") from None
 
@@ -137,6 +161,14 @@ class _Record(BaseModel):
 # --------------------------------------------------------------------------------------------
 # Step stream
 # --------------------------------------------------------------------------------------------
+
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):  # JSON true is no step number (pydantic's lax int would read it as 1)
+        raise ValueError("a boolean is not a step number")
+    return v
+
+
+Step = Annotated[int, BeforeValidator(_not_bool)]  # a step or timeline number: an int, 5.0 or "5"; never true
 
 PHASES = ("data_wait", "forward_backward", "optimizer", "telemetry")
 # per-rank phases on ``StepRecord.rank_phases``; a rank's busy time is everything but waiting for the
@@ -170,8 +202,8 @@ class StepRecord(_Record):
 
     kind: Literal["step"] = "step"
     run: str
-    step: int
-    timeline: int = 0
+    step: Step
+    timeline: Step = 0
     loss: float
     loss_max_rank: float
     rank_losses: list[float] | None = None
@@ -215,9 +247,9 @@ class TimelineRecord(_Record):
 
     kind: Literal["resume", "rollback", "start"]
     run: str
-    from_step: int  # the checkpoint step restored (0 for a fresh start)
+    from_step: Step  # the checkpoint step restored (0 for a fresh start)
     checkpoint: str | None = None
-    timeline: int
+    timeline: Step
     time: float
     reason: str | None = None
     directive_id: str | None = None
@@ -238,8 +270,8 @@ class MarkerRecord(_Record):
 
     kind: Literal["marker"] = "marker"
     run: str
-    step: int
-    timeline: int = 0
+    step: Step
+    timeline: Step = 0
     marker: MarkerKind
     detail: str | None = None
     time: float
@@ -335,8 +367,8 @@ class Ack(_Record):
     directive_id: str
     kind: DirectiveKind | Literal["unknown"]
     status: Literal["applied", "rejected", "failed", "duplicate"]
-    step: int  # the step boundary at which it was handled (after a rollback: the restored step)
-    timeline: int = 0
+    step: Step  # the step boundary at which it was handled (after a rollback: the restored step)
+    timeline: Step = 0
     detail: str | None = None
     time: float = Field(default_factory=time.time)
     # the directives-stream entry answered, on a refusal: anyone can XADD a copy of a directive's id
@@ -393,13 +425,13 @@ CheckpointVerification = Literal["unverified", "checksum_ok", "resume_verified",
 
 class CheckpointInfo(_Record):
     run: str
-    step: int
+    step: Step
     path: str
     created: float
     bytes: int
     manifest_sha256: str
     world_size: int
-    timeline: int = 0
+    timeline: Step = 0
     tokens: int = 0
     verified: CheckpointVerification = "checksum_ok"
 
@@ -463,6 +495,27 @@ def merge_ranges(ranges) -> list[tuple[int, int]]:
     return out
 
 
+def subtract_ranges(ranges, remove) -> list[tuple[int, int]]:
+    """``ranges`` less the ids of ``remove``, merged ([lo, hi) ranges)."""
+    out: list[tuple[int, int]] = []
+    rem = merge_ranges(remove)
+    for lo, hi in merge_ranges(ranges):
+        pieces = [(lo, hi)]
+        for rlo, rhi in rem:
+            nxt = []
+            for a, b in pieces:
+                if rhi <= a or rlo >= b:
+                    nxt.append((a, b))
+                    continue
+                if a < rlo:
+                    nxt.append((a, rlo))
+                if rhi < b:
+                    nxt.append((rhi, b))
+            pieces = nxt
+        out.extend(pieces)
+    return merge_ranges(out)
+
+
 def ids_to_ranges(ids) -> list[tuple[int, int]]:
     """Compress sample ids into merged [lo, hi) ranges."""
     return merge_ranges((i, i + 1) for i in ids)
@@ -490,6 +543,19 @@ def finite_or_none(x: Any) -> float | None:
 
 CHECKPOINT_MANIFEST = "manifest.json"  # written last; sha256 per file under "files"
 PENDING_ROLLBACK = "pending_rollback.json"  # an offline rollback plan, applied at the trainer's next start
+# sample-id ranges an operator took off the skip list ([[lo, hi], ...]): a checkpoint's saved list would
+# add them back at a resume, so the trainer subtracts them at its next start, and deletes the file once
+# a checkpoint without them is saved
+SKIP_REMOVED = "skiplist.removed.json"
+
+
+def skip_ranges_error(raw: Any) -> str | None:
+    """None when ``raw`` (a parsed ranges file) is ``[[lo, hi], ...]`` with 0 <= lo < hi <= MAX_SAMPLE_ID."""
+    if not isinstance(raw, list) or not all(isinstance(r, list) and len(r) == 2 for r in raw):
+        return "expected [[lo, hi], ...]"
+    if not all(type(x) is int for r in raw for x in r) or any(not 0 <= r[0] < r[1] <= MAX_SAMPLE_ID for r in raw):
+        return f"ids must be integers with 0 <= lo < hi <= {MAX_SAMPLE_ID}"
+    return None
 
 
 def pending_rollback_error(plan: Any) -> str | None:

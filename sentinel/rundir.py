@@ -23,6 +23,7 @@ this module does not import them (``trainer.checkpoint`` imports torch).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,9 @@ from sentinel.protocol import (
     finite_or_none,
     loads_bounded,
     merge_ranges,
+    subtract_ranges,
+    skip_ranges_error,
+    SKIP_REMOVED,
     parse_step_line,
     pending_rollback_error,
     record_range_error,
@@ -70,6 +74,8 @@ MANIFEST = "manifest.json"
 VERIFIED = "verified.json"
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_INT64_MAX = (1 << 63) - 1  # the trainer's Manifest counts
 
 
 class RunDirError(Exception):
@@ -191,6 +197,7 @@ def tail_records(run_dir: str | os.PathLike, n: int = 1000, rejected: list[str] 
     and its one-line reason appended to ``rejected`` when given."""
     path = Path(run_dir) / STEPS
     if not path.is_file():
+        _not_a_log(path, rejected)
         return []
     out = []
     lines = tail_lines(path, n)
@@ -204,12 +211,28 @@ def tail_records(run_dir: str | os.PathLike, n: int = 1000, rejected: list[str] 
     return out
 
 
+def _not_a_log(path: Path, rejected: list[str] | None) -> None:
+    """A steps.jsonl that is there but no regular file (a directory, a FIFO, a link to a device) is
+    no log to read, and not "no steps yet" either: said, as a rejected line is."""
+    if os.path.lexists(path):
+        import stat
+
+        try:
+            mode = os.stat(path).st_mode
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "no regular file")
+        except OSError as e:
+            kind = f"unreadable ({e.strerror or e.__class__.__name__})"
+        _reject(rejected, f"{STEPS} is {kind}: not read")
+
+
 def read_records(run_dir: str | os.PathLike, rejected: list[str] | None = None):
     """Every record of ``steps.jsonl``, in order (streamed; a torn tail line is skipped). A malformed
     or out-of-range line is skipped, and its one-line reason ("steps.jsonl:N: ...") appended to
     ``rejected`` when given."""
     path = Path(run_dir) / STEPS
     if not path.is_file():
+        _not_a_log(path, rejected)
         return
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
@@ -322,6 +345,20 @@ def check_checkpoint(path: Path, *, rehash: bool = True) -> tuple[str, str | Non
     ws = manifest.get("world_size")
     if not isinstance(ws, int) or isinstance(ws, bool) or not 1 <= ws <= 1 << 20:
         return "corrupt", f"manifest world_size {ws!r} is invalid", manifest
+    # the rest of what the trainer's strict Manifest refuses (trainer.checkpoint.verify): a checkpoint
+    # listed checksum_ok here must be one the trainer will load
+    st, m = manifest.get("step"), _STEP_DIR.match(path.name)
+    if type(st) is not int or not 0 <= st <= _INT64_MAX:
+        return "corrupt", f"manifest step {str(st)[:40]!r} is invalid", manifest
+    if m and int(m.group(1)) != st:
+        return "corrupt", f"manifest names step {st}, not the step of its directory", manifest
+    created, size = manifest.get("created"), manifest.get("bytes", 0)
+    if type(created) not in (int, float) or finite_or_none(created) is None:
+        return "corrupt", "manifest created time is invalid", manifest
+    if type(size) is not int or not 0 <= size <= _INT64_MAX:
+        return "corrupt", "manifest bytes is invalid", manifest
+    if not all(isinstance(d, str) and _SHA256.fullmatch(d) for d in files.values()):
+        return "corrupt", "manifest lists a file without a sha256 digest", manifest
     for name in checkpoint_required_files(ws, any(str(n).startswith("dcp/") for n in files)):
         if name not in files:
             return "corrupt", f"{name} is not in the manifest (incomplete or tampered)", manifest
@@ -398,15 +435,6 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int, *, rehash: bool = Tru
     return load_checkpoint(step, p, read_verified(run_dir), rehash=rehash)
 
 
-def checkpoint_skip_ranges(ck: Checkpoint) -> list[tuple[int, int]]:
-    """The skip list saved in a checkpoint's train state (re-added when the trainer resumes from it)."""
-    try:
-        ts = load_json_file(ck.path / "train_state.json")
-        return merge_ranges((int(lo), int(hi)) for lo, hi in ts.get("skiplist", []))
-    except (OSError, RunDirError, ValueError, TypeError, AttributeError, OverflowError):
-        return []
-
-
 # --------------------------------------------------------------------------------------------
 # Skip list
 # --------------------------------------------------------------------------------------------
@@ -436,6 +464,33 @@ def write_skiplist(run_dir: str | os.PathLike, ranges) -> list[tuple[int, int]]:
     merged = merge_ranges(ranges)
     _atomic_write(Path(run_dir) / SKIPLIST, json.dumps([[lo, hi] for lo, hi in merged]))
     return merged
+
+
+def read_skip_removals(run_dir: str | os.PathLike) -> list[tuple[int, int]]:
+    """``skiplist.removed.json``: the ranges an operator removed that the trainer has not yet made
+    stick (``protocol.SKIP_REMOVED``); [] when there is none."""
+    p = Path(run_dir) / SKIP_REMOVED
+    try:
+        raw = load_json_file(p, "skip-list removals")
+    except FileNotFoundError:
+        return []
+    bad = skip_ranges_error(raw)
+    if bad:
+        raise RunDirError(f"{p} is malformed: {bad}")
+    return merge_ranges(tuple(r) for r in raw)
+
+
+def change_skip_removals(run_dir: str | os.PathLike, *, add=(), drop=()) -> list[tuple[int, int]]:
+    """Add ranges to the removals the trainer applies at its next start, or drop ranges from them
+    (an operator who adds a range back after removing it); the file goes when none are left."""
+    p = Path(run_dir) / SKIP_REMOVED
+    after = subtract_ranges(merge_ranges(list(read_skip_removals(run_dir)) + [tuple(r) for r in add]), drop)
+    if after:
+        _atomic_write(p, json.dumps([[lo, hi] for lo, hi in after]))
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return after
 
 
 def grow_skiplist(run_dir: str | os.PathLike, ranges) -> tuple[list[tuple[int, int]], int]:
@@ -480,26 +535,6 @@ def count(ranges) -> int:
     return sum(int(hi) - int(lo) for lo, hi in ranges)
 
 
-def subtract_ranges(ranges, remove) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    rem = merge_ranges(remove)
-    for lo, hi in merge_ranges(ranges):
-        pieces = [(lo, hi)]
-        for rlo, rhi in rem:
-            nxt = []
-            for a, b in pieces:
-                if rhi <= a or rlo >= b:
-                    nxt.append((a, b))
-                    continue
-                if a < rlo:
-                    nxt.append((a, rlo))
-                if rhi < b:
-                    nxt.append((rhi, b))
-            pieces = nxt
-        out.extend(pieces)
-    return merge_ranges(out)
-
-
 def intersect_ranges(a, b) -> list[tuple[int, int]]:
     out = []
     for lo, hi in merge_ranges(a):
@@ -534,6 +569,22 @@ def read_pending_rollback(run_dir: str | os.PathLike) -> dict | None:
     if bad:
         raise RunDirError(f"{p} is malformed: {bad}")
     return data
+
+
+def pending_rollback_for_view(run_dir: str | os.PathLike | None) -> dict | None:
+    """``read_pending_rollback`` for a view (status, checkpoints, skip-list): a malformed plan is
+    one stderr warning and shown as none, not a refusal to show the run (the trainer refuses to
+    start on it with the same words; the next ``sentinel rollback`` replaces it)."""
+    if run_dir is None:
+        return None
+    try:
+        return read_pending_rollback(run_dir)
+    except RunDirError as e:
+        import sys
+
+        print(f"warning: {e} (the trainer will not start until it is fixed or replaced by `sentinel rollback`)",
+              file=sys.stderr)
+        return None
 
 
 def write_pending_rollback(run_dir: str | os.PathLike, *, to_step: int, ranges, reason: str | None, id: str,

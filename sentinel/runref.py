@@ -63,6 +63,7 @@ class RunRef:
     r: Any = None  # redis.Redis | None
     url: str | None = None
     bus_note: str | None = None  # why there is no bus (offline), for the operator
+    bus_down: bool = False  # a bus was configured (flag, env, the run's own) but could not be reached
     info: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -106,10 +107,14 @@ def connect_explicit(redis_url: str | None) -> tuple[Any, str]:
     return bus.connect(url), url
 
 
-def resolve(run: str, redis_url: str | None = None, *, need_bus: bool = False) -> RunRef:
+def resolve(run: str, redis_url: str | None = None, *, need_bus: bool = False, view: bool = False) -> RunRef:
     """Turn RUN (a run dir or a run id) into a :class:`RunRef`.
 
-    ``need_bus``: fail when no bus can be reached (commands that only work live).
+    ``need_bus``: fail when no bus can be reached (commands that only work live). ``view``: a
+    command that only shows (status, incidents, pages, checkpoints, report): a run directory is
+    read from its files when even an explicit bus (--redis-url, SENTINEL_REDIS_URL) is down, with
+    a note, as when its embedded bus is: that is when the on-call engineer needs the views.
+    Commands that act keep "an explicit bus must work".
     """
     explicit = _explicit_url(redis_url)
     if looks_like_run_dir(run):
@@ -119,18 +124,26 @@ def resolve(run: str, redis_url: str | None = None, *, need_bus: bool = False) -
             raise RunRefError(str(e)) from None
         rid = run_id_of(run_dir)
         ref = RunRef(rid, run_dir)
-        if explicit:
+        if explicit and not view:
             ref.r, ref.url = bus.connect(explicit), explicit  # an explicit bus must work
+        elif explicit:
+            try:
+                ref.r, ref.url = bus.connect(explicit, timeout=2.0, retries=0), explicit
+            except bus.BusError as e:
+                ref.bus_note, ref.bus_down = f"the control bus is unreachable ({e})", True
         else:
             try:
                 url = bus.resolve_url(run_dir, None)
-            except bus.BusError:
-                ref.bus_note = "no control bus for this run dir (it was never started with one)"
+            except bus.BusError as e:
+                if os.path.lexists(run_dir / "bus" / "url"):  # there, but unreadable: said as a bus that is down
+                    ref.bus_note, ref.bus_down = str(e), True
+                else:
+                    ref.bus_note = "no control bus for this run dir (it was never started with one)"
             else:
                 try:
                     ref.r, ref.url = bus.connect(url, timeout=1.0, retries=0), url
                 except bus.BusError as e:
-                    ref.bus_note = f"the run's embedded bus is down ({e})"
+                    ref.bus_note, ref.bus_down = f"the run's embedded bus is down ({e})", True
         if need_bus and ref.r is None:
             raise RunRefError(f"run {rid}: {ref.bus_note}; start it or pass --redis-url")
         if ref.r is not None:
@@ -169,10 +182,10 @@ def all_runs(redis_url: str | None) -> list[RunRef]:
     return out
 
 
-def resolve_many(runs: tuple[str, ...] | list[str], redis_url: str | None) -> list[RunRef]:
+def resolve_many(runs: tuple[str, ...] | list[str], redis_url: str | None, *, view: bool = False) -> list[RunRef]:
     if not runs:
         return all_runs(redis_url)
-    return [resolve(x, redis_url) for x in runs]
+    return [resolve(x, redis_url, view=view) for x in runs]
 
 
 def local_dir(path: str | None) -> Path | None:

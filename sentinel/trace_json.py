@@ -54,7 +54,10 @@ def table_rows(doc: Any, path: str) -> Iterator[tuple[str, dict[str, Any] | str]
     values = list(doc.values())
     if _names_a_step_and_loss(doc) and all(isinstance(v, list) for v in values):  # a dict of lists
         n = max(len(v) for v in values)
-        return ((f"{path}: row {i}", {k: (v[i] if i < len(v) else None) for k, v in doc.items()}) for i in range(n))
+        short = {k: len(v) for k, v in doc.items() if len(v) < n}  # a cell missing is no value, not a NaN loss
+        return ((f"{path}: row {i}", {k: v[i] for k, v in doc.items()} if not any(i >= m for m in short.values())
+                 else f"{path}: row {i}: column {next(k for k, m in short.items() if i >= m)!r} has only "
+                      f"{min(m for m in short.values() if i >= m)} values, the longest {n}") for i in range(n))
     if _names_a_step_and_loss(doc) and all(isinstance(v, dict) for v in values):  # orient "columns"
         index: dict[str, None] = {}  # the rows in the order the first columns list them
         for v in values:

@@ -325,9 +325,10 @@ class StepLog:
         return self.lost
 
 
-def read(path: Path):
+def read(path: Path, rejected: list[str] | None = None):
     """Yield every record of a steps.jsonl (skipping a torn final line). A line that is no record is a
-    StepLogError (a SchemaError) naming the file and the line."""
+    StepLogError (a SchemaError) naming the file and the line; with ``rejected`` (a list) its
+    message goes there and the read goes on."""
     p = Path(path)
     if not p.is_file():
         return
@@ -335,8 +336,14 @@ def read(path: Path):
         for n, _, line, complete in _lines(f):
             if not complete:
                 break  # torn tail from a crash
-            if line.strip():
+            if not line.strip():
+                continue
+            try:
                 yield _parse_at(p, n, line)
+            except StepLogError as e:
+                if rejected is None:
+                    raise
+                rejected.append(str(e))
 
 
 def authoritative(path: Path) -> dict[int, StepRecord]:
@@ -367,18 +374,20 @@ class LogScan:
         return self.applied_upto - sum(self._skipped[1:])
 
 
-def scan(path: Path, keep: Callable[[int], bool] = lambda step: True, applied_upto: int | None = None) -> LogScan:
+def scan(path: Path, keep: Callable[[int], bool] = lambda step: True, applied_upto: int | None = None,
+         rejected: list[str] | None = None) -> LogScan:
     """One pass over a steps.jsonl in bounded memory: ``LogScan.records`` holds the authoritative
     record of each step ``keep`` says yes to (exactly what ``authoritative`` would give for those
     steps), plus the whole log's first and last authoritative step, its last step record, and
-    (``applied_upto``) how many of steps 1..applied_upto were applied. Errors as ``read``."""
+    (``applied_upto``) how many of steps 1..applied_upto were applied. Errors (and ``rejected``)
+    as ``read``."""
     out = LogScan()
     n = max(0, applied_upto) if applied_upto is not None else 0
     if applied_upto is not None:
         out.applied_upto = n
         out._present, out._skipped = bytearray(n + 1), bytearray(n + 1)
     recs = out.records
-    for r in read(path):
+    for r in read(path, rejected):
         if isinstance(r, StepRecord):
             if keep(r.step):
                 recs[r.step] = r

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from sentinel.protocol import (
     MAX_RECORD_BYTES,
     PENDING_ROLLBACK,
+    SKIP_REMOVED,
     Ack,
     CheckpointInfo,
     Directive,
@@ -40,6 +41,8 @@ from sentinel.protocol import (
     merge_ranges,
     pending_rollback_error,
     read_regular_file,
+    skip_ranges_error,
+    subtract_ranges,
 )
 from trainer import faults as drills
 from trainer import rng, rundir_lock, seqlen
@@ -90,6 +93,25 @@ def _read_pending_plan(path: Path) -> tuple[dict | None, str | None]:
     if bad:
         return None, f"{path} is malformed ({bad}): {fix}"
     return plan, None
+
+
+def read_skip_removals(run_dir: Path) -> tuple[list[tuple[int, int]] | None, str | None]:
+    """(ranges, None) from ``skiplist.removed.json`` (``sentinel skip-list remove``; None: no file),
+    or (None, why) when it is malformed: refused in one line like a bad plan (the operator asked)."""
+    path = run_dir / SKIP_REMOVED
+    fix = "fix or delete it, then start again"
+    try:
+        raw = loads_bounded(read_regular_file(path, MAX_RECORD_BYTES), path.name)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"{path} is unreadable ({e.strerror or e}): {fix}"
+    except SchemaError as e:
+        return None, f"{path} is unreadable ({e}): {fix}"
+    bad = skip_ranges_error(raw)
+    if bad:
+        return None, f"{path} is malformed ({bad}): {fix}"
+    return [tuple(r) for r in raw], None
 
 
 @dataclass
@@ -168,6 +190,7 @@ class Trainer:
         self._ckpt_failed = 0
         self._throughput: deque = deque(maxlen=20)
         self._rejected_seen = 0
+        self._removals_applied = False  # skiplist.removed.json was applied: deleted at the next checkpoint
         self._ckpt_group = None  # lazily created gloo group for FSDP2 async checkpoints
         self.unloadable: list[str] = []  # why each checkpoint the last load_checkpoint passed over failed
 
@@ -407,6 +430,9 @@ class Trainer:
             if ok:
                 self._last_ckpt_time = now
                 self._good_ckpt, self._ckpt_failed = (step, now), 0
+                if self._removals_applied and self.env.is_main:  # a checkpoint without them: they stick now
+                    (self.run_dir / SKIP_REMOVED).unlink(missing_ok=True)
+                    self._removals_applied = False
             else:
                 self._ckpt_failed += 1
             if self.metrics:
@@ -671,6 +697,7 @@ class Trainer:
                 if self.metrics and env.is_main:
                     self.metrics.on_resume()
                 _log(env, f"run {self.run_id}: resumed from checkpoint step {resumed}")
+        self._apply_skip_removals(keep=[tuple(r) for r in plan.get("ranges", [])] if plan else [])
         self._persist_skiplist()
         if env.is_main:  # atomically: a kill mid-write must not leave a truncated config.yaml
             tmp = self.run_dir / ".config.yaml.tmp"
@@ -688,6 +715,24 @@ class Trainer:
             # the initial state is a rollback target too: without it, damage before the first periodic
             # save can only be paged, and a NaN at step 30 would stop the run for a human
             self.save_checkpoint()
+
+    def _apply_skip_removals(self, keep) -> None:
+        """Ranges an operator took off the skip list (``sentinel skip-list remove``, run stopped) stay
+        off: the checkpoint just restored saved them, so they are subtracted here, on every rank
+        alike (but not ``keep``: a pending rollback's own ranges). The file is deleted once a
+        checkpoint without them is saved (``_on_checkpoint_done``)."""
+        removed, bad = None, None
+        if self.env.is_main:
+            removed, bad = read_skip_removals(self.run_dir)
+        removed, bad = self.env.broadcast_object((removed, bad))
+        if bad:
+            raise TrainingError(bad)
+        removed = subtract_ranges(removed or [], keep)
+        if not removed:
+            return
+        n = self.skip.remove(removed)
+        self._removals_applied = True
+        _log(self.env, f"skip list: {n} samples an operator removed ({SKIP_REMOVED}) are trained on again")
 
     def _unloadable_message(self) -> str:
         """Why a run dir whose every checkpoint failed is not started over. A fresh start would append

@@ -71,14 +71,16 @@ def _checkpoints(run, quick, redis_url, as_json):
     from sentinel.protocol import finite_or_none
     from sentinel.runref import fmt_bytes, fmt_duration, resolve
 
-    ref = resolve(run, redis_url)
+    ref = resolve(run, redis_url, view=True)
     if ref.run_dir is None and ref.r is None:  # pragma: no cover - resolve() guarantees one of them
         raise click.ClickException("nothing to read")
     rejected: list[str] = []
     rows, source = checkpoint_rows(ref, rehash=not quick, rejected=rejected)
-    pending = rundir.read_pending_rollback(ref.run_dir) if ref.run_dir else None
+    pending = rundir.pending_rollback_for_view(ref.run_dir)
     out = {"run": ref.run, "run_dir": str(ref.run_dir) if ref.run_dir else None, "source": source,
            "checkpoints": rows, "pending_rollback": pending}
+    if ref.bus_down:  # a bus that is down: the files are read, and that is said
+        out["note"] = ref.bus_note
     count_bus_entries(out, rejected)
     if as_json:
         emit_json(out)
@@ -116,3 +118,5 @@ def _checkpoints(run, quick, redis_url, as_json):
     elif quick:
         t.caption = "--quick: files not re-hashed"
     console.print(t)
+    if out.get("note"):
+        click.echo(f"note: {ref.run}: {out['note']}", err=True)

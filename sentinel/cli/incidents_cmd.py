@@ -362,7 +362,7 @@ def _resolve_runs(runs, redis_url):
     refs = []
     for x in runs:
         try:
-            refs.append(resolve(x, redis_url))
+            refs.append(resolve(x, redis_url, view=True))
         except RunRefError as e:
             if not INCIDENT_ID_SHAPE.search(x):
                 raise

@@ -112,5 +112,5 @@ def pages(runs, limit, redis_url, as_json):
 def _pages(runs, limit, redis_url, as_json):
     from sentinel.runref import resolve_many
 
-    out = [run_pages(ref, limit) for ref in resolve_many(runs, redis_url)]
+    out = [run_pages(ref, limit) for ref in resolve_many(runs, redis_url, view=True)]
     emit_runs(out, as_json, _render)

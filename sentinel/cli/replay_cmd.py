@@ -64,6 +64,7 @@ def replay_batch(run: str, step: int, checkpoint: str | None, timeline: int | No
     ck = parse_checkpoint(checkpoint)
     try:
         log = open_run(run, keep=lambda s: s == step)
+        log.warn_rejected()
         if timeline is None and step not in log.records:
             raise OfflineError(_not_surviving(log, step))
         if ck is not None and ck >= step:

@@ -123,7 +123,7 @@ def report(run, incident_id, out, redis_url, as_json):
     """
     from sentinel.runref import ops_errors, resolve
 
-    res = ops_errors(lambda: write_report(resolve(run, redis_url), out, incident_id))()
+    res = ops_errors(lambda: write_report(resolve(run, redis_url, view=True), out, incident_id))()
     if as_json:
         emit_json(res)
         return

@@ -108,6 +108,9 @@ def last_clean_checkpoint_step(onset: int) -> int:
     return onset - 2
 
 
+ONSET_PAST_LOG_MAX = 10_000
+
+
 def _pick(ref, to_step, before_step, checkpoint, current):
     from sentinel import rundir
 
@@ -124,6 +127,10 @@ def _pick(ref, to_step, before_step, checkpoint, current):
             raise SentinelError(f"checkpoint step {to_step} is ahead of the run (step {current}); "
                                 "it belongs to an abandoned timeline")
     else:
+        # an onset far past the log is a typo (a few steps past it: a log that lags the trainer's own output)
+        if current is not None and before_step > current + ONSET_PAST_LOG_MAX:
+            raise SentinelError(f"--before-step {before_step} is past the run's last step ({current}): "
+                                "name the step where the damage began")
         bound = last_clean_checkpoint_step(before_step)
         ok = [c for c in cands if c["step"] <= bound and c["verified"] in ("checksum_ok", "unverified", "resume_verified")
               and (current is None or c["step"] <= current)]

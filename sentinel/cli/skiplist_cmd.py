@@ -101,7 +101,7 @@ def _show(ref, as_json):
 
     rs, source = current_ranges(ref)
     cfg = rundir.config_skip_ranges(ref.run_dir) if ref.run_dir else []
-    pending = rundir.read_pending_rollback(ref.run_dir) if ref.run_dir else None
+    pending = rundir.pending_rollback_for_view(ref.run_dir)
     origins = rundir.skip_origins(ref.run_dir) if ref.run_dir else []
     why = [rundir.origin_of(lo, hi, origins) for lo, hi in rs]
     out = {"run": ref.run, "source": source, "ranges": [list(r) for r in rs], "samples": rundir.count(rs),
@@ -198,6 +198,7 @@ def _add(ref, want, reason, timeout, secret_file, as_json):
         raise SentinelError(f"run {ref.run} has no live trainer and its run directory is not on this machine; "
                             "run this on the host that has it (sentinel skip-list RUN_DIR add ...)")
     after_ranges, new = rundir.grow_skiplist(ref.run_dir, want)
+    rundir.change_skip_removals(ref.run_dir, drop=want)  # added back after a removal: it stays
     if ref.r is not None:
         import json
 
@@ -235,17 +236,15 @@ def _remove(ref, want, reason, as_json):
     if removed == 0:
         raise SentinelError(f"none of {rundir.fmt_ranges(want)} is in the skip list of {ref.run}")
     rundir.write_skiplist(ref.run_dir, after)
+    # a checkpoint's saved list would add them back at the resume: the trainer subtracts these at its
+    # next start (and forgets them once it saved a checkpoint without them)
+    rundir.change_skip_removals(ref.run_dir, add=rundir.intersect_ranges(before, want))
     who = issuer()
-    # where the trainer would re-add them from at its next start
+    # where the trainer would re-add them from after that start: the run's own config
     sticky = []
     cfg = rundir.intersect_ranges(rundir.config_skip_ranges(ref.run_dir), want)
     if cfg:
-        sticky.append(f"config.yaml data.skip ({rundir.fmt_ranges(cfg)})")
-    newest = next((c for c in rundir.list_checkpoints(ref.run_dir, rehash=False) if c.usable), None)
-    if newest is not None:
-        ck = rundir.intersect_ranges(rundir.checkpoint_skip_ranges(newest), want)
-        if ck:
-            sticky.append(f"checkpoint {newest.name}'s train state ({rundir.fmt_ranges(ck)})")
+        sticky.append(f"config.yaml data.skip ({rundir.fmt_ranges(cfg)}): edit it, or they come back at the start after next")
     if ref.r is not None:
         import json
 
@@ -264,4 +263,4 @@ def _remove(ref, want, reason, as_json):
         return
     click.echo(f"skip list of {ref.run}: -{removed} samples, now {rundir.count(after):,} samples in {len(after)} range(s)")
     for s in sticky:
-        click.echo(f"warning: the trainer re-adds ranges from {s} when it starts", err=True)
+        click.echo(f"warning: the trainer re-adds ranges from {s}", err=True)

@@ -165,7 +165,7 @@ def run_status(ref, now: float | None = None) -> dict:
             d = log[-1]
             last = {k: d.get(k) for k in ("kind", "status", "step", "time", "issuer")}
     if ref.run_dir is not None:
-        pending = rundir.read_pending_rollback(ref.run_dir)
+        pending = rundir.pending_rollback_for_view(ref.run_dir)
         if pending:
             row["pending_rollback"] = pending
     row["last_action"] = last
@@ -323,7 +323,7 @@ def console_for_output(stderr: bool = False):
 def collect(runs, redis_url) -> tuple[list[dict], list[str]]:
     from sentinel.runref import resolve_many
 
-    refs = resolve_many(runs, redis_url)
+    refs = resolve_many(runs, redis_url, view=True)
     rows, errors = [], []
     now = time.time()
     for ref in refs:

@@ -32,6 +32,7 @@ def verify_resume(run: str, from_step: str, steps: int, drill: bool, as_json: bo
     c = parse_checkpoint(from_step, "--from-step")
     try:
         log = open_run(run)
+        log.warn_rejected()
         bar, report = make_progress(not as_json and is_tty())
         try:
             if bar is not None:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -68,6 +68,15 @@ class RunLog:
     run_id: str
     first: int | None = None  # the log's first and last authoritative step
     last: int | None = None
+    rejected: list[str] = field(default_factory=list)  # unreadable lines of the log, skipped
+
+    def warn_rejected(self) -> None:
+        """One stderr line about the log's unreadable lines: skipped, as the other readers skip them."""
+        if self.rejected:
+            import sys
+
+            print(f"warning: skipped {len(self.rejected)} unreadable line(s) of the step log; first: {self.rejected[0]} "
+                  "(a resume or rollback record among them would change which record of a step counts)", file=sys.stderr)
 
     def span(self) -> str:
         return f"steps {self.first}..{self.last}" if self.last is not None else "no steps"
@@ -93,14 +102,16 @@ def open_run(run: str | os.PathLike, keep: Callable[[int], bool] = lambda step: 
     log = run_dir / "steps.jsonl"
     if not log.is_file():
         raise OfflineError(f"{run_dir} has no step log (steps.jsonl)")
+    rejected: list[str] = []
     try:
-        got = scan(log, keep)
+        got = scan(log, keep, rejected=rejected)
     except SchemaError as e:
-        raise OfflineError(f"{log}: {e}") from None
+        raise OfflineError(str(e)) from None
     last = got.last_record if got.last is not None else None
     world = int(last.world_size or 1) if last is not None else 1
     run_id = cfg.run_id or (last.run if last is not None else run_dir.resolve().name)
-    return RunLog(run_dir=run_dir, records=got.records, world_size=world, run_id=run_id, first=got.first, last=got.last)
+    return RunLog(run_dir=run_dir, records=got.records, world_size=world, run_id=run_id, first=got.first, last=got.last,
+                  rejected=rejected)
 
 
 def precheck_checkpoint(run_dir: Path, *, exact: int | None = None, before: int | None = None) -> int:

@@ -561,7 +561,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     if step < 1:
         raise OfflineError("steps are numbered from 1")
     lo = _window_start(run_dir, step, checkpoint)
-    views = branches(read(run_dir / "steps.jsonl"), keep=lambda s: lo <= s <= step)
+    views = branches(read(run_dir / "steps.jsonl", rejected=[]), keep=lambda s: lo <= s <= step)  # skipped as open_run did
     timeline, records = pick_branch(views, run_dir, step, timeline)
     rec = records[step]
     warnings: list[str] = []
@@ -582,7 +582,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     c = pick_checkpoint(tr, views, timeline, step, checkpoint, fits, held.append)
     if c < lo:  # newer checkpoints were invalid or on another branch: read the steps from this one too
         lo = c
-        views = branches(read(run_dir / "steps.jsonl"), keep=lambda s: lo <= s <= step)
+        views = branches(read(run_dir / "steps.jsonl", rejected=[]), keep=lambda s: lo <= s <= step)  # skipped as open_run did
         timeline, records = pick_branch(views, run_dir, step, timeline)
         rec = records[step]
     tr.ckpt.log = note

@@ -47,6 +47,7 @@ COMPONENTS = {
     "optimizer": "optimizer moments (exp_avg / exp_avg_sq)",
     "optimizer_step": "optimizer step counts (Adam bias correction)",
     "guard": "step-guard statistics (the in-process skip decision)",
+    "train_state": "the saved train state itself (train_state.json passes its checksum but not its schema)",
 }
 
 
@@ -283,7 +284,8 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
         raise OfflineError("--steps must be at least 1")
     # the steps compared and the checkpoints' recorded digests; the rest of a long log is only counted
     saved = {s for s, _ in checkpoint_steps(run_dir)}
-    log = scan(run_dir / "steps.jsonl", keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c)
+    # unreadable lines are skipped, as open_run skipped them (the CLI said so)
+    log = scan(run_dir / "steps.jsonl", keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c, rejected=[])
     records = log.records
     notes: list[str] = []
 
@@ -420,7 +422,7 @@ def unresumable(tr, env, c: int, problem: str, notes: list[str]) -> dict:
     inconsistent (e.g. a scheduler step that disagrees with the step counter): NOT equivalent, with
     the component named, rather than a bad-input error: the checkpoint exists and verifies, but a
     resume from it cannot continue the run."""
-    comp = next((c_ for kw, c_ in _STATE_KEYWORDS if kw in problem), "data_cursor")
+    comp = next((c_ for kw, c_ in _STATE_KEYWORDS if kw in problem), "train_state")
     first = {"step": c, "fields": ["train_state.json"], "component": comp, "suspect": COMPONENTS[comp],
              "reason": f"the trainer refuses to resume from it: {problem}"}
     return {"run": tr.run_id, "from_step": c, "steps": 0, "world_size": env.world_size, "device": tr.env.device.type,

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sentinel.protocol import plain_error
+
 DEFAULT_RULES_PATH = Path(__file__).resolve().parent.parent / "default_rules.yaml"  # sentinel/default_rules.yaml
 
 Severity = Literal["info", "warning", "critical"]
@@ -321,8 +323,10 @@ def _one_line(source: str, e: ValidationError) -> str:
     errs = e.errors()
     err = errs[0]
     loc = ".".join(str(p) for p in err["loc"])
-    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    msg = err["msg"].removeprefix("Value error, ")
+    more = f" ({len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})" if len(errs) > 1 else ""
+    msg = plain_error(err)
+    if err.get("type") == "extra_forbidden" and len(err["loc"]) == 1 and err["loc"][0] in Rules.model_fields:
+        msg += " at the top level: rules go under `rules:`"
     return f"{source}: {loc}: {msg}{more}" if loc else f"{source}: {msg}{more}"
 
 

@@ -2,7 +2,9 @@
 
 The sentinel adds ranges when it blames a loss spike on data; the trainer consults the list for
 every id the sampler draws. Ranges are ``[lo, hi)`` and kept merged, so lookups are a bisect and
-the file stays small however many directives arrive. The list only grows.
+the file stays small however many directives arrive. The list only grows while a run trains; an
+operator may take ranges off a stopped run (``sentinel skip-list remove``, applied at the next
+start: ``remove``).
 File format (``RUN_DIR/skiplist.json``): a JSON list ``[[lo, hi], ...]``.
 """
 
@@ -15,7 +17,7 @@ from typing import Iterable
 
 import numpy as np
 
-from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES, atomic_write_text, merge_ranges, read_regular_file
+from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES, atomic_write_text, merge_ranges, read_regular_file, subtract_ranges
 
 from .dataset import DataError
 
@@ -49,6 +51,12 @@ class SkipList:
         before = self._size
         self._set(merge_ranges(self._ranges + _checked(ranges)))
         return self._size > before
+
+    def remove(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """Take ranges out (an operator's decision, applied at a start); returns the ids uncovered."""
+        before = self._size
+        self._set(subtract_ranges(self._ranges, _checked(ranges)))
+        return before - self._size
 
     def contains(self, sample_id: int) -> bool:
         j = bisect_right(self._los, sample_id) - 1
