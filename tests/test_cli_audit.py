@@ -144,3 +144,34 @@ def test_a_train_state_that_breaks_its_schema_is_named_as_such(run_copy):  # noq
     res = cli("verify-resume", str(run_copy), "--from-step", "20", "--steps", "2", "--json")
     first = json.loads(res.stdout)["first_divergence"]
     assert res.exit_code == 1 and first["component"] == "train_state", first
+
+
+@pytest.mark.slow
+def test_a_skip_list_that_cannot_be_written_does_not_cost_the_replays_verdict(run_copy, monkeypatch):  # noqa: F811
+    """A read-only run dir (the audit mounted one): before, the replay's verdict and culprits were
+    lost behind `error: Read-only file system: .../.skiplist.json.tmp-15192`."""
+    import errno
+
+    import sentinel.offline.replay as replay_mod
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, "Read-only file system", str(run_copy / ".skiplist.json.tmp-1"))
+
+    import sentinel.cli.replay_cmd as replay_cmd
+
+    real = replay_cmd._in_process
+
+    def with_a_culprit(*a, **k):  # the shared run is healthy: its steps have none (a normal batch)
+        res = real(*a, **k)
+        res["culprits"] = [{"id": 123, "loss": 9.0, "grad_norm": None, "score": 9.0, "source": None, "shard": 0,
+                            "offset": 0, "text": "x"}]
+        return res
+
+    monkeypatch.setattr(replay_cmd, "_in_process", with_a_culprit)
+    monkeypatch.setattr(replay_mod, "add_to_skiplist", read_only)
+    res = cli("replay-batch", str(run_copy), "--step", "15", "--skip-culprits", "--json")
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.stdout[-1500:], res.stderr)
+    out = json.loads(res.stdout)
+    assert out["culprits"] and out["skip"]["status"] == "failed"
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: could not add the culprits to the skip list: Read-only file system"], res.stderr

@@ -91,12 +91,22 @@ def replay_batch(run: str, step: int, checkpoint: str | None, timeline: int | No
     except OfflineError as e:
         raise SentinelError(str(e)) from None
 
+    from sentinel.rundir import RunDirError
+
+    failed = None
     if skip_culprits:
-        res["skip"] = _skip(log, res, top_k)
+        try:
+            res["skip"] = _skip(log, res, top_k)
+        except (SentinelError, OSError, RunDirError) as e:  # a read-only run dir: the verdict is still worth printing
+            failed = e if isinstance(e, SentinelError) else SentinelError(
+                f"could not add the culprits to the skip list: {getattr(e, 'strerror', None) or e}")
+            res["skip"] = {"status": "failed", "detail": str(failed)}
     if as_json:
         emit_json(res)
-        return
-    _render(res)
+    else:
+        _render(res)
+    if failed is not None:
+        raise failed
 
 
 def _not_surviving(log, step: int) -> str:
@@ -106,7 +116,7 @@ def _not_surviving(log, step: int) -> str:
     from trainer.steplog import read
 
     log_path = log.run_dir / "steps.jsonl"
-    gone = sorted({r.timeline for r in read(log_path) if isinstance(r, StepRecord) and r.step == step})
+    gone = sorted({r.timeline for r in read(log_path, rejected=[]) if isinstance(r, StepRecord) and r.step == step})
     if not gone:
         return f"step {step} is not in the step log of {log.run_dir} ({log.span()})"
     return (f"step {step} is not on the surviving timeline ({log.span()}); it was trained on abandoned timeline(s) "
@@ -187,7 +197,7 @@ def _render(res: dict) -> None:
             ct.add_row(str(c["id"]), f"{c['loss']:.4f}", gn, c.get("source") or "-", f"{c['shard']}:{c['offset']}",
                        Text(c["text"]))
         con.print(ct)
-    if "skip" in res:
+    if "skip" in res and res["skip"].get("status") != "failed":  # a failure is the error line after the verdict
         s = res["skip"]
         con.print(Text(f"skip list: added {s['ids']} ({s['added']} new id(s)) to {s.get('file', 'skiplist.json')}; {s['bus']}"))
         if s.get("warning"):
