@@ -324,3 +324,30 @@ def test_a_directive_issued_far_ahead_of_the_clock_is_refused():
     assert d.verify(SECRET) == "issued in the future"
     ok = Directive(run="r", kind="pause", issuer="t", issued_at=time.time() + 30, expires_at=time.time() + 90).signed(SECRET)
     assert ok.verify(SECRET) is None, "a few seconds of clock skew is not refused"
+
+
+def test_a_flushall_mid_run_costs_neither_the_judging_nor_the_rollback_targets(redis_url, unique_run):
+    """FLUSHALL (or a restart without its data) while both sides run: the trainer's client registers
+    the run again with its checkpoints, the daemon recreates its group and goes on judging, and
+    damage after it is still rolled back to a checkpoint from before the flush."""
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    c = BusClient(redis_url, run, SECRET, poll_interval_s=0.02, heartbeat_ttl_s=0.3)
+    try:
+        c.register({"world_size": 1})
+        for s in (10, 20, 30, 40):
+            c.register_checkpoint(CheckpointInfo(run=run, step=s, path=f"/c/{s}", created=time.time(), bytes=1,
+                                                 manifest_sha256="0" * 64, world_size=1))
+        d = make_daemon(r, run)
+        for s in range(1, 31):
+            c.publish_step(step_rec(run, s))
+        pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 30)
+        r.flushall()
+        for s in range(31, NAN_STEP + 1):
+            c.publish_step(step_rec(run, s, float("nan") if s == NAN_STEP else None))
+        pump(d, until=lambda: r.exists(k.directives) and r.xlen(k.directives) > 0, timeout=20)
+        assert sample(d, "sentinel_steps_processed_total", run=run) == NAN_STEP
+        assert [(x.kind, x.to_step) for x in directives(r, run)] == [("rollback", TARGET)]
+        assert run in bus.list_runs(r)
+    finally:
+        c.close()
