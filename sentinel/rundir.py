@@ -366,6 +366,8 @@ def check_checkpoint(path: Path, *, rehash: bool = True) -> tuple[str, str | Non
         if not isinstance(name, str) or name.startswith("/") or ".." in name.split("/"):
             return "corrupt", f"unsafe file name {name!r} in the manifest", manifest
         if not (path / name).is_file():
+            if os.path.lexists(path / name):  # a FIFO, a directory, a link to a device: not what was saved
+                return "corrupt", f"{name} is no regular file", manifest
             return "incomplete", f"{name} is missing", manifest
     if not rehash:
         return "unverified", None, manifest

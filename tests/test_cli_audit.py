@@ -175,3 +175,17 @@ def test_a_skip_list_that_cannot_be_written_does_not_cost_the_replays_verdict(ru
     assert out["culprits"] and out["skip"]["status"] == "failed"
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert lines == ["error: could not add the culprits to the skip list: Read-only file system"], res.stderr
+
+
+def test_small_wording_fixes_of_the_audit(run_copy):  # noqa: F811
+    """`pages --limit 0` shows all, as `incidents --limit 0` does (it was an error); `report` no
+    longer says "from none"; a checkpoint file that is a FIFO is "no regular file", not "missing"."""
+    d = str(run_copy)
+    assert cli("pages", d, "--limit", "0").exit_code == 0
+    res = cli("report", d, "--out", str(run_copy / "r.png"))
+    assert res.exit_code == 0 and "from none" not in res.stdout
+    f = run_copy / "checkpoints" / "step-00000020" / "optim.pt"
+    f.unlink()
+    os.mkfifo(f)
+    rows = {c["step"]: c for c in cli_json("checkpoints", d)["checkpoints"]}
+    assert rows[20]["verified"] == "corrupt" and rows[20]["problem"] == "optim.pt is no regular file"

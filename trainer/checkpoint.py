@@ -124,7 +124,7 @@ def verify(path: Path) -> dict:
     for name, digest in sorted(files.items()):
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"{path.name}: {name} is missing")
+            raise CheckpointError(f"{path.name}: {name} " + ("is no regular file" if os.path.lexists(f) else "is missing"))
         if sha256_file(f) != digest:
             raise CheckpointError(f"{path.name}: {name} fails its sha256 check (corrupt or truncated)")
     state = read_train_state(path, manifest.step)

@@ -94,7 +94,7 @@ def _render(runs: list[dict]):
 
 @click.command("pages")
 @click.argument("runs", nargs=-1, metavar="[RUN]...")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Show the newest N pages per run.")
+@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True, help="Show the newest N pages per run (0: all), as `incidents --limit`.")
 @redis_url_option
 @json_option
 @friendly_errors

@@ -130,5 +130,7 @@ def report(run, incident_id, out, redis_url, as_json):
     if res["rejected_lines"]:
         click.echo(f"warning: skipped {res['rejected_lines']} malformed line(s); first: {res['first_rejected']}", err=True)
     click.echo(f"report: {res['path']}")
-    click.echo(f"  {res['steps']} steps ({res['abandoned_steps']} abandoned by rollbacks), {res['incidents']} incident(s) "
-               f"from {res['incidents_source']}, {res['rollbacks']} rollback(s), {res['guard_skips']} guard skip(s)")
+    src = res["incidents_source"]
+    click.echo(f"  {res['steps']} steps ({res['abandoned_steps']} abandoned by rollbacks), {res['incidents']} incident(s)"
+               + (f" from {src}" if src and src != "none" else "")
+               + f", {res['rollbacks']} rollback(s), {res['guard_skips']} guard skip(s)")
