@@ -723,7 +723,9 @@ class Daemon:
         self.m = metrics or SentinelMetrics()
         self.log = log
         self.watchers: dict[str, RunWatcher] = {}
-        self._not_before: dict[str, float] = {}  # registered names found not live: looked at again then
+        # registered names found not live: (when to look again, the wait after that): 2 s, doubling to
+        # a minute. A trainer registers a few seconds before its first record; junk stays registered
+        self._not_before: dict[str, tuple[float, float]] = {}
         self._cap_logged = 0.0
         self.stop_requested = False
         self._last_discovery = 0.0
@@ -738,12 +740,12 @@ class Daemon:
             return
         self._retire_idle()
         now = time.monotonic()
-        new = [run for run in bus.list_runs(self.r) if run not in self.watchers and self._not_before.get(run, 0.0) <= now]
+        new = [run for run in bus.list_runs(self.r) if run not in self.watchers and self._not_before.get(run, (0.0,))[0] <= now]
         unwatched = 0
         for run in self._live_runs(new[:DISCOVER_PER_PASS]):
             if len(self.watchers) >= self.opts.max_runs:
                 unwatched += 1
-                self._not_before[run] = now + 60.0
+                self._later(run)
                 continue
             self.watchers[run] = RunWatcher(self.r, run, self.opts, self.m, self.log)
             self.log(f"watching run {run}")
@@ -777,10 +779,14 @@ class Daemon:
             if signed and (beating is True or beating == 1 or now - _id_seconds(signed[0].id) <= self.opts.idle_s):
                 out.append(run)
             else:
-                self._not_before[run] = time.monotonic() + 60.0
+                self._later(run)
         if len(self._not_before) > 100_000:  # names come and go; a flood of them must not grow this
             self._not_before.clear()
         return out
+
+    def _later(self, run: str) -> None:
+        wait = min(60.0, 2.0 * self._not_before.get(run, (0.0, 1.0))[1])
+        self._not_before[run] = (time.monotonic() + wait, wait)
 
     def _retire_idle(self) -> None:
         """Stop watching a run with no step record for ``opts.idle_s`` and no heartbeat (it ended,
@@ -791,7 +797,7 @@ class Daemon:
                 continue
             w.release()
             del self.watchers[run]
-            self._not_before[run] = time.monotonic() + 60.0
+            self._not_before[run] = (time.monotonic() + 60.0, 60.0)
             self.log(f"run {run}: no step record for {self.opts.idle_s / 3600:.0f} h and no heartbeat: no longer watched")
 
     def iterate(self, block_ms: int = 100) -> int:

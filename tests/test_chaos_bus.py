@@ -448,10 +448,8 @@ def test_hostile_run_registry_members_do_not_stop_discovery(embedded_bus, unique
         d.iterate(block_ms=10)
     assert list(d.watchers) == [], "a registered run with no signed record yet is not watched"
     assert set(raw.keys("*")) == keys_before, "discovery wrote nothing for names that are not live runs"
-    publish_steps(r, unique_run, range(1, 6))
-    d._last_discovery = 0.0
-    d._not_before.clear()  # (looked at again a minute later; the test does not wait)
-    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=unique_run) == 5)
+    publish_steps(r, unique_run, range(1, 6))  # its first records: watched within seconds (2 s, doubling, for a name)
+    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=unique_run) == 5, timeout=15)
     assert list(d.watchers) == [unique_run]
     assert sample(d, "sentinel_runs_unwatched") == 0
     chaos("hostile run registry", bad_members=4 + 3000, discovered=len(d.watchers))
