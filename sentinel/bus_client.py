@@ -42,6 +42,7 @@ import redis
 
 from sentinel.bus import FIELD, BusError, connect, id_exhausted, is_future_id, redact_url, repair_stream_ids
 from sentinel.protocol import (
+    read_regular_file,
     RECORD_MAC_FIELD,
     Ack,
     Directive,
@@ -71,8 +72,8 @@ def read_cursor(path: str | os.PathLike | None) -> str | None:
     """The directives-stream id saved in ``path``, or None (missing, unreadable or not an id)."""
     if path is None:
         return None
-    try:
-        text = Path(path).read_text().strip()
+    try:  # a regular file of at most 1 KiB: a FIFO there would block the trainer's start forever
+        text = read_regular_file(path, 1024).decode().strip()
     except (OSError, UnicodeDecodeError):
         return None
     # a position stamped far ahead would skip every directive written after it

@@ -170,6 +170,27 @@ def _cuda_problem(device: str) -> str | None:
     return None
 
 
+def _memory_problem(cfg) -> str | None:
+    """A model on the CPU that cannot fit this machine's memory (fp32 weights, gradients and two Adam
+    moments: 16 bytes a parameter), said before anything is allocated: past it, the kernel's OOM
+    killer ends the process with no message (and takes memory from whatever runs beside it)."""
+    import torch
+
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return None
+    m = cfg.model
+    params = 12 * m.n_layer * m.d_model**2 + ((m.vocab_size or 65536) + m.seq_len) * m.d_model
+    need = 16 * params
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    if need <= total:
+        return None
+    return (f"a model of ~{params:.3g} parameters needs ~{need / 2**30:,.0f} GiB on the CPU (weights, gradients, "
+            f"Adam moments); this machine has {total / 2**30:,.0f} GiB: lower model.n_layer / model.d_model")
+
+
 def _raised_in(e: BaseException, module: str, function: str) -> bool:
     """Whether ``e`` went through ``module.function`` on its way up (its traceback has that frame)."""
     tb = e.__traceback__
@@ -218,7 +239,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         _say(e)
         return 2
-    bad = _cuda_problem(cfg.device)
+    bad = _cuda_problem(cfg.device) or _memory_problem(cfg)
     if bad:
         _say(bad)
         return 2
@@ -237,6 +258,14 @@ def main(argv=None) -> int:
         Trainer(cfg, run_dir, env).fit()
     except (DataError, CheckpointError, TrainingError, ConfigError) as e:
         _say(e)
+        return 2
+    except MemoryError:
+        _say("out of memory (the model, the batch or the guard window is larger than this machine holds)")
+        return 2
+    except RuntimeError as e:  # torch's allocator: "[enforce fail at alloc_cpu.cpp] ... can't allocate memory"
+        if "allocate" not in str(e) or "memory" not in str(e):
+            raise
+        _say(f"out of memory: {' '.join(str(e).split())[-200:]}")
         return 2
     except OSError as e:  # storage outside the handled paths (run dir, config, targets): full, read-only, gone
         bad = _metrics_serve_problem(e, cfg, env.local_rank)

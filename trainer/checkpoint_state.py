@@ -108,6 +108,13 @@ class GuardState(_Strict):
     count: Count
     streak: Count
 
+    @field_validator("loss", "grad")
+    @classmethod
+    def _finite_history(cls, xs: list[float]) -> list[float]:
+        if not all(math.isfinite(x) for x in xs):  # the guard records accepted (finite) steps only
+            raise ValueError("the guard history holds a value that is not finite")
+        return xs
+
     @model_validator(mode="after")
     def _lengths(self) -> "GuardState":
         if len(self.loss) != self.window or len(self.grad) != self.window:

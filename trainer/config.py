@@ -31,11 +31,13 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    n_layer: int = Field(2, ge=1)
-    n_head: int = Field(2, ge=1)
-    d_model: int = Field(64, ge=8)
+    # upper bounds far past any model one process builds: a typo (1e11 layers) is a one-line error,
+    # not an allocator traceback or the kernel's OOM killer
+    n_layer: int = Field(2, ge=1, le=1024)
+    n_head: int = Field(2, ge=1, le=1024)
+    d_model: int = Field(64, ge=8, le=65536)
     seq_len: int = Field(64, ge=4)
-    vocab_size: int | None = Field(None, ge=2, description="None: taken from the dataset")
+    vocab_size: int | None = Field(None, ge=2, le=1 << 24, description="None: taken from the dataset")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     bias: bool = False
 
@@ -119,7 +121,7 @@ class CheckpointConfig(_Strict):
 
 class GuardConfig(_Strict):
     enabled: bool = True
-    window: int = Field(64, ge=8)
+    window: int = Field(64, ge=8, le=1_000_000)
     min_history: int = Field(16, ge=2)
     loss_z: float = Field(8.0, gt=0, description="robust z (median/MAD) above which the update is skipped")
     grad_z: float = Field(12.0, gt=0)

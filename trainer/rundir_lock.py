@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -32,7 +33,17 @@ def acquire(run_dir: Path) -> int:
     key = str(path.resolve())
     if key in _held:
         return _held[key]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    # never through a symlink (it would be truncated and overwritten wherever it points), and only a
+    # regular file (a FIFO there would block the open; O_NONBLOCK keeps it from waiting)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise RunDirBusy(f"{path} is a symbolic link: refusing to write the lock through it (remove it)") from None
+        raise RunDirBusy(f"{path} cannot be opened as the run's lock file ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunDirBusy(f"{path} is not a regular file: it cannot be the run's lock file (remove it)")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -13,6 +13,7 @@ byte: a whole record keeps its line (the newline is appended), a torn write is m
 from __future__ import annotations
 
 import errno
+import contextlib
 import os
 import time
 from collections import deque
@@ -280,6 +281,25 @@ class StepLog:
 
     # bytes read from the end of the log for its newest timeline: hundreds of records
     TAIL_BYTES = 1 << 20
+
+    def last_step(self) -> int:
+        """The largest step number of the step records in the log's last MiB (-1: none there)."""
+        p = self.path
+        if not p.is_file():
+            return -1
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start = max(0, size - self.TAIL_BYTES)
+            f.seek(start)
+            lines = f.read(size - start).split(b"\n")[1 if start else 0:]
+        last = -1
+        for line in lines:
+            if b'"step"' in line:
+                with contextlib.suppress(SchemaError):
+                    rec = parse_step_line(line + b"\n")
+                    if isinstance(rec, StepRecord):
+                        last = max(last, rec.step)
+        return last
 
     def last_timeline(self) -> int:
         """The newest timeline in the log (-1: none), the one a resume numbers its own after. The

@@ -629,9 +629,12 @@ class Trainer:
         p = self.run_dir / "directives.jsonl"
         ids: set[str] = set()
         if self.env.is_main and p.is_file():
-            for line in p.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError, KeyError):
-                    ids.add(json.loads(line)["id"])
+            with open(p, "rb") as f:  # a crash can cut a line (and a UTF-8 character) short: such lines are skipped
+                for line in f:
+                    with contextlib.suppress(ValueError, KeyError, TypeError, IndexError, RecursionError):
+                        did = json.loads(line)["id"]
+                        if isinstance(did, str):
+                            ids.add(did)
         self.ctl.applied = set(self.env.broadcast_object(sorted(ids)))
 
     def rollback(self, to_step: int, *, reason: str | None, directive_id: str | None, ranges) -> None:
@@ -687,6 +690,10 @@ class Trainer:
             if resumed is None and self.unloadable:
                 raise TrainingError(self._unloadable_message())
             if resumed is None:
+                gone = self._checkpoints_gone()
+                if gone:
+                    raise TrainingError(gone)
+            if resumed is None:
                 self.state.timeline = self._previous_timeline() + 1
                 self._mark("start", 0)
                 _log(env, f"run {self.run_id}: fresh start")
@@ -733,6 +740,19 @@ class Trainer:
         n = self.skip.remove(removed)
         self._removals_applied = True
         _log(self.env, f"skip list: {n} samples an operator removed ({SKIP_REMOVED}) are trained on again")
+
+    def _checkpoints_gone(self) -> str | None:
+        """A run dir whose step log reached past its first periodic checkpoint, with no checkpoint at
+        all (deleted, or a mount that did not come up): a start over would append a second history
+        to steps.jsonl and then save step 0, 10, ... over what comes back. Refused in one line."""
+        every = self.cfg.checkpoint.every
+        last = self.steplog.last_step() if self.env.is_main else -1
+        last = int(self.env.broadcast_object(last))
+        if not every or last < every:
+            return None
+        return (f"{self.run_dir}/steps.jsonl logs steps up to {last}, but {self.ckpt.root} holds no checkpoint (deleted, "
+                "or a mount that did not come up?): refusing to start the run over on top of its history. Restore the "
+                "checkpoints, or start a new run dir (or move steps.jsonl away to train this one from scratch)")
 
     def _unloadable_message(self) -> str:
         """Why a run dir whose every checkpoint failed is not started over. A fresh start would append
