@@ -282,24 +282,28 @@ class StepLog:
     # bytes read from the end of the log for its newest timeline: hundreds of records
     TAIL_BYTES = 1 << 20
 
-    def last_step(self) -> int:
-        """The largest step number of the step records in the log's last MiB (-1: none there)."""
+    def _tail_records(self) -> list:
+        """The readable records in the log's last ``TAIL_BYTES`` (a line that is none is left out)."""
         p = self.path
         if not p.is_file():
-            return -1
+            return []
         with open(p, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             start = max(0, size - self.TAIL_BYTES)
             f.seek(start)
-            lines = f.read(size - start).split(b"\n")[1 if start else 0:]
-        last = -1
+            lines = f.read(size - start).split(b"\n")
+        if start:
+            lines = lines[1:]  # the first is the end of a line that began before the tail
+        out = []
         for line in lines:
-            if b'"step"' in line:
+            if line.strip():
                 with contextlib.suppress(SchemaError):
-                    rec = parse_step_line(line + b"\n")
-                    if isinstance(rec, StepRecord):
-                        last = max(last, rec.step)
-        return last
+                    out.append(parse_step_line(line + b"\n"))
+        return out
+
+    def last_step(self) -> int:
+        """The largest step number of the step records in the log's last MiB (-1: none there)."""
+        return max((r.step for r in self._tail_records() if isinstance(r, StepRecord)), default=-1)
 
     def last_timeline(self) -> int:
         """The newest timeline in the log (-1: none), the one a resume numbers its own after. The
@@ -308,30 +312,12 @@ class StepLog:
         took every start of a long run 10 s per 300,000 records, with every rank waiting; a line
         that cannot be read in the middle of the log is now left to the log's readers, which skip
         and count it. Only a tail that holds no readable record is read from the start."""
-        p = self.path
-        if not p.is_file():
+        tail = self._tail_records()
+        if tail:
+            return max(r.timeline for r in tail)
+        if not self.path.is_file():
             return -1
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            start = max(0, size - self.TAIL_BYTES)
-            f.seek(start)
-            lines = f.read(size - start).split(b"\n")
-        if start:
-            lines = lines[1:]  # the first is the end of a line that began before the tail
-        last = None
-        for line in lines:
-            if line.strip():
-                try:
-                    rec = parse_step_line(line + b"\n")
-                except SchemaError:
-                    continue
-                last = rec.timeline if last is None else max(last, rec.timeline)
-        if last is not None:
-            return last
-        last = -1
-        for r in read(p):
-            last = max(last, r.timeline)
-        return last
+        return max((r.timeline for r in read(self.path)), default=-1)
 
     def close(self) -> int:
         """Flush what can be flushed and close; returns the records lost (overflowed or never written)."""
