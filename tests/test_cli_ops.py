@@ -244,9 +244,12 @@ def test_a_removal_sticks_through_the_checkpoint_that_saved_the_range(run_copy, 
     ts = json.loads((run_copy / "checkpoints" / "step-00000050" / "train_state.json").read_text())
     assert ts["skiplist"] == [[200000, 200010]]
     # a malformed removal file stops the start in one line, as a malformed plan does
+    # and logs nothing: no `resume` record for a start that did not happen
     (run_copy / SKIP_REMOVED).write_text('[["a", 1]]')
+    log_before = (run_copy / "steps.jsonl").read_bytes()
     p = run_trainer(run_copy, "--max-steps", "55", data_dir=dataset)
     assert p.returncode != 0 and f"{SKIP_REMOVED} is malformed" in p.stdout + p.stderr and "Traceback" not in p.stderr
+    assert (run_copy / "steps.jsonl").read_bytes() == log_before
 
 
 def test_skip_list_says_why_each_range_is_there(run_copy):

@@ -115,3 +115,43 @@ def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, data
                 data_dir=dataset, check=True)
     shutil.rmtree(run2 / "checkpoints")
     assert run_trainer(run2, "--max-steps", "5", data_dir=dataset).returncode == 0
+
+
+def test_a_data_dir_or_shard_that_is_no_regular_file_is_named_as_what_it_is(tmp_path, dataset):  # noqa: F811
+    """Before: a data dir that is a file or a device, a ``meta.json`` FIFO and a shard replaced by a
+    directory were all called missing ("has no meta.json", "shard ... is missing")."""
+    import shutil
+
+    bad_meta = tmp_path / "fifo-meta"
+    bad_meta.mkdir()
+    os.mkfifo(bad_meta / "meta.json")
+    bad_shard = tmp_path / "dir-shard"
+    shutil.copytree(dataset, bad_shard)
+    shard = json.loads((bad_shard / "meta.json").read_text())["shards"][0]["name"]
+    (bad_shard / shard).unlink()
+    (bad_shard / shard).mkdir()
+    cases = {"/etc/hostname": "is a regular file, not a directory",
+             "/dev/null": "is a character device, not a directory",
+             str(bad_meta): "meta.json is not a regular file (a FIFO)",
+             str(bad_shard): f"{shard} is a directory",
+             str(tmp_path / "nowhere"): "does not exist (run `python -m trainer.data prepare"}
+    for i, (data, said) in enumerate(cases.items()):
+        p = run_trainer(tmp_path / f"run{i}", "--preset", "tiny", "--max-steps", "2", "--data", data, data_dir=dataset)
+        last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1]
+        assert p.returncode != 0 and said in last and "Traceback" not in p.stderr, (data, p.stderr[-1500:])
+
+
+def test_a_plain_file_where_the_newest_checkpoint_goes_is_named_when_passed_over(tmp_path, dataset):  # noqa: F811
+    """Before: a file ``checkpoints/step-00000008`` (a copy gone wrong) was skipped in silence and the
+    run resumed from step 4 with no word of it."""
+    import shutil
+
+    run = tmp_path / "run"
+    run_trainer(run, "--preset", "tiny", "--max-steps", "8", "--ckpt-every", "4", "--data", str(dataset),
+                data_dir=dataset, check=True)
+    shutil.rmtree(run / "checkpoints" / "step-00000008")
+    (run / "checkpoints" / "step-00000008").write_bytes(b"not a checkpoint")
+    p = run_trainer(run, "--max-steps", "10", data_dir=dataset)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "step-00000008: is a file, not a directory (not a checkpoint); falling back" in p.stdout + p.stderr
+    assert "resumed from checkpoint step 4" in p.stdout + p.stderr

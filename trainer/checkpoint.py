@@ -103,6 +103,9 @@ def verify(path: Path) -> dict:
     (``checkpoint_state.required_files``), each present with a matching sha256, and a
     ``train_state.json`` that passes its strict schema. Checksums run before any parsing of the
     files they cover, and nothing here unpickles anything."""
+    if not path.is_dir():
+        what = "a dangling link" if os.path.islink(path) and not path.exists() else "a file, not a directory"
+        raise CheckpointError(f"{path.name}: is {what} (not a checkpoint)")
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{path.name}: incomplete (no manifest)")
@@ -144,14 +147,16 @@ def read_train_state(path: Path, step: int | None = None) -> dict:
     return state.model_dump()
 
 
-def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """All step directories (valid or not), newest first."""
+def list_checkpoints(ckpt_root: Path, *, strays: bool = False) -> list[tuple[int, Path]]:
+    """All step directories (valid or not), newest first. ``strays``: also what bears a step
+    directory's name but is none (a plain file, a FIFO, a dangling link), so that a resume names it
+    when it passes it over instead of skipping it in silence."""
     if not ckpt_root.is_dir():
         return []
     out = []
     for p in ckpt_root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and p.is_dir():
+        if m and (strays or p.is_dir()):
             out.append((int(m.group(1)), p))
     return sorted(out, reverse=True)
 
@@ -275,7 +280,7 @@ class Checkpointer:
 
     def newest_valid(self, at_or_before: int | None = None) -> ValidCheckpoint | None:
         """Newest checkpoint that verifies; corrupt ones are reported in one line and passed over."""
-        for step, path in list_checkpoints(self.root):
+        for step, path in list_checkpoints(self.root, strays=True):
             if at_or_before is not None and step > at_or_before:
                 continue
             try:

@@ -464,7 +464,7 @@ class Trainer:
                 raise CheckpointError(f"no checkpoint at step {step} in {self.ckpt.root}")
             candidates = [(step, path)]
         else:
-            candidates = list_checkpoints(self.ckpt.root)
+            candidates = list_checkpoints(self.ckpt.root, strays=True)
         self.unloadable = []
         for ck_step, path in candidates:
             why = None
@@ -664,6 +664,7 @@ class Trainer:
         self.ckpt.clean_partial()
         env.barrier()
         self._load_applied_directives()
+        removed = self._read_skip_removals()  # a bad file is refused here, before any record is logged
         pending = self.run_dir / PENDING_ROLLBACK
         plan, bad = None, None
         fresh = False
@@ -677,6 +678,7 @@ class Trainer:
             self._persist_skiplist()
             self.load_checkpoint(int(plan["to_step"]), restore_skiplist=True)
             self.skip.add([tuple(r) for r in plan.get("ranges", [])])
+            self._apply_skip_removals(removed, keep=[tuple(r) for r in plan.get("ranges", [])])
             self.state.timeline = self._previous_timeline() + 1
             self._mark("rollback", self.state.step, reason=plan.get("reason"), directive_id=plan.get("id"),
                        ranges=plan.get("ranges", []), checkpoint=f"step-{self.state.step:08d}")
@@ -693,6 +695,7 @@ class Trainer:
                 gone = self._checkpoints_gone()
                 if gone:
                     raise TrainingError(gone)
+            self._apply_skip_removals(removed, keep=[])
             if resumed is None:
                 self.state.timeline = self._previous_timeline() + 1
                 self._mark("start", 0)
@@ -704,7 +707,6 @@ class Trainer:
                 if self.metrics and env.is_main:
                     self.metrics.on_resume()
                 _log(env, f"run {self.run_id}: resumed from checkpoint step {resumed}")
-        self._apply_skip_removals(keep=[tuple(r) for r in plan.get("ranges", [])] if plan else [])
         self._persist_skiplist()
         if env.is_main:  # atomically: a kill mid-write must not leave a truncated config.yaml
             tmp = self.run_dir / ".config.yaml.tmp"
@@ -723,18 +725,24 @@ class Trainer:
             # save can only be paged, and a NaN at step 30 would stop the run for a human
             self.save_checkpoint()
 
-    def _apply_skip_removals(self, keep) -> None:
-        """Ranges an operator took off the skip list (``sentinel skip-list remove``, run stopped) stay
-        off: the checkpoint just restored saved them, so they are subtracted here, on every rank
-        alike (but not ``keep``: a pending rollback's own ranges). The file is deleted once a
-        checkpoint without them is saved (``_on_checkpoint_done``)."""
+    def _read_skip_removals(self) -> list[tuple[int, int]]:
+        """The ranges in ``skiplist.removed.json``, the same on every rank; a malformed file stops the
+        start in one line before anything is loaded or logged (no ``resume`` record for a start that
+        did not happen)."""
         removed, bad = None, None
         if self.env.is_main:
             removed, bad = read_skip_removals(self.run_dir)
         removed, bad = self.env.broadcast_object((removed, bad))
         if bad:
             raise TrainingError(bad)
-        removed = subtract_ranges(removed or [], keep)
+        return [tuple(r) for r in removed or []]
+
+    def _apply_skip_removals(self, removed, keep) -> None:
+        """Ranges an operator took off the skip list (``sentinel skip-list remove``, run stopped) stay
+        off: the checkpoint just restored saved them, so they are subtracted here, on every rank
+        alike (but not ``keep``: a pending rollback's own ranges). The file is deleted once a
+        checkpoint without them is saved (``_on_checkpoint_done``)."""
+        removed = subtract_ranges(removed, keep)
         if not removed:
             return
         n = self.skip.remove(removed)

@@ -72,13 +72,43 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def not_a_regular_file(path: Path) -> str | None:
+    """What keeps ``path`` from being read as a file (it does not exist, it is a directory, a device
+    such as /dev/zero that never ends, a FIFO that blocks), or None for a regular file (links followed)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist" if not path.is_symlink() else "is a broken symbolic link"
+    except OSError as e:  # a parent that is a file, no permission on a parent, a name too long
+        return f"cannot be opened ({e.strerror or type(e).__name__})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    return f"is not a regular file ({kind})"
+
+
 def read_meta(data_dir: Path | str) -> dict:
     """Load and sanity-check ``meta.json``; DataError with a fix-it hint when absent or unusable."""
     data_dir = Path(data_dir)
     path = data_dir / META_NAME
-    if not path.is_file():
-        hint = f"run `python -m trainer.data prepare --out {data_dir}`"
+    hint = f"run `python -m trainer.data prepare --out {data_dir}`"
+    if not data_dir.is_dir():  # missing, or a file, a FIFO, a device: said as it is, not as "no meta.json"
+        bad = not_a_regular_file(data_dir)
+        if bad == "does not exist":
+            raise DataError(f"data dir {data_dir} does not exist ({hint})")
+        kind = "a regular file" if bad is None else bad.removeprefix("is not a regular file (").rstrip(")")
+        raise DataError(f"data dir {data_dir} is {kind}, not a directory" if bad is None or bad.startswith("is not")
+                        else f"data dir {data_dir} {bad}")
+    bad = not_a_regular_file(path)
+    if bad == "does not exist":
         raise DataError(f"data dir {data_dir} has no {META_NAME} ({hint})")
+    if bad:
+        raise DataError(f"{path} {bad}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -205,8 +235,9 @@ class TokenDataset:
         arrays: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
         for shard in meta["shards"]:
             path = data_dir / shard["name"]
-            if not path.is_file():
-                raise DataError(f"shard {path} is missing")
+            bad = not_a_regular_file(path)
+            if bad:
+                raise DataError(f"shard {path} {'is missing' if bad == 'does not exist' else bad}")
             size = path.stat().st_size
             if size == 0 or size != shard["tokens"] * dtype.itemsize:
                 want = shard["tokens"] * dtype.itemsize

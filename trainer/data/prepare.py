@@ -36,7 +36,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .dataset import FORMAT_NAME, FORMAT_VERSION, META_NAME, MIXTURE_FORMAT_VERSION, DataError, compute_fingerprint
+from .dataset import (FORMAT_NAME, FORMAT_VERSION, META_NAME, MIXTURE_FORMAT_VERSION, DataError, compute_fingerprint,
+                      not_a_regular_file)
 from .sources import LICENCES, SourceSpec, check_mixture, shakespeare_files, source_files
 from .tokenizer import (
     BPE_FILE,
@@ -88,23 +89,9 @@ def read_documents(paths: Sequence[Path], root: Path | None = None) -> list[Docu
 
 
 def _not_a_text_file(path: Path) -> str | None:
-    """What keeps ``path`` from being read as one text file (it is missing, a directory, a device such
-    as /dev/zero that never ends, a FIFO that blocks), or None for a regular file."""
-    import stat
-
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return "does not exist" if not path.is_symlink() else "is a broken symbolic link"
-    except OSError as e:  # a parent that is a file, no permission on a parent, a name too long
-        return f"cannot be opened ({e.strerror or type(e).__name__})"
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "is a directory (give the files in it: --text DIR/*.txt)"
-    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
-    return f"is not a regular file ({kind})"
+    """What keeps ``path`` from being read as one text file, or None for a regular file."""
+    bad = not_a_regular_file(path)
+    return "is a directory (give the files in it: --text DIR/*.txt)" if bad == "is a directory" else bad
 
 
 def split_point(text: str, val_fraction: float) -> int:
