@@ -19,6 +19,7 @@ import math
 import os
 import re
 import socket
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from typing import Callable
 import redis
 
 from sentinel import bus, rundir
-from sentinel.ingest import StepGate, Verdict, check_ack, is_authentic
+from sentinel.ingest import StepGate, Verdict, check_ack, furthest_position, is_authentic
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
 from sentinel.protocol import (
@@ -151,6 +152,7 @@ class RunWatcher:
         for c in (metrics.trimmed, metrics.bus_restarts, metrics.steps):
             c.labels(run)
         self._recovered = False
+        self.internal_errors = 0  # polls in a row that raised (``internal_error``)
         self._history_until = "0-0"  # stream head when the lease was taken: entries up to it may be history
         self._entries_read: int | None = None  # the group's entries-read at the last overload check
         self._delivered = 0  # entries delivered to us by ">" reads since then
@@ -225,8 +227,12 @@ class RunWatcher:
             sent = [(str(d), str(i)) for d, i in st.get("sent", [])[-SENT_SAVED:]
                     if isinstance(d, str) and isinstance(i, str) and _STREAM_ID.fullmatch(i)]
             self.policy.load_state_dict(st["policy"])
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:  # corrupt or hostile: start afresh, loudly
-            self.log(f"[{self.run}] persisted policy state is unreadable ({e.__class__.__name__}); starting from a fresh state")
+            self._check_position(gate, ids[0])
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError, MemoryError) as e:
+            # corrupt or hostile: start afresh, loudly (and counted: the daemon wrote none of these)
+            why = f"{e.__class__.__name__}: {str(e)[:120]}" if isinstance(e, ValueError) else e.__class__.__name__
+            self._rejected("policy", Verdict(None, "malformed", f"saved policy state: {why}"))
+            self.log(f"[{self.run}] persisted policy state is unreadable ({why}); starting from a fresh state")
             self.policy = RunPolicy(self.run, self.opts.rules, dry_run=self.opts.dry_run, require_approval=self.opts.require_approval)
             return
         self.last_id, self.acks_id, self.approvals_id = ids
@@ -236,6 +242,24 @@ class RunWatcher:
         if st["policy"].get("samples") is None:
             self._restore_samples()
         self.log(f"[{self.run}] resumed policy state at stream id {self.last_id} (state {self.policy.state})")
+
+    def _check_position(self, gate: dict, last_id: str) -> None:
+        """A saved position ahead of every record the trainer wrote would refuse each of its records
+        to come as old (``out_of_order``), for good: the gate's and the policy's (timeline, step)
+        must not pass the furthest authentic record on the stream (its newest entries, and those up
+        to the saved ``last_id``). ValueError when they do."""
+        pos = gate["timeline"], gate["last_step"]
+        if pos[0] is None and self.policy.timeline == 0 and self.policy.last_step is None:
+            return
+        raw = bus.raw(self.r)
+        rows = raw.xrevrange(self.keys.steps, max=last_id, count=256) + raw.xrevrange(self.keys.steps, count=256)
+        furthest = furthest_position((bus.to_entry(self.keys.steps, eid, f) for eid, f in rows), self.run, self.opts.secret)
+        if furthest is None:
+            raise ValueError("a saved position, and no authentic record on the steps stream")
+        for what, at in (("gate", pos), ("policy", (self.policy.timeline, self.policy.last_step))):
+            if at[0] is not None and (at[0], at[1] or 0) > furthest:
+                raise ValueError(f"the {what} stands at timeline {at[0]} step {at[1]}, beyond every record on the "
+                                 f"stream (timeline {furthest[0]} step {furthest[1]})")
 
     def _restore_samples(self) -> None:
         """Refill the policy's sample-id history from the stream itself (newest entries up to last_id)."""
@@ -292,7 +316,13 @@ class RunWatcher:
             rec = v.record
             history = (_stream_id_tuple(e.id) <= _stream_id_tuple(self._history_until)
                        and rec.time < time.time() - self.opts.backlog_age_s)
-            self._feed(rec, history)
+            try:
+                self._feed(rec, history)
+            except (bus.BusError, redis.RedisError):
+                raise
+            except Exception as err:  # noqa: BLE001 - a record no check foresaw must not be re-read forever
+                self._rejected("steps", Verdict(None, "internal_error", f"entry {e.id}: judging it raised "
+                                                f"{err.__class__.__name__}: {str(err)[:120]!r}; skipped"))
         if self._replaying:
             self._end_replay()
         if future:  # the trainer could add no record after it: remove it (the trainer would too, on its next XADD)
@@ -361,6 +391,26 @@ class RunWatcher:
         self._replaying = False
         self.policy.end_replay("seen only in the backlog: the run had gone on before this sentinel read it; not acted on")
         self._flush_events(history=True)
+
+    INTERNAL_ERRORS_RESET = 3  # polls in a row that raised before the run's policy state starts afresh
+
+    def internal_error(self, e: BaseException) -> None:
+        """A poll of this run raised something unforeseen. Its entries were not acknowledged, so they
+        are read again (the recovery read) at the next poll; after ``INTERNAL_ERRORS_RESET`` failures
+        in a row the policy state, the likely carrier of a persistent fault, starts afresh. Counted in
+        ``sentinel_internal_errors_total``; logged at most once a minute."""
+        self.internal_errors += 1
+        self.m.internal_errors.labels(self.run).inc()
+        self._recovered = False
+        what = f"{e.__class__.__name__}: {str(e)[:200]!r}"
+        if self.internal_errors >= self.INTERNAL_ERRORS_RESET:
+            self.internal_errors = 0
+            self.log(f"[{self.run}] internal error ({what}), {self.INTERNAL_ERRORS_RESET} polls in a row: "
+                     "starting this run's policy state afresh; its pending entries are read again")
+            self.policy = RunPolicy(self.run, self.opts.rules, dry_run=self.opts.dry_run, require_approval=self.opts.require_approval)
+            return
+        self._log_limited("internal", f"[{self.run}] internal error ({what}); its entries stay pending and are read "
+                                      "again (counted in sentinel_internal_errors_total, logged once a minute)")
 
     def _rejected(self, stream: str, v: Verdict) -> None:
         """Count a refused entry; log it, but at most once a minute per (stream, reason)."""
@@ -706,12 +756,31 @@ class RunWatcher:
         }]).encode()
         req = urllib.request.Request(self.opts.alertmanager_url.rstrip("/") + "/api/v2/alerts", data=body,
                                      headers={"Content-Type": "application/json"}, method="POST")
-        try:
-            urllib.request.urlopen(req, timeout=3).close()
-            return True
-        except OSError as e:
-            self.log(f"[{self.run}] could not reach Alertmanager: {e}")
+        outcome: list[BaseException | None] = []
+
+        def post() -> None:
+            try:
+                urllib.request.urlopen(req, timeout=3).close()
+                outcome.append(None)
+            except Exception as e:  # noqa: BLE001 - down, refused, not HTTP (BadStatusLine), a host idna refuses
+                outcome.append(e)
+
+        # a thread with a deadline: urlopen's timeout bounds each read, and a server that trickles
+        # a byte every 2 s would hold the poll loop (every run, the lease renewals) for good
+        t = threading.Thread(target=post, name="alertmanager-post", daemon=True)
+        t.start()
+        t.join(self.ALERTMANAGER_DEADLINE_S)
+        if not outcome:
+            self.log(f"[{self.run}] Alertmanager did not answer within {self.ALERTMANAGER_DEADLINE_S:g} s: the page is "
+                     "in the log, on the bus and in the run dir")
             return False
+        if outcome[0] is not None:
+            e = outcome[0]
+            self.log(f"[{self.run}] could not reach Alertmanager ({e.__class__.__name__}: {str(e)[:200]!r})")
+            return False
+        return True
+
+    ALERTMANAGER_DEADLINE_S = 5.0
 
 
 class Daemon:
@@ -831,7 +900,16 @@ class Daemon:
         for s, w in by_stream.items():
             w.behind = len(grouped[s]) >= self.opts.batch  # a full batch: more is waiting
             w._delivered += len(grouped[s])
-        return sum(w.poll(grouped[s]) for s, w in by_stream.items())
+        done = 0
+        for s, w in by_stream.items():  # one run's failure must not cost the others their batch
+            try:
+                done += w.poll(grouped[s])
+                w.internal_errors = 0
+            except (bus.BusError, redis.RedisError):
+                raise  # the bus's own failure: the caller backs off and every watcher reads its pending entries again
+            except Exception as e:  # noqa: BLE001 - a bug or a state no check foresaw, in this run only
+                w.internal_error(e)
+        return done
 
     def run_forever(self) -> None:
         backoff = 0.5

@@ -66,6 +66,27 @@ def is_authentic(entry: Entry, secret: bytes) -> bool:
     return not isinstance(_authentic(entry, secret), Verdict)
 
 
+def furthest_position(entries, run: str, secret: bytes) -> tuple[int, int] | None:
+    """The furthest (timeline, step) any authentic, well-formed record of ``run`` among ``entries``
+    stands at (a start, resume or rollback at its ``from_step``), or None when there is none. A
+    gate or policy position saved beyond it was written by someone else: the trainer made no such
+    record."""
+    best = None
+    for entry in entries:
+        data = _authentic(entry, secret)
+        if isinstance(data, Verdict):
+            continue
+        try:
+            rec = parse_step_line(data)
+        except SchemaError:
+            continue
+        if rec.run != run or record_range_error(rec):
+            continue
+        pos = (rec.timeline, rec.from_step if isinstance(rec, TimelineRecord) else rec.step)
+        best = pos if best is None or pos > best else best
+    return best
+
+
 class StepGate:
     """Validates the step stream of one run; remembers the last step per timeline."""
 

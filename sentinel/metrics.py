@@ -6,7 +6,7 @@ Built once per daemon in a registry we own. Label cardinality stays low: ``run``
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -42,10 +42,15 @@ class SentinelMetrics:
                          ["run"], registry=r)
         self.bus_restarts = Counter("sentinel_bus_restarts", "Embedded buses this sentinel found dead and restarted.",
                                     ["run"], registry=r)
+        self.internal_errors = Counter("sentinel_internal_errors", "Polls of a run that raised an unexpected error: its "
+                                       "entries stay pending and are read again; after 3 in a row its policy state starts afresh.",
+                                       ["run"], registry=r)
         self.mirror_failures = Counter("sentinel_mirror_write_failures", "Failed appends to the run dir's incidents.jsonl "
                                        "or pages.jsonl (disk full, read-only): that history is then only on the bus.",
                                        ["run", "file"], registry=r)
 
     def serve(self, host: str, port: int) -> int:
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+        from sentinel.metrics_http import serve
+
+        _server, bound = serve(self.registry, host, port)
+        return bound

@@ -53,12 +53,12 @@ import time
 from bisect import bisect_right
 from collections import deque
 from statistics import median
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, Field
 
 from sentinel.detectors import median_of
-from sentinel.protocol import Ack, CheckpointInfo, Event, Incident, MarkerRecord, StepRecord, TimelineRecord, ids_to_ranges, merge_ranges
+from sentinel.protocol import Ack, CheckpointInfo, Event, Incident, IncidentState, MarkerRecord, StepRecord, TimelineRecord, ids_to_ranges, merge_ranges
 from sentinel.rules import Finding, RuleEngine, RuleSet
 
 ActionKind = Literal["rollback", "skip-samples", "pause", "resume", "stop", "checkpoint-now", "page"]
@@ -886,30 +886,85 @@ class RunPolicy:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Continue from ``state_dict``'s output. The state is input too (a bus key anyone with write
+        access can set, or one a bug or another version wrote): every field is checked for its type
+        and its bounds, and for agreement with the others, and a ValueError says which one failed
+        (the caller then starts afresh). Before, a state name of 5 or a timeline ahead of the run
+        silently ended the run's judging, and a ranges list of 10^12 ids was expanded into memory."""
         self._init_state()
-        self._state = d["state"]
-        self.timeline = int(d["timeline"])
-        self.last_step, self.last_time = d["last_step"], d["last_time"]
+        state = d["state"]
+        if state not in _STATES:
+            raise ValueError(f"state {str(state)[:40]!r} is not a state")
+        self._state = state
+        self.timeline = _bounded_int(d["timeline"], "timeline")
+        last_step, last_time = d["last_step"], d["last_time"]
+        self.last_step = None if last_step is None else _bounded_int(last_step, "last_step")
+        if last_time is not None and not (isinstance(last_time, (int, float)) and math.isfinite(last_time)):
+            raise ValueError("last_time is not a finite number")
+        self.last_time = last_time
         self._incidents = {i["id"]: Incident.model_validate(i) for i in d["incidents"]}
-        self._current = d["current"]
+        self._current, self._hang = d["current"], d.get("hang")
+        for name, iid in (("current", self._current), ("hang", self._hang)):
+            if iid is not None and (not isinstance(iid, str) or iid not in self._incidents):
+                raise ValueError(f"{name} names no incident of the state")
+        if (state == "healthy") != (self._current is None):
+            raise ValueError(f"state {state} with current incident {self._current!r}")
         self._ep = dict(d["episode"])
+        if state == "suspect" and not all(_is_int(self._ep.get(k)) for k in ("onset", "last")):
+            raise ValueError("the open episode has no onset or last step")
+        if any(not isinstance(k, str) or isinstance(v, dict) or (isinstance(v, list) and (
+                len(v) > 1 << 16 or not all(isinstance(x, (int, float)) for x in v))) for k, v in self._ep.items()):
+            raise ValueError("episode holds a value of the wrong kind")
         self._pending = dict(d["pending"])
+        if any(not isinstance(k, str) or not isinstance(v, dict) for k, v in self._pending.items()):
+            raise ValueError("pending is not a map of incident id to action")
         self._checkpoints = {c["step"]: CheckpointInfo.model_validate(c) for c in d["checkpoints"]}
+        budget = self.cfg.sample_history_steps * MAX_SAVED_IDS_PER_STEP
         for s, ranges in d.get("samples") or []:
-            self._samples.append((int(s), [i for lo, hi in ranges for i in range(lo, hi)]))
+            n = 0
+            for lo, hi in ranges:
+                if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi):
+                    raise ValueError("samples hold a range that is not 0 <= lo <= hi")
+                n += hi - lo
+            budget -= n
+            if budget < 0:  # the daemon saves none (they are read back from the stream): a hostile list
+                raise ValueError(f"samples hold more than {self.cfg.sample_history_steps * MAX_SAVED_IDS_PER_STEP} ids")
+            self._samples.append((_bounded_int(s, "samples step"), [i for lo, hi in ranges for i in range(lo, hi)]))
         self._samples_in_order = _in_order(self._samples)
         self._rollback_log = [[float(t), float(n)] for t, n in d.get("rollback_log", [])]
-        self.steps_seen = int(d.get("steps_seen", 0))
-        self._episodes.extend(d.get("episodes", []))
+        self.steps_seen = _bounded_int(d.get("steps_seen", 0), "steps_seen")
+        episodes = d.get("episodes", [])
+        if not isinstance(episodes, list) or any(not isinstance(e, dict) for e in episodes):
+            raise ValueError("episodes is not a list of maps")
+        self._episodes.extend(episodes)
         self.pattern = d.get("pattern", "none")
+        if self.pattern not in ("none", *SPIKE_PATTERNS):
+            raise ValueError(f"pattern {str(self.pattern)[:40]!r} is not a spike pattern")
         self._last_fire = {k: list(v) for k, v in d["last_fire"].items()}
-        self._hang = d.get("hang")
+        if any(not isinstance(k, str) or len(v) != 2 or not all(
+                x is None or (isinstance(x, (int, float)) and math.isfinite(x)) for x in v) for k, v in self._last_fire.items()):
+            raise ValueError("last_fire is not a map of rule to [step, time]")
         rb = d.get("rebaselined_at")
         self._rebaselined_at = int(rb) if rb is not None else None
         self._forks = [[int(t), int(s)] for t, s in d.get("forks", [])]
         self._fork_cut = None
         self.engine.load_state_dict(d["engine"])
         self._events = [Event.model_validate(e) for e in d.get("events", [])]
+
+
+_STATES = frozenset(get_args(IncidentState))
+MAX_SAVED_IDS_PER_STEP = 1 << 16  # a saved state's sample history: at most this many ids per remembered step
+_MAX_COUNT = 1 << 53  # a step, timeline or count from a saved state: above it, not a number this policy wrote
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _bounded_int(x: Any, what: str) -> int:
+    if not _is_int(x) or not 0 <= x <= _MAX_COUNT:
+        raise ValueError(f"{what} is not a count")
+    return x
 
 
 def _in_order(samples) -> bool:

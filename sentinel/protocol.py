@@ -45,6 +45,7 @@ REJECT_REASONS = (
     "forged_copy",  # a directive's id on another entry: the trainer refused the copy, not the original
     "wrong_type",  # a bus key that holds another Redis type than this protocol's (set by someone else)
     "no_lease",  # a leader key with no TTL or of another type: it would hold the run's lease forever
+    "internal_error",  # a record whose judging raised something unforeseen: skipped, so it cannot stop the run's judging
 )
 
 MAX_RECORD_BYTES = 1 << 20  # a step record of a 4096-sample global batch is ~60 KB

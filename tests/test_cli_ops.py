@@ -699,7 +699,7 @@ def test_views_are_readable_at_80_columns(run_copy):
     ["nosuch"],
     ["backtest"],
     ["backtest", "--bogus", "x.jsonl"],
-    ["pages", "--limit", "0"],
+    ["pages", "--limit", "-1"],  # 0 shows all (as incidents --limit)
     ["rollback", "runs/x", "--to-step", "ten"],
     # a NaN, infinite or absurd wait once made a directive that never expired (and a wait that never ended)
     ["pause", "r", "--timeout", "nan"],

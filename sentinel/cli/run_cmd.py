@@ -23,6 +23,10 @@ def _check_alertmanager_url(url: str) -> None:
         raise SentinelError(f"--alertmanager-url: not a URL ({e})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SentinelError(f"--alertmanager-url {url[:80]!r}: use http://HOST:PORT or https://HOST:PORT")
+    try:
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise SentinelError(f"--alertmanager-url {url[:80]!r}: {parts.hostname[:80]!r} is no valid host name") from None
 
 
 def _run_dir_problem(path: str) -> str | None:

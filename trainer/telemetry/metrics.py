@@ -35,7 +35,6 @@ from prometheus_client import (
     Info,
     Summary,
     generate_latest,
-    start_http_server,
 )
 
 from sentinel.protocol import MARKER_KINDS, MAX_SLICES, REJECT_REASONS, SLICE_NAME_RE, DirectiveKind
@@ -312,8 +311,9 @@ class TrainerMetrics:
         """
         if self._server is not None:
             raise RuntimeError(f"already serving on port {self._port}")
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._port = int(self._server.server_port)
+        from sentinel.metrics_http import serve  # a timeout per connection and a cap on them
+
+        self._server, self._port = serve(self.registry, host, port)
         return self._port
 
     @property
