@@ -115,6 +115,21 @@ def test_cli_check_bad_file_exit_2_one_line(tmp_path):
     assert r.exit_code == 2 and r.output.strip().startswith("error: ") and len(r.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("text, said", [
+    # before: a ValueError traceback (Python refuses to convert 4,300+ digits)
+    ("rules:\n  loss_spike:\n    window: " + "9" * 5000 + "\n", "a value no setting can hold"),
+    ("policy:\n  rollback_margin_steps: " + "9" * 5000 + "\n", "a value no setting can hold"),
+    # before: "valid", and the rule (with every divergence test that waits on its warmup) never judged
+    ("rules:\n  loss_spike:\n    window: 8\n    min_history: 100000\n", "min_history = 100000 is more than window = 8"),
+    ("rules:\n  grad_norm_spike:\n    window: 16\n    min_history: 17\n", "min_history = 17 is more than window = 16"),
+    ("rules:\n  throughput_low:\n    window: 8\n    min_history: 9\n", "min_history = 9 is more than window = 8"),
+])
+def test_a_rules_file_that_could_never_work_is_refused_in_one_line(tmp_path, text, said):
+    r = CliRunner().invoke(rules_group, ["check", str(write(tmp_path, text))])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], r.output
+
+
 def _val_trace(losses_and_vals):
     from sentinel.protocol import StepRecord
 

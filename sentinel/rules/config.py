@@ -87,7 +87,20 @@ class NonFiniteRule(RuleBase):
     persist_steps: int = Field(3, ge=1)  # consecutive non-finite steps before it counts as damage even if skipped
 
 
-class LossSpikeRule(RuleBase):
+class _WindowedRule(RuleBase):
+    """A rule with a baseline ``window`` and a warmup of ``min_history`` values in it."""
+
+    @model_validator(mode="after")
+    def _history_fits_the_window(self):
+        # the baseline never holds more than `window` values: a warmup longer than that never ends,
+        # and the rule (and the divergence tests that wait on it) would be silently off
+        if self.min_history > self.window:
+            raise ValueError(f"min_history = {self.min_history} is more than window = {self.window}: "
+                             "the warmup would never end and the rule never judge")
+        return self
+
+
+class LossSpikeRule(_WindowedRule):
     severity: Severity = "warning"
     action: RuleAction = "rollback"
     window: int = Field(128, ge=8)  # admitted losses in the robust baseline
@@ -98,7 +111,7 @@ class LossSpikeRule(RuleBase):
     recent_window: int = Field(32, ge=0)  # noise-aware: level and local spread of the last N admitted losses (0: off)
 
 
-class GradNormSpikeRule(RuleBase):
+class GradNormSpikeRule(_WindowedRule):
     severity: Severity = "warning"
     action: RuleAction = "none"  # clipping usually absorbs it; the loss rules decide on damage
     window: int = Field(128, ge=8)
@@ -180,7 +193,7 @@ class ValDivergenceRule(RuleBase):
     warmup_evals: int = Field(2, ge=0)  # evaluations ignored at first: the train level lags a fast early descent
 
 
-class BandRule(RuleBase):
+class BandRule(_WindowedRule):
     """Below a band for a duration: an absolute floor, or a fraction of the run's own median."""
 
     severity: Severity = "warning"
@@ -399,6 +412,10 @@ def parse_rules(text: str, source: str = "<rules>", allow_empty: bool = True) ->
         raise RulesError(f"{source}: invalid YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:
         raise RulesError(f"{source}: invalid rules: nested more than {MAX_YAML_DEPTH} levels deep") from None
+    except ValueError as e:  # an integer of more than 4,300 digits (Python refuses to convert it), a bad timestamp
+        raise RulesError(f"{source}: invalid YAML: a value no setting can hold ({' '.join(str(e).split(': ')[0].split())[:120]})") from None
+    except MemoryError:
+        raise RulesError(f"{source}: invalid YAML: too large to read") from None
     if _depth(data, MAX_YAML_DEPTH) > MAX_YAML_DEPTH:
         raise RulesError(f"{source}: invalid rules: nested more than {MAX_YAML_DEPTH} levels deep")
     if data is None or data == {}:
