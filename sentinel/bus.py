@@ -255,7 +255,7 @@ def _describe(r: redis.Redis) -> str:
 
 
 def _one_line(e: BaseException) -> str:
-    msg = " ".join(str(e).split()) or e.__class__.__name__
+    msg = " ".join(str(e).split())[:300] or e.__class__.__name__  # a server's raw bytes can run to megabytes
     # redis-py: "Error 111 connecting to 127.0.0.1:6390. Connection refused." -> "Connection refused"
     m = re.match(r"Error (?:-?\d+ )?(?:connecting|while writing) to [^ ]+?\.? (.+)$", msg)
     if m:
@@ -353,11 +353,62 @@ def connect(
         raise BusError(f"invalid bus URL {redact_url(url)}: {' '.join(redact_url(str(e)).split())[:200]}") from None
     if check:
         try:
+            if scheme == "redis" and parts.hostname:
+                _looks_like_redis(parts.hostname, parts.port or 6379, timeout, redact_url(url))
             with bus_errors(r):
-                r.ping()
+                _ping_within(r, 3 * timeout + 2.0, redact_url(url))
         except (ValueError, TypeError) as e:  # an option value redis-py only checks when it connects (ssl_cert_reqs=bogus)
             raise BusError(f"invalid bus URL {redact_url(url)}: {' '.join(redact_url(str(e)).split())[:200]}") from None
     return r
+
+
+def _looks_like_redis(host: str, port: int, timeout: float, where: str) -> None:
+    """One inline PING on a plain socket, and at most 64 bytes of its answer read: a Redis server
+    answers ``+PONG`` or an error (``-NOAUTH ...``). Anything else (an HTTP server, another
+    protocol, a bulk of a gigabyte announced) is refused here, before the client library reads
+    what the server announces into memory. A connection that fails is left to the client (its
+    own message)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(b"PING\r\n")
+            first = sock.recv(64)
+    except OSError:
+        return
+    if first[:1] not in (b"+", b"-"):
+        shown = first[:24].decode("ascii", "backslashreplace")
+        raise BusError(f"{where} is not a Redis server: it answered a PING with {shown!r}"
+                       + ("" if first else " (nothing: it closed the connection)"))
+
+
+def _ping_within(r: redis.Redis, deadline_s: float, where: str) -> None:
+    """PING, with a deadline on the whole exchange. The socket timeout bounds each read only: a
+    server that is no Redis and keeps sending (a line with no end, a bulk of a gigabyte announced)
+    held the first command for good, at 100 % CPU or gigabytes of memory. Past the deadline the
+    connection is closed under the reader and the bus is unreachable."""
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def ping() -> None:
+        try:
+            r.ping()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(e)
+
+    t = threading.Thread(target=ping, name="bus-ping", daemon=True)
+    t.start()
+    t.join(deadline_s)
+    if not outcome:
+        with contextlib.suppress(Exception):
+            r.connection_pool.disconnect()  # the reader's socket closes: its thread ends
+        raise BusUnavailable(f"cannot reach Redis at {where}: no answer to PING within {deadline_s:g} s "
+                             "(is it a Redis server?)")
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -276,3 +276,57 @@ def test_sentinel_run_with_a_metrics_host_idna_refuses_is_one_line(redis_server,
     lines = [ln for ln in res.output.splitlines() if ln.strip() and "lease" not in ln]
     assert res.exit_code == 2 and lines[-1].startswith("error: cannot serve metrics on 'a..b'"), res.output
     assert "Traceback" not in res.output
+
+
+def _talker(first: bytes, then: bytes):
+    """A TCP server that answers a connection's first bytes with ``first``, then sends ``then`` for
+    ever (until stopped)."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    stop = threading.Event()
+
+    def one(c):
+        try:
+            c.recv(4096)
+            c.sendall(first)
+            while then and not stop.is_set():
+                c.sendall(then)
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            threading.Thread(target=one, args=(c,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"redis://127.0.0.1:{srv.getsockname()[1]}/0", stop
+
+
+@pytest.mark.parametrize("first, then, said", [
+    (b"$999999999\r\n", b"A" * 65536, "is not a Redis server: it answered a PING with '$999999999"),  # was: GBs, for good
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n", b"", "is not a Redis server: it answered a PING with 'HTTP/1.1 400"),
+    (b"+", b"A" * 65536, "no answer to PING within 8 s"),  # a line with no end: was 100 % CPU, for good
+])
+def test_a_bus_url_at_a_server_that_is_no_redis_is_one_line_in_bounded_time(first, then, said):
+    import time
+
+    url, stop = _talker(first, then)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(bus.BusError) as ei:
+            bus.connect(url)
+        assert said in str(ei.value) and len(str(ei.value)) < 300, str(ei.value)[:400]
+        assert time.monotonic() - t0 < 15
+    finally:
+        stop.set()
