@@ -187,7 +187,7 @@ def trainer_command(spec: DrillSpec, fault_arg: str | None, redis_url: str | Non
                 "--master-port", str(free_port()), "-m", "trainer"]
     else:
         head = [sys.executable, "-m", "trainer"]
-    cmd = head + ["--preset", spec.preset, "--run-dir", str(spec.run_dir), "--max-steps", str(spec.steps),
+    cmd = head + ["--preset", spec.preset, f"--run-dir={spec.run_dir}", "--max-steps", str(spec.steps),
                   "--ckpt-every", str(spec.ckpt_every), "--keep-last", "30", "--eval-every", str(spec.eval_every),
                   "--seed", str(spec.seed), "--set", "telemetry.log_every=10"]
     if spec.data_dir:

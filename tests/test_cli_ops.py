@@ -717,6 +717,10 @@ def test_views_are_readable_at_80_columns(run_copy):
     ["skip-list", "runs/x", "add", "1:2", "--reason", "x" * 5000],
     ["run", "--lease-ms", "0"],
     ["run", "--metrics-port", "70000"],
+    # the consumer name goes into the log, the lease and the directives' issuer: it was printed raw
+    ["run", "--consumer", "a\x1b[2Jb"],
+    ["run", "--consumer", "a\nb"],
+    ["run", "--consumer", "x" * 5000],
 ])
 def test_a_bad_flag_is_one_line_too(args):
     """Click's usage errors (a bad value, an unknown option or command, a missing argument) are one

@@ -330,3 +330,20 @@ def test_a_bus_url_at_a_server_that_is_no_redis_is_one_line_in_bounded_time(firs
         assert time.monotonic() - t0 < 15
     finally:
         stop.set()
+
+
+@pytest.mark.parametrize("name, said", [
+    ("d:x y{z}", "its name is the run id"),  # was: the bus and the trainer started, then a traceback in its log
+    ("a\nb", "no quotes or line breaks"),
+    ("d_\udcffx", "not valid UTF-8"),  # was: a UnicodeEncodeError traceback writing the bus's config
+])
+def test_a_demo_run_dir_that_cannot_be_a_run_is_refused_before_anything_starts(tmp_path, name, said):
+    from click.testing import CliRunner
+
+    from sentinel.cli import main
+
+    target = f"{tmp_path}/{name}"
+    res = CliRunner().invoke(main, ["demo", "--run-dir", target])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and said in lines[0], res.output
+    assert list(tmp_path.iterdir()) == [], "nothing was made"

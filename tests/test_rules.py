@@ -123,11 +123,14 @@ def test_cli_check_bad_file_exit_2_one_line(tmp_path):
     ("rules:\n  loss_spike:\n    window: 8\n    min_history: 100000\n", "min_history = 100000 is more than window = 8"),
     ("rules:\n  grad_norm_spike:\n    window: 16\n    min_history: 17\n", "min_history = 17 is more than window = 16"),
     ("rules:\n  throughput_low:\n    window: 8\n    min_history: 9\n", "min_history = 9 is more than window = 8"),
+    # a wrong file (credentials, another tool's config): before, its first key was echoed
+    ("root:$6$s3cr3thash: 20228\nbin: 1\n", "not a rules file: none of policy, rules, version at its top (2 other key(s))"),
 ])
 def test_a_rules_file_that_could_never_work_is_refused_in_one_line(tmp_path, text, said):
     r = CliRunner().invoke(rules_group, ["check", str(write(tmp_path, text))])
     lines = r.output.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], r.output
+    assert "s3cr3t" not in r.output
 
 
 def _val_trace(losses_and_vals):

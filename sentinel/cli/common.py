@@ -100,6 +100,20 @@ class OneLineText(click.ParamType):
         return v
 
 
+class ConsumerName(OneLineText):
+    """A consumer name (``--consumer``): it goes into the log, the leader lease and the signed
+    directives' ``issuer``, so one word of plain text, at most ``MAX`` characters."""
+
+    name = "name"
+    MAX = 128
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not v or any(c.isspace() for c in v):
+            self.fail("one word, without spaces", param, ctx)
+        return v
+
+
 def _redact(text: str) -> str:
     """Never print secrets: every word with an ``@`` in it (a URL's userinfo, however broken the
     URL: ``redis://:pw/x@host``) has its password replaced (``bus.redact_url``)."""

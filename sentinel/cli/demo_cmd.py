@@ -97,6 +97,7 @@ def demo(run_dir, steps, ranks, drill_step, drill, fault, source, factor, no_sen
     # before anything is written: the drill's bus, rules, logs, checkpoints and report never go into
     # a directory that holds something (another run, a copy of one)
     _refuse_used_dir(run_dir)
+    _refuse_unusable_name(run_dir)
     if compare:
         for d in _compare_dirs(run_dir, not no_sentinel):
             _refuse_used_dir(d, f"--compare needs {d}, which")
@@ -195,6 +196,26 @@ def _demo(console, run_dir, steps, ranks, drill_step, mixture, fault, source, fa
                       f"--step {drill_step}` names the corrupted samples.")
     if "compare" in out and not as_json:
         _print_compare(out["compare"], console)
+
+
+def _refuse_unusable_name(path: Path) -> None:
+    """A one-line error before anything starts when the directory's name cannot be a run id (the run
+    is named after it) or its path cannot be written into the bus's config (not UTF-8, a newline):
+    these once failed only after the bus and the trainer had started, with a traceback in the log."""
+    from sentinel.protocol import Keys
+    from sentinel.runref import printable
+
+    text = str(path.resolve())
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SentinelError(f"--run-dir {printable(str(path), 200)}: the path is not valid UTF-8") from None
+    if any(c in text for c in "\n\r\0\"'"):
+        raise SentinelError(f"--run-dir {printable(str(path), 200)}: no quotes or line breaks in the path, please")
+    try:
+        Keys(path.resolve().name)
+    except ValueError as e:
+        raise SentinelError(f"--run-dir {printable(str(path), 200)}: its name is the run id, and {e}") from None
 
 
 def _refuse_used_dir(path: Path, what: str | None = None) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import SentinelError, friendly_errors, redis_url_option
+from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, redis_url_option
 
 
 def _check_alertmanager_url(url: str) -> None:
@@ -70,7 +70,7 @@ def _console_log():
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics endpoint binds (0.0.0.0 for a Prometheus on another host).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve sentinel_* metrics on this port (0: a free port).")
-@click.option("--consumer", help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
+@click.option("--consumer", type=ConsumerName(), help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
 @click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")
 @click.option("--lease-ms", type=click.IntRange(500, 3_600_000), default=10_000, show_default=True,
               help="Leader lease TTL in ms (HA: one sentinel acts per run).")

@@ -425,6 +425,10 @@ def parse_rules(text: str, source: str = "<rules>", allow_empty: bool = True) ->
         data = {}
     if not isinstance(data, dict):
         raise RulesError(f"{source}: <root>: expected a mapping of settings, got {type(data).__name__}")
+    if data and not set(data) & set(RuleSet.model_fields):
+        # a wrong file (a credentials file, another tool's config): its keys are not echoed, they may be secrets
+        raise RulesError(f"{source}: not a rules file: none of {', '.join(sorted(RuleSet.model_fields))} at its top "
+                         f"({len(data)} other key(s)); start from sentinel/default_rules.yaml")
     try:
         return RuleSet.model_validate(data)
     except ValidationError as e:
