@@ -447,10 +447,12 @@ def sentinel_bus_input_panel() -> timeseries.Panel:
     return (default_timeseries().title("Bus input: refused, trimmed unread, lag")
             .description("Step-stream entries the sentinel refused, by stream and reason (forged, malformed, newer "
                          "schema: the SentinelRecordsRejected runbook); step records the capped stream trimmed before "
-                         "the sentinel read them; records not yet read (right axis); embedded buses restarted.")
+                         "the sentinel read them; records not yet read (right axis); embedded buses restarted; polls that raised "
+                         "an unforeseen error (the SentinelInternalError runbook).")
             .with_target(increase("sentinel_records_rejected_total", "run, stream, reason", "refused {{stream}} {{reason}}", "A"))
             .with_target(increase("sentinel_records_trimmed_unread_total", "run", "trimmed unread", "B"))
             .with_target(increase("sentinel_bus_restarts_total", "run", "bus restarts", "C"))
+            .with_target(increase("sentinel_internal_errors_total", "run", "internal errors", "E"))
             .with_target(query(f"max by (run) (sentinel_stream_lag_records{{{RUN}}})", "lag (records)", "D"))
             .override_by_query("D", right_axis("D", "none")))
 

@@ -149,7 +149,7 @@ class RunWatcher:
         self.gate = StepGate(run, opts.secret)
         # counters of rare events exported at 0 from the start: increase() then sees the first one, and
         # the dashboard shows "none" rather than "no data" (labels per stream and reason are made on use)
-        for c in (metrics.trimmed, metrics.bus_restarts, metrics.steps):
+        for c in (metrics.trimmed, metrics.bus_restarts, metrics.steps, metrics.internal_errors):
             c.labels(run)
         self._recovered = False
         self.internal_errors = 0  # polls in a row that raised (``internal_error``)
