@@ -383,6 +383,18 @@ def _looks_like_redis(host: str, port: int, timeout: float, where: str) -> None:
                        + ("" if first else " (nothing: it closed the connection)"))
 
 
+def check_is_redis(url: str, timeout: float = 2.0) -> None:
+    """``_looks_like_redis`` for a ``redis://`` URL (other schemes, and a server that cannot be
+    reached, pass): BusError when what answers there is no Redis server."""
+    parts = urlsplit(_split_tls_query(url)[0])
+    if parts.scheme == "redis" and parts.hostname:
+        try:
+            port = parts.port or 6379
+        except ValueError:
+            return
+        _looks_like_redis(parts.hostname, port, timeout, redact_url(url))
+
+
 def _ping_within(r: redis.Redis, deadline_s: float, where: str) -> None:
     """PING, with a deadline on the whole exchange. The socket timeout bounds each read only: a
     server that is no Redis and keeps sending (a line with no end, a bulk of a gigabyte announced)

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import redis
 
-from sentinel.bus import FIELD, BusError, connect, id_exhausted, is_future_id, redact_url, repair_stream_ids
+from sentinel.bus import FIELD, BusError, check_is_redis, connect, id_exhausted, is_future_id, redact_url, repair_stream_ids
 from sentinel.protocol import (
     read_regular_file,
     RECORD_MAC_FIELD,
@@ -421,6 +421,16 @@ class BusClient:
         while not self._stop.is_set():
             self._wake.wait(self._poll)
             self._wake.clear()
+            if not self.connected:
+                # before the client library reads a reply: a server that is no Redis could announce a
+                # gigabyte and the trainer would hold it in memory (3.2 GB measured), at every retry
+                try:
+                    check_is_redis(self._full_url, self._io_timeout)
+                except BusError as e:
+                    self._log_limited("not_redis", "control bus: %s; retrying in the background", _short(e))
+                    self._stop.wait(backoff * random.uniform(0.8, 1.2))
+                    backoff = min(backoff * 2, 5.0)
+                    continue
             try:
                 self._iteration()
             except _CONN_ERRORS as e:
