@@ -754,8 +754,9 @@ class RunWatcher:
                        "incident": a.incident_id or ""},
             "annotations": {"summary": a.reason},
         }]).encode()
-        req = urllib.request.Request(self.opts.alertmanager_url.rstrip("/") + "/api/v2/alerts", data=body,
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        url, headers = _basic_auth(self.opts.alertmanager_url)
+        req = urllib.request.Request(url.rstrip("/") + "/api/v2/alerts", data=body,
+                                     headers={"Content-Type": "application/json", **headers}, method="POST")
         outcome: list[BaseException | None] = []
 
         def post() -> None:
@@ -776,11 +777,33 @@ class RunWatcher:
             return False
         if outcome[0] is not None:
             e = outcome[0]
-            self.log(f"[{self.run}] could not reach Alertmanager ({e.__class__.__name__}: {str(e)[:200]!r})")
+            self.log(f"[{self.run}] could not reach Alertmanager ({e.__class__.__name__}: {redact_http_url(str(e))[:200]!r})")
             return False
         return True
 
     ALERTMANAGER_DEADLINE_S = 5.0
+
+
+def redact_http_url(text: str) -> str:
+    """``text`` with the password of any ``scheme://user:password@`` in it replaced by ``***``."""
+    return re.sub(r"(//[^/@\s:]*:)[^/@\s]*@", r"\1***@", text)
+
+
+def _basic_auth(url: str) -> tuple[str, dict[str, str]]:
+    """An Alertmanager URL with ``user:password@`` (basic auth behind a proxy): the URL without them,
+    and the ``Authorization`` header they stand for (urllib would read them as part of the host)."""
+    import base64
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None:
+        return url, {}
+    netloc = parts.hostname or ""
+    netloc = f"[{netloc}]" if ":" in netloc else netloc
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    token = base64.b64encode(f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()).decode()
+    return urlunsplit(parts._replace(netloc=netloc)), {"Authorization": f"Basic {token}"}
 
 
 class Daemon:

@@ -380,3 +380,47 @@ def test_the_trainers_bus_client_does_not_read_what_a_server_that_is_no_redis_an
         assert sent and max(sent) < 32 << 20, f"the client took {max(sent) >> 20} MiB of what the server announced"
     finally:
         stop.set()
+
+
+def test_an_alertmanager_behind_basic_auth_gets_the_page_and_the_password_is_never_shown(redis_url, unique_run):
+    """``https://user:password@am:9093``: before, urllib read ``user:password@am`` as the host (a
+    nonnumeric-port error with the password in the daemon's log line, and no page delivered)."""
+    import base64
+    import http.server
+    import threading
+
+    got: list[tuple[str, str | None]] = []
+
+    class AM(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            got.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AM)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = bus.connect(redis_url)
+        run, k = unique_run, Keys(unique_run)
+        register_checkpoints(r, run)
+        publish_steps(r, run, range(1, 61), nan_at=45)
+        logs: list[str] = []
+        url = f"http://pager%40corp:s3cr3t%2Fpw@127.0.0.1:{srv.server_address[1]}"
+        d = Daemon(r, Options(rules=parse_rules(RULES), secret=SECRET, consumer="x", require_approval=True,
+                              alertmanager_url=url), runs=[run], metrics=SentinelMetrics(), log=logs.append)
+        pump(d, until=lambda: bool(got), min_iter=2)
+        assert got[0] == ("/api/v2/alerts", "Basic " + base64.b64encode(b"pager@corp:s3cr3t/pw").decode())
+        assert not any("s3cr3t" in line for line in logs)
+    finally:
+        srv.shutdown()
+
+    from click.testing import CliRunner
+
+    from sentinel.cli import main
+
+    res = CliRunner().invoke(main, ["run", "--alertmanager-url", "http://bob:hunter2@a..b:9093"])
+    assert res.exit_code == 2 and "bob:***@a..b" in res.output and "hunter2" not in res.output, res.output

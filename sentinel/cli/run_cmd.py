@@ -13,20 +13,24 @@ from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, re
 
 def _check_alertmanager_url(url: str) -> None:
     """An http(s) URL with a host, or a one-line error now: a bad one would otherwise surface only
-    at the first page, as a delivery failure in the middle of an incident."""
+    at the first page, as a delivery failure in the middle of an incident. The URL may carry basic
+    auth (``https://user:password@am:9093``): it is never shown with its password."""
     from urllib.parse import urlsplit
 
+    from sentinel.daemon import redact_http_url
+
+    shown = repr(redact_http_url(url)[:80])
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 -- raises on a port that is not a number or out of range
     except ValueError as e:
-        raise SentinelError(f"--alertmanager-url: not a URL ({e})") from None
+        raise SentinelError(f"--alertmanager-url {shown}: not a URL ({redact_http_url(str(e))[:120]})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise SentinelError(f"--alertmanager-url {url[:80]!r}: use http://HOST:PORT or https://HOST:PORT")
+        raise SentinelError(f"--alertmanager-url {shown}: use http://HOST:PORT or https://HOST:PORT")
     try:
         parts.hostname.encode("idna")
     except UnicodeError:
-        raise SentinelError(f"--alertmanager-url {url[:80]!r}: {parts.hostname[:80]!r} is no valid host name") from None
+        raise SentinelError(f"--alertmanager-url {shown}: {parts.hostname[:80]!r} is no valid host name") from None
 
 
 def _run_dir_problem(path: str) -> str | None:
