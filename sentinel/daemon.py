@@ -478,6 +478,13 @@ class RunWatcher:
                 current[int(k)] = raw
             except ValueError:
                 continue
+        if not current and self.checkpoints_seen:
+            # the whole hash gone: retention never drops the newest checkpoint, so this is a bus that
+            # lost its data (FLUSHALL, a restart without persistence). The trainer registers them again
+            # at its next heartbeat; until then damage must still find its rollback target.
+            self._log_limited("ckpt-gone", f"[{self.run}] the bus holds no checkpoint entry any more (lost its data?): "
+                                           f"keeping the {len(self.checkpoints_seen)} known until the trainer registers them again")
+            return
         for s in sorted(set(self.checkpoints_seen) - set(current)):
             self.policy.forget_checkpoint(s)
             self.checkpoints_seen.discard(s)

@@ -424,3 +424,22 @@ def test_an_alertmanager_behind_basic_auth_gets_the_page_and_the_password_is_nev
 
     res = CliRunner().invoke(main, ["run", "--alertmanager-url", "http://bob:hunter2@a..b:9093"])
     assert res.exit_code == 2 and "bob:***@a..b" in res.output and "hunter2" not in res.output, res.output
+
+
+def test_a_checkpoints_hash_lost_whole_keeps_the_known_targets_until_the_trainer_registers_again(redis_url, unique_run):
+    """The bus lost its data (FLUSHALL) and damage came before the trainer's next heartbeat put its
+    checkpoints back: before, every known checkpoint was forgotten at once and the NaN got a pause
+    instead of a rollback (1 run in 6 of test_a_flushall_mid_run..., under load more)."""
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    register_checkpoints(r, run)
+    d = _daemon(r, [run])
+    publish_steps(r, run, range(1, 31))
+    pump(d, until=lambda: d.watchers.get(run) is not None and d.watchers[run].policy.last_step == 30, min_iter=3)
+    r.delete(k.checkpoints)  # the whole hash: retention never drops the newest, so this is lost data
+    publish_steps(r, run, range(31, 61), nan_at=45)
+    pump(d, until=lambda: _judged(r, run), min_iter=3)
+    from test_daemon import TARGET, directives
+
+    assert [(x.kind, x.to_step) for x in directives(r, run)][:1] == [("rollback", TARGET)]
+    assert any("holds no checkpoint entry any more" in line for line in d.logs)
