@@ -123,6 +123,8 @@ def test_cli_check_bad_file_exit_2_one_line(tmp_path):
     ("rules:\n  loss_spike:\n    window: 8\n    min_history: 100000\n", "min_history = 100000 is more than window = 8"),
     ("rules:\n  grad_norm_spike:\n    window: 16\n    min_history: 17\n", "min_history = 17 is more than window = 16"),
     ("rules:\n  throughput_low:\n    window: 8\n    min_history: 9\n", "min_history = 9 is more than window = 8"),
+    # YAML 1.1 reads 1:30 as 90 (base 60): before, the window silently became 90
+    ("rules:\n  loss_spike:\n    window: 1:30\n", "'1:30' is read as a base-60 number"),
     # a wrong file (credentials, another tool's config): before, its first key was echoed
     ("root:$6$s3cr3thash: 20228\nbin: 1\n", "not a rules file: none of policy, rules, version at its top (2 other key(s))"),
 ])

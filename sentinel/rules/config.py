@@ -379,6 +379,23 @@ class _RulesLoader(yaml.SafeLoader):
                                                             "may appear once)", key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node):
+        return self._no_sexagesimal(node) or super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        return self._no_sexagesimal(node) or super().construct_yaml_float(node)
+
+    def _no_sexagesimal(self, node) -> None:
+        """YAML 1.1 reads ``1:30`` as 90 (base 60, for times): in a rules file it is a typo."""
+        if ":" in str(node.value):
+            raise yaml.constructor.ConstructorError(None, None, f"{str(node.value)[:40]!r} is read as a base-60 number by "
+                                                    "YAML 1.1: write the number you mean", node.start_mark)
+        return None
+
+
+_RulesLoader.add_constructor("tag:yaml.org,2002:int", _RulesLoader.construct_yaml_int)
+_RulesLoader.add_constructor("tag:yaml.org,2002:float", _RulesLoader.construct_yaml_float)
+
 
 def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_RulesLoader)  # noqa: S506 (a SafeLoader subclass)
