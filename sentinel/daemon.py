@@ -233,7 +233,7 @@ class RunWatcher:
             why = f"{e.__class__.__name__}: {str(e)[:120]}" if isinstance(e, ValueError) else e.__class__.__name__
             self._rejected("policy", Verdict(None, "malformed", f"saved policy state: {why}"))
             self.log(f"[{self.run}] persisted policy state is unreadable ({why}); starting from a fresh state")
-            self.policy = RunPolicy(self.run, self.opts.rules, dry_run=self.opts.dry_run, require_approval=self.opts.require_approval)
+            self._fresh_policy()
             return
         self.last_id, self.acks_id, self.approvals_id = ids
         self.checkpoints_seen = seen
@@ -392,6 +392,13 @@ class RunWatcher:
         self.policy.end_replay("seen only in the backlog: the run had gone on before this sentinel read it; not acted on")
         self._flush_events(history=True)
 
+    def _fresh_policy(self) -> None:
+        """Start the run's policy afresh; the checkpoints on the bus are fed to it again at the next
+        poll (a fresh policy that knew none would page where a rollback was due)."""
+        self.policy = RunPolicy(self.run, self.opts.rules, dry_run=self.opts.dry_run, require_approval=self.opts.require_approval)
+        self.checkpoints_seen = set()
+        self._ckpt_raw = {}
+
     INTERNAL_ERRORS_RESET = 3  # polls in a row that raised before the run's policy state starts afresh
 
     def internal_error(self, e: BaseException) -> None:
@@ -407,7 +414,7 @@ class RunWatcher:
             self.internal_errors = 0
             self.log(f"[{self.run}] internal error ({what}), {self.INTERNAL_ERRORS_RESET} polls in a row: "
                      "starting this run's policy state afresh; its pending entries are read again")
-            self.policy = RunPolicy(self.run, self.opts.rules, dry_run=self.opts.dry_run, require_approval=self.opts.require_approval)
+            self._fresh_policy()
             return
         self._log_limited("internal", f"[{self.run}] internal error ({what}); its entries stay pending and are read "
                                       "again (counted in sentinel_internal_errors_total, logged once a minute)")

@@ -443,3 +443,26 @@ def test_a_checkpoints_hash_lost_whole_keeps_the_known_targets_until_the_trainer
 
     assert [(x.kind, x.to_step) for x in directives(r, run)][:1] == [("rollback", TARGET)]
     assert any("holds no checkpoint entry any more" in line for line in d.logs)
+
+
+def test_after_three_failing_polls_the_fresh_policy_knows_the_checkpoints_and_still_rolls_back(redis_url, unique_run):
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    register_checkpoints(r, run)
+    d = _daemon(r, [run])
+    pump(d, until=lambda: d.watchers.get(run) is not None and d.watchers[run].leader)
+    w = d.watchers[run]
+    real = w._read_acks
+
+    def broken():
+        raise KeyError("a persistent bug")
+
+    w._read_acks = broken
+    publish_steps(r, run, range(1, 31))
+    pump(d, until=lambda: any("starting this run's policy state afresh" in line for line in d.logs), min_iter=3)
+    w._read_acks = real
+    publish_steps(r, run, range(31, 61), nan_at=45)
+    pump(d, until=lambda: _judged(r, run), min_iter=3)
+    from test_daemon import TARGET, directives
+
+    assert [(x.kind, x.to_step) for x in directives(r, run)][:1] == [("rollback", TARGET)]
