@@ -33,6 +33,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from sentinel.bus import BusError, connect
+from sentinel.bus import BusError, connect, redact_url
 
 URL_FILE = "url"
 SECRET_FILE = "secret"
@@ -98,7 +99,19 @@ def _locked(d: Path, timeout: float) -> Iterator[None]:
 
 
 def _ensure_private_token(path: Path) -> None:
-    """Create ``path`` with 32 random bytes as hex, mode 0600, unless it exists."""
+    """Create ``path`` with 32 random bytes as hex, mode 0600, unless it exists. A symbolic link
+    there is refused (a dangling one read as "no password" and the bus ran with none); an empty
+    file (a crash or a full disk while it was written) is made anew, for the same reason."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise BusError(f"{path} is a symbolic link: refusing it (delete it, and a new one is made)")
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == 0:
+        path.unlink()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -129,10 +142,17 @@ def with_password(url: str, d: Path) -> str:
     from urllib.parse import quote, urlsplit, urlunsplit
 
     pw = read_password(d)
-    parts = urlsplit(url)
-    if not pw or parts.password:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port past 65535, not a number, a broken IPv6 host: every client raised
+        parts, port = None, None
+    if parts is not None and (not pw or parts.password):
         return url
-    return urlunsplit((parts.scheme, f":{quote(pw, safe='')}@{parts.hostname}:{parts.port}", parts.path, parts.query, parts.fragment))
+    if parts is None or port is None or not parts.hostname:
+        raise BusError(f"{d / URL_FILE} holds no bus URL ({redact_url(url)[:60]!r}): delete it, and the run's next start "
+                       "writes it again")
+    return urlunsplit((parts.scheme, f":{quote(pw, safe='')}@{parts.hostname}:{port}", parts.path, parts.query, parts.fragment))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -146,35 +166,72 @@ def _write_atomic(path: Path, text: str) -> None:
 def _make_private(d: Path) -> None:
     """bus/ is 0700 and everything in it 0600: the AOF holds every directive and step record."""
     os.chmod(d, 0o700)
-    for p in d.rglob("*"):
-        with contextlib.suppress(OSError):
-            os.chmod(p, 0o700 if p.is_dir() else 0o600)
+    for root, dirs, files in os.walk(d, followlinks=False):  # a link's target is outside bus/: left alone
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            if os.path.islink(p):
+                continue
+            with contextlib.suppress(OSError):
+                os.chmod(p, 0o700 if os.path.isdir(p) else 0o600)
+
+
+def _read_small(path: Path) -> str:
+    """A small bus file's text ('' when missing). A FIFO there waited for ever, SIGTERM ignored."""
+    from sentinel.protocol import read_regular_file
+
+    try:
+        return read_regular_file(path, 4096).decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        raise BusError(f"{path} is unreadable ({e.strerror or e}): delete it (it is remade)") from None
+
+
+_URL = re.compile(r"redis://127\.0\.0\.1:(\d{1,5})/0")
+
+
+def _read_url(d: Path) -> str:
+    """``bus/url`` when it is one this module wrote (``redis://127.0.0.1:PORT/0``), else ''. Any
+    other text there (a port past 65535, binary bytes) was a traceback in every client."""
+    text = _read_small(d / URL_FILE)
+    m = _URL.fullmatch(text)
+    return text if m and 0 < int(m.group(1)) < 65536 else ""
 
 
 def _read_pid(d: Path) -> int | None:
     try:
-        return int((d / PID_FILE).read_text().strip())
-    except (FileNotFoundError, ValueError):
+        pid = int(_read_small(d / PID_FILE))
+    except (ValueError, BusError):
         return None
+    return pid if 0 < pid < 1 << 22 else None
 
 
-def _pid_is_server(pid: int | None) -> bool:
-    """True when ``pid`` is alive and (where /proc exists) looks like a valkey/redis server."""
-    if not pid:
+def _pid_is_server(pid: int | None, d: Path | None = None) -> bool:
+    """True when ``pid`` is alive and is a valkey/redis server (its program, not any command line
+    that mentions "redis": the trainer's own ``--redis-url embedded`` did) serving ``d`` (its working
+    directory, which the server takes from its ``dir``: a stale pid file must not name another run's
+    bus, which ``stop_embedded`` would then shut down)."""
+    if not pid or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass
+        return False  # another user's process is no bus this user started
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
     except OSError:
-        return True
-    return b"valkey" in cmd or b"redis" in cmd
+        return False
+    prog = os.path.basename(cmd.split(b"\0")[0].split(b" ")[0])
+    if not prog.startswith((b"valkey-server", b"redis-server")):
+        return False
+    if d is not None:
+        with contextlib.suppress(OSError):
+            return os.path.samefile(f"/proc/{pid}/cwd", d)
+    return True
 
 
 def _url_port(url: str) -> int | None:
@@ -198,7 +255,7 @@ def _ping_ours(url: str, d: Path) -> str:
                 r.ping()
                 with contextlib.suppress(redis.RedisError):
                     served = r.config_get("dir").get("dir")
-                    if served and os.path.realpath(served) != os.path.realpath(d):
+                    if served and not _same_dir(served, d):
                         return "foreign"
                 return state
             finally:
@@ -207,11 +264,21 @@ def _ping_ours(url: str, d: Path) -> str:
             return "loading"
         except (redis.AuthenticationError, redis.ResponseError) as e:
             if candidate == url or "without any password" not in str(e):
-                return "foreign" if candidate != url else "down"
+                # a server that refuses bus/password: another one on a reused port, or ours after the
+                # file was replaced while it ran; the caller tells them apart by the pid file
+                return "auth" if candidate != url else "down"
             state = "open"  # AUTH refused because the server has no password: try without
         except (redis.RedisError, BusError, OSError):
             return "down"
     return "down"
+
+
+def _same_dir(a: str, d: Path) -> bool:
+    """The same directory, also when reached through another path (a bind mount, a link)."""
+    try:
+        return os.path.samefile(a, d)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(d)
 
 
 def _close_open_bus(url: str, d: Path) -> None:
@@ -278,12 +345,12 @@ def _wait_ready(url: str, d: Path, timeout: float, started: float) -> str:
         if state == "open":
             _close_open_bus(url, d)
             return "ok"
-        if state in ("ok", "foreign"):
-            return state
+        if state in ("ok", "foreign", "auth"):  # "auth" while starting ours: another server holds the port
+            return "foreign" if state == "auth" else state
         pid = _read_pid(d)
         # the pid file is written by the daemonized child; a fresh one that is gone means it died
         pid_fresh = (d / PID_FILE).exists() and (d / PID_FILE).stat().st_mtime >= started - 1
-        if pid_fresh and not _pid_is_server(pid):
+        if pid_fresh and not _pid_is_server(pid, d):
             return "died"
         time.sleep(0.02)
     return "timeout"
@@ -315,8 +382,7 @@ def _start(d: Path, port: int, timeout: float) -> str:
 def restart_if_dead(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> tuple[str, bool]:
     """The supervisor's check: ``(url, restarted)``; restarts the bus from its AOF when it is down."""
     d = bus_dir(run_dir)
-    url_file = d / URL_FILE
-    old = url_file.read_text().strip() if url_file.exists() else ""
+    old = _read_url(d)
     if old and _ping_ours(old, d) == "ok":
         return with_password(old, d), False
     return ensure_embedded(run_dir, timeout=timeout), True
@@ -337,9 +403,15 @@ def ensure_embedded(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> str
     with _locked(d, timeout):
         _ensure_secret(d)
         url_file = d / URL_FILE
-        old_url = url_file.read_text().strip() if url_file.exists() else ""
+        old_url = _read_url(d)
         if old_url:
             state = _ping_ours(old_url, d)
+            if state == "auth" and _pid_is_server(_read_pid(d), d):
+                # ours, but it refuses bus/password (replaced or emptied while it ran): a second server
+                # on the same data would split the run's bus in two and lose the AOF's writes
+                raise BusError(f"the embedded bus of {d.parent} (pid {_read_pid(d)}) refuses the password in "
+                               f"{d / PASSWORD_FILE} (replaced while it ran?): stop it with `kill {_read_pid(d)}` "
+                               "(it saves its data), then start again")
             if state == "open":
                 _close_open_bus(old_url, d)
                 _write_conf(d, _url_port(old_url) or 0)
@@ -347,7 +419,7 @@ def ensure_embedded(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> str
                 state = "ok"
             if state == "ok":
                 return with_password(old_url, d)
-            if state == "loading" or (state == "down" and _pid_is_server(_read_pid(d))):
+            if state == "loading" or (state == "down" and _pid_is_server(_read_pid(d), d)):
                 # ours, but still starting or loading a large AOF: never start a second server on
                 # the same data directory (two writers would corrupt the AOF)
                 state = _wait_ready(old_url, d, timeout, started=0)
@@ -355,7 +427,7 @@ def ensure_embedded(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> str
                     return with_password(old_url, d)
                 raise BusError(
                     f"embedded bus pid {_read_pid(d)} is running but does not answer at {old_url}; "
-                    f"stop it (sentinel bus stop) or see {d / LOG_FILE}"
+                    f"stop it (`kill {_read_pid(d)}`) or see {d / LOG_FILE}"
                 )
         preferred = _url_port(old_url) if old_url else None
         last = ""
@@ -385,8 +457,7 @@ def stop_embedded(run_dir: str | os.PathLike, *, timeout: float = 10.0) -> bool:
     if not d.is_dir():
         return False
     with _locked(d, timeout):
-        url_file = d / URL_FILE
-        url = url_file.read_text().strip() if url_file.exists() else ""
+        url = _read_url(d)
         pid = _read_pid(d)
         stopped = False
         if url and _ping_ours(url, d) in ("ok", "open", "loading"):
@@ -394,12 +465,12 @@ def stop_embedded(run_dir: str | os.PathLike, *, timeout: float = 10.0) -> bool:
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 r.shutdown()
             stopped = True
-        elif _pid_is_server(pid):
+        elif _pid_is_server(pid, d):
             os.kill(pid, signal.SIGTERM)  # valkey treats SIGTERM as a graceful SHUTDOWN
             stopped = True
         deadline = time.monotonic() + timeout
-        while _pid_is_server(pid) and time.monotonic() < deadline:
+        while _pid_is_server(pid, d) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _pid_is_server(pid):
+        if _pid_is_server(pid, d):
             raise BusError(f"embedded bus pid {pid} did not exit within {timeout:.0f}s; see {d / LOG_FILE}")
         return stopped

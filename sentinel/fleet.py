@@ -84,6 +84,10 @@ class Fleet:
         except bus.BusError as e:
             self.log(f"could not restart the embedded bus of {m.run_dir}: {e}")
             return
+        except Exception as e:  # noqa: BLE001 - a full disk, a file of the bus dir gone bad: retried, never fatal
+            self.log(f"could not restart the embedded bus of {m.run_dir} ({e.__class__.__name__}: "
+                     f"{bus.redact_url(str(e))[:200]}); retrying in {m.backoff:.1f}s")
+            return
         if restarted:
             for run in m.daemon.watchers or {m.run_dir.name: None}:
                 self.m.bus_restarts.labels(run).inc()

@@ -1,0 +1,160 @@
+"""The embedded-bus audit of 2026-11-28 (hostile, stale or malformed files in RUN_DIR/bus/), replayed.
+
+Before: a stale ``server.pid`` naming any process with "redis" in its command line (the trainer's
+own ``--redis-url embedded``, a bystander, another run's bus) was taken for the run's bus:
+``stop_embedded`` sent it SIGTERM; a ``bus/password`` replaced while the bus ran made the next
+start take the live bus for a foreign one and start a second server on the same data (split brain,
+writes lost from the AOF); an empty or dangling-link password file gave a bus with no password; a
+FIFO at ``bus/url`` or ``bus/server.pid`` hung every start for good; a malformed ``bus/url`` was a
+traceback in every client; a restart that raised anything but BusError ended ``sentinel run``;
+``_make_private`` chmodded files outside ``bus/`` through links.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from sentinel import bus
+from sentinel.embedded import bus_dir, ensure_embedded, restart_if_dead, stop_embedded
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    yield d
+    try:
+        stop_embedded(d)
+    except bus.BusError:
+        pass
+
+
+def _servers_on(d) -> list[int]:
+    """Pids of valkey/redis servers whose working directory is ``d/bus``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.path.samefile(f"/proc/{pid}/cwd", bus_dir(d)):
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                if b"valkey" in cmd or b"redis" in cmd:
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def test_a_stale_pid_file_naming_a_bystander_never_gets_it_signalled(run_dir):
+    ensure_embedded(run_dir)
+    stop_embedded(run_dir)
+    # a process whose command line says "redis" (as the trainer's own --redis-url embedded does)
+    victim = subprocess.Popen(["bash", "-c", "exec -a 'python -m trainer --redis-url embedded' sleep 60"])
+    try:
+        time.sleep(0.2)
+        (bus_dir(run_dir) / "server.pid").write_text(f"{victim.pid}\n")
+        t0 = time.monotonic()
+        assert stop_embedded(run_dir) is False
+        assert victim.poll() is None, "the bystander was signalled"
+        ensure_embedded(run_dir)
+        assert time.monotonic() - t0 < 10 and victim.poll() is None
+    finally:
+        victim.kill()
+
+
+def test_a_password_replaced_while_the_bus_runs_never_gets_a_second_server_on_the_same_data(run_dir):
+    ensure_embedded(run_dir)
+    (bus_dir(run_dir) / "password").write_text("another-password\n")
+    with pytest.raises(bus.BusError, match="refuses the password in .*kill"):
+        ensure_embedded(run_dir)
+    assert len(_servers_on(run_dir)) == 1
+
+
+@pytest.mark.parametrize("how", ["empty", "dangling-link"])
+def test_a_password_file_that_holds_none_never_gives_a_bus_without_a_password(run_dir, tmp_path, how):
+    ensure_embedded(run_dir)
+    stop_embedded(run_dir)
+    pw = bus_dir(run_dir) / "password"
+    pw.unlink()
+    if how == "empty":
+        pw.write_text("")
+        url = ensure_embedded(run_dir)
+        assert len(pw.read_text().strip()) == 64, "a new password was made"
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=int(port)).ping()
+    else:
+        pw.symlink_to(tmp_path / "nowhere")
+        with pytest.raises(bus.BusError, match="is a symbolic link"):
+            ensure_embedded(run_dir)
+
+
+@pytest.mark.parametrize("name", ["url", "server.pid"])
+def test_a_fifo_in_the_bus_dir_never_hangs_a_start_a_restart_or_a_stop(run_dir, name):
+    ensure_embedded(run_dir)
+    stop_embedded(run_dir)
+    f = bus_dir(run_dir) / name
+    f.unlink(missing_ok=True)
+    os.mkfifo(f)
+    code = ("import sys\nfrom sentinel.embedded import ensure_embedded, restart_if_dead, stop_embedded\n"
+            "from sentinel.bus import BusError\nfor fn in (ensure_embedded, restart_if_dead, stop_embedded):\n"
+            "    try:\n        fn(sys.argv[1])\n    except BusError as e:\n        print('error:', e)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    if name == "url":
+        assert "is unreadable (not a regular file" in p.stdout
+
+
+@pytest.mark.parametrize("text", ["redis://127.0.0.1:99999/0\n", "redis://127.0.0.1:abc/0\n", "\xff\xfe\n",
+                                  "redis://[::1/0\n"])
+def test_a_malformed_bus_url_is_written_again_by_a_start_and_one_line_for_a_client(run_dir, text):
+    ensure_embedded(run_dir)
+    stop_embedded(run_dir)
+    url_file = bus_dir(run_dir) / "url"
+    url_file.write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff\xfe\n" else b"\xff\xfe\n")
+    with pytest.raises(bus.BusError):  # a client of the run dir: one line, not a ValueError traceback
+        bus.connect(bus.resolve_url(run_dir))
+    url = ensure_embedded(run_dir)
+    assert bus.connect(url).ping()
+    url2, restarted = restart_if_dead(run_dir)
+    assert restarted is False and url2 == url
+
+
+def test_a_restart_that_raises_anything_is_logged_and_the_fleet_goes_on(run_dir, monkeypatch):
+    from sentinel import embedded
+    from sentinel.daemon import Daemon, Options
+    from sentinel.fleet import Fleet, Member
+    from sentinel.metrics import SentinelMetrics
+    from sentinel.rules import default_rules
+
+    url = ensure_embedded(run_dir)
+    m = SentinelMetrics()
+    d = Daemon(bus.connect(url), Options(rules=default_rules(), secret=b"s" * 32), runs=["run"], metrics=m, log=lambda s: None)
+    logs: list[str] = []
+    fleet = Fleet([Member(d, url, run_dir)], m, logs.append)
+
+    def full_disk(_run_dir, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(embedded, "restart_if_dead", full_disk)
+    fleet._supervise(fleet.members[0])
+    assert any("could not restart the embedded bus" in line and "No space left" in line for line in logs), logs
+
+
+def test_make_private_never_changes_a_file_outside_the_bus_dir(run_dir, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("x")
+    outside.chmod(0o644)
+    ensure_embedded(run_dir)
+    (bus_dir(run_dir) / "link-out").symlink_to(outside)
+    stop_embedded(run_dir)
+    ensure_embedded(run_dir)
+    assert outside.stat().st_mode & 0o777 == 0o644
