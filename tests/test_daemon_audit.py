@@ -152,39 +152,13 @@ def test_a_real_saved_state_mid_incident_still_loads(redis_url, unique_run):
 
 
 def _server(mode: str):
-    """A TCP server on 127.0.0.1 that answers every connection as ``mode`` says: ``garbage`` (bytes
-    that are no HTTP), ``trickle`` (one header byte every 0.5 s, for ever)."""
-    import socket
-    import threading
-    import time
-
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    stop = threading.Event()
-
-    def serve():
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                continue
-            try:
-                c.recv(65536)
-                if mode == "garbage":
-                    c.sendall(b"\x00\xffSSH-2.0-not-http\r\n\r\n")
-                else:
-                    while not stop.is_set():
-                        c.sendall(b"H")
-                        time.sleep(0.5)
-            except OSError:
-                pass
-            finally:
-                c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return f"http://127.0.0.1:{srv.getsockname()[1]}", stop
+    """An HTTP URL whose server answers as ``mode`` says: ``garbage`` (bytes that are no HTTP),
+    ``trickle`` (one header byte every 0.5 s, for ever)."""
+    if mode == "garbage":
+        url, stop = _talker(b"\x00\xffSSH-2.0-not-http\r\n\r\n", b"")
+    else:
+        url, stop = _talker(b"H", b"H", pause=0.5)
+    return url.replace("redis://", "http://").removesuffix("/0"), stop
 
 
 @pytest.mark.parametrize("mode", ["garbage", "trickle"])
@@ -278,11 +252,12 @@ def test_sentinel_run_with_a_metrics_host_idna_refuses_is_one_line(redis_server,
     assert "Traceback" not in res.output
 
 
-def _talker(first: bytes, then: bytes, sent: list[int] | None = None):
+def _talker(first: bytes, then: bytes, sent: list[int] | None = None, pause: float = 0.0):
     """A TCP server that answers a connection's first bytes with ``first``, then sends ``then`` for
-    ever (until stopped); ``sent`` gets the bytes each connection got out."""
+    ever (until stopped), ``pause`` seconds apart; ``sent`` gets the bytes each connection got out."""
     import socket
     import threading
+    import time
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -299,6 +274,8 @@ def _talker(first: bytes, then: bytes, sent: list[int] | None = None):
             while then and not stop.is_set():
                 c.sendall(then)
                 n += len(then)
+                if pause:
+                    time.sleep(pause)
                 if sent is not None:
                     sent[-1] = max(sent[-1], n)
         except OSError:
@@ -405,7 +382,7 @@ def test_an_alertmanager_behind_basic_auth_gets_the_page_and_the_password_is_nev
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         r = bus.connect(redis_url)
-        run, k = unique_run, Keys(unique_run)
+        run = unique_run
         register_checkpoints(r, run)
         publish_steps(r, run, range(1, 61), nan_at=45)
         logs: list[str] = []
@@ -447,7 +424,7 @@ def test_a_checkpoints_hash_lost_whole_keeps_the_known_targets_until_the_trainer
 
 def test_after_three_failing_polls_the_fresh_policy_knows_the_checkpoints_and_still_rolls_back(redis_url, unique_run):
     r = bus.connect(redis_url)
-    run, k = unique_run, Keys(unique_run)
+    run = unique_run
     register_checkpoints(r, run)
     d = _daemon(r, [run])
     pump(d, until=lambda: d.watchers.get(run) is not None and d.watchers[run].leader)
