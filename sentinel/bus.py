@@ -353,8 +353,7 @@ def connect(
         raise BusError(f"invalid bus URL {redact_url(url)}: {' '.join(redact_url(str(e)).split())[:200]}") from None
     if check:
         try:
-            if scheme == "redis" and parts.hostname:
-                _looks_like_redis(parts.hostname, parts.port or 6379, timeout, redact_url(url))
+            check_is_redis(url, timeout)
             with bus_errors(r):
                 _ping_within(r, 3 * timeout + 2.0, redact_url(url))
         except (ValueError, TypeError) as e:  # an option value redis-py only checks when it connects (ssl_cert_reqs=bogus)

@@ -791,16 +791,11 @@ class RunWatcher:
             return False
         if outcome[0] is not None:
             e = outcome[0]
-            self.log(f"[{self.run}] could not reach Alertmanager ({e.__class__.__name__}: {redact_http_url(str(e))[:200]!r})")
+            self.log(f"[{self.run}] could not reach Alertmanager ({e.__class__.__name__}: {bus.redact_url(str(e))[:200]!r})")
             return False
         return True
 
     ALERTMANAGER_DEADLINE_S = 5.0
-
-
-def redact_http_url(text: str) -> str:
-    """``text`` with the password of any ``scheme://user:password@`` in it replaced by ``***``."""
-    return re.sub(r"(//[^/@\s:]*:)[^/@\s]*@", r"\1***@", text)
 
 
 def _basic_auth(url: str) -> tuple[str, dict[str, str]]:

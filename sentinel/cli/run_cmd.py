@@ -17,14 +17,14 @@ def _check_alertmanager_url(url: str) -> None:
     auth (``https://user:password@am:9093``): it is never shown with its password."""
     from urllib.parse import urlsplit
 
-    from sentinel.daemon import redact_http_url
+    from sentinel.bus import redact_url
 
-    shown = repr(redact_http_url(url)[:80])
+    shown = repr(redact_url(url)[:80])
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 -- raises on a port that is not a number or out of range
     except ValueError as e:
-        raise SentinelError(f"--alertmanager-url {shown}: not a URL ({redact_http_url(str(e))[:120]})") from None
+        raise SentinelError(f"--alertmanager-url {shown}: not a URL ({redact_url(str(e))[:120]})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SentinelError(f"--alertmanager-url {shown}: use http://HOST:PORT or https://HOST:PORT")
     try:
