@@ -206,26 +206,38 @@ def _read_pid(d: Path) -> int | None:
     return pid if 0 < pid < 1 << 22 else None
 
 
+def _pid_state(pid: int | None) -> str:
+    """'gone' (no such process, or ours or none), 'alive' (ours to signal) or 'other' (another user's)."""
+    if not pid or pid == os.getpid():
+        return "gone"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        return "other"
+    return "alive"
+
+
 def _pid_is_server(pid: int | None, d: Path | None = None) -> bool:
     """True when ``pid`` is alive and is a valkey/redis server (its program, not any command line
     that mentions "redis": the trainer's own ``--redis-url embedded`` did) serving ``d`` (its working
     directory, which the server takes from its ``dir``: a stale pid file must not name another run's
     bus, which ``stop_embedded`` would then shut down)."""
-    if not pid or pid == os.getpid():
+    if _pid_state(pid) != "alive":  # gone, or another user's: no bus this user started
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # another user's process is no bus this user started
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
-    except OSError:
-        return False
-    prog = os.path.basename(cmd.split(b"\0")[0].split(b" ")[0])
+    prog = b""
+    for _ in range(5):  # an empty name: the server is rewriting its process title; read again
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
+        except OSError:
+            return False
+        prog = os.path.basename(cmd.split(b"\0")[0].split(b" ")[0])
+        if prog:
+            break
+        time.sleep(0.01)
     if not prog.startswith((b"valkey-server", b"redis-server")):
         return False
     if d is not None:
@@ -347,10 +359,12 @@ def _wait_ready(url: str, d: Path, timeout: float, started: float) -> str:
             return "ok"
         if state in ("ok", "foreign", "auth"):  # "auth" while starting ours: another server holds the port
             return "foreign" if state == "auth" else state
-        pid = _read_pid(d)
-        # the pid file is written by the daemonized child; a fresh one that is gone means it died
+        # the pid file is written by the daemonized child; a fresh one whose process is gone means it
+        # died. Only its liveness is asked here: the server rewrites its command line (its process
+        # title) right after writing the pid file, and a read in between sees no program name at all
+        # (a "died" for a server that was starting fine failed CI once)
         pid_fresh = (d / PID_FILE).exists() and (d / PID_FILE).stat().st_mtime >= started - 1
-        if pid_fresh and not _pid_is_server(pid, d):
+        if pid_fresh and _pid_state(_read_pid(d)) == "gone":
             return "died"
         time.sleep(0.02)
     return "timeout"

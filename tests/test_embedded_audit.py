@@ -158,3 +158,23 @@ def test_make_private_never_changes_a_file_outside_the_bus_dir(run_dir, tmp_path
     stop_embedded(run_dir)
     ensure_embedded(run_dir)
     assert outside.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_starting_server_is_not_taken_for_dead_while_its_title_changes(tmp_path):
+    """CI once failed on "embedded bus did not start": the fresh pid file named a live server that
+    was rewriting its process title, and a read in between (no program name) was taken for death.
+    Only a pid file whose process is gone means "died"; a live one is waited on."""
+    from sentinel import embedded
+
+    d = tmp_path / "bus"
+    d.mkdir()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # no server's name
+    try:
+        (d / embedded.PID_FILE).write_text(f"{alive.pid}\n")
+        started = time.time()
+        assert embedded._wait_ready("redis://127.0.0.1:1/0", d, 0.5, started) == "timeout"
+    finally:
+        alive.kill()
+        alive.wait()
+    (d / embedded.PID_FILE).write_text(f"{alive.pid}\n")  # now gone (reaped)
+    assert embedded._wait_ready("redis://127.0.0.1:1/0", d, 5.0, time.time()) == "died"
