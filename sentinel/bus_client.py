@@ -339,7 +339,8 @@ class BusClient:
             time.sleep(0.005)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Best-effort flush, then stop the I/O thread. Bounded by ``timeout`` (x2 at worst)."""
+        """Best-effort flush, then stop the I/O thread. Bounded by ``timeout`` (x2 at worst). What the
+        bus did not take by then is lost to it: one warning says how much."""
         if self._closed:
             return
         self.flush(timeout)
@@ -347,6 +348,10 @@ class BusClient:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        lost = self.pending
+        if lost:
+            self._log.warning("control bus %s: %d record(s) not delivered at shutdown: the sentinel may never see them",
+                              self._url, lost)
         try:
             self._r.close()
         except Exception:  # noqa: BLE001 - closing a dead connection must not fail shutdown
@@ -444,7 +449,8 @@ class BusClient:
                 backoff = min(backoff * 2, 5.0)
                 continue
             except Exception as e:  # noqa: BLE001 - the I/O thread must survive anything
-                self._log_limited("io", "control bus I/O error: %s", _short(e))
+                if not self._stop.is_set():  # else close() shut the connection under a stalled read
+                    self._log_limited("io", "control bus I/O error: %s", _short(e))
                 self._stop.wait(0.5)
                 continue
             if not self.connected:

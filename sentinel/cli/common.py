@@ -262,16 +262,29 @@ def send_and_wait(ref, d, timeout: float, *, console, as_json: bool, doing: str,
 
     after = last_ack_id(ref)  # before publishing, so a fast ack is not missed
     eid = bus.publish_own(ref.r, ref.keys.directives, d)
-    if as_json:
-        return wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid)
-    with console.status(f"{doing}: waiting for the trainer's ack...") as st:
-        return wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid, on_tick=lambda el: st.update(
-            f"{doing}: waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
+    try:
+        if as_json:
+            return wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid)
+        with console.status(f"{doing}: waiting for the trainer's ack...") as st:
+            return wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid, on_tick=lambda el: st.update(
+                f"{doing}: waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
+    except bus.BusError as e:
+        raise lost_ack_error(ref, d, e) from None
+
+
+def _expiry(d) -> str:
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(d.expires_at))
 
 
 def no_ack_error(ref, d, timeout: float) -> SentinelError:
-    import time
-
     return SentinelError(f"no ack from the trainer of {ref.run} within {timeout:.0f}s; directive {d.id[:8]} expires "
-                         f"unapplied at {time.strftime('%H:%M:%S', time.localtime(d.expires_at))} "
-                         f"(check `sentinel status {ref.run}`)", exit_code=1)
+                         f"unapplied at {_expiry(d)} (check `sentinel status {ref.run}`)", exit_code=1)
+
+
+def lost_ack_error(ref, d, e: Exception) -> SentinelError:
+    """The bus failed (a stalled or dead server) after directive ``d`` went out: the trainer may have it."""
+    return SentinelError(f"directive {d.id[:8]} is on the bus, but waiting for its ack failed ({e}); the trainer of "
+                         f"{ref.run} may still apply it until {_expiry(d)} (check `sentinel status {ref.run}`)",
+                         exit_code=1)

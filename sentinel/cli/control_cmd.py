@@ -138,7 +138,8 @@ def _command(kind: str, doc: str):
 pause = _command("pause", """Pause RUN's trainer at the next step boundary (it keeps its heartbeat).
 
 A signed directive over the run's control bus; waits for the trainer's ack. Exit 0 when acked,
-1 when the trainer rejects it or does not ack within --timeout, 2 for bad input or no bus.""")
+1 when the trainer rejects it or does not ack within --timeout (or the bus fails once the directive
+is out: it may still be applied), 2 for bad input or no bus.""")
 
 resume = _command("resume", """Resume a paused RUN, including one the sentinel paused on escalation.
 

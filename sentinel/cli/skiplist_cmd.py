@@ -17,7 +17,7 @@ import uuid
 import click
 
 from sentinel.cli.common import OneLineText, FiniteFloat
-from sentinel.cli.common import WRONG_TYPE, SentinelError, emit_json, friendly_errors, json_option, read_unless_wrong_type, redis_url_option
+from sentinel.cli.common import WRONG_TYPE, SentinelError, emit_json, friendly_errors, json_option, lost_ack_error, read_unless_wrong_type, redis_url_option
 
 ACTIONS = ("show", "add", "remove")
 
@@ -164,15 +164,18 @@ def _add(ref, want, reason, timeout, secret_file, as_json):
                                  message=f"{who} asked to skip {n} samples ({rundir.fmt_ranges(want)})"
                                  + (f": {reason}" if reason else ""),
                                  data={"directive_id": d.id, "ranges": want, "issuer": who, "reason": reason}))
-        if as_json:
-            ack = wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid)
-        else:
-            from sentinel.cli.status_cmd import console_for_output
+        try:
+            if as_json:
+                ack = wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid)
+            else:
+                from sentinel.cli.status_cmd import console_for_output
 
-            console = console_for_output(stderr=True)
-            with console.status("waiting for the trainer's ack...") as st:
-                ack = wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid,
-                               on_tick=lambda el: st.update(f"waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
+                console = console_for_output(stderr=True)
+                with console.status("waiting for the trainer's ack...") as st:
+                    ack = wait_ack(ref, d.id, after, timeout, secret=secret, entry_id=eid,
+                                   on_tick=lambda el: st.update(f"waiting for the trainer's ack... {el:.0f}s / {timeout:.0f}s"))
+        except bus.BusError as e:
+            raise lost_ack_error(ref, d, e) from None
         outcome = ack.status if ack else "timeout"
         _audit(ref, {"action": "skip-samples", "phase": "outcome", "who": who, "run": ref.run, "directive_id": d.id,
                      "outcome": outcome, "detail": ack.detail if ack else None})
