@@ -417,7 +417,7 @@ def _ping_within(r: redis.Redis, deadline_s: float, where: str) -> None:
         with contextlib.suppress(Exception):
             r.connection_pool.disconnect()  # the reader's socket closes: its thread ends
         raise BusUnavailable(f"cannot reach Redis at {where}: no answer to PING within {deadline_s:g} s "
-                             "(is it a Redis server?)")
+                             "(a stalled or overloaded server, or one that is no Redis)")
     if outcome[0] is not None:
         raise outcome[0]
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import fcntl
 import os
 import re
@@ -52,6 +53,8 @@ PID_FILE = "server.pid"
 LOG_FILE = "server.log"
 LOCK_FILE = "lock"
 PASSWORD_FILE = "password"
+
+_log = logging.getLogger("sentinel.embedded")
 
 
 def server_binary() -> str:
@@ -130,11 +133,17 @@ def read_password(d: Path) -> str | None:
     from sentinel.protocol import read_regular_file
 
     try:  # a regular file of at most 64 KiB (a FIFO there would wait forever)
-        return read_regular_file(d / PASSWORD_FILE, 1 << 16).decode().strip() or None
+        pw = read_regular_file(d / PASSWORD_FILE, 1 << 16).decode().strip() or None
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
         raise BusError(f"the bus password file {d / PASSWORD_FILE} is unreadable ({getattr(e, 'strerror', None) or e})") from None
+    if pw and any(ord(c) < 32 or ord(c) == 127 for c in pw):
+        # a line break or control character inside: the server's config line breaks, and its error
+        # quoted the password's first line (the password itself is never shown)
+        raise BusError(f"the bus password file {d / PASSWORD_FILE} holds a line break or a control character: write "
+                       "one line of printable characters, or delete it and a new one is made")
+    return pw
 
 
 def with_password(url: str, d: Path) -> str:
@@ -346,8 +355,17 @@ def _write_conf(d: Path, port: int) -> Path:
 def _log_tail(d: Path, n: int = 3) -> str:
     with contextlib.suppress(OSError):
         lines = [ln.strip() for ln in (d / LOG_FILE).read_text(errors="replace").splitlines() if ln.strip()]
-        return " | ".join(lines[-n:])
+        return _hide_password(" | ".join(lines[-n:]), d)
     return ""
+
+
+def _hide_password(text: str, d: Path) -> str:
+    """``text`` (the server's own words) with the bus password blanked: a config error quotes its line."""
+    with contextlib.suppress(BusError):
+        pw = read_password(d)
+        if pw:
+            return text.replace(pw, "***")
+    return text
 
 
 def _wait_ready(url: str, d: Path, timeout: float, started: float) -> str:
@@ -376,6 +394,7 @@ def _start(d: Path, port: int, timeout: float) -> str:
     with contextlib.suppress(FileNotFoundError):
         (d / PID_FILE).unlink()
     started = time.time()
+    log_at = _size(d / LOG_FILE)
     proc = subprocess.run(
         [binary, str(conf)],
         cwd=d,
@@ -388,9 +407,35 @@ def _start(d: Path, port: int, timeout: float) -> str:
         check=False,
     )
     if proc.returncode != 0:
-        err = " ".join(proc.stderr.decode(errors="replace").split())[-300:] or _log_tail(d)
+        err = _hide_password(" ".join(proc.stderr.decode(errors="replace").split()), d)[-300:] or _log_tail(d)
         raise BusError(f"embedded bus failed to start ({binary}): {err}")
-    return _wait_ready(f"redis://127.0.0.1:{port}/0", d, timeout, started)
+    state = _wait_ready(f"redis://127.0.0.1:{port}/0", d, timeout, started)
+    if state == "ok":
+        _warn_if_aof_cut(d, log_at)
+    return state
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _warn_if_aof_cut(d: Path, log_at: int) -> None:
+    """One warning when the start just made found its AOF cut short (a crash or a full disk in the middle
+    of a write): the server loads what the file holds (``aof-load-truncated``), and said so only in its log."""
+    try:
+        with open(d / LOG_FILE, "rb") as f:
+            f.seek(log_at)
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return
+    cuts = re.findall(r"Truncating the AOF (\S+) at offset (\d+)", text)
+    for name, offset in cuts:
+        _log.warning("the embedded bus of %s found its AOF cut short (%s at byte %s: a crash or a full disk mid-write?); "
+                     "it loaded what the file held, and the writes after that point are lost (see %s)",
+                     d.parent, name, offset, d / LOG_FILE)
 
 
 def restart_if_dead(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> tuple[str, bool]:

@@ -178,3 +178,52 @@ def test_a_starting_server_is_not_taken_for_dead_while_its_title_changes(tmp_pat
         alive.wait()
     (d / embedded.PID_FILE).write_text(f"{alive.pid}\n")  # now gone (reaped)
     assert embedded._wait_ready("redis://127.0.0.1:1/0", d, 5.0, time.time()) == "died"
+
+
+def test_a_password_file_with_a_line_break_is_refused_without_showing_it(run_dir):
+    """Before: the server's config line broke and its error, which the start raised, quoted the
+    password's first line. Now one line names the file and what is wrong with it, never the password."""
+    d = bus_dir(run_dir)
+    d.mkdir(mode=0o700)
+    (d / "password").write_text("hunter2-first-line\nhunter2-second-line\n")
+    (d / "password").chmod(0o600)
+    with pytest.raises(bus.BusError) as e:
+        ensure_embedded(run_dir)
+    said = str(e.value)
+    assert "hunter2" not in said and "line break" in said and str(d / "password") in said, said
+    assert not _servers_on(d)
+
+
+def test_the_server_s_own_error_text_never_carries_the_password(run_dir):
+    from sentinel import embedded
+
+    d = bus_dir(run_dir)
+    ensure_embedded(run_dir)
+    pw = embedded.read_password(d)
+    assert pw and embedded._hide_password(f"line 4 >>> 'requirepass \"{pw}' Bad directive", d) == \
+        "line 4 >>> 'requirepass \"***' Bad directive"
+
+
+def test_an_aof_cut_short_is_loaded_with_one_warning(run_dir, caplog):
+    """Before: a bus whose AOF was cut mid-write (a crash, a full disk) loaded what it held and said so
+    only in its own log. Now its start warns once, naming the file and the offset."""
+    import logging
+
+    url = ensure_embedded(run_dir)
+    r = bus.connect(url)
+    for _ in range(100):
+        r.xadd("s", {"json": "x" * 100})
+    r.close()
+    stop_embedded(run_dir)
+    incr = next((bus_dir(run_dir) / "appendonlydir").glob("*.incr.aof"))
+    os.truncate(incr, incr.stat().st_size - 37)  # the last entry, half written
+    with caplog.at_level(logging.WARNING, logger="sentinel.embedded"):
+        r = bus.connect(ensure_embedded(run_dir))
+    assert r.xlen("s") == 99
+    said = [rec.getMessage() for rec in caplog.records if rec.name == "sentinel.embedded"]
+    assert len(said) == 1 and "cut short" in said[0] and incr.name in said[0], said
+    caplog.clear()
+    stop_embedded(run_dir)
+    with caplog.at_level(logging.WARNING, logger="sentinel.embedded"):
+        ensure_embedded(run_dir)  # the server repaired it: the next start is quiet
+    assert not [rec for rec in caplog.records if rec.name == "sentinel.embedded"]
