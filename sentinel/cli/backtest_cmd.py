@@ -13,7 +13,7 @@ from functools import partial
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress, not_empty
 
 MAX_ROWS = 40  # a long trace can flag hundreds of steps; the table shows the first ones, --json has all
 TRACE_SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".log", ".out", ".txt")  # what a directory's traces are named
@@ -21,8 +21,8 @@ COMPRESSED = (".gz", ".bz2", ".xz")
 
 
 @click.command("backtest")
-@click.argument("traces", nargs=-1, required=True, metavar="TRACE...")
-@click.option("--rules", "rules_path", default=None, metavar="FILE",
+@click.argument("traces", nargs=-1, required=True, metavar="TRACE...", callback=not_empty)
+@click.option("--rules", "rules_path", default=None, metavar="FILE", callback=not_empty,
               help="Rules YAML (default: the built-in defaults; for a run directory's own steps.jsonl, the rules "
                    "the daemon applied to it, RUN_DIR/sentinel-rules.applied.yaml, when it wrote them).")
 @click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=0),
@@ -70,7 +70,8 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     --json {"traces": [...]}, each as one trace's --json (or its "error"). A trace that cannot be
     judged is reported in its row and the others still run; the exit status is then 2.
 
-    A directory that is not itself a TensorBoard run stands for the traces in it: its files named
+    A run directory stands for its steps.jsonl. Another directory that is not itself a TensorBoard
+    run stands for the traces in it: its files named
     *.jsonl, *.ndjson, *.csv, *.tsv, *.log, *.out, *.txt, and *.json that hold steps (also gzip, bzip2
     or xz compressed), then each TensorBoard run below it, judged as several TRACEs.
     """
@@ -87,6 +88,7 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
     judge = partial(_judge, rules=rules, checkpoint_every=checkpoint_every, initial_checkpoint=initial_checkpoint, fmt=fmt,
                     step_column=step_column, loss_column=loss_column, strict=strict, given=frozenset(given))
 
+    traces = tuple(_run_log(t) for t in traces)
     expanded = _expand(traces)
     if len(expanded) > 1 or expanded != list(traces):
         _judge_many(tuple(expanded), judge, as_json)
@@ -99,6 +101,23 @@ def backtest(traces: tuple[str, ...], rules_path: str | None, checkpoint_every: 
         emit_json({**res.to_json(), "rejected_lines": len(rejected), "source": source})
         return
     _print_tables(trace, res, source)
+
+
+def _run_log(trace: str) -> str:
+    """One of our run directories (a ``config.yaml`` and a ``steps.jsonl`` in it) stands for its
+    step log, judged as the run ran (``_run_settings``): not for its directives, incidents, pages
+    and trainer.log, each read as a trace of its own."""
+    from pathlib import Path
+
+    from sentinel.rundir import CONFIG, STEPS
+    from sentinel.trace_tb import is_dir
+
+    d = Path(trace)
+    try:
+        ours = is_dir(d) and (d / CONFIG).is_file() and (d / STEPS).exists()
+    except OSError:  # a name too long for the filesystem: load_trace says why
+        ours = False
+    return str(d / STEPS) if ours else trace
 
 
 def _expand(traces: tuple[str, ...]) -> list[str]:

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected
+from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected, not_empty
 
 STATUS_STYLE = {"resume_verified": "bold green", "checksum_ok": "green", "unverified": "yellow", "failed": "bold red",
                 "corrupt": "bold red", "incomplete": "red"}
@@ -48,7 +48,7 @@ def checkpoint_rows(ref, *, rehash: bool = True, rejected: list[str] | None = No
 
 
 @click.command("checkpoints")
-@click.argument("run", metavar="RUN")
+@click.argument("run", metavar="RUN", callback=not_empty)
 @click.option("--quick", is_flag=True, help="Do not re-hash files (only check that the manifest and files exist).")
 @redis_url_option
 @json_option

@@ -114,6 +114,15 @@ class ConsumerName(OneLineText):
         return v
 
 
+def not_empty(ctx, param, value):
+    """Refuse a run, path or id given as "": read as "." or as "not given", it silently meant
+    something else (`backtest ""` judged the current directory, `incidents --id ""` listed every
+    incident, `backtest --rules ""` took the built-in rules)."""
+    if value == "" or (isinstance(value, tuple) and "" in value):
+        raise click.BadParameter("an empty value names nothing", ctx, param)
+    return value
+
+
 def _redact(text: str) -> str:
     """Never print secrets: every word with an ``@`` in it (a URL's userinfo, however broken the
     URL: ``redis://:pw/x@host``) has its password replaced (``bus.redact_url``)."""

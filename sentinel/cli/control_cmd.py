@@ -18,7 +18,7 @@ import time
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat
+from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
 from sentinel.cli.common import (
     SentinelError,
     emit_json,
@@ -122,7 +122,7 @@ def control(kind: str, run: str, reason: str | None, timeout: float, secret_file
 
 def _command(kind: str, doc: str):
     @click.command(kind, help=doc)
-    @click.argument("run", metavar="RUN")
+    @click.argument("run", metavar="RUN", callback=not_empty)
     @_options
     @redis_url_option
     @json_option

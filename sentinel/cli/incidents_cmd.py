@@ -14,7 +14,7 @@ import time
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat
+from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
 from sentinel.cli.common import (WRONG_TYPE, SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, fmt_clock,
                                  friendly_errors, json_option, read_or_reject, read_unless_wrong_type, redis_url_option)
 from sentinel.protocol import finite_or_none
@@ -320,9 +320,9 @@ def _ranges(raw) -> list[tuple[int, int]]:
 
 
 @click.command("incidents")
-@click.argument("runs", nargs=-1, metavar="[RUN]...")
+@click.argument("runs", nargs=-1, metavar="[RUN]...", callback=not_empty)
 @click.option("--open", "only_open", is_flag=True, help="Only incidents that are still open.")
-@click.option("--id", "incident_id", metavar="INCIDENT", help="Only this incident.")
+@click.option("--id", "incident_id", metavar="INCIDENT", callback=not_empty, help="Only this incident.")
 @click.option("--limit", "last", type=click.IntRange(min=0), default=LAST, show_default=True,
               help="Show the newest N incidents per run (0: all; a long run closes thousands).")
 @redis_url_option
@@ -426,8 +426,8 @@ def publish_approval(ref, inc, secret: bytes, who: str, reason: str | None):
 
 
 @click.command("approve")
-@click.argument("incident_id", metavar="INCIDENT")
-@click.option("--run", "run", metavar="RUN", help="The incident's run (a run dir or id); default: search every run on the bus.")
+@click.argument("incident_id", metavar="INCIDENT", callback=not_empty)
+@click.option("--run", "run", metavar="RUN", callback=not_empty, help="The incident's run (a run dir or id); default: search every run on the bus.")
 @click.option("--reason", type=OneLineText(), help="Why (recorded with the approval).")
 @click.option("--force", is_flag=True, help="Send the approval even if the incident does not look like it is waiting for one.")
 @click.option("--wait", "wait_s", type=FiniteFloat(0, 86_000), default=0.0, show_default=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from sentinel.cli.common import not_empty
 from sentinel.cli.common import (count_bus_entries, emit_runs, fmt_clock, friendly_errors, json_option, read_or_reject,
                                  redis_url_option)
 
@@ -93,7 +94,7 @@ def _render(runs: list[dict]):
 
 
 @click.command("pages")
-@click.argument("runs", nargs=-1, metavar="[RUN]...")
+@click.argument("runs", nargs=-1, metavar="[RUN]...", callback=not_empty)
 @click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True, help="Show the newest N pages per run (0: all), as `incidents --limit`.")
 @redis_url_option
 @json_option

@@ -7,7 +7,7 @@ import re
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress, not_empty
 
 
 def parse_checkpoint(value: str | None, flag: str = "--checkpoint") -> int | None:
@@ -30,7 +30,7 @@ def fmt(x) -> str:
 
 
 @click.command("replay-batch")
-@click.argument("run", metavar="RUN")
+@click.argument("run", metavar="RUN", callback=not_empty)
 @click.option("--step", "step", required=True, type=click.IntRange(min=1), help="The step whose batch to replay.")
 @click.option("--checkpoint", "checkpoint", default=None, metavar="ID",
               help="Start from this checkpoint (a step number); default: the newest valid one before the step.")

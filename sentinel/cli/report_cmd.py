@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option, not_empty
 
 REPORTS_DIR = "reports"
 INCIDENT_CONTEXT_STEPS = 40  # steps shown around an incident with --incident
@@ -105,9 +105,9 @@ def write_report(ref, out: str | Path | None = None, incident_id: str | None = N
 
 
 @click.command("report")
-@click.argument("run", metavar="RUN")
-@click.option("--incident", "incident_id", metavar="ID", help="Zoom on one incident (its onset, detection and recovery).")
-@click.option("--out", type=click.Path(dir_okay=False), metavar="PATH",
+@click.argument("run", metavar="RUN", callback=not_empty)
+@click.option("--incident", "incident_id", metavar="ID", callback=not_empty, help="Zoom on one incident (its onset, detection and recovery).")
+@click.option("--out", type=click.Path(dir_okay=False), metavar="PATH", callback=not_empty,
               help="Where to write the PNG, at exactly this path (.png or no suffix; default: RUN_DIR/reports/run.png "
                    "or incident-ID.png).")
 @redis_url_option

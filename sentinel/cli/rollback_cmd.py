@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat
+from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
 from sentinel.cli.common import (
     SentinelError,
     emit_json,
@@ -242,7 +242,7 @@ def _print_plan(console, plan: dict) -> None:
 
 
 @click.command("rollback")
-@click.argument("run", metavar="RUN")
+@click.argument("run", metavar="RUN", callback=not_empty)
 @click.option("--to-step", type=click.IntRange(min=0), help="Roll back to the checkpoint at exactly this step.")
 @click.option("--before-step", type=click.IntRange(min=2), metavar="ONSET",
               help="ONSET is the first bad step (an incident's onset): roll back to the newest good checkpoint at "

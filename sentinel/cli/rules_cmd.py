@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, not_empty
 
 # the knobs worth a glance per rule (the rest are in the file)
 _KEY_PARAMS = ("threshold", "min_ratio", "window", "min_history", "k", "n", "persist_steps", "max_gap_increase",
@@ -18,7 +18,7 @@ def rules() -> None:
 
 
 @rules.command("check")
-@click.argument("file", metavar="FILE")
+@click.argument("file", metavar="FILE", callback=not_empty)
 @json_option
 @friendly_errors
 def check(file: str, as_json: bool) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, redis_url_option
+from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, redis_url_option, not_empty
 
 
 def _check_alertmanager_url(url: str) -> None:
@@ -65,7 +65,7 @@ def _console_log():
 
 
 @click.command("run")
-@click.argument("runs", nargs=-1, metavar="[RUN_DIR_OR_ID]...")
+@click.argument("runs", nargs=-1, metavar="[RUN_DIR_OR_ID]...", callback=not_empty)
 @redis_url_option
 @click.option("--rules", "rules_file", type=click.Path(dir_okay=False), help="Rules YAML (default: the built-in rules).")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file for directives (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")

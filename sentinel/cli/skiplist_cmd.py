@@ -16,14 +16,14 @@ import uuid
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat
+from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
 from sentinel.cli.common import WRONG_TYPE, SentinelError, emit_json, friendly_errors, json_option, lost_ack_error, read_unless_wrong_type, redis_url_option
 
 ACTIONS = ("show", "add", "remove")
 
 
 @click.command("skip-list")
-@click.argument("run", metavar="RUN")
+@click.argument("run", metavar="RUN", callback=not_empty)
 @click.argument("action", required=False, default="show", type=click.Choice(ACTIONS), metavar="[show|add|remove]")
 @click.argument("ranges", nargs=-1, metavar="[LO:HI]...")
 @click.option("--reason", type=OneLineText(), default=None, help="Why (recorded in the audit log and the directive).")

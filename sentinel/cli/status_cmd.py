@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import FiniteFloat
+from sentinel.cli.common import FiniteFloat, not_empty
 from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected
 
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
@@ -332,7 +332,7 @@ def collect(runs, redis_url) -> tuple[list[dict], list[str]]:
 
 
 @click.command("status")
-@click.argument("runs", nargs=-1, metavar="[RUN]...")
+@click.argument("runs", nargs=-1, metavar="[RUN]...", callback=not_empty)
 @click.option("--watch", is_flag=True, help="Refresh live until Ctrl-C.")
 @click.option("--interval", type=FiniteFloat(0.2, 3600), default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @redis_url_option

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, is_tty, json_option, make_progress, not_empty
 from sentinel.cli.replay_cmd import parse_checkpoint
 
 
 @click.command("verify-resume")
-@click.argument("run", metavar="RUN")
+@click.argument("run", metavar="RUN", callback=not_empty)
 @click.option("--from-step", "from_step", required=True, metavar="C",
               help="The checkpoint to resume from (a step number or step-NNNNNNNN).")
 @click.option("--steps", "steps", default=5, show_default=True, type=click.IntRange(min=1),
@@ -43,6 +43,8 @@ def verify_resume(run: str, from_step: str, steps: int, drill: bool, as_json: bo
                 if drill:
                     argv.append("--drill")
                 res = launch_workers(log.world_size, argv, progress=report)
+                for m in res.get("notes", []):  # the workers' stderr went to their log file
+                    click.echo(m, err=True)
             else:
                 res = _in_process(log.run_dir, c, steps, drill, report)
         finally:

@@ -146,7 +146,23 @@ def _step(tr, number: int) -> dict:
     tr.state.step += 1
     return {"step": number, "batch_fingerprint": batch_fingerprint(ids), "lr": lr,
             "loss": float(loss.item()), "grad_norm": float(gnorm.item()),
-            "skipped": float(factor.item()) == 0.0, "param_digest": param_digest(tr)}
+            "skipped": float(factor.item()) == 0.0, "param_digest": param_digest(tr), "sample_ids": ids}
+
+
+def _skipped_since(run_dir: Path, tr):
+    """The ids the run skips now (``skiplist.json``) that checkpoint C's skip list (loaded in ``tr``)
+    does not: what a rollback or a skip directive added after C. The log's steps after such an
+    addition trained without those samples, so it is no reference for a plain resume from C. None
+    when the file cannot be read (then nothing is ruled out)."""
+    from sentinel.rundir import RunDirError, read_skiplist
+    from trainer.data import SkipList
+
+    try:
+        later = SkipList(read_skiplist(run_dir))
+    except (OSError, RunDirError):
+        return None
+    later.remove(tr.skip.ranges)
+    return later if len(later) else None
 
 
 def _digests_incomparable(tr, records: dict, c: int) -> bool:
@@ -365,14 +381,26 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
     sched_ok = loaded_step == c
 
     rows = []
+    later = None if drill else _skipped_since(run_dir, tr)
     if progress:
         progress(0, k, f"resume from checkpoint {c}")
     for i in range(k):
         got = _step(tr, c + i + 1)
+        ids = got.pop("sample_ids")  # not part of the report (a batch's worth of ids per row)
         want = ref[got["step"]]
-        rows.append({"step": got["step"], "replayed": got, "reference": want, "mismatch": _compare(got, want, dev)})
+        mismatch = _compare(got, want, dev)
+        if "batch_fingerprint" in mismatch and later is not None and later.contains_many(ids).any():
+            if not rows:
+                raise OfflineError(f"step {got['step']} of the log did not train samples that were added to the run's "
+                                   f"skip list after checkpoint {c} (by a rollback or a skip directive): the log is no "
+                                   "reference for a plain resume from it; use --drill")
+            note(f"note: from step {got['step']} on, the log did not train samples that were added to the run's skip "
+                 f"list after checkpoint {c} (by a rollback or a skip directive): verifying the {len(rows)} step(s) before")
+            break
+        rows.append({"step": got["step"], "replayed": got, "reference": want, "mismatch": mismatch})
         if progress:
             progress(i + 1, k, f"resumed step {got['step']}")
+    k = len(rows)
     first = diagnose(rows, c, params_ok=params_ok, opt_step_ok=opt_step_ok, dropout=dropout, sched_step=loaded_step)
     if first is not None and dev == "cuda" and not tr.cfg.deterministic:
         first["reason"] += ("; this run has deterministic: false, so its CUDA kernels (the fused attention's "
