@@ -22,7 +22,7 @@ import re
 import stat
 import time
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -347,6 +347,10 @@ def connect(
                 kwargs[key] = path
     elif tls_ca or tls_cert or tls_key or tls:
         raise BusError(f"TLS files given for a non-TLS URL {redact_url(url)}: use rediss://")
+    with contextlib.suppress(ValueError):
+        owner_check = _OWNER_CHECKS.get((parts.port, unquote(parts.password or kwargs.get("password") or "")))
+        if owner_check is not None and scheme == "redis":
+            kwargs["connection_class"] = _guarded(owner_check)
     try:
         r = redis.Redis.from_url(clean, **kwargs)
     except (ValueError, TypeError) as e:
@@ -359,6 +363,37 @@ def connect(
         except (ValueError, TypeError) as e:  # an option value redis-py only checks when it connects (ssl_cert_reqs=bogus)
             raise BusError(f"invalid bus URL {redact_url(url)}: {' '.join(redact_url(str(e)).split())[:200]}") from None
     return r
+
+
+# (port, password) of the embedded buses this process knows -> the check of who listens there, run
+# before any byte goes out on a new connection (AUTH is the first): ``embedded.with_password``
+# registers each URL it hands out, so every client of an embedded bus is guarded, however its URL came
+_OWNER_CHECKS: dict[tuple[int, str], Callable[[int], None]] = {}
+
+
+def guard_port(url: str, check: Callable[[int], None]) -> None:
+    """Have every connection that ``connect`` opens to ``url`` (its port and password) call
+    ``check(port)`` once its socket is up and before it sends anything; ``check`` raises BusError
+    for a listener that must not get the password."""
+    parts = urlsplit(url)
+    with contextlib.suppress(ValueError):
+        if parts.port and parts.password:
+            _OWNER_CHECKS[(parts.port, unquote(parts.password))] = check
+
+
+def _guarded(check: Callable[[int], None]) -> type:
+    class GuardedConnection(redis.Connection):
+        def _connect(self):
+            sock = super()._connect()
+            try:
+                check(self.port)
+            except BusError as e:
+                with contextlib.suppress(OSError):
+                    sock.close()
+                raise redis.ConnectionError(str(e)) from None
+            return sock
+
+    return GuardedConnection
 
 
 def _looks_like_redis(host: str, port: int, timeout: float, where: str) -> None:

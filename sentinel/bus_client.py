@@ -433,6 +433,7 @@ class BusClient:
                     check_is_redis(self._full_url, self._io_timeout)
                 except BusError as e:
                     self._log_limited("not_redis", "control bus: %s; retrying in the background", _short(e))
+                    self._maybe_restart_bus()  # a dead embedded bus whose port a stranger took: restart it elsewhere
                     self._stop.wait(backoff * random.uniform(0.8, 1.2))
                     backoff = min(backoff * 2, 5.0)
                     continue

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from sentinel.bus import BusError, connect, redact_url
+from sentinel.bus import BusError, connect, guard_port, redact_url
 
 URL_FILE = "url"
 SECRET_FILE = "secret"
@@ -55,6 +55,7 @@ LOCK_FILE = "lock"
 PASSWORD_FILE = "password"
 
 _log = logging.getLogger("sentinel.embedded")
+START_WAIT_S = 60.0  # the longest a server that started (and has not died) is waited on to answer
 
 
 def server_binary() -> str:
@@ -161,7 +162,9 @@ def with_password(url: str, d: Path) -> str:
     if parts is None or port is None or not parts.hostname:
         raise BusError(f"{d / URL_FILE} holds no bus URL ({redact_url(url)[:60]!r}): delete it, and the run's next start "
                        "writes it again")
-    return urlunsplit((parts.scheme, f":{quote(pw, safe='')}@{parts.hostname}:{port}", parts.path, parts.query, parts.fragment))
+    full = urlunsplit((parts.scheme, f":{quote(pw, safe='')}@{parts.hostname}:{port}", parts.path, parts.query, parts.fragment))
+    guard_port(full, lambda p: check_owner(d, p))  # no client of ours sends the password to a stranger on the port
+    return full
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -235,24 +238,93 @@ def _pid_is_server(pid: int | None, d: Path | None = None) -> bool:
     bus, which ``stop_embedded`` would then shut down)."""
     if _pid_state(pid) != "alive":  # gone, or another user's: no bus this user started
         return False
-    prog = b""
-    for _ in range(5):  # an empty name: the server is rewriting its process title; read again
-        try:
+    for attempt in range(5):  # another name: the server may be rewriting its process title (read in
+        try:                  # the middle, it is empty or cut short); read again
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except FileNotFoundError:
             return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
         except OSError:
             return False
-        prog = os.path.basename(cmd.split(b"\0")[0].split(b" ")[0])
-        if prog:
+        if os.path.basename(cmd.split(b"\0")[0].split(b" ")[0]).startswith((b"valkey-server", b"redis-server")):
             break
+        if attempt == 4:
+            return False
         time.sleep(0.01)
-    if not prog.startswith((b"valkey-server", b"redis-server")):
-        return False
     if d is not None:
         with contextlib.suppress(OSError):
             return os.path.samefile(f"/proc/{pid}/cwd", d)
     return True
+
+
+def _listeners(port: int) -> set[str] | None:
+    """The socket inodes listening where a connection to 127.0.0.1:``port`` lands (TCP, IPv4 and IPv6);
+    None where /proc/net cannot tell (not Linux)."""
+    found: set[str] = set()
+    told = False
+    # the addresses a connection to 127.0.0.1 reaches: itself, 0.0.0.0, [::] and [::ffff:127.0.0.1]
+    reach = {f"{a}:{port:04X}" for a in ("0100007F", "00000000", "0" * 32, "0000000000000000FFFF00000100007F")}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            text = Path(table).read_text(errors="replace")
+        except OSError:
+            continue
+        told = True
+        for line in text.splitlines()[1:]:
+            f = line.split()
+            # local address HEX_IP:HEX_PORT, state 0A = LISTEN, inode in column 10
+            if len(f) > 9 and f[3] == "0A" and f[1] in reach:
+                found.add(f[9])
+    return found if told else None
+
+
+def _sockets_of(pid: int | None) -> set[str]:
+    """The socket inodes ``pid`` holds open (those this user may see)."""
+    found: set[str] = set()
+    with contextlib.suppress(OSError):
+        fd_dir = f"/proc/{pid}/fd"
+        for fd in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"{fd_dir}/{fd}")
+                if link.startswith("socket:["):
+                    found.add(link[8:-1])
+    return found
+
+
+def _works_in(pid: int, d: Path) -> bool:
+    try:
+        return os.path.samefile(f"/proc/{pid}/cwd", d)
+    except OSError:
+        return False
+
+
+def _pids() -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    return []
+
+
+def check_owner(d: Path, port: int | None) -> None:
+    """BusError when what listens at ``port`` is not this bus's own server (``d``): after the bus
+    died, any local process could take its port, and a client would send it the bus password with
+    AUTH. Nothing listening passes (a connection is refused, nothing is sent); so does a system
+    where /proc cannot tell."""
+    if port is None:
+        return
+    inodes = _listeners(port)
+    if not inodes:
+        return
+    pid = _read_pid(d)
+    if _pid_is_server(pid, d) and inodes <= _sockets_of(pid):
+        return
+    # no pid file (deleted, or the server has not written it yet), or it names another process: find
+    # who holds the port; a bus of ours whose pid file is gone must not be taken for a stranger's (a
+    # second server on the same data would follow). Each holder must work in this private bus dir: the
+    # server, and the AOF rewrite child it forks at its start (another program name, the same socket
+    # until it closes it), do; another user's process cannot even be looked at
+    holders = {p for p in _pids() if _sockets_of(p) & inodes}
+    if not holders or not all(_works_in(p, d) for p in holders):
+        raise BusError(f"port {port} of the embedded bus of {d.parent} is held by a process that is not its server "
+                       "(the bus is down, or was restarted elsewhere): its password is not sent there")
 
 
 def _url_port(url: str) -> int | None:
@@ -268,6 +340,10 @@ def _ping_ours(url: str, d: Path) -> str:
     passwords), 'loading', 'foreign' (answers, other dir) or 'down'."""
     import redis
 
+    try:
+        check_owner(d, _url_port(url))
+    except BusError:
+        return "foreign"  # another process took the port: never send it the password
     state = "ok"
     for candidate in (with_password(url, d), url):
         try:
@@ -409,7 +485,9 @@ def _start(d: Path, port: int, timeout: float) -> str:
     if proc.returncode != 0:
         err = _hide_password(" ".join(proc.stderr.decode(errors="replace").split()), d)[-300:] or _log_tail(d)
         raise BusError(f"embedded bus failed to start ({binary}): {err}")
-    state = _wait_ready(f"redis://127.0.0.1:{port}/0", d, timeout, started)
+    # a server that is alive is waited on longer than ``timeout``: on a loaded machine (CI) a start can
+    # stall for seconds in its first AOF writes, and giving up there failed a start that was going fine
+    state = _wait_ready(f"redis://127.0.0.1:{port}/0", d, max(timeout, START_WAIT_S), started)
     if state == "ok":
         _warn_if_aof_cut(d, log_at)
     return state
@@ -502,7 +580,7 @@ def ensure_embedded(run_dir: str | os.PathLike, *, timeout: float = 15.0) -> str
                 break
             if "in use" not in last.lower() and state != "foreign":
                 break
-        raise BusError(f"embedded bus did not start in {d}: {last or state}")
+        raise BusError(f"embedded bus did not start in {d} ({state}): {last or 'its log is empty'}")
 
 
 def stop_embedded(run_dir: str | os.PathLike, *, timeout: float = 10.0) -> bool:

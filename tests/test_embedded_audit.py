@@ -191,7 +191,7 @@ def test_a_password_file_with_a_line_break_is_refused_without_showing_it(run_dir
         ensure_embedded(run_dir)
     said = str(e.value)
     assert "hunter2" not in said and "line break" in said and str(d / "password") in said, said
-    assert not _servers_on(d)
+    assert not _servers_on(run_dir)
 
 
 def test_the_server_s_own_error_text_never_carries_the_password(run_dir):
@@ -227,3 +227,100 @@ def test_an_aof_cut_short_is_loaded_with_one_warning(run_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="sentinel.embedded"):
         ensure_embedded(run_dir)  # the server repaired it: the next start is quiet
     assert not [rec for rec in caplog.records if rec.name == "sentinel.embedded"]
+
+
+def _squat(port: int):
+    """A stranger that takes a dead bus's port and keeps every byte sent to it."""
+    import socket
+    import threading
+
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen(64)
+    s.settimeout(0.1)
+    got: list[bytes] = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                c, _ = s.accept()
+            except OSError:
+                continue
+            c.settimeout(0.5)
+            try:
+                got.append(c.recv(4096))
+            except OSError:
+                pass
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    def close():
+        stop.set()
+        t.join(5)
+        s.close()
+        return b"".join(got)
+
+    return close
+
+
+def test_a_stranger_on_a_dead_bus_s_port_never_gets_its_password(run_dir):
+    """Before: once the bus died, any local process that took its port got the bus password in the
+    AUTH of every client that reconnected (the trainer, the daemon, the CLI). Now a connection to an
+    embedded bus checks who listens before it sends a byte, and the supervisor restarts the bus on
+    another port."""
+    import logging
+
+    from sentinel import embedded
+    from sentinel.bus_client import BusClient
+    from sentinel.protocol import Keys, StepRecord
+
+    d = bus_dir(run_dir)
+    url = ensure_embedded(run_dir)
+    password = embedded.read_password(d).encode()
+    old = bus.connect(url)
+    port = embedded._url_port(url)
+    stop_embedded(run_dir)
+    close = _squat(port)
+    client = None
+    try:
+        with pytest.raises(redis.ConnectionError, match="not its server"):
+            old.ping()  # a client that was connected reconnects
+        with pytest.raises(bus.BusError):  # a command of the CLI (the stranger's answer to PING may say it first)
+            bus.connect(bus.resolve_url(run_dir))
+        client = BusClient(url, "squat", b"s" * 32, logger=logging.getLogger("test.squat"), io_timeout_s=0.5,
+                           reconnect=lambda: ensure_embedded(run_dir))  # the trainer, still on the old URL
+        for s in range(1, 6):  # the trainer's client goes on, and its supervisor restarts the bus
+            client.publish_step(StepRecord(run="squat", step=s, timeline=0, loss=2.0, loss_max_rank=2.0, grad_norm=1.0,
+                                           lr=1e-3, tokens=s, batch_fingerprint="f", time=time.time()))
+        new_url, _ = restart_if_dead(run_dir)  # the daemon's supervisor, or the trainer's got there first
+        assert embedded._url_port(new_url) != port
+        new = bus.connect(new_url)
+        deadline = time.monotonic() + 60
+        while new.xlen(Keys("squat").steps) < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert new.xlen(Keys("squat").steps) == 5  # every record reached the bus on its new port
+    finally:
+        if client is not None:
+            client.close()
+        received = close()
+    assert received, "the stranger saw no connection at all: the test tested nothing"
+    assert password not in received and b"AUTH" not in received.upper(), received[:200]
+
+
+def test_the_bus_is_known_as_its_own_without_its_pid_file(run_dir):
+    """The owner check finds the server that holds the port when the pid file is gone: taking a live
+    bus of ours for a stranger would start a second server on the same data."""
+    d = bus_dir(run_dir)
+    url = ensure_embedded(run_dir)
+    pid = _servers_on(run_dir)
+    assert len(pid) == 1
+    (d / "server.pid").rename(d / "server.pid.away")
+    try:
+        assert ensure_embedded(run_dir) == url
+        assert _servers_on(run_dir) == pid
+    finally:
+        (d / "server.pid.away").rename(d / "server.pid")
