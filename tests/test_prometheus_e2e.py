@@ -206,14 +206,19 @@ def _worker_pids(torchrun: subprocess.Popen, run_dir: Path) -> list[int]:
 
 
 def _stop_after_scrapes(proc: subprocess.Popen, run_dir: Path, prom, log: Path, scrapes: int) -> None:
-    """Wait until Prometheus scraped both ranks ``scrapes`` times, then SIGTERM the ranks: each finishes
+    """Wait until Prometheus scraped both ranks ``scrapes`` times, the last past PROBE_AT_STEP, then
+    SIGTERM the ranks: each finishes
     its step, the run checkpoints and every process exits 0 (the trainer's graceful stop)."""
     run = run_dir.name
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"trainer exited early ({proc.returncode}): {log.read_text()[-3000:]}"
         ups = prom.query(f'sum_over_time(up{{run="{run}"}}[5m])')
-        if len(ups) == 2 and all(float(u["value"][1]) >= scrapes for u in ups):
+        # and one scrape saw the run past PROBE_AT_STEP: on a loaded machine the scrapes can all fall
+        # before it (CI once stopped the run with step 109 as Prometheus' last sample)
+        seen = prom.query(f'max_over_time(training_step{{run="{run}"}}[5m])')
+        if (len(ups) == 2 and all(float(u["value"][1]) >= scrapes for u in ups)
+                and seen and float(seen[0]["value"][1]) >= PROBE_AT_STEP):
             break
         time.sleep(0.5)
     else:
