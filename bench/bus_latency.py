@@ -78,7 +78,7 @@ def main() -> int:
     from sentinel import bus
     from sentinel.embedded import ensure_embedded, stop_embedded
     from sentinel.protocol import Keys
-    from sentinel.bus_client import BusClient
+    from sentinel.client.bus import BusClient
 
     with tempfile.TemporaryDirectory(prefix="bus-bench-") as run_dir:
         url = ensure_embedded(run_dir)

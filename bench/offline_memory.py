@@ -7,7 +7,7 @@ records to its steps.jsonl (copies of its last record, renumbered: a run that we
 time), then runs `sentinel replay-batch RUN --step 150`, `sentinel verify-resume RUN
 --from-step 140 --steps 5` and `sentinel report RUN` on it, each in its own child process, and reports each one's peak
 resident memory (the largest process of its tree, torchrun's ranks included) and wall time. The
-tools read only the steps they need (``trainer.steplog.scan``, ``replay.branches(keep=...)``; the
+tools read only the steps they need (``sentinel.client.steplog.scan``, ``replay.branches(keep=...)``; the
 report keeps only what it draws of each step), so
 their memory should not grow with ``--steps``: run it at two sizes and compare.
 """

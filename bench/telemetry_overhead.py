@@ -128,7 +128,7 @@ def on_step_cost(n: int = 20000) -> dict:
     sys.path.insert(0, str(ROOT))
     from prometheus_client import CollectorRegistry
 
-    from trainer.telemetry.metrics import PHASES, TrainerMetrics
+    from sentinel.client.metrics import PHASES, TrainerMetrics
 
     m = TrainerMetrics(run="bench", rank=0, world_size=1, model="small", parallelism="single", device="cpu",
                        dtype="fp32", registry=CollectorRegistry())  # fmt: skip

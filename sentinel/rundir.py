@@ -16,7 +16,7 @@ a laptop without torch and must never import the training loop, so everything th
   appended on every state change; the last line per id wins) and of pages, so that history survives
   the control bus. ``JsonlMirror`` writes them (append + flush; a full disk is counted, never fatal).
 
-The formats mirror ``trainer/checkpoint.py``, ``trainer/data/skiplist.py`` and ``trainer/train.py``;
+The formats mirror ``trainer/checkpoint.py``, ``sentinel/client/skiplist.py`` and ``trainer/train.py``;
 this module does not import them (``trainer.checkpoint`` imports torch).
 """
 

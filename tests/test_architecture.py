@@ -9,7 +9,7 @@ module level or inside a function) and on a fresh interpreter (what importing th
   commands that start them (replay-batch, verify-resume, demo) and the demo's drill only inside
   functions, so ``sentinel --help`` and the daemon never load torch.
 - ``trainer/`` imports from the sentinel only the contract, the bus's connection helpers and its
-  client side (``sentinel.bus_client``, which any training loop may use), and the hardened
+  public client library (``sentinel.client``, which any training loop may use), and the hardened
   ``/metrics`` endpoint both sides serve (``sentinel.metrics_http``).
 """
 
@@ -27,7 +27,7 @@ CORE_MAY_IMPORT_OF_OURS = ("sentinel.protocol", "sentinel.detectors", "sentinel.
 CORE_MAY_IMPORT_THIRD_PARTY = ("pydantic", "yaml")
 IO_MODULES = ("socket", "ssl", "http", "urllib", "subprocess", "multiprocessing", "threading", "asyncio", "shutil",
               "sqlite3", "select", "selectors")
-TRAINER_MAY_IMPORT = ("sentinel.protocol", "sentinel.bus", "sentinel.bus_client", "sentinel.embedded", "sentinel.metrics_http")
+TRAINER_MAY_IMPORT = ("sentinel.protocol", "sentinel.bus", "sentinel.client", "sentinel.embedded", "sentinel.metrics_http")
 # sentinel modules that may import trainer inside a function (they start an offline tool or the demo)
 LAZY_TRAINER_USERS = ("sentinel/cli/replay_cmd.py", "sentinel/cli/verify_cmd.py", "sentinel/cli/demo_cmd.py", "sentinel/drill.py")
 

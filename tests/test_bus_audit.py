@@ -27,7 +27,7 @@ import pytest
 from click.testing import CliRunner
 
 from sentinel import bus
-from sentinel.bus_client import INBOX_MAX, BusClient
+from sentinel.client.bus import INBOX_MAX, BusClient
 from sentinel.cli import main
 from sentinel.ingest import MAX_FUTURE_S, StepGate
 from sentinel.protocol import Ack, CheckpointInfo, Directive, Keys, TimelineRecord, record_mac

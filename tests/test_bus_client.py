@@ -1,4 +1,4 @@
-"""sentinel.bus_client.BusClient against real servers: order, directives, outages."""
+"""sentinel.client.bus.BusClient against real servers: order, directives, outages."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from conftest import free_port
 from sentinel import bus
 from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, StepRecord, TimelineRecord
-from sentinel.bus_client import BusClient
+from sentinel.client.bus import BusClient
 
 SECRET = b"test-secret-0123456789abcdef"
 
@@ -125,7 +125,7 @@ def test_bad_directives_are_rejected_counted_and_acked(redis_url, unique_run, cl
     good2 = Directive(run=unique_run, kind="resume").signed(SECRET)
     for d in (good1, forged, tampered, unsigned, expired, other_run, "{not json", good2):
         bus.publish(r, k.directives, d)
-    with caplog.at_level(logging.WARNING, logger="sentinel.bus_client"):
+    with caplog.at_level(logging.WARNING, logger="sentinel.client.bus"):
         got = _poll_until(c, 2)  # good2 is last, so every bad one has been seen by then
     assert [x.id for x in got] == [good1.id, good2.id]  # stream order, bad ones filtered
     assert c.rejected == 6

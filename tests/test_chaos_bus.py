@@ -311,7 +311,7 @@ def test_overload_counts_records_trimmed_unread(embedded_bus, unique_run):
 
 
 def test_failover_after_retention_never_targets_a_deleted_checkpoint(embedded_bus, unique_run):
-    from sentinel.bus_client import BusClient
+    from sentinel.client.bus import BusClient
 
     r = bus.connect(embedded_bus.url)
     register_checkpoints(r, unique_run, steps=(10, 20, 30, 40))
@@ -337,7 +337,7 @@ def test_failover_after_retention_never_targets_a_deleted_checkpoint(embedded_bu
 
 
 def test_dead_embedded_bus_is_restarted_by_the_supervisors(embedded_bus, unique_run):
-    from sentinel.bus_client import BusClient
+    from sentinel.client.bus import BusClient
 
     run_dir = embedded_bus.run_dir
     r = bus.connect(embedded_bus.url)

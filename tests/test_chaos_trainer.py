@@ -64,7 +64,7 @@ def report(case: str, *, tried: int, handled: int, lost: str, **figures) -> None
 
 
 def _steps(run: Path) -> list[int]:
-    from trainer.steplog import authoritative
+    from sentinel.client.steplog import authoritative
 
     return sorted(authoritative(run / "steps.jsonl"))
 
@@ -80,7 +80,7 @@ def test_step_log_survives_enospc_and_counts_what_it_drops(tmp_path):
     """/dev/full under the writer's fd: records are held and flushed in order once the disk takes
     writes again; past the buffer the oldest are dropped and counted; the file stays valid JSONL."""
     from sentinel.protocol import TimelineRecord
-    from trainer.steplog import StepLog, read
+    from sentinel.client.steplog import StepLog, read
 
     rng = random.Random(9)
     cycles = 200 if LONG else 20

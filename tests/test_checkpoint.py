@@ -382,7 +382,7 @@ def test_failed_checkpoint_write_never_damages_previous(tmp_path, dataset, mode)
 
 
 def _steps(run):
-    from trainer.steplog import authoritative
+    from sentinel.client.steplog import authoritative
 
     return authoritative(run / "steps.jsonl")
 

@@ -56,7 +56,7 @@ def test_training_steps_do_not_sync(tmp_path, telemetry, mixture):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     tr._flush_readback()
-    from trainer.steplog import authoritative
+    from sentinel.client.steplog import authoritative
 
     steps = authoritative(tmp_path / "run" / "steps.jsonl")
     assert sorted(steps)[-1] == 12 and all(r.loss == r.loss for r in steps.values())

@@ -338,7 +338,7 @@ def test_the_trainers_bus_client_does_not_read_what_a_server_that_is_no_redis_an
     import logging
     import time
 
-    from sentinel.bus_client import BusClient
+    from sentinel.client.bus import BusClient
 
     sent: list[int] = []
     url, stop = _talker(b"$999999999\r\n", b"A" * 65536, sent)

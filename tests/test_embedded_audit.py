@@ -275,7 +275,7 @@ def test_a_stranger_on_a_dead_bus_s_port_never_gets_its_password(run_dir):
     import logging
 
     from sentinel import embedded
-    from sentinel.bus_client import BusClient
+    from sentinel.client.bus import BusClient
     from sentinel.protocol import Keys, StepRecord
 
     d = bus_dir(run_dir)

@@ -191,7 +191,7 @@ def test_fuzz_daemon_ack_and_approval_readers(embedded_bus, data):
 @FUZZ
 @given(data=st.data())
 def test_fuzz_trainer_directive_reader(embedded_bus, data, tmp_path_factory):
-    from sentinel.bus_client import BusClient
+    from sentinel.client.bus import BusClient
 
     run = f"fz-{uuid.uuid4().hex[:10]}"
     k = Keys(run)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from trainer.telemetry.metrics import TrainerMetrics, _version
-from trainer.telemetry.targets import TARGETS_FILE, rank_port, write_targets
+from sentinel.client.metrics import TrainerMetrics, _version
+from sentinel.client.targets import TARGETS_FILE, rank_port, write_targets
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 RUN = "test-run"

@@ -27,7 +27,7 @@ from sentinel.protocol import (
 from sentinel.rules import default_rules
 from trainer.data import DataError, MixtureSampler, SkipList, TokenDataset, load_mixture_file, parse_source, prepare_dataset
 from trainer.data.sources import PYTHON_DOC_ROOT
-from trainer.telemetry.metrics import TIMELINE_EVENTS, TrainerMetrics
+from sentinel.client.metrics import TIMELINE_EVENTS, TrainerMetrics
 from trainer_helpers import BASE_ARGS, assert_same_trajectory, copy_run, records, reference_run, run_and_kill, run_trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -451,7 +451,7 @@ def _fit_in_process(run_dir: Path, overrides: dict):
     finally:
         _signal.signal(_signal.SIGTERM, sigterm)
         trainer.metrics.close()
-        trainer.steplog.close()
+        sentinel.client.steplog.close()
 
 
 def test_corrupt_source_drill_shows_in_that_slice_only(mix_dir, tmp_path):

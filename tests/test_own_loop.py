@@ -2,7 +2,7 @@
 
 The loop here has no torch and no model: its "weights" are one number, its loss a function of them
 and its data a counter of sample ids. It speaks the contract any loop must speak, through
-``sentinel.bus_client.BusClient`` only: register the run, publish a ``StepRecord`` per step,
+``sentinel.client.bus.BusClient`` only: register the run, publish a ``StepRecord`` per step,
 register each checkpoint, apply signed directives, ack them, and after a rollback publish a
 ``TimelineRecord`` marker. Samples 1200-1207 are poison: training on them corrupts the weights
 for good (a persistent +0.5 nats). The daemon must see the damage, order a rollback to a
@@ -21,7 +21,7 @@ import time
 import pytest
 
 from sentinel import bus
-from sentinel.bus_client import BusClient
+from sentinel.client.bus import BusClient
 from sentinel.protocol import Ack, CheckpointInfo, StepRecord, TimelineRecord
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -41,7 +41,7 @@ from conftest import free_port, require_binary
 from test_metrics import DOCS, _cuda_only, documented
 from trainer_helpers import kill_all
 from sentinel.protocol import REJECT_REASONS
-from trainer.telemetry.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
+from sentinel.client.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from sentinel.cli import main as cli
 from offline_helpers import PY, make_run  # noqa: F401
-from trainer.steplog import authoritative
+from sentinel.client.steplog import authoritative
 
 GARBAGE_STEP = 14
 

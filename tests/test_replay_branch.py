@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from sentinel.cli import main as cli
 from offline_helpers import PY, make_run
 from sentinel.protocol import StepRecord
-from trainer.steplog import read
+from sentinel.client.steplog import read
 
 BAD_STEP = 12  # its batch carries the garbage samples on timeline 0
 AFTER_FORK = 17  # replayed on timeline 0: checkpoint 15 (timeline 1's) is newer than 10 but not its state

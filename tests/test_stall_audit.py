@@ -24,7 +24,7 @@ import time
 import pytest
 
 from sentinel import bus
-from sentinel.bus_client import BusClient
+from sentinel.client.bus import BusClient
 from sentinel.protocol import Keys, StepRecord
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""The step log's start-up repair of its last line (``trainer.steplog.StepLog._repair_torn_tail``).
+"""The step log's start-up repair of its last line (``sentinel.client.steplog.StepLog._repair_torn_tail``).
 
 A crash mid-write can leave steps.jsonl without its final newline. What is there must not be lost:
 
@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 
 from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord
-from trainer import steplog as steplog_mod
-from trainer.steplog import StepLog, read
+from sentinel.client import steplog as steplog_mod
+from sentinel.client.steplog import StepLog, read
 from trainer_helpers import BASE_ARGS, dataset, run_trainer  # noqa: F401  (fixture)
 
 

@@ -1,4 +1,4 @@
-"""``trainer.steplog.scan`` and ``replay.branches(keep=...)``: the offline tools read a long run's
+"""``sentinel.client.steplog.scan`` and ``replay.branches(keep=...)``: the offline tools read a long run's
 step log in one streamed pass and hold only the steps they need. On random logs with rollbacks,
 resumes and guard skips they must give exactly what reading the whole log gave, for those steps."""
 
@@ -8,7 +8,7 @@ import random
 
 from sentinel.offline.replay import branches
 from sentinel.protocol import StepRecord, TimelineRecord, authoritative_steps
-from trainer.steplog import read, scan
+from sentinel.client.steplog import read, scan
 
 
 def random_log(rng: random.Random, path):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_a_directives_cursor_that_is_no_small_regular_file_is_ignored(tmp_path):
-    from sentinel.bus_client import read_cursor
+    from sentinel.client.bus import read_cursor
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

@@ -115,7 +115,7 @@ def test_unusable_run_dirs_are_refused_before_anything_is_created(tmp_path, caps
 # ------------------------------------------------------------------ state files (in process)
 def test_step_log_escapes_lone_surrogates_instead_of_failing(tmp_path):
     from sentinel.protocol import TimelineRecord
-    from trainer.steplog import StepLog, read
+    from sentinel.client.steplog import StepLog, read
 
     log = StepLog(tmp_path / "steps.jsonl", log=lambda m: None)
     log.write(TimelineRecord(kind="rollback", run="r\udcff", from_step=2, timeline=1, time=1.0, reason="\udcff\udcfe"))
@@ -126,7 +126,7 @@ def test_step_log_escapes_lone_surrogates_instead_of_failing(tmp_path):
 
 def test_step_log_that_is_not_a_regular_file_is_refused(tmp_path):
     """A steps.jsonl symlinked to /dev/null would swallow every record (a FIFO would block the open)."""
-    from trainer.steplog import StepLog
+    from sentinel.client.steplog import StepLog
 
     (tmp_path / "steps.jsonl").symlink_to("/dev/null")
     with pytest.raises(OSError, match="not a regular file"):

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from sentinel.cli import main as cli
 from trainer.checkpoint import CheckpointError, sha256_file, verify
 from offline_helpers import PY, make_run  # noqa: F401
-from trainer.steplog import authoritative
+from sentinel.client.steplog import authoritative
 
 C = 10  # the checkpoint under test (the run has 10 and 20)
 

@@ -250,7 +250,7 @@ def run_and_kill(run_dir: Path, args: list[str], *, rng: random.Random, kill_ste
 
 # ------------------------------------------------------------------ trajectories
 def trajectory(run_dir: Path) -> dict[int, dict]:
-    from trainer.steplog import authoritative
+    from sentinel.client.steplog import authoritative
 
     return {s: {f: getattr(r, f) for f in EXACT_FIELDS} for s, r in authoritative(run_dir / "steps.jsonl").items()}
 
@@ -284,7 +284,7 @@ def _compare(ref_dir: Path, run_dir: Path, n_steps: int) -> None:
 
 
 def records(run_dir: Path) -> list:
-    from trainer.steplog import read
+    from sentinel.client.steplog import read
 
     return list(read(run_dir / "steps.jsonl"))
 

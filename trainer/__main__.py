@@ -206,7 +206,7 @@ def _metrics_serve_problem(e: OSError, cfg, local_rank: int) -> str | None:
     """The metrics endpoint could not be served (a host that does not resolve or is not ours, a port
     in use or not allowed): say which address and which flags, not only the OS's words. None for an
     OSError from anywhere else."""
-    if not _raised_in(e, "trainer.telemetry.metrics", "serve"):
+    if not _raised_in(e, "sentinel.client.metrics", "serve"):
         return None
     host, base = str(cfg.telemetry.metrics_host), cfg.telemetry.metrics_port
     port = base + local_rank if base else 0

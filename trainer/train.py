@@ -68,7 +68,7 @@ from trainer.optim import build_optimizer, lr_at
 from trainer.phases import RANK_PHASES, PhaseClock, as_dict
 from trainer.readback import StepReadback
 from trainer.slices import MixtureWeights, SliceEval, describe_change, lr_phase_markers, source_onehot
-from trainer.steplog import StepLog, clean_text
+from sentinel.client.steplog import StepLog, clean_text
 
 
 class TrainingError(Exception):
@@ -308,7 +308,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         if not cfg.telemetry.enabled:
             return
-        from trainer.telemetry.metrics import TrainerMetrics
+        from sentinel.client.metrics import TrainerMetrics
         from trainer.telemetry.mfu import flops_per_token, peak_flops
 
         m = cfg.model
@@ -334,7 +334,7 @@ class Trainer:
             self._connect_bus(cfg.telemetry.redis_url)
 
     def _publish_targets(self, port: int) -> None:
-        from trainer.telemetry.targets import write_targets
+        from sentinel.client.targets import write_targets
 
         host = self.cfg.telemetry.metrics_host
         if self.env.distributed:
@@ -347,7 +347,7 @@ class Trainer:
 
     def _connect_bus(self, url: str) -> None:
         from sentinel.bus import load_secret
-        from sentinel.bus_client import BusClient
+        from sentinel.client.bus import BusClient
 
         reconnect = None
         if url == "embedded":

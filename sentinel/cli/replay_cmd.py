@@ -113,7 +113,7 @@ def _not_surviving(log, step: int) -> str:
     """Why ``step`` cannot be replayed by default: absent from the log, or only on abandoned
     timelines (then: which, and the --timeline that replays it). Torch-free, before any replay."""
     from sentinel.protocol import StepRecord
-    from trainer.steplog import read
+    from sentinel.client.steplog import read
 
     log_path = log.run_dir / "steps.jsonl"
     gone = sorted({r.timeline for r in read(log_path, rejected=[]) if isinstance(r, StepRecord) and r.step == step})

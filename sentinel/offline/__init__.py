@@ -88,7 +88,7 @@ def open_run(run: str | os.PathLike, keep: Callable[[int], bool] = lambda step: 
     and run id of the last record. (Read whole, a long run's log was gigabytes in memory.)"""
     from sentinel.protocol import SchemaError
     from trainer.config import ConfigError, load_run_config
-    from trainer.steplog import scan
+    from sentinel.client.steplog import scan
 
     run_dir = Path(run)
     if not run_dir.exists():

@@ -555,7 +555,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     the same result dict. ``timeline`` picks the branch whose record of the step is replayed (default:
     the surviving one); the checkpoint and the fast-forward come from that branch's own lineage."""
     from trainer import rng
-    from trainer.steplog import read
+    from sentinel.client.steplog import read
 
     run_dir = Path(run_dir)
     if step < 1:

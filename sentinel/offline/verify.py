@@ -292,7 +292,7 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
     """Verify the resume from checkpoint ``from_step``; every rank returns the same result dict."""
     from trainer.checkpoint import CheckpointError
     from sentinel.rundir import checkpoint_steps
-    from trainer.steplog import scan
+    from sentinel.client.steplog import scan
 
     run_dir = Path(run_dir)
     c = int(from_step)

@@ -13,7 +13,7 @@ from .dataset import DataError, Source, TokenDataset, load_tokenizer
 from .mixture import MixtureSampler, sampler_for
 from .prepare import default_data_dir, ensure_prepared, prepare_dataset
 from .sampler import Sampler, batch_fingerprint
-from .skiplist import SkipList
+from sentinel.client.skiplist import SkipList
 from .sources import SourceSpec, load_mixture_file, parse_source
 
 __all__ = [

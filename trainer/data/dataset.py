@@ -35,6 +35,8 @@ import numpy as np
 
 from .tokenizer import Tokenizer, tokenizer_from_info
 
+from sentinel.client.skiplist import DataError  # one error type for the whole data side (skip lists too)
+
 META_NAME = "meta.json"
 FORMAT_NAME = "sentinel-token-shards"
 FORMAT_VERSION = 1  # a plain dataset
@@ -42,8 +44,6 @@ MIXTURE_FORMAT_VERSION = 2  # a dataset with named sources (meta.json["sources"]
 SPLITS = ("train", "val")
 
 
-class DataError(Exception):
-    """A dataset problem a user can fix; the message is one line and says how when it can."""
 
 
 def compute_fingerprint(shards: Sequence[dict], tokenizer: dict, sources: Sequence[dict] | None = None) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .dataset import DataError
 from .sampler import Sampler, check_state
-from .skiplist import SkipList
+from sentinel.client.skiplist import SkipList
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from .dataset import DataError
-from .skiplist import SkipList
+from sentinel.client.skiplist import SkipList
 
 _SCAN_CHUNK = 4096  # ids examined per vectorised skip-list lookup
 

@@ -132,7 +132,7 @@ class BusClient:
         self._secret = secret
         self._url = redact_url(url)
         self._full_url = url
-        self._log = logger or logging.getLogger("sentinel.bus_client")
+        self._log = logger or logging.getLogger("sentinel.client.bus")
         self._queue_max = max(1, int(queue_max))
         self._hb_ttl_ms = max(1000, int(heartbeat_ttl_s * 1000))
         self._hb_every = min(1.0, heartbeat_ttl_s / 3)

@@ -19,7 +19,10 @@ import numpy as np
 
 from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES, atomic_write_text, merge_ranges, read_regular_file, subtract_ranges
 
-from .dataset import DataError
+
+
+class DataError(Exception):
+    """A data-side problem a user can fix (a skip list, a sample range, a dataset); one line, saying how when it can."""
 
 
 class SkipList:

@@ -1,0 +1,23 @@
+"""sentinel's public client library: what a training loop needs to be watched and steered.
+
+No torch here. Our trainer uses it, and so does every integration (Hugging Face, Lightning, your own loop)::
+
+    from sentinel.client import BusClient, ControlLoop, StepRecord, SkipList
+"""
+
+from sentinel.client.bus import BusClient
+from sentinel.client.skiplist import DataError, SkipList
+from sentinel.client.steplog import StepLog
+from sentinel.protocol import Ack, CheckpointInfo, Directive, StepRecord, TimelineRecord
+
+__all__ = [
+    "Ack",
+    "BusClient",
+    "CheckpointInfo",
+    "DataError",
+    "Directive",
+    "SkipList",
+    "StepLog",
+    "StepRecord",
+    "TimelineRecord",
+]
