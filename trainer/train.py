@@ -19,7 +19,7 @@ import os
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +28,12 @@ import torch.distributed as dist
 
 from sentinel.protocol import (
     MAX_RECORD_BYTES,
-    PENDING_ROLLBACK,
     SKIP_REMOVED,
-    Ack,
     CheckpointInfo,
-    Directive,
     MarkerRecord,
     SchemaError,
     StepRecord,
-    TimelineRecord,
     loads_bounded,
-    merge_ranges,
-    pending_rollback_error,
     read_regular_file,
     skip_ranges_error,
     subtract_ranges,
@@ -68,31 +62,12 @@ from trainer.optim import build_optimizer, lr_at
 from trainer.phases import RANK_PHASES, PhaseClock, as_dict
 from trainer.readback import StepReadback
 from trainer.slices import MixtureWeights, SliceEval, describe_change, lr_phase_markers, source_onehot
+from sentinel.client.control import ControlLoop, RestoreFailed
 from sentinel.client.steplog import StepLog, clean_text
 
 
 class TrainingError(Exception):
     """A one-line, user-facing reason the run cannot start or continue."""
-
-
-def _read_pending_plan(path: Path) -> tuple[dict | None, str | None]:
-    """(plan, None) from ``pending_rollback.json`` (written by ``sentinel rollback`` offline), or
-    (None, why) when it is not one: a hostile or corrupt plan is refused in one line, not applied
-    half-way and not silently dropped (the operator asked for a rollback)."""
-    fix = "fix it or write a new plan with `sentinel rollback`, then start again"
-    try:  # bounded: a symlink to /dev/zero or a FIFO is refused, not read forever (sentinel.protocol.read_regular_file)
-        plan = loads_bounded(read_regular_file(path, MAX_RECORD_BYTES), path.name)  # not UTF-8, not JSON, too deep: one line
-    except OSError as e:
-        return None, f"{path} is unreadable ({e.strerror or e}): {fix}"
-    except SchemaError as e:
-        return None, f"{path} is unreadable ({e}): {fix}"
-    bad = pending_rollback_error(plan)
-    empty = None if bad else next((r for r in plan.get("ranges", []) if r[1] <= r[0]), None)
-    if empty is not None:  # what `sentinel rollback --skip` refuses ("need 0 <= LO < HI"): a damaged plan
-        bad = f"range {empty} is empty or reversed; need lo < hi"
-    if bad:
-        return None, f"{path} is malformed ({bad}): {fix}"
-    return plan, None
 
 
 def read_skip_removals(run_dir: Path) -> tuple[list[tuple[int, int]] | None, str | None]:
@@ -118,17 +93,7 @@ def read_skip_removals(run_dir: Path) -> tuple[list[tuple[int, int]] | None, str
 class TrainState:
     step: int = 0  # optimizer steps completed
     tokens: int = 0  # tokens trained (global, excluding skipped steps)
-    timeline: int = 0  # +1 at every resume or rollback
     accum_pos: int = 0  # micro-batches of the current step already done (0 at every step boundary)
-
-
-@dataclass
-class Directives:
-    """Host-side control flags, identical on every rank after the broadcast."""
-
-    paused: bool = False
-    stop: bool = False
-    applied: set[str] = field(default_factory=set)
 
 
 def _log(env: DistEnv, msg: str) -> None:
@@ -182,7 +147,6 @@ class Trainer:
             self._install_signals()
         self.run_id = cfg.run_id or clean_text(self.run_dir.resolve().name)  # a byte name: \udcff escapes
         self.state = TrainState()
-        self.ctl = Directives()
         self._last_ckpt_time: float | None = None
         # the newest valid checkpoint (step, time) and consecutive failed saves since: bounds the work a
         # failing disk can put at risk (checkpoint.max_age_steps / max_age_seconds)
@@ -212,6 +176,10 @@ class Trainer:
         self.metrics = self.bus = self.secret = self.flops_per_token = self.peak = None
         if not offline:
             self._setup_telemetry()
+        # the directive state machine (sentinel.client: the same one every integration uses); this Trainer is its host
+        self.control = ControlLoop(self.run_dir, self.run_id, host=self, bus=self.bus, steplog=self.steplog,
+                                   is_main=env.is_main, broadcast=env.broadcast_object if env.distributed else None,
+                                   metrics=self.metrics, log=lambda m: _log(env, m), skip=self.skip)
 
     # ================================================================== setup
     def _setup_run_dir(self) -> None:
@@ -374,7 +342,7 @@ class Trainer:
             "run": self.run_id,
             "step": self.state.step,
             "tokens": self.state.tokens,
-            "timeline": self.state.timeline,
+            "timeline": self.control.timeline,
             "grad_accum_pos": self.state.accum_pos,
             "sampler": self.sampler.state_dict(),
             "skiplist": [list(r) for r in self.skip.ranges],
@@ -393,7 +361,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         cfg, env = self.cfg, self.env
         self._flush_readback()
-        meta = {"run": self.run_id, "timeline": self.state.timeline, "tokens": self.state.tokens,
+        meta = {"run": self.run_id, "timeline": self.control.timeline, "tokens": self.state.tokens,
                 "dataset_fingerprint": self.ds.fingerprint}
         per_rank = {f"rng-rank{env.rank}.pt": rng.capture()}
         shared: dict = {"train_state.json": self._train_state()}
@@ -444,7 +412,7 @@ class Trainer:
                     self.bus.register_checkpoint(CheckpointInfo(
                         run=self.run_id, step=step, path=str(path.resolve()), created=now, bytes=size,
                         manifest_sha256=manifest_digest(manifest), world_size=self.env.world_size,
-                        timeline=self.state.timeline, tokens=self.state.tokens,
+                        timeline=self.control.timeline, tokens=self.state.tokens,
                     ))
                     # retention may have deleted older checkpoints: the bus must not offer them as rollback targets
                     self.bus.retain_checkpoints(s for s, _ in list_checkpoints(self.ckpt.root))
@@ -546,146 +514,41 @@ class Trainer:
         self.guard.load_state_dict(ts["guard"])
         if restore_skiplist:
             self.skip.add([tuple(r) for r in ts["skiplist"]])
-        self.state = TrainState(step=ts["step"], tokens=ts["tokens"], timeline=self.state.timeline, accum_pos=ts["grad_accum_pos"])
+        self.state = TrainState(step=ts["step"], tokens=ts["tokens"], accum_pos=ts["grad_accum_pos"])
         self._last_ckpt_time = ck["manifest"].get("created")
         self._good_ckpt, self._ckpt_failed = (self.state.step, time.time()), 0
 
-    # ================================================================== control
-    def _poll_control(self) -> list[dict]:
-        """Rank 0 reads verified directives; every rank gets the same list at the same step boundary."""
-        items: list[dict] = []
-        if self.env.is_main and self.bus:
-            items = [d.model_dump(mode="json") for d in self.bus.poll_directives()]
-            # forged/unsigned/expired directives never get here: the bus client rejects, acks and counts them
-            if self.metrics and self.bus.rejected != self._rejected_seen:
-                self._rejected_seen = self.bus.rejected
-                self.metrics.set_directives_rejected(self.bus.rejected_by_reason)
-        if self.env.distributed:
-            items = self.env.broadcast_object(items)
-        return items
-
-    def _apply(self, d: Directive) -> None:
-        env = self.env
-        if d.id in self.ctl.applied:
-            self._ack(d, "duplicate", "already applied")
-            return
-        detail = None
-        status = "applied"
-        try:  # bounds (int64 ids) are checked before anything changes: a bad range refuses the directive
-            SkipList(d.ranges)
-        except DataError as e:
-            status, detail = "failed", str(e)
-        if status != "applied":
-            pass
-        elif d.kind == "skip-samples":
-            self.skip.add(d.ranges)
-            self._persist_skiplist()
-            detail = f"skip list now covers {len(self.skip)} samples"
-        elif d.kind == "rollback":
-            if d.to_step is None:
-                status, detail = "failed", "rollback without to_step"
-            else:
-                self.skip.add(d.ranges)
-                self._persist_skiplist()
-                try:
-                    self.rollback(d.to_step, reason=d.reason, directive_id=d.id, ranges=d.ranges)
-                    detail = f"resumed at step {self.state.step}, timeline {self.state.timeline}"
-                except (CheckpointError, TrainingError) as e:
-                    status, detail = "failed", str(e)
-        elif d.kind == "checkpoint-now":
-            self.save_checkpoint()
-        elif d.kind in ("pause", "resume"):
-            self.ctl.paused = d.kind == "pause"
-            if self.bus:  # on the heartbeat: a paused run is not a hung one (sentinel status, hang rule)
-                self.bus.set_paused(self.ctl.paused)
-        elif d.kind == "stop":
-            self.ctl.stop = True
-        self.ctl.applied.add(d.id)
-        if env.is_main:
-            with open(self.run_dir / "directives.jsonl", "a") as f:
-                entry = {"id": d.id, "kind": d.kind, "status": status, "step": self.state.step,
-                         "timeline": self.state.timeline, "time": time.time(), "issuer": d.issuer,
-                         "reason": d.reason, "incident_id": d.incident_id}
-                if d.ranges:  # what it put on the skip list: `sentinel skip-list RUN show` says why each range is there
-                    entry["ranges"] = [list(r) for r in d.ranges]
-                f.write(json.dumps(entry) + "\n")
-        if self.metrics and status == "applied":
-            self.metrics.on_directive(d.kind, True)
-        self._ack(d, status, detail)
-        _log(env, f"directive {d.kind} ({d.id[:8]}): {status}" + (f" — {detail}" if detail else ""))
-
-    def _ack(self, d: Directive, status: str, detail: str | None) -> None:
-        if self.env.is_main and self.bus:
-            self.bus.ack(Ack(run=self.run_id, directive_id=d.id, kind=d.kind, status=status,
-                             step=self.state.step, timeline=self.state.timeline, detail=detail))
-
-    def _persist_skiplist(self) -> None:
-        if self.env.is_main:
-            self.skip.save(self.run_dir / "skiplist.json")
-            if self.bus:
-                self.bus.set_skiplist(self.skip.ranges)
-
-    def _load_applied_directives(self) -> None:
-        p = self.run_dir / "directives.jsonl"
-        ids: set[str] = set()
-        if self.env.is_main and p.is_file():
-            with open(p, "rb") as f:  # a crash can cut a line (and a UTF-8 character) short: such lines are skipped
-                for line in f:
-                    with contextlib.suppress(ValueError, KeyError, TypeError, IndexError, RecursionError):
-                        did = json.loads(line)["id"]
-                        if isinstance(did, str):
-                            ids.add(did)
-        self.ctl.applied = set(self.env.broadcast_object(sorted(ids)))
-
-    def rollback(self, to_step: int, *, reason: str | None, directive_id: str | None, ranges) -> None:
-        """Reload the full state of checkpoint ``to_step`` in-process; the skip list is kept (it only grows)."""
+    # ================================================================== control (the ControlHost side)
+    def restore_checkpoint(self, step: int) -> None:
+        """A rollback directive: reload the full state of checkpoint ``step`` in-process (the skip list is
+        kept: it only grows). ``sentinel.client.ControlLoop`` does the rest (marker, ack, timeline)."""
         self._flush_readback()
-        loaded = self.load_checkpoint(to_step, restore_skiplist=False)
-        assert loaded == to_step
-        self.state.timeline += 1
-        self._mark("rollback", to_step, reason=reason, directive_id=directive_id, ranges=ranges)
-        if self.metrics:
-            self.metrics.on_rollback()
-
-    def _mark(self, kind: str, from_step: int, *, reason=None, directive_id=None, ranges=(), checkpoint=None) -> None:
-        if not self.env.is_main:
-            return
-        # the reason and id come from a plan file or a directive: any text, maybe not UTF-8 (steplog.clean_text)
-        rec = TimelineRecord(kind=kind, run=self.run_id, from_step=from_step, timeline=self.state.timeline,
-                             time=time.time(), reason=clean_text(reason), directive_id=clean_text(directive_id),
-                             skip_ranges=merge_ranges(ranges), checkpoint=checkpoint)
-        self.steplog.write(rec)
-        if self.bus:
-            self.bus.publish_step(rec)
+        try:
+            loaded = self.load_checkpoint(step, restore_skiplist=False)
+        except (CheckpointError, TrainingError) as e:
+            raise RestoreFailed(str(e)) from None
+        assert loaded == step
 
     # ================================================================== start / resume
     def start(self) -> None:
+        """Load the run's state (a pending offline rollback, else the newest valid checkpoint, else a fresh
+        start) and mark it: the ControlLoop writes the start/resume/rollback marker with a new timeline."""
         env = self.env
         self.ckpt.clean_partial()
         env.barrier()
-        self._load_applied_directives()
         removed = self._read_skip_removals()  # a bad file is refused here, before any record is logged
-        pending = self.run_dir / PENDING_ROLLBACK
-        plan, bad = None, None
+        try:  # every rank stops with the same line; the plan stays on disk for the operator to fix
+            plan = self.control.pending_plan()
+        except DataError as e:
+            raise TrainingError(str(e)) from None
         fresh = False
-        if env.is_main and os.path.lexists(pending):  # a FIFO or a dangling link is refused too, not ignored
-            plan, bad = _read_pending_plan(pending)
-        plan, bad = env.broadcast_object((plan, bad))
-        if bad:  # every rank stops with the same line; the plan stays on disk for the operator to fix
-            raise TrainingError(bad)
         if plan is not None:
-            self.skip.add([tuple(r) for r in plan.get("ranges", [])])
-            self._persist_skiplist()
+            ranges = [tuple(r) for r in plan.get("ranges", [])]
+            self.control.add_skip(ranges)  # on disk before the load: a crash now never trains on them again
             self.load_checkpoint(int(plan["to_step"]), restore_skiplist=True)
-            self.skip.add([tuple(r) for r in plan.get("ranges", [])])
-            self._apply_skip_removals(removed, keep=[tuple(r) for r in plan.get("ranges", [])])
-            self.state.timeline = self._previous_timeline() + 1
-            self._mark("rollback", self.state.step, reason=plan.get("reason"), directive_id=plan.get("id"),
-                       ranges=plan.get("ranges", []), checkpoint=f"step-{self.state.step:08d}")
-            if env.is_main:
-                pending.unlink()
-                if self.metrics:
-                    self.metrics.on_rollback()
+            self.skip.add(ranges)
+            self._apply_skip_removals(removed, keep=ranges)
+            self.control.begin(self.state.step, checkpoint=step_dir_name(self.state.step))
             _log(env, f"rollback prepared offline: resumed from step {self.state.step}")
         else:
             resumed = self.load_checkpoint()
@@ -696,18 +559,9 @@ class Trainer:
                 if gone:
                     raise TrainingError(gone)
             self._apply_skip_removals(removed, keep=[])
-            if resumed is None:
-                self.state.timeline = self._previous_timeline() + 1
-                self._mark("start", 0)
-                _log(env, f"run {self.run_id}: fresh start")
-                fresh = True
-            else:
-                self.state.timeline = self._previous_timeline() + 1
-                self._mark("resume", resumed, checkpoint=f"step-{resumed:08d}")
-                if self.metrics and env.is_main:
-                    self.metrics.on_resume()
-                _log(env, f"run {self.run_id}: resumed from checkpoint step {resumed}")
-        self._persist_skiplist()
+            self.control.begin(resumed or 0, checkpoint=step_dir_name(resumed) if resumed is not None else None)
+            fresh = resumed is None
+            _log(env, f"run {self.run_id}: fresh start" if fresh else f"run {self.run_id}: resumed from checkpoint step {resumed}")
         if env.is_main:  # atomically: a kill mid-write must not leave a truncated config.yaml
             tmp = self.run_dir / ".config.yaml.tmp"
             tmp.write_text(self._config_text)
@@ -715,7 +569,7 @@ class Trainer:
             info = {"run": self.run_id, "world_size": env.world_size, "parallelism": self.cfg.parallelism,
                     "model": self.cfg.preset or "custom", "data_dir": str(Path(self.data_dir).resolve()),
                     "dataset_fingerprint": self.ds.fingerprint, "device": env.device.type,
-                    "timeline": self.state.timeline, "started": time.time()}
+                    "timeline": self.control.timeline, "started": time.time()}
             tmp = self.run_dir / ".run.json.tmp"
             tmp.write_text(json.dumps(info, indent=1))
             os.replace(tmp, self.run_dir / "run.json")
@@ -772,12 +626,6 @@ class Trainer:
         return (f"none of the {n} checkpoint(s) in {self.ckpt.root} can be loaded ({shown}); refusing to start over "
                 f"and overwrite them: repair or restore them, or move {self.ckpt.root} aside to start this run "
                 "from scratch")
-
-    def _previous_timeline(self) -> int:
-        last = -1
-        if self.env.is_main:
-            last = self.steplog.last_timeline()
-        return int(self.env.broadcast_object(last))
 
     # ================================================================== the step
     def _batch(self) -> tuple[list[int], int, list[torch.Tensor], list[list[int]]]:
@@ -947,22 +795,15 @@ class Trainer:
                   f"{env.world_size} rank(s), {cfg.parallelism if env.distributed else 'single'} on {env.device.type}")
         while self.state.step < cfg.max_steps:
             t_ctl = time.perf_counter()
-            for item in self._poll_control():
-                self._apply(Directive.model_validate(item))
-            while self.ctl.paused and not self.ctl.stop:
-                if self._any_rank_signalled():  # paused still obeys preemption: checkpoint, then exit
-                    break
-                if self.metrics:
-                    self.metrics.heartbeat()
-                time.sleep(0.2)
-                for item in self._poll_control():
-                    self._apply(Directive.model_validate(item))
-            stop = bool(self.ctl.stop or self._stop_signal)
+            self.control.poll(self.state.step)
+            # paused still obeys preemption: a signal on any rank ends the hold (checkpoint, then exit)
+            self.control.hold_while_paused(self.state.step, give_up=self._any_rank_signalled)
+            stop = bool(self.control.stop_requested or self._stop_signal)
             if env.distributed:
                 stop = not env.all_ok(not stop)
             if stop:
-                why = self._stop_signal or ("stop directive" if self.ctl.stop else "a signal on another rank")
-                _log(env, f"stopping at step {self.state.step} ({why}{', paused' if self.ctl.paused else ''}; checkpointing first)")
+                why = self._stop_signal or ("stop directive" if self.control.stop_requested else "a signal on another rank")
+                _log(env, f"stopping at step {self.state.step} ({why}{', paused' if self.control.paused else ''}; checkpointing first)")
                 self.save_checkpoint()
                 break
             t_control = time.perf_counter() - t_ctl
@@ -1136,7 +977,7 @@ class Trainer:
             source_loss = {self.ds.source_names[0]: v["loss"]}
         for kind, detail in m["markers"]:
             if env.is_main:
-                marker = MarkerRecord(run=self.run_id, step=m["step"] - 1, timeline=self.state.timeline, marker=kind,
+                marker = MarkerRecord(run=self.run_id, step=m["step"] - 1, timeline=self.control.timeline, marker=kind,
                                       detail=detail, time=m["time"])
                 self.steplog.write(marker)
                 if self.bus:
@@ -1145,7 +986,7 @@ class Trainer:
                 self.metrics.on_timeline_event(kind)
         if env.is_main:
             rec = StepRecord(
-                run=self.run_id, step=m["step"], timeline=self.state.timeline, loss=v["loss"], loss_max_rank=max(ranks),
+                run=self.run_id, step=m["step"], timeline=self.control.timeline, loss=v["loss"], loss_max_rank=max(ranks),
                 rank_losses=ranks, grad_norm=v["grad_norm"], lr=m["lr"], tokens=self.state.tokens, batch_tokens=step_tokens,
                 batch_fingerprint=batch_fingerprint(m["ids"]), sample_ids=m["ids"], skipped=skipped, skip_reason=reason,
                 time=m["time"], param_digest=digest_hex(v["digest"]) if "digest" in v else None,

@@ -6,11 +6,17 @@ No torch here. Our trainer uses it, and so does every integration (Hugging Face,
 """
 
 from sentinel.client.bus import BusClient
+from sentinel.client.control import Applied, ControlHost, ControlLoop, RelaunchRequired, RestoreFailed
 from sentinel.client.skiplist import DataError, SkipList
 from sentinel.client.steplog import StepLog
 from sentinel.protocol import Ack, CheckpointInfo, Directive, StepRecord, TimelineRecord
 
 __all__ = [
+    "Applied",
+    "ControlHost",
+    "ControlLoop",
+    "RelaunchRequired",
+    "RestoreFailed",
     "Ack",
     "BusClient",
     "CheckpointInfo",
