@@ -316,3 +316,115 @@ def test_the_own_loop_snippet_runs_verbatim_and_a_second_run_continues_the_timel
     from sentinel.client.session import other_clients
 
     assert other_clients(bus.resolve_url(tmp_path / "runs" / "own-loop")) == -1  # stopped at close: nobody else attached
+
+
+def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(tmp_path, monkeypatch):
+    """Signed directives, as `sentinel pause/resume/checkpoint-now/stop` send them, reach a live HF run."""
+    import threading
+
+    from transformers import TrainerCallback
+
+    from sentinel import bus
+    from sentinel.protocol import Directive, Keys
+
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(snippet("Hugging Face Transformers").rsplit("\ntrain(trainer)", 1)[0], "docs/integrate.md", "exec"), ns)
+    run_dir = tmp_path / "runs" / "ctl"
+    prepare(run_dir)
+    r, secret = bus.connect(bus.resolve_url(run_dir)), bus.load_secret(run_dir)
+
+    def send(kind: str) -> None:
+        bus.publish(r, Keys("ctl").directives, Directive(run="ctl", kind=kind, reason="test").signed(secret))
+
+    paused_at: list[float] = []
+
+    class Operator(TrainerCallback):  # what an operator does while the run trains
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                send("pause")
+                threading.Timer(1.5, send, ("resume",)).start()
+                paused_at.append(time.monotonic())
+            elif state.global_step == 10:
+                paused_at.append(time.monotonic())
+                send("checkpoint-now")
+            elif state.global_step == 15:
+                send("stop")
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ns["args"].save_steps = 1000
+        trainer = build(run_dir, ns, extra=[Operator()])
+        trainer.train()
+    finally:
+        torch.set_num_threads(old)
+    done = [json.loads(x) for x in (run_dir / "directives.jsonl").read_text().splitlines()]
+    assert [(d["kind"], d["status"]) for d in done] == [("pause", "applied"), ("resume", "applied"),
+                                                        ("checkpoint-now", "applied"), ("stop", "applied")]
+    assert paused_at[1] - paused_at[0] >= 1.4  # held at the step boundary until the resume came
+    assert trainer.state.global_step in (16, 17)  # the stop ends training at the next step boundary
+    assert (run_dir / "checkpoint-11").is_dir() or (run_dir / "checkpoint-12").is_dir()  # checkpoint-now
+    assert (run_dir / f"checkpoint-{trainer.state.global_step}").is_dir()  # stop saves first
+    acks = [bus.decode(e) for e in bus.read_stream(r, Keys("ctl").acks, "0-0")]
+    assert sorted(a["kind"] if isinstance(a, dict) else a.kind for a in acks) == ["checkpoint-now", "pause", "resume", "stop"]
+
+
+DDP_SCRIPT = """\
+'''2 ranks (gloo, CPU) under torchrun: the docs' HF trainer with the callback; rank 0 sends itself a stop at step 20.'''
+import json, sys, time
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from sentinel.integrations.hf import SentinelCallback, train
+from sentinel.integrations.torch_data import SampleIdCollator, SkipAwareDataset
+
+run_dir = Path(sys.argv[1])
+text = b"".join(p.read_bytes() for p in sorted(Path(json.__file__).parent.parent.glob("*.py")))[:400_000]
+tokens = torch.tensor(list(text))
+class Windows(torch.utils.data.Dataset):
+    def __len__(self): return (len(tokens) - 1) // 64
+    def __getitem__(self, i):
+        x = tokens[i * 64:(i + 1) * 64]
+        return {"input_ids": x, "labels": x}
+
+class Stop(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == 20 and args.process_index == 0:
+            from sentinel import bus
+            from sentinel.protocol import Directive, Keys
+            r = bus.connect(bus.resolve_url(run_dir))
+            bus.publish(r, Keys(run_dir.name).directives,
+                        Directive(run=run_dir.name, kind="stop", reason="ddp test").signed(bus.load_secret(run_dir)))
+            time.sleep(0.5)  # the bus client reads it before the next poll
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2))
+args = TrainingArguments(output_dir=str(run_dir), max_steps=40, per_device_train_batch_size=4, learning_rate=3e-3,
+                         save_steps=1000, logging_steps=1000, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=SkipAwareDataset(Windows(), seed=0), data_collator=SampleIdCollator(),
+                  callbacks=[Stop(), SentinelCallback(run_dir=run_dir)])
+train(trainer)
+print(f"rank {args.process_index} stopped at step {trainer.state.global_step}", flush=True)
+"""
+
+
+def test_ddp_two_ranks_every_rank_applies_the_stop_at_the_same_step(tmp_path):
+    """torchrun, 2 CPU ranks (gloo): only rank 0 talks to the bus, the directive is broadcast, both stop at 20."""
+    script = tmp_path / "ddp_hf.py"
+    script.write_text(DDP_SCRIPT)
+    run_dir = tmp_path / "hf-ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    from conftest import free_port
+
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), script, run_dir], capture_output=True, text=True, timeout=400, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "rank 0 stopped at step 20" in p.stdout and "rank 1 stopped at step 20" in p.stdout, p.stdout[-2000:]
+    steps = [r for r in steps_of(run_dir) if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 21))  # one record per step: rank 0's
+    assert all(len(r["rank_losses"]) == 2 and r["loss_max_rank"] == max(r["rank_losses"]) and len(r["sample_ids"]) == 8
+               for r in steps)  # per-rank losses and both ranks' ids gathered
+    done = [json.loads(x) for x in (run_dir / "directives.jsonl").read_text().splitlines()]
+    assert [(d["kind"], d["status"], d["step"]) for d in done] == [("stop", "applied", 20)]
