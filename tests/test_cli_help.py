@@ -30,14 +30,14 @@ def test_every_help_has_an_exit_status_section(path):
     assert res.exit_code == 0, res.output
     section = res.output.split("Exit status:", 1)
     assert len(section) == 2, f"`{path} --help` has no Exit status section"
-    codes = re.findall(r"^\s+(\d+)\s{2,}\S", section[1], re.M)
+    codes = re.findall(r"^\s+(\d+)\s{2,}\S", section[1], re.MULTILINE)
     assert "0" in codes and "2" in codes, (path, codes)  # success, and the one-line error
     assert codes == sorted(codes, key=int), codes
 
 
 def test_status_exit_status_option_is_documented_with_its_code():
     out = CliRunner().invoke(main, ["status", "--help"]).output
-    assert "--exit-status" in out and re.search(r"^\s+1\s+with --exit-status: a run is HUNG, stale or paused", out, re.M)
+    assert "--exit-status" in out and re.search(r"^\s+1\s+with --exit-status: a run is HUNG, stale or paused", out, re.MULTILINE)
 
 
 def test_every_trainer_option_has_help_text():

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import free_port
+
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Keys, StepRecord, TimelineRecord

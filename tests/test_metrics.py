@@ -169,11 +169,19 @@ def test_gpu_uuid_label_as_dcgm_prints_it(given, label):
 def test_info_defaults_host_and_pod_from_the_environment(monkeypatch):
     import socket
 
-    monkeypatch.setenv("POD_NAME", "job-1-0-xyz")
-    m = TrainerMetrics(run=RUN, rank=3, world_size=4, model="m", parallelism="ddp", device="cpu", dtype="fp32")
-    (info,) = [s for fam in m.registry.collect() if fam.name == "training" for s in fam.samples]
-    assert (info.labels["host"], info.labels["pod"], info.labels["gpu_uuid"], info.labels["rank"]) == (
-        socket.gethostname(), "job-1-0-xyz", "", "3")
+    def info(**env) -> dict:
+        for k in ("POD_NAME", "HOSTNAME", "KUBERNETES_SERVICE_HOST"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        m = TrainerMetrics(run=RUN, rank=3, world_size=4, model="m", parallelism="ddp", device="cpu", dtype="fp32")
+        (sample,) = [s for fam in m.registry.collect() if fam.name == "training" for s in fam.samples]
+        return sample.labels
+
+    got = info(POD_NAME="job-1-0-xyz", HOSTNAME="other")
+    assert (got["host"], got["pod"], got["gpu_uuid"], got["rank"]) == (socket.gethostname(), "job-1-0-xyz", "", "3")
+    assert info(HOSTNAME="job-1-0-abc", KUBERNETES_SERVICE_HOST="10.0.0.1")["pod"] == "job-1-0-abc"
+    assert info(HOSTNAME="laptop")["pod"] == ""  # outside Kubernetes a host name is no pod
 
 
 # --------------------------------------------------------------------------------------------

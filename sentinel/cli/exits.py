@@ -9,8 +9,8 @@ input, an unreadable file, an unreachable bus), always with a one-line ``error: 
 from __future__ import annotations
 
 ERROR = (2, "an error: bad arguments, an unreadable file, an unreachable bus (one line on stderr)")
-NO_ACK = (1, "the trainer refused the directive, or did not acknowledge it within --timeout (it may still apply it "
-             "before the directive expires)")
+NO_ACK = (1, ("the trainer refused the directive, or did not acknowledge it within --timeout (it may still apply "
+             "it before the directive expires)"))
 
 EXIT_STATUS: dict[str, tuple[tuple[int, str], ...]] = {
     "sentinel": ((0, "done"), (1, "the command ran, and its answer is no (see each command)"), ERROR),
@@ -33,8 +33,8 @@ EXIT_STATUS: dict[str, tuple[tuple[int, str], ...]] = {
     "checkpoints": ((0, "listed"), ERROR),
     "replay-batch": ((0, "replayed (and the skip, if asked, applied)"), ERROR),
     "verify-resume": ((0, "the resumed steps are bitwise equivalent"), (1, "they are NOT equivalent"), ERROR),
-    "backtest": ((0, "every trace judged"), (2, "an error, or a trace that could not be judged (see its row), "
-                                                "or with --strict a malformed line")),
+    "backtest": ((0, "every trace judged"), (2, ("an error, or a trace that could not be judged (see its row), "
+                                                 "or with --strict a malformed line"))),
     "report": ((0, "the PNG is written"), ERROR),
     "rules": ((0, "done"), ERROR),
     "rules check": ((0, "the file is valid"), (2, "the file is invalid or unreadable (one line on stderr)")),

@@ -352,7 +352,12 @@ def status(runs, watch, interval, redis_url, as_json, exit_status):
     rollback or resume.
 
     RUN is a run directory (works offline, from steps.jsonl) or a run id on the bus; without RUN,
-    every run registered on the bus (--redis-url / SENTINEL_REDIS_URL).
+    every run registered on the bus (--redis-url / SENTINEL_REDIS_URL). A run directory whose own
+    embedded bus is down gets a note saying so, unless the run has stopped: no process on this
+    machine holds RUN_DIR/trainer.lock and steps.jsonl has not changed for a minute (the same rule
+    in incidents, pages and checkpoints). An explicit bus that is down is always said.
+
+    --exit-status makes it a probe: exit 1 when a run is HUNG, stale or paused.
     """
     from sentinel.runref import ops_errors
 

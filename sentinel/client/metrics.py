@@ -89,6 +89,14 @@ def _without_created(families: Iterable[Metric]) -> Iterable[Metric]:
         yield fam
 
 
+def _pod_name() -> str:
+    """``$POD_NAME`` (the Downward API), else on Kubernetes ``$HOSTNAME`` (a pod's host name is its
+    name unless the spec sets another), else ``""``."""
+    if os.environ.get("POD_NAME"):
+        return os.environ["POD_NAME"]
+    return os.environ.get("HOSTNAME", "") if os.environ.get("KUBERNETES_SERVICE_HOST") else ""
+
+
 def gpu_uuid_label(uuid: object | None) -> str:
     """A GPU UUID as nvidia-smi and the DCGM exporter's ``UUID`` label print it (``GPU-<uuid>``);
     ``torch.cuda.get_device_properties(i).uuid`` has no prefix. ``""`` when there is none."""
@@ -129,7 +137,7 @@ class TrainerMetrics:
         gpu_uuid: object | None = None,
     ) -> None:
         """``host`` defaults to ``socket.gethostname()``, ``pod`` to ``$POD_NAME`` (set it from the
-        Downward API) or ``""``; ``gpu_uuid`` is this rank's GPU, e.g.
+        Downward API), else ``$HOSTNAME`` on Kubernetes, else ``""``; ``gpu_uuid`` is this rank's GPU, e.g.
         ``torch.cuda.get_device_properties(i).uuid`` (``""`` on CPU). They label ``training_info``
         so that DCGM exporter series (``Hostname``, ``pod``, ``UUID``) join a run's ranks.
         ``registry`` defaults to a new :class:`MetricsRegistry`."""
@@ -153,7 +161,7 @@ class TrainerMetrics:
                  "model": str(model), "world_size": str(world_size), "parallelism": str(parallelism),
                  "device": str(device), "dtype": str(dtype), "version": _version(),
                  "host": socket.gethostname() if host is None else str(host),
-                 "pod": os.environ.get("POD_NAME", "") if pod is None else str(pod),
+                 "pod": _pod_name() if pod is None else str(pod),
                  "gpu_uuid": gpu_uuid_label(gpu_uuid),
              })  # fmt: skip
         if self.is_global_exporter:
