@@ -104,34 +104,54 @@ def resolve_format(fmt: str | None) -> str:
     return chosen
 
 
-def _handler(fmt: str, stream: IO[str]) -> logging.Handler:
-    if fmt == "json":
-        h: logging.Handler = logging.StreamHandler(stream)
-        h.setFormatter(JsonFormatter())
-        return h
-    if stream.isatty():
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler on whatever ``sys.stderr`` is when a line is written (as logging's own
+    last-resort handler), never on a stream captured once and closed since."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _handler(fmt: str, stream: IO[str] | None) -> logging.Handler:
+    if fmt == "text" and (stream or sys.stderr).isatty():
         from rich.console import Console
         from rich.logging import RichHandler
 
-        console = Console(file=stream, highlight=False, width=max(100, Console(file=stream).width))
+        console = Console(file=stream, stderr=stream is None, highlight=False)
+        console.width = max(100, console.width)
         return RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False,
                            log_time_format="%H:%M:%S")
-    h = logging.StreamHandler(stream)
-    h.setFormatter(PlainFormatter())
+    h: logging.Handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    h.setFormatter(JsonFormatter() if fmt == "json" else PlainFormatter())
     return h
 
 
 def configure(fmt: str | None = None, stream: IO[str] | None = None, level: int = logging.INFO) -> logging.Logger:
-    """Give the ``sentinel`` logger one handler (replacing the last one set here) and return it."""
+    """Give the ``sentinel`` logger one handler (replacing the last one set here) and return it.
+    ``stream`` None: the process's stderr at the time of each line."""
     logger = logging.getLogger(LOGGER)
-    for h in [h for h in logger.handlers if getattr(h, "_sentinel_logs", False)]:
-        logger.removeHandler(h)
-    h = _handler(resolve_format(fmt), stream or sys.stderr)
+    unconfigure()
+    h = _handler(resolve_format(fmt), stream)
     h._sentinel_logs = True  # type: ignore[attr-defined]
     logger.addHandler(h)
     logger.setLevel(level)
-    logger.propagate = False  # an embedding application's root handlers would print every line twice
     return logger
+
+
+def unconfigure() -> None:
+    """Remove the handler ``configure`` set (the logger's other handlers stay)."""
+    logger = logging.getLogger(LOGGER)
+    for h in [h for h in logger.handlers if getattr(h, "_sentinel_logs", False)]:
+        logger.removeHandler(h)
+        h.close()
 
 
 def daemon_log(logger: logging.Logger | None = None) -> Callable[..., None]:

@@ -20,10 +20,20 @@ from pathlib import Path
 
 import pytest
 
-from sentinel.logs import JsonFormatter, configure, daemon_log, level_of, split_run
+from sentinel.logs import JsonFormatter, configure, daemon_log, level_of, split_run, unconfigure
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"time", "level", "logger", "message", "run"}
+
+
+@pytest.fixture(autouse=True)
+def _sentinel_logger_restored():
+    """configure() changes the process-wide `sentinel` logger: leave it as found for the next tests."""
+    logger = logging.getLogger("sentinel")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    unconfigure()
+    logger.handlers[:], logger.level, logger.propagate = before[0], before[1], before[2]
 
 
 @pytest.mark.parametrize("message, level", [
