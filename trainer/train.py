@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sentinel.contract.rundir import STEPS, RunFileError
+from sentinel.contract.rundir import read_skip_removals as _read_skip_removals
 from sentinel.protocol import (
     MAX_RECORD_BYTES,
     PENDING_ROLLBACK,
@@ -41,7 +43,6 @@ from sentinel.protocol import (
     merge_ranges,
     pending_rollback_error,
     read_regular_file,
-    skip_ranges_error,
     subtract_ranges,
 )
 from trainer import faults as drills
@@ -96,22 +97,12 @@ def _read_pending_plan(path: Path) -> tuple[dict | None, str | None]:
 
 
 def read_skip_removals(run_dir: Path) -> tuple[list[tuple[int, int]] | None, str | None]:
-    """(ranges, None) from ``skiplist.removed.json`` (``sentinel skip-list remove``; None: no file),
-    or (None, why) when it is malformed: refused in one line like a bad plan (the operator asked)."""
-    path = run_dir / SKIP_REMOVED
-    fix = "fix or delete it, then start again"
+    """(ranges, None) from ``skiplist.removed.json`` (``sentinel skip-list remove``; [] or no file: none),
+    or (None, why) when it is unreadable or malformed: refused in one line like a bad plan (the operator asked)."""
     try:
-        raw = loads_bounded(read_regular_file(path, MAX_RECORD_BYTES), path.name)
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:
-        return None, f"{path} is unreadable ({e.strerror or e}): {fix}"
-    except SchemaError as e:
-        return None, f"{path} is unreadable ({e}): {fix}"
-    bad = skip_ranges_error(raw)
-    if bad:
-        return None, f"{path} is malformed ({bad}): {fix}"
-    return [tuple(r) for r in raw], None
+        return _read_skip_removals(run_dir), None
+    except RunFileError as e:
+        return None, f"{e}: fix or delete it, then start again"
 
 
 @dataclass
@@ -208,7 +199,7 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every,
             barrier=env.barrier, all_ok=env.all_ok, log=lambda m: print(m, flush=True),
         )
-        self.steplog = StepLog(self.run_dir / "steps.jsonl", log=lambda m: print(m, flush=True)) if env.is_main and not offline else None
+        self.steplog = StepLog(self.run_dir / STEPS, log=lambda m: print(m, flush=True)) if env.is_main and not offline else None
         self.metrics = self.bus = self.secret = self.flops_per_token = self.peak = None
         if not offline:
             self._setup_telemetry()

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from sentinel.contract.rundir import STEPS
+from sentinel.contract.targets import SUSPECT_UPDATES, rollback_target
 from sentinel.offline import CUDA_ATOL, CUDA_RTOL, OfflineError, ProgressFn, same, tolerance_text
 
 SNIPPET_CHARS = 80
@@ -230,16 +232,18 @@ def on_branch(views: dict[int, Branch], timeline: int, ck_step: int, ck_timeline
     return mine is not None and owner(views, ck_timeline, ck_step) == mine
 
 
-def newest_on_branch(tr, at_or_before: int, fits) -> tuple:
-    """``Checkpointer.newest_valid`` restricted to the checkpoints ``fits(step, timeline)`` accepts:
-    (the newest valid one or None, "step (timeline T)" of each one passed over for its lineage).
-    The lineage is read from the manifest before any sha256 is computed."""
+def newest_on_branch(tr, onset: int, fits, *, suspect_updates: int = SUSPECT_UPDATES) -> tuple:
+    """The contract's rollback target for ``onset`` (``rollback_target``) among the checkpoints
+    ``fits(step, timeline)`` accepts and that verify: (the checkpoint or None, "step (timeline T)"
+    of each one passed over for its lineage). ``suspect_updates=1`` for the state step ``onset``
+    trained from (a replay); the default 2 for weights no damage seen at ``onset`` can be in. The
+    lineage is read from the manifest before any sha256 is computed."""
     from trainer.checkpoint import CheckpointError, ValidCheckpoint, list_checkpoints, verify
 
     foreign: list[str] = []
-    for s, path in list_checkpoints(tr.ckpt.root):
-        if s > at_or_before:
-            continue
+    paths = dict(list_checkpoints(tr.ckpt.root))
+    while (s := rollback_target(paths, onset, suspect_updates=suspect_updates)) is not None:
+        path = paths.pop(s)
         t = manifest_timeline(path)
         if not fits(s, t):
             foreign.append(f"{s} (timeline {t if t is not None else 'unnamed'})")
@@ -506,7 +510,7 @@ def _window_start(run_dir: Path, step: int, checkpoint: int | None) -> int:
     from sentinel.rundir import checkpoint_steps
 
     if checkpoint is None:
-        checkpoint = next((s for s, _ in checkpoint_steps(run_dir) if s < step), 0)
+        checkpoint = rollback_target([s for s, _ in checkpoint_steps(run_dir)], step, suspect_updates=1) or 0
     return max(0, min(checkpoint, step - CONTEXT_STEPS))
 
 
@@ -520,7 +524,7 @@ def pick_checkpoint(tr, views: dict[int, Branch], timeline: int, step: int, chec
     if checkpoint is None:
         passed_over: list[str] = []
         tr.ckpt.log = passed_over.append
-        ck, foreign = newest_on_branch(tr, step - 1, fits)
+        ck, foreign = newest_on_branch(tr, step, fits, suspect_updates=1)  # the state step trained from
         tr.ckpt.log = note
         if ck is None:
             why = [m.removeprefix("warning: checkpoint ").split(";")[0] for m in passed_over]
@@ -561,7 +565,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     if step < 1:
         raise OfflineError("steps are numbered from 1")
     lo = _window_start(run_dir, step, checkpoint)
-    views = branches(read(run_dir / "steps.jsonl", rejected=[]), keep=lambda s: lo <= s <= step)  # skipped as open_run did
+    views = branches(read(run_dir / STEPS, rejected=[]), keep=lambda s: lo <= s <= step)  # skipped as open_run did
     timeline, records = pick_branch(views, run_dir, step, timeline)
     rec = records[step]
     warnings: list[str] = []
@@ -582,7 +586,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     c = pick_checkpoint(tr, views, timeline, step, checkpoint, fits, held.append)
     if c < lo:  # newer checkpoints were invalid or on another branch: read the steps from this one too
         lo = c
-        views = branches(read(run_dir / "steps.jsonl", rejected=[]), keep=lambda s: lo <= s <= step)  # skipped as open_run did
+        views = branches(read(run_dir / STEPS, rejected=[]), keep=lambda s: lo <= s <= step)  # skipped as open_run did
         timeline, records = pick_branch(views, run_dir, step, timeline)
         rec = records[step]
     tr.ckpt.log = note
@@ -656,7 +660,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     if batch["normal"] is False:
         onset = find_onset(records, step)
         batch["onset"] = onset
-        pre, _ = newest_on_branch(tr, onset - 2, fits)  # the same convention as rollback --before-step
+        pre, _ = newest_on_branch(tr, onset, fits)  # the rule of rollback --before-step
         pre_band = loss_band(records, onset)
         if pre is not None and pre_band is not None:
             rng.restore(rng_before)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from sentinel.contract.rundir import STEPS
 from sentinel.offline import OfflineError, ProgressFn, same, tolerance_text
 from sentinel.offline.replay import _stderr, build_trainer, checkpoint_problem, gather, param_digest, restore
 
@@ -301,7 +302,7 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
     # the steps compared and the checkpoints' recorded digests; the rest of a long log is only counted
     saved = {s for s, _ in checkpoint_steps(run_dir)}
     # unreadable lines are skipped, as open_run skipped them (the CLI said so)
-    log = scan(run_dir / "steps.jsonl", keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c, rejected=[])
+    log = scan(run_dir / STEPS, keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c, rejected=[])
     records = log.records
     notes: list[str] = []
 

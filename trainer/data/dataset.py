@@ -64,14 +64,6 @@ def compute_fingerprint(shards: Sequence[dict], tokenizer: dict, sources: Sequen
     return h.hexdigest()
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def not_a_regular_file(path: Path) -> str | None:
     """What keeps ``path`` from being read as a file (it does not exist, it is a directory, a device
     such as /dev/zero that never ends, a FIFO that blocks), or None for a regular file (links followed)."""
