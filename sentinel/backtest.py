@@ -46,19 +46,19 @@ so is a Hugging Face ``trainer_state.json``'s log history (``trace_hf``): they p
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from sentinel.policy import RunPolicy
-from sentinel.protocol import (CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord, record_range_error)
+from sentinel.protocol import CheckpointInfo, MarkerRecord, SchemaError, StepRecord, TimelineRecord, record_range_error
 from sentinel.rules import RuleSet, default_rules
 from sentinel.trace_csv import CsvHeaderError, csv_rows
 from sentinel.trace_hf import hf_entries
 from sentinel.trace_names import TraceKeyError, canonical_step_keys, null_loss_is_nan
-from sentinel.trace_tb import TbError, event_subdirs, is_dir, is_event_path, tb_rows
 from sentinel.trace_open import (  # noqa: F401  (MAX_LINE_BYTES, _capped_lines, json_file_is_trace: re-exported)
     _STREAM_ERRORS,
     MAX_LINE_BYTES,
@@ -70,6 +70,7 @@ from sentinel.trace_open import (  # noqa: F401  (MAX_LINE_BYTES, _capped_lines,
     _trace_format,
     json_file_is_trace,
 )
+from sentinel.trace_tb import TbError, event_subdirs, is_dir, is_event_path, tb_rows
 from sentinel.trace_text import text_rows
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 import redis
@@ -16,6 +17,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from sentinel.bus_url import ENV_PASSWORD, BusError, BusUnavailable, _split_tls_query, redact_url, url_problem
+
 
 def _describe(r: redis.Redis) -> str:
     """A redacted URL for a client, for error messages."""

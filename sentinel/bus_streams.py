@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import redis
 
@@ -19,6 +20,7 @@ from sentinel.contract.keys import Keys
 from sentinel.contract.parsing import SchemaError
 from sentinel.contract.records import Ack, Directive, Event, StepRecord, TimelineRecord, parse_step_line
 from sentinel.contract.signing import RECORD_MAC_FIELD, record_mac
+
 
 class Entry(NamedTuple):
     """One stream entry: the stream key, the entry id, and its fields (``{"json": ...}``).

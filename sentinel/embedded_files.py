@@ -13,8 +13,8 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from sentinel.bus_url import BusError
 from sentinel.contract.fsio import read_regular_file

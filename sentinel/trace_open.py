@@ -11,19 +11,18 @@ import io
 import json
 import lzma
 import zlib
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, suppress
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from sentinel.protocol import (SchemaError, UnreadableFileError,
-                               open_regular)
+from sentinel.protocol import SchemaError, UnreadableFileError, open_regular
 from sentinel.trace_csv import looks_like_csv
 from sentinel.trace_hf import MAX_BYTES, trainer_state_history
 from sentinel.trace_json import MAX_BYTES as JSON_MAX_BYTES
 from sentinel.trace_json import json_document, table_rows
 from sentinel.trace_names import LOSS_NAMES, STEP_NAMES
 from sentinel.trace_text import looks_like_text_log
-
 
 
 class TraceTooLong(SchemaError):
@@ -72,10 +71,8 @@ def _as_utf8(p: Path, fh):
         head = fh.read(4)
         fh.seek(0)
     except _STREAM_ERRORS:  # a broken compressed stream: its readers say so, as they always did
-        try:
+        with suppress(_STREAM_ERRORS):
             fh.seek(0)
-        except _STREAM_ERRORS:
-            pass
         return fh
     enc = next((e for bom, e in _WIDE_BOMS if head.startswith(bom)), None)
     if enc is None:
@@ -223,10 +220,8 @@ def _mostly_json_objects(fh) -> bool:
             continue
         lines += 1
         if line[:1] == b"{" and len(line) <= 65536:
-            try:
+            with suppress(ValueError, RecursionError):
                 objects += isinstance(json.loads(line), dict)
-            except (ValueError, RecursionError):
-                pass
         if lines >= SNIFF_LINES:
             break
     fh.seek(0)

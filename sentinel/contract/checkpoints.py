@@ -69,7 +69,7 @@ class SamplerState(_Strict):
     dataset_fingerprint: str
 
     @model_validator(mode="after")
-    def _cursor_in_epoch(self) -> "SamplerState":
+    def _cursor_in_epoch(self) -> SamplerState:
         if self.position > self.num_samples:
             raise ValueError(f"cursor position {self.position} is past the epoch's {self.num_samples} samples")
         return self
@@ -84,7 +84,7 @@ class SourceCursor(_Strict):
     position: Count
 
     @model_validator(mode="after")
-    def _cursor_in_epoch(self) -> "SourceCursor":
+    def _cursor_in_epoch(self) -> SourceCursor:
         if self.position > self.num_samples:
             raise ValueError(f"source {self.name}: cursor {self.position} is past its {self.num_samples} samples")
         return self
@@ -99,7 +99,7 @@ class MixtureSamplerState(_Strict):
     sources: Annotated[list[SourceCursor], Field(min_length=1, max_length=16)]
 
     @model_validator(mode="after")
-    def _sources_add_up(self) -> "MixtureSamplerState":
+    def _sources_add_up(self) -> MixtureSamplerState:
         if sum(s.num_samples for s in self.sources) != self.num_samples:
             raise ValueError("the sources' sample counts do not add up to num_samples")
         return self
@@ -120,7 +120,7 @@ class GuardState(_Strict):
         return xs
 
     @model_validator(mode="after")
-    def _lengths(self) -> "GuardState":
+    def _lengths(self) -> GuardState:
         if len(self.loss) != self.window or len(self.grad) != self.window:
             raise ValueError(f"guard history lengths {len(self.loss)}/{len(self.grad)} differ from its window {self.window}")
         return self
@@ -163,7 +163,7 @@ class TrainStateFile(_Strict):
     _time = field_validator("last_checkpoint_time")(_finite)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainStateFile":
+    def _consistent(self) -> TrainStateFile:
         if self.scheduler.step != self.step:
             raise ValueError(f"scheduler step {self.scheduler.step} differs from step {self.step}")
         if self.sampler.dataset_fingerprint != self.dataset_fingerprint:

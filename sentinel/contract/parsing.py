@@ -12,7 +12,6 @@ from typing import Any
 
 from sentinel.contract.limits import MAX_JSON_DEPTH, MAX_RECORD_BYTES
 
-
 # Why each record was refused: a small fixed vocabulary, used as a metric label on both sides.
 REJECT_REASONS = (
     "unsigned",  # no MAC / signature

@@ -20,6 +20,7 @@ from sentinel.contract.limits import MAX_CLOCK_SKEW_S, MAX_DIRECTIVE_TTL_S, MAX_
 from sentinel.contract.parsing import SchemaError, loads_bounded, plain_error
 from sentinel.contract.signing import directive_signature, signature_matches
 
+
 class _Record(BaseModel):
     # ignore unknown fields (forward compatibility); NaN/inf survive JSON as NaN/Infinity
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="constants", frozen=False)
@@ -34,7 +35,7 @@ class _Record(BaseModel):
         if not isinstance(obj, dict):
             raise SchemaError(f"{cls.__name__}: expected a JSON object")
         v = obj.get("v", SCHEMA_VERSION)
-        if type(v) is not int:  # noqa: E721 - bool is an int subclass and is not a version
+        if type(v) is not int:
             raise SchemaError(f"{cls.__name__}.v: expected an integer schema version")
         if v > SCHEMA_VERSION:
             raise SchemaError(
@@ -225,7 +226,7 @@ class Directive(_Record):
         body = self.model_dump(exclude={"sig"}, mode="json")
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
-    def signed(self, secret: bytes) -> "Directive":
+    def signed(self, secret: bytes) -> Directive:
         return self.model_copy(update={"sig": directive_signature(secret, self.canonical())})
 
     def verify(self, secret: bytes, now: float | None = None) -> str | None:

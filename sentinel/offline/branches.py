@@ -8,12 +8,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from sentinel.contract.targets import SUSPECT_UPDATES, rollback_target
 from sentinel.offline import OfflineError
 from sentinel.offline.loss_band import abnormal, loss_band
-
-
 
 # ------------------------------------------------------------------------------------ branches
 #

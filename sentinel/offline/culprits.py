@@ -10,8 +10,6 @@ import torch
 
 from sentinel.offline import OfflineError
 
-
-
 SNIPPET_CHARS = 80
 
 

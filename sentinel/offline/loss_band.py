@@ -7,10 +7,6 @@ import math
 
 from sentinel.offline.session import restore
 
-
-
-
-
 # ------------------------------------------------------------------------------------ the run's loss band
 
 BAND_WINDOW = 10  # healthy steps the band is fitted on

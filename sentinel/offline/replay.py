@@ -31,12 +31,9 @@ import math
 import os
 from pathlib import Path
 
-
 from sentinel.contract.rundir import STEPS
 from sentinel.contract.targets import rollback_target
 from sentinel.offline import CUDA_ATOL, CUDA_RTOL, OfflineError, ProgressFn, same, tolerance_text
-
-
 from sentinel.offline.branches import (  # noqa: F401  (re-exported: replay's API)
     Branch,
     abandoned_by,
@@ -73,7 +70,6 @@ from sentinel.offline.session import (  # noqa: F401  (re-exported: verify and t
     restore,
     run_step,
 )
-
 
 # ------------------------------------------------------------------------------------ replay
 
@@ -137,8 +133,8 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     """Replay step ``step`` of the run in ``run_dir`` (see the module docstring); every rank returns
     the same result dict. ``timeline`` picks the branch whose record of the step is replayed (default:
     the surviving one); the checkpoint and the fast-forward come from that branch's own lineage."""
-    from trainer import rng
     from sentinel.client.steplog import read
+    from trainer import rng
 
     run_dir = Path(run_dir)
     if step < 1:
@@ -209,7 +205,7 @@ def replay(env, run_dir: Path, step: int, *, checkpoint: int | None = None, time
     rng_before = rng.capture()
     micro, micro_ids = tr.micro_batches(ids)
     lr = tr.lr_for(tr.state.step, ids)
-    loss, ranks, gnorm, factor, reason = tr.train_step(micro, micro_ids, lr, apply=False)
+    loss, ranks, gnorm, factor, _reason = tr.train_step(micro, micro_ids, lr, apply=False)
     replayed = {"loss": float(loss.item()), "grad_norm": float(gnorm.item()),
                 "rank_losses": [float(x) for x in ranks.tolist()], "lr": lr,
                 "skipped": float(factor.item()) == 0.0}

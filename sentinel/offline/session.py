@@ -11,8 +11,6 @@ import torch.distributed as dist
 
 from sentinel.offline import OfflineError
 
-
-
 # ------------------------------------------------------------------------------------ session
 
 

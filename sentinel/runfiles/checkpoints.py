@@ -20,7 +20,6 @@ from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import CKPT_DIR, STEP_DIR_RE, VERIFIED, checkpoint_dir_name
 from sentinel.runfiles.base import RunDirError, _int_in, load_json_file
 
-
 step_dir_name = checkpoint_dir_name
 
 

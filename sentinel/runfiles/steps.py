@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from sentinel.contract.bounds import record_range_error
 from sentinel.contract.parsing import SchemaError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def compute_fingerprint(shards: Sequence[dict], tokenizer: dict, sources: Sequence[dict] | None = None) -> str:
