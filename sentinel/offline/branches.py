@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sentinel.contract.rundir import CHECKPOINT_MANIFEST
 from sentinel.contract.targets import SUSPECT_UPDATES, rollback_target
 from sentinel.offline import OfflineError
 from sentinel.offline.loss_band import abnormal, loss_band
@@ -82,7 +83,7 @@ def owner(views: dict[int, Branch], timeline: int, step: int) -> int | None:
 def manifest_timeline(path: Path) -> int | None:
     """The timeline a checkpoint says it was written on (its manifest; verified later), or None."""
     try:
-        t = json.loads((path / "manifest.json").read_bytes()).get("timeline")
+        t = json.loads((path / CHECKPOINT_MANIFEST).read_bytes()).get("timeline")
     except (OSError, ValueError, RecursionError, AttributeError):
         return None
     return t if isinstance(t, int) and not isinstance(t, bool) else None

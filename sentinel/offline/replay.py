@@ -31,7 +31,7 @@ import math
 import os
 from pathlib import Path
 
-from sentinel.contract.rundir import STEPS
+from sentinel.contract.rundir import SKIPLIST, STEPS
 from sentinel.contract.targets import rollback_target
 from sentinel.offline import CUDA_ATOL, CUDA_RTOL, OfflineError, ProgressFn, same, tolerance_text
 from sentinel.offline.branches import (  # noqa: F401  (re-exported: replay's API)
@@ -310,7 +310,7 @@ def add_to_skiplist(run_dir: Path, ids: list[int]) -> tuple[list[tuple[int, int]
     from sentinel.protocol import ids_to_ranges
     from trainer.data import SkipList
 
-    path = Path(run_dir) / "skiplist.json"
+    path = Path(run_dir) / SKIPLIST
     sl = SkipList.load(path)
     before = len(sl)
     ranges = ids_to_ranges(ids)

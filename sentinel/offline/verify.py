@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from sentinel.contract.rundir import STEPS
+from sentinel.contract.rundir import CKPT_DIR, STEPS, VERIFIED
 from sentinel.offline import OfflineError, ProgressFn, same, tolerance_text
 from sentinel.offline.replay import _stderr, build_trainer, checkpoint_problem, gather, param_digest, restore
 
@@ -465,7 +465,7 @@ def unresumable(tr, env, c: int, problem: str, notes: list[str]) -> dict:
 
 def mark_verified(run_dir: Path, step: int, ok: bool, extra: dict | None = None) -> Path:
     """Record the outcome in RUN_DIR/checkpoints/verified.json ({step: {"verified", "time", ...}})."""
-    path = Path(run_dir) / "checkpoints" / "verified.json"
+    path = Path(run_dir) / CKPT_DIR / VERIFIED
     data: dict = {}
     try:
         data = json.loads(path.read_text())
