@@ -86,28 +86,23 @@ def _lock(fd: int, path: Path) -> str | None:
     """Lock ``fd`` exclusively without blocking: the way it was taken ("flock", "lockf" or "owner
     file"), or None when another process holds it. Only a filesystem that refuses every lock falls
     through to the owner file."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return "flock"
-    except OSError as e:
-        if e.errno in BUSY:
-            return None
-        if e.errno not in UNSUPPORTED:
-            raise RunDirBusy(f"{path} cannot be locked ({e.strerror or e})") from None
-        why = f"{errno.errorcode.get(e.errno, e.errno)}"
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _warn(f"the run dir's filesystem has no flock ({why}; Lustre needs -o flock); "
-              f"locked {path.name} with POSIX record locks instead")
-        return "lockf"
-    except OSError as e:
-        if e.errno in BUSY:
-            return None
-        if e.errno not in UNSUPPORTED:
-            raise RunDirBusy(f"{path} cannot be locked ({e.strerror or e})") from None
-        why += f", lockf {errno.errorcode.get(e.errno, e.errno)}"
+    why: list[str] = []
+    for name, take in (("flock", fcntl.flock), ("lockf", fcntl.lockf)):
+        try:
+            take(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in BUSY:
+                return None
+            if e.errno not in UNSUPPORTED:
+                raise RunDirBusy(f"{path} cannot be locked ({e.strerror or e})") from None
+            why.append(f"{name}: {errno.errorcode.get(e.errno, e.errno)}")
+            continue
+        if why:
+            _warn(f"the run dir's filesystem has no flock ({why[0]}; Lustre needs -o flock); "
+                  f"locked {path.name} with POSIX record locks instead")
+        return name
     _owner_file(path.with_name(OWNER_NAME))
-    _warn(f"the run dir's filesystem has no file locks ({why}; Lustre needs -o flock); "
+    _warn(f"the run dir's filesystem has no file locks ({", ".join(why)}; Lustre needs -o flock); "
           f"using the owner file {OWNER_NAME} instead (a crash on another host leaves it behind)")
     return "owner file"
 
