@@ -102,7 +102,7 @@ def _lock(fd: int, path: Path) -> str | None:
                   f"locked {path.name} with POSIX record locks instead")
         return name
     _owner_file(path.with_name(OWNER_NAME))
-    _warn(f"the run dir's filesystem has no file locks ({", ".join(why)}; Lustre needs -o flock); "
+    _warn(f"the run dir's filesystem has no file locks ({', '.join(why)}; Lustre needs -o flock); "
           f"using the owner file {OWNER_NAME} instead (a crash on another host leaves it behind)")
     return "owner file"
 
