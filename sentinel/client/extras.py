@@ -30,6 +30,16 @@ def missing_message(module: str, what: str) -> str:
     return f"{what} needs {module.split('.')[0]}, which is not installed: {install_hint(module)}"
 
 
+def missing_module(modules: tuple[str, ...], what: str) -> str | None:
+    """The one-line message for the first of ``modules`` that is not installed, else None."""
+    import importlib.util
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            return missing_message(m, what)
+    return None
+
+
 def missing_extra(e: ModuleNotFoundError) -> str | None:
     """The one-line message for a ModuleNotFoundError of an optional dependency, else None."""
     name = (e.name or "").split(".")[0]
