@@ -165,14 +165,14 @@ class Prom:
         raise AssertionError(f"not within {timeout:.0f} s: {what}; alerts now {self.alerts()}")
 
 
-def _fast_rules(tmp: Path) -> list[str]:
-    """The shipped rule files, with the ``for:`` of the two alerts under test cut to FAST_FOR."""
+def fast_rules(tmp: Path, alerts: set[str] = UNDER_TEST) -> list[str]:
+    """The shipped rule files, with the ``for:`` of ``alerts`` cut to FAST_FOR."""
     out = []
     for f in sorted(ALERTS.glob("*.yaml")):
         doc = yaml.safe_load(f.read_text())
         for g in doc["groups"]:
             for r in g["rules"]:
-                if r.get("alert") in UNDER_TEST:
+                if r.get("alert") in alerts:
                     r["for"] = FAST_FOR
         (tmp / f.name).write_text(yaml.safe_dump(doc, sort_keys=False))
         out.append(str(tmp / f.name))
@@ -225,7 +225,7 @@ def test_sentinel_down_and_training_rank_down_fire_when_and_only_when_they_shoul
     port = free_port()
     cfg_file = tmp_path / "prometheus.yml"
     cfg_file.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                                        "rule_files": _fast_rules(tmp_path), "scrape_configs": scrape_configs}))
+                                        "rule_files": fast_rules(tmp_path), "scrape_configs": scrape_configs}))
     log = tmp_path / "prometheus.log"
     proc = _start([prometheus, f"--config.file={cfg_file}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                    f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], log)
