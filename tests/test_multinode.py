@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import yaml
 
 from conftest import free_port
 from test_alerts import _binary, _start, _stop, _wait_ready
-from test_podmonitor_alerts import Prom, fast_rules
+from test_podmonitor_alerts import Prom, fast_rules, wait_until
 from test_sentinel_e2e import Procs, clean_env
 from trainer_helpers import EXACT_FIELDS, TORCHRUN, descendants, kill_all, last_step, trajectory
 
@@ -104,14 +103,8 @@ def _resumed_from(run_dir: Path) -> int:
 
 
 def _wait(what: str, cond, timeout: float, logs: list[Path], interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(interval)
-    tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs if p.exists())
-    raise AssertionError(f"not within {timeout:.0f} s: {what}\n{tails}")
+    return wait_until(what, cond, timeout, lambda: "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs if p.exists()), interval)
 
 
 def test_a_killed_node_pages_fires_training_rank_down_and_the_restart_resumes_bitwise(tmp_path, data_dir, procs, run_dir):

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from conftest import free_port
 from test_alerts import _binary, _start, _stop, _wait_ready
+from test_bus_client import _wait as poll
 from test_deploy import K8S, _kustomize, _one
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,13 +157,15 @@ class Prom:
         return out
 
     def wait(self, what: str, cond, timeout: float = 30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = cond()
-            if got:
-                return got
-            time.sleep(0.25)
-        raise AssertionError(f"not within {timeout:.0f} s: {what}; alerts now {self.alerts()}")
+        return wait_until(what, cond, timeout, lambda: f"alerts now {self.alerts()}")
+
+
+def wait_until(what: str, cond, timeout: float, detail=lambda: "", interval: float = 0.25):
+    """``cond()``'s first truthy value, polled every ``interval`` s; else AssertionError(what, detail())."""
+    got = poll(cond, timeout, interval)
+    if not got:
+        raise AssertionError(f"not within {timeout:.0f} s: {what}\n{detail()}")
+    return got
 
 
 def fast_rules(tmp: Path, alerts: set[str] = UNDER_TEST) -> list[str]:
