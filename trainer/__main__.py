@@ -224,6 +224,11 @@ def _say(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from sentinel.client.extras import missing_module
+
+    if (missing := missing_module(("torch",), "python -m trainer")) is not None:
+        _say(missing + " (for CUDA, install your torch build first)")
+        return 2
     from trainer.config import ConfigError, load_yaml, resolve
 
     # every check that can refuse the flags runs before the run dir (lock, step log) is created
