@@ -30,18 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory (created if missing)")
     p.add_argument("--preset", choices=["tiny", "small", "gpt2-124m"], help="model/recipe preset (default: tiny, or the run's saved config)")
     p.add_argument("--config", metavar="YAML", help="YAML config file layered over the preset")
-    p.add_argument("--max-steps", type=int, metavar="N")
+    p.add_argument("--max-steps", type=int, metavar="N", help="train until optimizer step N (a resumed run goes on to N)")
     p.add_argument("--ckpt-every", type=int, metavar="K", help="checkpoint every K steps (0: only at the end)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, metavar="S", help="random seed: model init and data order")
     p.add_argument("--data", metavar="DIR", help="prepared dataset dir (default: the bundled Shakespeare corpus)")
-    p.add_argument("--micro-batch", type=int, metavar="B")
-    p.add_argument("--grad-accum", type=int, metavar="A")
-    p.add_argument("--lr", type=float)
+    p.add_argument("--micro-batch", type=int, metavar="B", help="sequences per rank per forward/backward (data.micro_batch_size)")
+    p.add_argument("--grad-accum", type=int, metavar="A", help="micro-batches accumulated per optimizer step (data.grad_accum)")
+    p.add_argument("--lr", type=float, metavar="LR", help="peak learning rate of the schedule (optim.lr)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--async-ckpt", action="store_true", help="snapshot to CPU and write checkpoints in the background")
-    p.add_argument("--keep-last", type=int, metavar="N")
-    p.add_argument("--keep-every", type=int, metavar="K")
-    p.add_argument("--eval-every", type=int, metavar="N")
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N checkpoints, delete older ones (checkpoint.keep_last)")
+    p.add_argument("--keep-every", type=int, metavar="K", help="also keep every checkpoint whose step is a multiple of K, forever (checkpoint.keep_every)")
+    p.add_argument("--eval-every", type=int, metavar="N", help="validate (per slice, plus the probe sets) every N steps (eval.every)")
     p.add_argument("--skip", action="append", default=[], metavar="LO:HI", help="skip sample ids [LO, HI) (repeatable)")
     p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@LO[:HI]",
                    help="drill: garbage|lr|nan on sample ids [LO, HI) (HI exclusive, like --skip); "
@@ -50,10 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "mixture drills: corrupt_source@NAME:FROM_STEP, reweight@NAME:FACTOR:FROM_STEP")
     p.add_argument("--telemetry", choices=["on", "off"], help="Prometheus endpoints and the bus (default on)")
     p.add_argument("--redis-url", metavar="URL", help="control bus: redis[s]://..., or 'embedded' for one in the run dir")
-    p.add_argument("--metrics-host", metavar="ADDR")
+    p.add_argument("--metrics-host", metavar="ADDR", help="address the Prometheus endpoints bind (0.0.0.0 for a Prometheus on another host)")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="base port; rank r serves PORT+local_rank (0: free ports)")
     p.add_argument("--peak-flops", type=float, metavar="FLOPS", help="override the device's peak FLOP/s for MFU")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where to train (default auto: CUDA when available)")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override any config field")
     return p
 
@@ -224,6 +224,11 @@ def _say(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from sentinel.client.extras import missing_module
+
+    if (missing := missing_module(("torch",), "python -m trainer")) is not None:
+        _say(missing + " (for CUDA, install your torch build first)")
+        return 2
     from trainer.config import ConfigError, load_yaml, resolve
 
     # every check that can refuse the flags runs before the run dir (lock, step log) is created
@@ -263,6 +268,10 @@ def main(argv=None) -> int:
         _say("out of memory (the model, the batch or the guard window is larger than this machine holds)")
         return 2
     except RuntimeError as e:  # torch's allocator: "[enforce fail at alloc_cpu.cpp] ... can't allocate memory"
+        if _lost_peer(e):  # another rank (or node) died mid-collective: one line, then torchrun ends the job
+            _say(f"a collective failed: another rank or node is gone ({' '.join(str(e).split())[-160:]}); "
+                 "restart the job to resume from the newest checkpoint")
+            return 2
         if "allocate" not in str(e) or "memory" not in str(e):
             raise
         _say(f"out of memory: {' '.join(str(e).split())[-200:]}")
@@ -286,6 +295,15 @@ def main(argv=None) -> int:
     finally:
         tdist.shutdown()
     return 0
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """A collective broken by a peer that died (gloo: connection reset or closed; NCCL: a remote error)."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "remote process exited", "Broken pipe"))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from sentinel.contract.rundir import CKPT_DIR, STEPS, VERIFIED
 from sentinel.offline import OfflineError, ProgressFn, same, tolerance_text
 from sentinel.offline.replay import _stderr, build_trainer, checkpoint_problem, gather, param_digest, restore
 
@@ -93,7 +94,7 @@ def _components_now(tr) -> dict:
         out["model.pt"] = tr.raw_model.state_dict()
         out["optim.pt"] = tr.opt.state_dict()
     if tr.env.is_main:
-        ts = tr._train_state()
+        ts = tr.train_state()
         out["train_state.json"] = {k: v for k, v in ts.items() if k not in VOLATILE_TRAIN_STATE}
     out[f"rng-rank{tr.env.rank}.pt"] = rng.capture()
     return out
@@ -140,7 +141,7 @@ def _step(tr, number: int) -> dict:
     ``number`` is the step this should be (the trainer's own counter is what is being tested)."""
     from trainer.data import batch_fingerprint
 
-    ids, _n_skipped, micro, micro_ids = tr._batch()
+    ids, _n_skipped, micro, micro_ids = tr.next_batch()
     lr = tr.lr_for(tr.state.step, ids)
     loss, _ranks, gnorm, factor, _reason = tr.train_step(micro, micro_ids, lr)
     tr.state.step += 1
@@ -301,7 +302,7 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
     # the steps compared and the checkpoints' recorded digests; the rest of a long log is only counted
     saved = {s for s, _ in checkpoint_steps(run_dir)}
     # unreadable lines are skipped, as open_run skipped them (the CLI said so)
-    log = scan(run_dir / "steps.jsonl", keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c, rejected=[])
+    log = scan(run_dir / STEPS, keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c, rejected=[])
     records = log.records
     notes: list[str] = []
 
@@ -464,7 +465,7 @@ def unresumable(tr, env, c: int, problem: str, notes: list[str]) -> dict:
 
 def mark_verified(run_dir: Path, step: int, ok: bool, extra: dict | None = None) -> Path:
     """Record the outcome in RUN_DIR/checkpoints/verified.json ({step: {"verified", "time", ...}})."""
-    path = Path(run_dir) / "checkpoints" / "verified.json"
+    path = Path(run_dir) / CKPT_DIR / VERIFIED
     data: dict = {}
     try:
         data = json.loads(path.read_text())
