@@ -123,8 +123,9 @@ class _BatchedBus:
     """The session's ``BusClient``, with step records sent in batches: at most one wake-up of the bus
     client's I/O thread per ``every_s`` (its own poll interval) instead of one per step. That thread
     competes with the training loop for the GIL; batching took the HF callback's ``on_step_end`` on a
-    ~27 ms CPU step from ~3 ms to 0.21 ms (median; bench/callback_overhead.py, docs/integrate.md "Cost"). Anything else sent through it (a timeline marker,
-    an ack, a checkpoint) first sends the records held, so the bus sees them in the order they happened."""
+    ~27 ms CPU step from ~3 ms to 0.21 ms (median; bench/callback_overhead.py, docs/integrate.md "Cost").
+    Anything else sent through it (a timeline marker, an ack, a checkpoint) first sends the records held,
+    so the bus sees them in the order they happened."""
 
     def __init__(self, bus: BusClient, every_s: float):
         self._bus, self._every, self._held, self._last = bus, every_s, [], 0.0
