@@ -41,6 +41,7 @@ LEVELS: tuple[tuple[re.Pattern[str], int], ...] = tuple((re.compile(p), lvl) for
     (r"could not reach Alertmanager|Alertmanager did not answer", logging.ERROR),
     (r"could not restart the embedded bus", logging.ERROR),
     (r"WARNING:?", logging.WARNING),
+    (r"no --alertmanager-url", logging.WARNING),
     (r"sent ", logging.WARNING),
     (r"ack \S+ \S+: (failed|rejected)", logging.WARNING),
     (r"BACKLOG", logging.WARNING),

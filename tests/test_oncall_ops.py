@@ -208,7 +208,7 @@ def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path,
         _wait(lambda: _last_step(run_dir) >= 3 and (run_dir / "bus" / "secret").is_file(), 120, "first steps", proc)
         sentinel = _sentinel(run_dir, slog, "--rules", str(rules))
         _wait(lambda: "watching run" in slog.read_text(errors="replace"), 60, "the sentinel to start", sentinel)
-        assert "WARNING: no --alertmanager-url: pages reach NOBODY" in slog.read_text(errors="replace")
+        assert "WARNING no --alertmanager-url: pages reach NOBODY" in slog.read_text(errors="replace")
         r = bus.connect(bus.resolve_url(run_dir))
         keys = Keys(run_dir.name)
         victim = _rank_pid(proc, 1)

@@ -14,7 +14,6 @@ verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a fil
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -29,6 +28,7 @@ import torch
 from pydantic import ValidationError
 
 from sentinel.contract.checkpoints import ManifestError, TrainStateFile, check_manifest, first_error
+from sentinel.contract.checkpoints import manifest_digest  # noqa: F401  (re-exported)
 from sentinel.contract.fsio import fsync_dir as _fsync_dir
 from sentinel.contract.fsio import sha256_file  # noqa: F401  (re-exported)
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
@@ -453,5 +453,3 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def manifest_digest(manifest: dict) -> str:
-    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()

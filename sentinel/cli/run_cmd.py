@@ -45,7 +45,7 @@ def _run_dir_problem(path: str) -> str | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return f"run directory not found: {shown}"
+        return f"run directory not found: {shown} (to watch a run before it starts, create its directory first)"
     except OSError as e:  # a parent that is a file, no permission, a name too long
         return f"run directory {shown}: {e.strerror or type(e).__name__}"
     if not stat.S_ISDIR(st.st_mode):
@@ -161,6 +161,12 @@ def _bus_groups(runs, redis_url, secret_file) -> dict[tuple[str, bytes, Path | N
     shared = redis_url or os.environ.get(bus.ENV_URL)
     for item in runs or [None]:
         p = Path(item) if item is not None else None
+        if p is not None and not shared and p.is_dir() and not (p / "bus" / "url").is_file():
+            # started before its run (`mkdir RUN_DIR && sentinel run RUN_DIR`): the run dir gets its embedded
+            # bus now, and the run (our trainer, a callback's RunSession) finds and uses it when it starts
+            from sentinel.embedded import ensure_embedded
+
+            ensure_embedded(p)
         if p is not None and p.is_dir():
             embedded = not shared and (p / "bus" / "url").is_file()
             # the supervisor's first job: a dead embedded bus is restarted before we connect to it
@@ -176,6 +182,6 @@ def _bus_groups(runs, redis_url, secret_file) -> dict[tuple[str, bytes, Path | N
 
 
 NO_ALERTMANAGER_WARNING = (
-    "WARNING: no --alertmanager-url: pages reach NOBODY. They go only to this log, the bus's events "
+    "no --alertmanager-url: pages reach NOBODY. They go only to this log, the bus's events "
     "stream and RUN_DIR/pages.jsonl (`sentinel pages RUN`); pass --alertmanager-url http://HOST:9093 to "
     "notify the on-call engineer.")

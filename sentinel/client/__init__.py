@@ -6,7 +6,9 @@ No torch here. Our trainer uses it, and so does every integration (Hugging Face,
 """
 
 from sentinel.client.bus import BusClient
+from sentinel.client.checkpoints import checkpoint_info, write_manifest
 from sentinel.client.control import Applied, ControlHost, ControlLoop, RelaunchRequired, RestoreFailed
+from sentinel.client.session import RunSession
 from sentinel.client.skiplist import DataError, SkipList
 from sentinel.client.steplog import StepLog
 from sentinel.protocol import Ack, CheckpointInfo, Directive, StepRecord, TimelineRecord
@@ -17,6 +19,9 @@ __all__ = [
     "ControlLoop",
     "RelaunchRequired",
     "RestoreFailed",
+    "RunSession",
+    "checkpoint_info",
+    "write_manifest",
     "Ack",
     "BusClient",
     "CheckpointInfo",

@@ -16,12 +16,12 @@ look: ``RUN_DIR/checkpoints/step-NNNNNNNN``, a relative symlink to the framework
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
+from sentinel.contract.checkpoints import manifest_digest
 from sentinel.protocol import (
     CHECKPOINT_MANIFEST,
     CheckpointInfo,
@@ -35,11 +35,6 @@ MANIFEST_FORMAT = 1  # the trainer's checkpoint.FORMAT_VERSION: one reader for b
 
 class CheckpointDirError(Exception):
     """A one-line reason a directory cannot be registered as a checkpoint."""
-
-
-def manifest_digest(manifest: dict) -> str:
-    """``manifest_sha256`` of a checkpoint: the sha256 of its sorted ``files`` map (what the bus carries)."""
-    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
 
 
 def _files(path: Path) -> dict[str, str]:

@@ -52,6 +52,7 @@ from sentinel.client.checkpoints import (
 from sentinel.client.control import Applied, ControlHost, ControlLoop
 from sentinel.client.skiplist import SkipList
 from sentinel.client.steplog import StepLog, clean_text
+from sentinel.contract.ranges import batch_fingerprint
 from sentinel.protocol import Keys, StepRecord
 
 EMBEDDED = "embedded"
@@ -271,7 +272,7 @@ class RunSession:
             run=self.run, step=int(step), timeline=self.control.timeline, loss=float(loss),
             loss_max_rank=float(loss if loss_max_rank is None else loss_max_rank), rank_losses=rank_losses,
             grad_norm=float(grad_norm) if grad_norm is not None else 0.0, lr=float(lr or 0.0), tokens=total,
-            batch_tokens=int(batch_tokens or 0), batch_fingerprint=_fingerprint(ids), sample_ids=ids, time=now,
+            batch_tokens=int(batch_tokens or 0), batch_fingerprint=batch_fingerprint(ids), sample_ids=ids, time=now,
             step_seconds=finite_or_none(step_time_s),
             tokens_per_second=(batch_tokens / step_time_s) if batch_tokens and step_time_s else None,
             checkpoint_age_seconds=(now - self._last_ckpt) if self._last_ckpt else None, world_size=self.world_size,
@@ -367,12 +368,3 @@ class RunSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _fingerprint(ids: list[int]) -> str:
-    """The batch fingerprint our trainer writes (``trainer.data.batch_fingerprint``), torch-free."""
-    import hashlib
-
-    import numpy as np
-
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()[:16]

@@ -7,7 +7,9 @@ non-adjacent, no empties (``merge_ranges``).
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
 from typing import Any
 
 from sentinel.contract.limits import MAX_SAMPLE_ID
@@ -119,3 +121,10 @@ def valid_ranges(raw: Any, limit: int = 100_000) -> list[tuple[int, int]]:
         return []
     return [(lo, hi) for r in raw[:limit] if isinstance(r, (list, tuple)) and len(r) == 2
             for lo, hi in [r] if type(lo) is int and type(hi) is int and 0 <= lo < hi <= MAX_SAMPLE_ID]
+
+
+def batch_fingerprint(ids) -> str:
+    """16 hex chars of sha256 over the sample ids as little-endian int64: names a batch in step records
+    (the same for our trainer and any loop through ``sentinel.client``)."""
+    ids = [int(i) for i in ids]
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()[:16]

@@ -15,20 +15,14 @@ bijection.
 
 from __future__ import annotations
 
-import hashlib
-from typing import Sequence
-
 import numpy as np
 
-from .dataset import DataError
 from sentinel.client.skiplist import SkipList
+from sentinel.contract.ranges import batch_fingerprint  # noqa: F401  (re-exported: trainer.data.batch_fingerprint)
+
+from .dataset import DataError
 
 _SCAN_CHUNK = 4096  # ids examined per vectorised skip-list lookup
-
-
-def batch_fingerprint(ids: Sequence[int]) -> str:
-    """16 hex chars of sha256 over the ids as little-endian int64: names a batch in step records."""
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int, stream: int | None = None) -> np.ndarray:
