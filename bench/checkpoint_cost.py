@@ -301,9 +301,9 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
                         send("resume")
                         paused = False
                     tl = newest_step()["timeline"]
-                    wait_for(lambda: (newest_step(tl) or {}).get("step", 0) >= target + 2, 60, "live steps", proc, log)
+                    wait_for(lambda tl=tl: (newest_step(tl) or {}).get("step", 0) >= target + 2, 60, "live steps", proc, log)
                     t_sent = send("rollback", to_step=target)
-                    first_after = wait_for(lambda: newest_step(tl + 1), 60, "the first step after the rollback", proc, log)
+                    first_after = wait_for(lambda tl=tl: newest_step(tl + 1), 60, "the first step after the rollback", proc, log)
                     recs = tail.poll()
                     i = next(k for k, x in enumerate(recs) if x.get("kind") == "rollback" and x.get("timeline") == tl + 1)
                     before = [x for x in recs[:i] if x.get("kind") == "step"]
