@@ -553,8 +553,12 @@ class RunWatcher:
             return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
 
         try:  # raw: XINFO STREAM carries the first and last entries, which may not be UTF-8
-            info = text_keys(bus.raw(self.r).xinfo_stream(self.keys.steps))
-            groups = [text_keys(g) for g in bus.raw(self.r).xinfo_groups(self.keys.steps)]
+            pre = [self.prefetched.pop(k, None) for k in ("xinfo_stream", "xinfo_groups")]  # sentinel/prefetch.py
+            for reply in pre:
+                if isinstance(reply, Exception):
+                    raise reply
+            info = text_keys(pre[0] if pre[0] is not None else bus.raw(self.r).xinfo_stream(self.keys.steps))
+            groups = [text_keys(g) for g in (pre[1] if pre[1] is not None else bus.raw(self.r).xinfo_groups(self.keys.steps))]
         except redis.ResponseError:
             return  # no stream yet, or a server without these fields
         group = next((g for g in groups if g.get("name") in (STEP_CONSUMER_GROUP, STEP_CONSUMER_GROUP.encode())), None)
@@ -938,9 +942,9 @@ class Daemon:
             time.sleep(block_ms / 1000.0)
             return 0
         by_stream = {w.keys.steps: w for w in led}
+        prefetch(self.r, led, now)
         for w in led:
             w.check_overload(now)
-        prefetch(self.r, led)
         try:
             entries = bus.read_group(self.r, list(by_stream), STEP_CONSUMER_GROUP, self.opts.consumer,
                                      count=self.opts.batch, block_ms=block_ms)

@@ -1,7 +1,8 @@
 """One round trip per daemon iteration for the side reads every watched run needs.
 
 Each ``RunWatcher.poll`` reads its run's checkpoints hash, acks and approvals streams, heartbeat
-and (until found) registered run dir: five sequential round trips per run per iteration. With N
+and (until found) registered run dir, and once a second ``check_overload`` its stream's XINFO
+STREAM and GROUPS: five to seven sequential round trips per run per iteration. With N
 runs the verdict on the last run's records waited for 5 x N round trips (bench/daemon_scale.py:
 p99 1.3 s at 30 runs on a loaded 2-core machine, the daemon CPU mostly idle in ``recv``). Here
 they go in one pipeline for all the led runs, before the step entries are judged; each watcher
@@ -17,9 +18,10 @@ from typing import Any
 from sentinel import bus
 
 
-def prefetch(r, watchers) -> None:
+def prefetch(r, watchers, now: float) -> None:
     """Read every watcher's side keys in one pipeline; store the replies (or the per-command
-    error, such as WRONGTYPE) in ``watcher.prefetched`` by the name ``_read_trusting_type`` uses."""
+    error, such as WRONGTYPE) in ``watcher.prefetched`` by the name ``_read_trusting_type`` uses
+    (and, for a watcher whose overload check is due at ``now``, its two XINFO replies)."""
     if not watchers:
         return
     pipe = bus.raw(r).pipeline(transaction=False)
@@ -31,6 +33,10 @@ def prefetch(r, watchers) -> None:
         pipe.xread({k.approvals: w.approvals_id}, count=100)
         pipe.get(k.heartbeat)
         plan += [(w, "checkpoints"), (w, "acks"), (w, "approvals"), (w, "heartbeat")]
+        if now >= w._next_overload_check or w.behind:  # RunWatcher.check_overload: once a second
+            pipe.xinfo_stream(k.steps)
+            pipe.xinfo_groups(k.steps)
+            plan += [(w, "xinfo_stream"), (w, "xinfo_groups")]
         if w._run_dir is None and w.run not in w.opts.run_dirs:
             pipe.hget(k.info, "run_dir")
             plan.append((w, "info"))
