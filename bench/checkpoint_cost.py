@@ -15,7 +15,9 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
 ``async_stall_vs_sync`` (target <= 0.10)
     How long ``save_checkpoint()`` blocks the training loop with ``checkpoint.async_save`` (the CPU
     snapshot and the hand-off to the writer thread), against a sync save of the same state. Also
-    ``async_extra_host_bytes``: the resident memory the snapshot holds while the write runs.
+    ``async_snapshot_bytes``: the host memory the snapshot holds while the write runs (every model
+    and optimizer tensor once), and ``async_rss_growth_bytes``, the resident-set growth seen across
+    the call (the allocator may reuse memory freed by the previous snapshot: often 0).
 ``load_vs_raw`` (target >= 0.7)
     ``Trainer.load_checkpoint(step)`` (manifest, sha256 of every file, ``torch.load(weights_only)``,
     shape checks, restore) against a raw sequential read of the same files. Before each arm the
@@ -181,8 +183,12 @@ def measure(t, env, reps: int) -> dict:
         b.append(secs["b"])
         ratio.append(secs["b"] / secs["a"])
     t.cfg.checkpoint.async_save = False
+    # what the async save's CPU snapshot holds while the writer runs: every model and optimizer tensor once
+    tensors = [*t.raw_model.state_dict().values(),
+               *(v for st in t.opt.state_dict()["state"].values() for v in st.values() if hasattr(v, "nbytes"))]
     out["async_stall_vs_sync"] = summarise(a, b, ratio, bytes=nbytes, arms="a = sync save, b = async save's blocking part",
-                                           async_extra_host_bytes=int(statistics.median(extra)))
+                                           async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
+                                           async_rss_growth_bytes=int(statistics.median(extra)))
 
     # ---- load_vs_raw
     step = t.state.step
@@ -433,8 +439,8 @@ def main() -> int:
             f = r[k]
             print(f"| {r['preset']} | {r['ranks']} | `{k}` | {f['median']:.3f} ({f['min']:.3f}-{f['max']:.3f}) | {op} {v} | "
                   f"{f['a_seconds_median'] * 1000:.1f} ms | {f['b_seconds_median'] * 1000:.1f} ms | {f['bytes']:,} |")
-        print(f"| {r['preset']} | {r['ranks']} | async extra host memory | "
-              f"{r['async_stall_vs_sync']['async_extra_host_bytes'] / 1e6:.1f} MB | | | | |")
+        print(f"| {r['preset']} | {r['ranks']} | async save: extra host memory (the snapshot) | "
+              f"{r['async_stall_vs_sync']['async_snapshot_bytes'] / 1e6:.1f} MB | | | | |")
     return 0
 
 

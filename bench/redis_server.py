@@ -35,4 +35,4 @@ def start_redis(work: Path) -> tuple[subprocess.Popen, str]:
 
 def redis_version() -> str:
     out = subprocess.run([shutil.which("redis-server") or "redis-server", "--version"], capture_output=True, text=True).stdout
-    return out.split()[2] if len(out.split()) > 2 else out.strip()
+    return (out.split()[2] if len(out.split()) > 2 else out.strip()).removeprefix("v=")
