@@ -32,6 +32,7 @@ from sentinel import bus, rundir
 from sentinel.ingest import StepGate, Verdict, check_ack, furthest_position, is_authentic
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
+from sentinel.prefetch import prefetch
 from sentinel.protocol import (
     STEP_CONSUMER_GROUP,
     CheckpointInfo,
@@ -131,6 +132,11 @@ class Options:
     # run id -> its run directory, where incidents and pages are mirrored (else the dir the trainer
     # registered on the bus, when it exists on this machine)
     run_dirs: dict[str, Path] = field(default_factory=dict)
+    # save the run's state and XACK what it covers at most this often (0: every poll). Safe to defer:
+    # entries not yet acked are delivered again after a crash or a failover and re-judged from the
+    # saved state (its last_id skips what it covers). Costs one round trip and one state
+    # serialisation per run per interval instead of per poll (bench/daemon_scale.py).
+    state_save_s: float = 0.0
 
 
 class RunWatcher:
@@ -139,6 +145,9 @@ class RunWatcher:
     def __init__(self, r: redis.Redis, run: str, opts: Options, metrics: SentinelMetrics, log: Callable[[str], None]):
         self.r, self.run, self.opts, self.m, self.log = r, run, opts, metrics, log
         self.keys = Keys(run)
+        self.prefetched: dict[str, object] = {}  # this iteration's side reads (sentinel/prefetch.py)
+        self._unacked: list[str] = []  # judged entries whose ack waits for the next state save
+        self._save_due = 0.0
         self.policy = RunPolicy(run, opts.rules, dry_run=opts.dry_run, require_approval=opts.require_approval)
         self.leader = False
         self.last_id = "0-0"  # newest step-stream id the policy state covers
@@ -206,6 +215,9 @@ class RunWatcher:
     def release(self) -> None:
         if self.leader:
             self._save_state()
+            if self._unacked:  # the state just saved covers them
+                bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *self._unacked)
+                self._unacked = []
             self.r.eval(_RELEASE, 1, self.keys.leader, self.opts.consumer)
             self.leader = False
             self.m.leader.labels(self.run).set(0)
@@ -318,6 +330,8 @@ class RunWatcher:
                        and rec.time < time.time() - self.opts.backlog_age_s)
             try:
                 self._feed(rec, history)
+                if not history:
+                    self.m.on_verdict(e.id, time.time())
             except (bus.BusError, redis.RedisError):
                 raise
             except Exception as err:  # noqa: BLE001 - a record no check foresaw must not be re-read forever
@@ -341,10 +355,14 @@ class RunWatcher:
         n_events = self._flush_events()
         # an idle poll (nothing read, nothing decided) leaves the state as it was; serialising it costs
         # O(sample history x batch size), and idle polls come every 100 ms: save only what changed
-        if done or n_events or marks != (self.last_id, self.acks_id, self.approvals_id, len(self.checkpoints_seen)):
-            self._save_state()
-        if done:
-            bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
+        self._unacked += done
+        changed = bool(n_events) or marks[1:] != (self.acks_id, self.approvals_id, len(self.checkpoints_seen))
+        if changed or (self._unacked and time.monotonic() >= self._save_due):
+            self._save_state()  # first the state, then the acks it covers
+            if self._unacked:
+                bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *self._unacked)
+                self._unacked = []
+            self._save_due = time.monotonic() + self.opts.state_save_s
         self.m.incidents_open.labels(self.run).set(
             sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
         return len(done)
@@ -437,6 +455,11 @@ class RunWatcher:
         with bus access can write one, and retrying cannot fix it, so it must not stop the run's
         judging. Counted in sentinel_records_rejected_total{stream=what, reason="wrong_type"}."""
         try:
+            if what in self.prefetched:  # read with every other run's, in one round trip
+                reply = self.prefetched.pop(what)
+                if isinstance(reply, Exception):
+                    raise reply
+                return reply
             return read(bus.raw(self.r))
         except (redis.ResponseError, bus.BusError) as e:
             if "WRONGTYPE" not in str(e):
@@ -530,8 +553,12 @@ class RunWatcher:
             return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
 
         try:  # raw: XINFO STREAM carries the first and last entries, which may not be UTF-8
-            info = text_keys(bus.raw(self.r).xinfo_stream(self.keys.steps))
-            groups = [text_keys(g) for g in bus.raw(self.r).xinfo_groups(self.keys.steps)]
+            pre = [self.prefetched.pop(k, None) for k in ("xinfo_stream", "xinfo_groups")]  # sentinel/prefetch.py
+            for reply in pre:
+                if isinstance(reply, Exception):
+                    raise reply
+            info = text_keys(pre[0] if pre[0] is not None else bus.raw(self.r).xinfo_stream(self.keys.steps))
+            groups = [text_keys(g) for g in (pre[1] if pre[1] is not None else bus.raw(self.r).xinfo_groups(self.keys.steps))]
         except redis.ResponseError:
             return  # no stream yet, or a server without these fields
         group = next((g for g in groups if g.get("name") in (STEP_CONSUMER_GROUP, STEP_CONSUMER_GROUP.encode())), None)
@@ -915,6 +942,7 @@ class Daemon:
             time.sleep(block_ms / 1000.0)
             return 0
         by_stream = {w.keys.steps: w for w in led}
+        prefetch(self.r, led, now)
         for w in led:
             w.check_overload(now)
         try:

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from sentinel.client.metrics import MetricsRegistry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# finer around the fleet target (p99 <= 50 ms, bench/daemon_scale.py)
+VERDICT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class SentinelMetrics:
@@ -29,6 +31,10 @@ class SentinelMetrics:
         self.incidents_open = Gauge("sentinel_incidents_open", "Incidents not yet healthy or escalated-and-closed.", ["run"], registry=r)
         self.latency = Histogram("sentinel_detection_latency_seconds", "From step publish to signed directive in Redis.",
                                  ["run"], buckets=LATENCY_BUCKETS, registry=r)
+        # one series for the whole daemon (not per run): how far behind the rules are, across the fleet
+        self.verdict_latency = Histogram("sentinel_verdict_latency_seconds", "From a step record's XADD (its stream id, "
+                                         "millisecond resolution) to the rules' verdict on it, over every watched run; "
+                                         "backlog read as history is not counted.", buckets=VERDICT_BUCKETS, registry=r)
         self.last_action = Gauge("sentinel_last_action_timestamp_seconds", "Unix time of the last action, by kind.",
                                  ["run", "action"], registry=r)
         self.leader = Gauge("sentinel_leader", "1 while this sentinel holds the run's leader lease.", ["run"], registry=r)
@@ -55,6 +61,11 @@ class SentinelMetrics:
         self.mirror_failures = Counter("sentinel_mirror_write_failures", "Failed appends to the run dir's incidents.jsonl "
                                        "or pages.jsonl (disk full, read-only): that history is then only on the bus.",
                                        ["run", "file"], registry=r)
+
+    def on_verdict(self, entry_id: str, now: float) -> None:
+        """A live record's verdict is in: observe XADD -> verdict (the id's millisecond part is Redis's clock)."""
+        ms, _, _ = entry_id.partition("-")
+        self.verdict_latency.observe(max(0.0, now - int(ms) / 1000.0))
 
     def serve(self, host: str, port: int) -> int:
         from sentinel.metrics_http import serve

@@ -103,7 +103,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     except RulesError as e:
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
-                   alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs,
+                   alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs, state_save_s=2.0,
                    run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer

@@ -32,7 +32,7 @@ def sha256_file(path, bufsize: int = 1 << 20) -> str:
 
 
 def fsync_dir(path) -> None:
-    """fsync a directory, so the names created or renamed in it survive a crash."""
+    """fsync a directory, so the names created or renamed in it survive a crash (by name, a file's data too)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

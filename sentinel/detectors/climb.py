@@ -279,7 +279,7 @@ class ClimbTrend:
         read between the baseline's centre and the window's, lowers the expected level of each loss
         of the window by slope x its lead. The power law follows the deceleration that made a
         straight line over a long span over-predict the descent (healthy z up to 15 on the real
-        curves, bench/climb_baseline_probe.py); half of its slope keeps the healthy runs where the
+        curves, bench/probes/climb_baseline_probe.py); half of its slope keeps the healthy runs where the
         flat baseline had them. Only a descent is credited (b > 0), and only when the fit is firm:
         its error may add at most ``CREDIT_MAX_VAR`` of z's variance (a run whose steps start far
         from 0, where step^-0.5 hardly varies, gets none), and only when the curve fits its span to

@@ -38,7 +38,7 @@ class DescentJump:
     judged at the noise it had before smoothing (x ``sqrt((2 - a) / a)``): smoothing shrinks white
     noise but not a healthy bump of several steps (one real curve has a +0.25-nat bump of 8 steps
     at step 124; logged as an EMA of 0.5 it read z 5.1 before this, 3.7 after). Measured at steps
-    50-250 (``bench/early_jump.py``): 99 % of the raw real curves' verdict points pass; 47 % of an
+    50-250 (``bench/probes/early_jump.py``): 99 % of the raw real curves' verdict points pass; 47 % of an
     EMA of 0.5's, 4 % of 0.3's, none of an EMA of 0.2 or less or of a running mean of 10-20.
 
     Three more checks: the jump must be ``MIN_RISE`` (4 %) of the level before it (in a quiet run
@@ -155,7 +155,7 @@ class DescentJump:
         self._n = 0
         self.z = self.rise = 0.0
         self._t0 = 0
-        self._points = 0  # verdict points in range (for bench/early_jump.py)
+        self._points = 0  # verdict points in range (for bench/probes/early_jump.py)
         self._gated = 0  # ... of which skipped because the log did not look raw
 
     def state_dict(self) -> dict[str, Any]:

@@ -178,7 +178,7 @@ class LevelShift:
         real curves so logged, the verdicts that fired stood only 0.72-1.80x above the largest of
         their kind 200-1000 steps before, against at least 2.47x (median 7.9) for the first verdict
         on every injected jump and slow decay (0.25-1.0 nats) that these tests caught
-        (``bench/past_check_probe.py``). ``cut`` leaves the newest ``PAST_GAP`` steps out (a jump
+        (``bench/probes/past_check_probe.py``). ``cut`` leaves the newest ``PAST_GAP`` steps out (a jump
         must not raise its own bar, nor a climb caught late) and, for the level test, the current
         elevated stretch (a slow climb's own rise is not its past)."""
         top, k = largest_between(self._past, step - self.PAST_STEPS, cut, idx)

@@ -1,6 +1,6 @@
 """Where does a climb's z go? The 48-step climb test's z against the best any test could have.
 
-    python bench/climb_autopsy.py [--slopes 0.003,0.004,0.005] [--per-run 2]
+    python bench/probes/climb_autopsy.py [--slopes 0.003,0.004,0.005] [--per-run 2]
 
 For a ramp of slope s from a known onset, on white noise of per-step sigma and a *perfectly known*
 healthy level, the matched filter over the first 48 losses reaches ``s * sqrt(sum k^2) / sigma``
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
 import decision_quality as dq  # noqa: E402
 from sentinel.detectors.climb import ClimbTrend  # noqa: E402

@@ -1,7 +1,7 @@
 """The most that any detector could catch of the drilled slow climbs within 50 steps, at the judge's
 false-alarm budget: an oracle's ceiling.
 
-    python bench/climb_ceiling.py [--per-run 8] [--json out.json]
+    python bench/probes/climb_ceiling.py [--per-run 8] [--json out.json]
 
 The judge counts a climb as caught when a rollback to at or before its onset is ordered at most 50
 steps after it, and allows at most 3 rollbacks across ~67 healthy runs. This bench asks how many of
@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
 import decision_quality as dq  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Would the climb test separate climbs from healthy runs better against the descent's own trend?
 
-    python bench/climb_baseline_probe.py [--window 48] [--baseline 100] [--onsets 8]
+    python bench/probes/climb_baseline_probe.py [--window 48] [--baseline 100] [--onsets 8]
 
 The 48-step climb test (``sentinel.detectors.ClimbTrend``) measures its ramp against a *flat*
 baseline: the clipped mean of the 100 losses before the window. A healthy loss still falls there,
@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 import decision_quality as dq  # noqa: E402
 
 SLOPES = (0.002, 0.003, 0.004, 0.005)

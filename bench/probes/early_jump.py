@@ -1,7 +1,7 @@
 """The early-descent jump test (``DescentJump``) on its own: where it judges, how close healthy runs
 come to its bar, and which jumps it catches.
 
-    python bench/early_jump.py [--synthetic 100] [--variants ema0.5,ema0.3,...] [--json out.json]
+    python bench/probes/early_jump.py [--synthetic 100] [--variants ema0.5,ema0.3,...] [--json out.json]
 
 ``bench/decision_quality.py --onsets 30-200`` scores the whole sentinel on early damage; this looks
 inside the one test built for it, over every real curve (``../shared/curves`` and
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
 import decision_quality as dq  # noqa: E402
 import logging_variants as lv  # noqa: E402

@@ -1,6 +1,6 @@
 """Healthy real curves as other trainers would have logged them: does the sentinel still keep quiet?
 
-    python bench/logging_variants.py [--variants ema0.3,ema0.1,mean10,every10,restart500] [--json out.json]
+    python bench/probes/logging_variants.py [--variants ema0.3,ema0.1,mean10,every10,restart500] [--json out.json]
 
 The public curves (``../shared/curves`` and ``bench/curves-validation``) log rank 0's raw loss at
 every step. Other logs do not: some print an EMA of the loss (a "smoothed loss"), some the mean over
@@ -40,8 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
 from decision_quality import Run, load_curves  # noqa: E402
 

@@ -1,14 +1,14 @@
 """Where the level and jump tests fire, against the run's own past: the measurement behind
 ``LevelShift.PAST_FACTOR`` (docs/benchmarks.md, "A verdict against the run's own past").
 
-    python bench/past_check_probe.py variants quiet0.3,ema0.2,roll50   # false firings on healthy logs
-    python bench/past_check_probe.py drills                          # first firings on injected damage
+    python bench/probes/past_check_probe.py variants quiet0.3,ema0.2,roll50   # false firings on healthy logs
+    python bench/probes/past_check_probe.py drills                          # first firings on injected damage
 
 At every verdict of every ``LevelShift`` it records the level excess (window median minus the
 run's best) and the jump (window median minus the window before). At a firing it prints that
 statistic over the largest of its kind at the run's verdicts in the 1000 steps before (the newest
 200 left out; for the level test also its current elevated stretch). ``variants``: the healthy real
-curves logged as ``bench/logging_variants.py`` does, the firings before each run's first pause or
+curves logged as ``bench/probes/logging_variants.py`` does, the firings before each run's first pause or
 rollback. ``drills``: jumps and slow decays of 0.25-1.0 nats injected into the real curves (4 of
 each per curve, seed 1), the first firing at or after the onset. Run it with ``PAST_FACTOR = 0``
 patched in (as here) so that the check itself hides nothing.
@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
 import sentinel.detectors as D  # noqa: E402
 from decision_quality import inject, load_curves, run_backtest  # noqa: E402

@@ -1,0 +1,448 @@
+"""Recovery cost: checkpoint save, async save, load and in-process rollback, each against its yardstick.
+
+    python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--json]
+
+For every preset and rank count (2 ranks: ``torchrun --standalone``, gloo on CPU) it reports four
+ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), the median over
+``--reps`` pairs, printed with the bytes and seconds it is made of:
+
+``save_vs_raw`` (target >= 0.8)
+    ``Trainer.save_checkpoint()`` (sync; every file written and fsynced, sha256 manifest, directory
+    fsyncs, atomic rename), against a raw sequential write of the same number of bytes into one file
+    of the same directory, plus fsync of the file and the directory. Ratio = raw seconds / save
+    seconds (= save throughput / raw throughput). Retention pruning is kept out of both arms (the
+    bench deletes old checkpoints between pairs).
+``async_stall_vs_sync`` (target <= 0.10)
+    How long ``save_checkpoint()`` blocks the training loop with ``checkpoint.async_save`` (the CPU
+    snapshot and the hand-off to the writer thread), against a sync save of the same state. Also
+    ``async_snapshot_bytes``: the host memory the snapshot holds while the write runs (every model
+    and optimizer tensor once), and ``async_rss_growth_bytes``, the resident-set growth seen across
+    the call (the allocator may reuse memory freed by the previous snapshot: often 0).
+``load_vs_raw`` (target >= 0.7)
+    ``Trainer.load_checkpoint(step)`` (manifest, sha256 of every file, ``torch.load(weights_only)``,
+    shape checks, restore) against a raw sequential read of the same files. Before each arm the
+    files are dropped from the page cache (``posix_fadvise(DONTNEED)``; they are clean, having been
+    fsynced), so both read the disk, as a restart on another day would.
+``rollback_vs_resume`` (target <= 0.5)
+    A live ``python -m trainer`` on a real bus (Debian ``redis-server``) gets a signed ``rollback``
+    directive (the one ``sentinel rollback RUN --to-step N`` sends). Numerator: from the directive
+    reaching the trainer (``max(XADD returned, end of the step the trainer was in)``: the trainer
+    polls at step boundaries) to the end of the first step trained after it (its step record's
+    ``time``). Denominator: a cold ``--resume`` of a copy of the same run dir, the same checkpoint,
+    from ``Popen`` to the end of its first step (step record ``time``). The live trainer is paused
+    while a cold one runs, so they do not share the CPU.
+
+The save/load/async arms run inside one worker process (``--worker``) that builds the real
+``Trainer``, trains a few steps (so that Adam's moments exist), and calls its public
+``save_checkpoint`` / ``load_checkpoint``; between saves it moves ``trainer.state.step`` on by one,
+so that every save is a new step directory like a periodic save (not the re-save swap of a
+rollback). On a shared machine a neighbour's burst hits single samples: the median is the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from redis_server import start_redis  # bench/redis_server.py
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TRAIN_STEPS = 3  # steps trained before measuring: Adam's moments exist, the checkpoint has its full size
+TARGETS = {"save_vs_raw": (">=", 0.8), "async_stall_vs_sync": ("<=", 0.10), "rollback_vs_resume": ("<=", 0.5),
+           "load_vs_raw": (">=", 0.7)}
+
+
+def abba(reps: int) -> list[tuple[str, str]]:
+    """Pair orders A B, B A, A B, ... so that drift hits both arms alike."""
+    return [("a", "b") if i % 2 == 0 else ("b", "a") for i in range(reps)]
+
+
+def summarise(a: list[float], b: list[float], ratio: list[float], **extra) -> dict:
+    return {"median": statistics.median(ratio), "min": min(ratio), "max": max(ratio), "ratios": [round(r, 4) for r in ratio],
+            "a_seconds_median": statistics.median(a), "b_seconds_median": statistics.median(b), **extra}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ============================================================================ worker (in the trainer's process)
+def worker(args) -> int:
+    from trainer import dist as tdist
+    from trainer.config import resolve
+    from trainer.train import Trainer
+
+    overrides = {"max_steps": TRAIN_STEPS, "checkpoint.every": TRAIN_STEPS, "checkpoint.keep_last": 1000,
+                 "checkpoint.initial": False, "telemetry.enabled": False, "eval.every": 0, "device": "cpu"}
+    cfg = resolve(preset=args.preset, config_file=None, saved=None, overrides=overrides)
+    env = tdist.init("cpu")
+    run_dir = Path(args.run_dir)
+    try:
+        t = Trainer(cfg, run_dir, env)
+        t.fit()  # trains TRAIN_STEPS steps and leaves the checkpoint of the last one
+        if env.is_main:  # the rollback/resume arms start from this run dir, as it is now
+            shutil.copytree(run_dir, Path(args.pristine), ignore=shutil.ignore_patterns(".lock*", "*.lock"))
+        env.barrier()
+        out = measure(t, env, args.reps)
+    finally:
+        tdist.shutdown()
+    if env.is_main:
+        Path(args.out).write_text(json.dumps(out))
+    return 0
+
+
+def measure(t, env, reps: int) -> dict:
+    root = t.ckpt.root
+    rank0 = env.is_main
+
+    def newest():
+        return max((p for p in root.iterdir() if p.name.startswith("step-")), key=lambda p: p.name)
+
+    def prune():  # retention is not what is measured: keep only the newest checkpoint, outside the clock
+        env.barrier()
+        if rank0:
+            for p in sorted(p for p in root.iterdir() if p.name.startswith("step-"))[:-1]:
+                shutil.rmtree(p)
+        env.barrier()
+
+    def timed(fn) -> float:
+        env.barrier()
+        t0 = time.perf_counter()
+        fn()
+        env.barrier()
+        return time.perf_counter() - t0
+
+    def save(async_save: bool = False):
+        t.cfg.checkpoint.async_save = async_save
+        t.state.step += 1
+        t.save_checkpoint()
+
+    nbytes = int(json.loads((newest() / "manifest.json").read_text())["bytes"])
+    blob = os.urandom(nbytes)  # incompressible, built outside the clock
+    raw_path = root / "raw-write.bin"
+
+    def raw_write():
+        if rank0:
+            fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dfd = os.open(root, os.O_RDONLY)
+            os.fsync(dfd)
+            os.close(dfd)
+
+    # ---- save_vs_raw
+    a, b, ratio = [], [], []
+    save()  # warm-up (allocator, first-touch of the snapshot path)
+    prune()
+    for first, second in abba(reps):
+        secs = {}
+        for arm in (first, second):
+            secs[arm] = timed(save if arm == "a" else raw_write)
+            prune()
+            if rank0:
+                raw_path.unlink(missing_ok=True)
+        a.append(secs["a"])
+        b.append(secs["b"])
+        ratio.append(secs["b"] / secs["a"])
+    nbytes = int(json.loads((newest() / "manifest.json").read_text())["bytes"])
+    out = {"save_vs_raw": summarise(a, b, ratio, bytes=nbytes, arms="a = save_checkpoint (sync), b = raw write + fsync",
+                                    save_mb_per_s=nbytes / statistics.median(a) / 1e6,
+                                    raw_mb_per_s=nbytes / statistics.median(b) / 1e6)}
+
+    # ---- async_stall_vs_sync
+    a, b, ratio, extra = [], [], [], []
+    for first, second in abba(reps):
+        secs = {}
+        for arm in (first, second):
+            if arm == "a":
+                secs[arm] = timed(save)
+            else:
+                before = rss_bytes()
+                secs[arm] = timed(lambda: save(async_save=True))
+                extra.append(rss_bytes() - before)  # the snapshot, alive while the writer thread runs
+                t.ckpt.wait()
+            prune()
+        a.append(secs["a"])
+        b.append(secs["b"])
+        ratio.append(secs["b"] / secs["a"])
+    t.cfg.checkpoint.async_save = False
+    # what the async save's CPU snapshot holds while the writer runs: every model and optimizer tensor once
+    tensors = [*t.raw_model.state_dict().values(),
+               *(v for st in t.opt.state_dict()["state"].values() for v in st.values() if hasattr(v, "nbytes"))]
+    out["async_stall_vs_sync"] = summarise(a, b, ratio, bytes=nbytes, arms="a = sync save, b = async save's blocking part",
+                                           async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
+                                           async_rss_growth_bytes=int(statistics.median(extra)))
+
+    # ---- load_vs_raw
+    step = t.state.step
+    ck = newest()
+    files = sorted(p for p in ck.rglob("*") if p.is_file())
+    a, b, ratio = [], [], []
+
+    def evict():  # both arms read from the disk, not from the page cache (the files are clean: fsynced)
+        if rank0:
+            for p in files:
+                fd = os.open(p, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+    def raw_read():
+        for p in files:
+            with open(p, "rb", buffering=0) as f:
+                while f.read(1 << 22):
+                    pass
+
+    def load():
+        assert t.load_checkpoint(step) == step
+
+    load()  # warm-up
+    for first, second in abba(reps):
+        secs = {}
+        for arm in (first, second):
+            evict()
+            secs[arm] = timed(load if arm == "a" else raw_read)
+        a.append(secs["a"])
+        b.append(secs["b"])
+        ratio.append(secs["b"] / secs["a"])
+    out["load_vs_raw"] = summarise(a, b, ratio, bytes=sum(p.stat().st_size for p in files),
+                                   arms="a = load_checkpoint (verify + load + restore), b = raw read of the same files")
+    return out
+
+
+# ============================================================================ driver
+def launcher(ranks: int) -> list[str]:
+    if ranks == 1:
+        return [PY]
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+
+
+class StepTail:
+    """The records of a run's ``steps.jsonl``, read incrementally (whole lines only)."""
+
+    def __init__(self, run_dir: Path):
+        self.path, self.pos, self.records = run_dir / "steps.jsonl", 0, []
+
+    def poll(self) -> list[dict]:
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.pos += end
+            self.records += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        return self.records
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    return StepTail(run_dir).poll()
+
+
+def wait_for(cond, timeout: float, what: str, proc=None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"trainer exited ({proc.returncode}) while waiting for {what}: {log.read_text()[-1500:] if log else ''}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}" + (f": {log.read_text()[-1500:]}" if log else ""))
+        time.sleep(0.005)
+
+
+def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: str, secret: bytes, env: dict) -> dict:
+    """ABBA: a = in-process rollback of a live trainer, b = a cold resume of the same checkpoint."""
+    from sentinel import bus
+    from sentinel.protocol import Directive, Keys
+
+    target = TRAIN_STEPS  # the checkpoint the worker's fit() left
+    r = bus.connect(url, timeout=5.0)
+    live = work / f"live-{work.name}"  # the run id: unique per configuration (directives stay on the bus)
+    shutil.copytree(pristine, live)
+    log = work / "live.log"
+    common = ["--max-steps", "1000000", "--ckpt-every", "1000000", "--eval-every", "0"]
+    proc = subprocess.Popen([*launcher(ranks), "-m", "trainer", "--run-dir", str(live), *common, "--telemetry", "on", "--redis-url", url,
+                             "--metrics-port", "0"], stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, cwd=ROOT)
+
+    def send(kind: str, **kw) -> float:
+        d = Directive(run=run, kind=kind, issuer="bench", reason="bench/checkpoint_cost.py", **kw).signed(secret)
+        bus.publish_own(r, keys.directives, d)
+        return time.time()
+
+    tail = StepTail(live)
+
+    def newest_step(timeline=None):
+        return next((x for x in reversed(tail.poll()) if x.get("kind") == "step" and timeline in (None, x["timeline"])), None)
+
+    a, b, ratio = [], [], []
+    paused = False
+    try:
+        resumed = wait_for(lambda: next((x for x in tail.poll() if x.get("kind") == "resume"), None), 120,
+                           "the live trainer's resume", proc, log)
+        run, keys = resumed["run"], Keys(resumed["run"])  # the run id is the run dir's name
+        wait_for(lambda: newest_step(resumed["timeline"]), 60, "the live trainer's first step", proc, log)
+        for first, second in abba(reps):
+            secs = {}
+            for arm in (first, second):
+                if arm == "a":
+                    if paused:
+                        send("resume")
+                        paused = False
+                    tl = newest_step()["timeline"]
+                    wait_for(lambda tl=tl: (newest_step(tl) or {}).get("step", 0) >= target + 2, 60, "live steps", proc, log)
+                    t_sent = send("rollback", to_step=target)
+                    first_after = wait_for(lambda tl=tl: newest_step(tl + 1), 60, "the first step after the rollback", proc, log)
+                    recs = tail.poll()
+                    i = next(k for k, x in enumerate(recs) if x.get("kind") == "rollback" and x.get("timeline") == tl + 1)
+                    before = [x for x in recs[:i] if x.get("kind") == "step"]
+                    t_reach = max(t_sent, before[-1]["time"] if before else t_sent)
+                    assert first_after["step"] == target + 1, first_after
+                    secs[arm] = first_after["time"] - t_reach
+                    send("pause")
+                    paused = True
+                    time.sleep(0.3)  # the pause lands at the next step boundary
+                else:
+                    cold = work / f"cold-{len(b)}"
+                    shutil.rmtree(cold, ignore_errors=True)
+                    shutil.copytree(pristine, cold)
+                    clog = work / f"cold-{len(b)}.log"
+                    t0 = time.time()
+                    c = subprocess.run([*launcher(ranks), "-m", "trainer", "--run-dir", str(cold), "--max-steps",
+                                        str(target + 1), "--ckpt-every", "1000000", "--eval-every", "0", "--telemetry", "off"],
+                                       stdout=open(clog, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                    if c.returncode:
+                        raise SystemExit(f"cold resume failed ({c.returncode}): {clog.read_text()[-1500:]}")
+                    recs = [x for x in step_records(cold) if x.get("kind") == "step" and x["step"] == target + 1]
+                    secs[arm] = recs[-1]["time"] - t0
+                    shutil.rmtree(cold, ignore_errors=True)
+            a.append(secs["a"])
+            b.append(secs["b"])
+            ratio.append(secs["a"] / secs["b"])
+        send("resume")
+        send("stop")
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    ck = pristine / "checkpoints" / f"step-{target:08d}"
+    nbytes = int(json.loads((ck / "manifest.json").read_text())["bytes"])
+    return summarise(a, b, ratio, bytes=nbytes,
+                     arms="a = directive reaching the live trainer -> its first step after the rollback; "
+                          "b = cold --resume, process start -> its first step")
+
+
+def one_config(preset: str, ranks: int, reps: int, work: Path, url: str, secret: bytes, env: dict) -> dict:
+    w = work / f"{preset}-{ranks}"
+    w.mkdir()
+    out = w / "worker.json"
+    log = w / "worker.log"
+    cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--worker", "--preset", preset, "--run-dir", str(w / "run"),
+           "--pristine", str(w / "pristine"), "--reps", str(reps), "--out", str(out)]
+    t0 = time.monotonic()
+    c = subprocess.run(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if c.returncode:
+        raise SystemExit(f"worker failed ({c.returncode}): {log.read_text()[-2000:]}")
+    res = json.loads(out.read_text())
+    shutil.rmtree(w / "run", ignore_errors=True)
+    res["rollback_vs_resume"] = rollback_vs_resume(w / "pristine", w, ranks, reps, url, secret, env)
+    res["wall_seconds"] = time.monotonic() - t0
+    shutil.rmtree(w, ignore_errors=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="tiny,small", help="comma-separated trainer presets (default: tiny,small)")
+    ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default: 1,2; >1 uses torchrun, gloo)")
+    ap.add_argument("--reps", type=int, default=5, help="ABBA pairs per figure; the median is reported (default 5, at least 5)")
+    ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary directory)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--preset", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--pristine", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.reps < 5:
+        ap.error("--reps must be at least 5 (the median of fewer pairs is noise on a shared machine)")
+    presets = [p for p in args.presets.split(",") if p]
+    try:
+        ranks = [int(x) for x in args.ranks.split(",") if x]
+    except ValueError:
+        ap.error(f"--ranks: not a list of integers: {args.ranks!r}")
+    bad = [p for p in presets if p not in ("tiny", "small", "gpt2-124m")]
+    if bad or not presets or not ranks or min(ranks) < 1:
+        ap.error(f"--presets takes tiny, small, gpt2-124m and --ranks positive integers (got {args.presets!r}, {args.ranks!r})")
+
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="checkpoint-cost-", dir=args.dir))
+    secret = os.urandom(24).hex()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SENTINEL_SECRET=secret, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    redis, url = start_redis(work)
+    t0 = time.monotonic()
+    results = []
+    try:
+        for preset in presets:
+            for n in ranks:
+                res = one_config(preset, n, args.reps, work, url, secret.encode(), env)
+                results.append({"preset": preset, "ranks": n, **res})
+                print(f"{preset} x{n}: done in {res['wall_seconds']:.0f} s: " + ", ".join(
+                    f"{k} {res[k]['median']:.3f}" for k in TARGETS), file=sys.stderr, flush=True)
+    except BaseException:
+        print(f"(scratch kept for a look: {work})", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    finally:
+        redis.terminate()
+        redis.wait()
+    out = {"results": results, "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
+           "targets_met": all((r[k]["median"] >= v) if op == ">=" else (r[k]["median"] <= v)
+                              for r in results for k, (op, v) in TARGETS.items()),
+           "reps": args.reps, "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
+           "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0], "disk_dir": str(args.dir or tempfile.gettempdir())}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"checkpoint cost: median of {args.reps} ABBA pairs, {out['cpus']} CPUs, load avg {out['load_avg_1m']:.1f}, "
+          f"scratch on {out['disk_dir']}, {out['wall_seconds']:.0f} s")
+    print("| preset | ranks | figure | median (min-max) | target | arm a median | arm b median | bytes |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        for k, (op, v) in TARGETS.items():
+            f = r[k]
+            print(f"| {r['preset']} | {r['ranks']} | `{k}` | {f['median']:.3f} ({f['min']:.3f}-{f['max']:.3f}) | {op} {v} | "
+                  f"{f['a_seconds_median'] * 1000:.1f} ms | {f['b_seconds_median'] * 1000:.1f} ms | {f['bytes']:,} |")
+        print(f"| {r['preset']} | {r['ranks']} | async save: extra host memory (the snapshot) | "
+              f"{r['async_stall_vs_sync']['async_snapshot_bytes'] / 1e6:.1f} MB | | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
