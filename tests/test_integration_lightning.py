@@ -250,3 +250,61 @@ def test_incidents_pages_and_report_work_on_the_lightning_run_dir(story):
     assert rep.returncode == 0, rep.stderr
     png = Path(json.loads(rep.stdout)["path"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+DRIVER = """
+import json, runpy, sys
+ns = runpy.run_path("tiny_gpt.py", run_name="tiny_gpt")
+trainer = ns["main"](run_dir=sys.argv[1], max_steps=int(sys.argv[2]), devices=2)
+[cb] = [c for c in trainer.callbacks if type(c).__name__ == "SentinelCallback"]
+with open(f"{sys.argv[1]}/applied-rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"applied": cb.applied, "step": trainer.global_step}, f)
+"""
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.get("step", 0) >= step and r.get("kind") == "step" for r in steps(run_dir)[-3:]):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"no step {step} in {run_dir}: {proc.communicate()[0][-3000:]}")
+
+
+def test_ddp_two_ranks_apply_each_directive_at_the_same_step(workdir):
+    """torchrun, 2 CPU ranks (gloo): rank 0 alone talks to the bus; a skip-samples and a stop sent from the
+    CLI are applied by both ranks at the same step; the stop saves a checkpoint first."""
+    run_dir = Path("runs/ddp")
+    (workdir / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "driver.py", str(run_dir), "3000"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_step(run_dir, 10, proc)
+        status = json.loads(cli("status", str(run_dir), "--json").stdout)["runs"][0]
+        skip = json.loads(cli("skip-list", str(run_dir), "add", "70000:70100", "--json", "--timeout", "120").stdout)
+        stop = json.loads(cli("stop", str(run_dir), "--json", "--timeout", "120").stdout)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    assert status["state"] == "live" and status["step"] >= 10, status
+    assert stop["status"] == "applied" and skip["directive_id"], (skip, stop)
+    ranks = [json.loads((run_dir / f"applied-rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1], ranks  # the same directives, at the same steps, on both ranks
+    applied = ranks[0]["applied"]
+    assert [a[1] for a in applied] == ["skip-samples", "stop"] and all(a[2] == "applied" for a in applied), applied
+    stop_step = applied[1][0]
+    assert ranks[0]["step"] == stop_step  # the stop was the last step both ranks took
+    recs = [r for r in steps(run_dir) if r.get("kind") == "step"]
+    assert recs[-1]["step"] == stop_step and all(len(r["sample_ids"]) == 16 for r in recs)  # 8 per rank
+    assert all(len(set(r["sample_ids"])) == 16 for r in recs)  # the ranks train on different samples
+    after = [i for r in recs if r["step"] > applied[0][0] for i in r["sample_ids"]]
+    assert not any(70000 <= i < 70100 for i in after)
+    assert (run_dir / "checkpoints" / f"step-{stop_step:08d}").is_dir()  # stop: a checkpoint first
