@@ -205,10 +205,12 @@ def test_the_docs_script_trains_and_leaves_a_run_dir_the_sentinel_reads(story):
     recs = steps(healthy)
     assert [r["kind"] for r in recs if r.get("kind") != "step"] == ["start"]
     done = [r for r in recs if r.get("kind") == "step"]
-    assert [r["step"] for r in done] == list(range(1, 201))
+    assert [r["step"] for r in done if r.get("val_loss") is None] == list(range(1, 201))
     last = done[-1]
     assert last["grad_norm"] > 0 and last["lr"] == pytest.approx(3e-3) and last["tokens"] == 200 * 8 * 64
     assert len(last["sample_ids"]) == 8 and last["step_seconds"] > 0
+    evals = [r for r in recs if r.get("val_loss") is not None]
+    assert [r["step"] for r in evals] == [50, 100, 150, 200] and all(r["val_ppl"] > 1 for r in evals)
     linked = sorted(p.name for p in (healthy / "checkpoints").iterdir())
     assert linked == [f"step-{s:08d}" for s in range(0, 201, 25)]  # step 0 (ours) and every ModelCheckpoint file
     assert all(len(list((healthy / "checkpoints" / n).glob("*.ckpt"))) == 1 for n in linked)
@@ -274,9 +276,24 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     pytest.fail(f"no step {step} in {run_dir}: {proc.communicate()[0][-3000:]}")
 
 
+def checkpoint_now(run_dir: Path) -> dict:
+    """A signed ``checkpoint-now`` directive (the daemon's action; no CLI command sends one), its ack awaited."""
+    from sentinel.cli.common import send_and_wait
+    from sentinel.protocol import Directive
+    from sentinel.runref import resolve
+
+    ref = resolve(str(run_dir), None, need_bus=True)
+    secret = ref.secret(None)
+    now = time.time()
+    d = Directive(run=ref.run, kind="checkpoint-now", reason="test", issuer="test", issued_at=now,
+                  expires_at=now + 120).signed(secret)
+    ack = send_and_wait(ref, d, 120, console=None, as_json=True, doing="checkpoint", secret=secret)
+    return {"status": ack.status if ack else "timeout", "step": ack.step if ack else None}
+
+
 def test_ddp_two_ranks_apply_each_directive_at_the_same_step(workdir):
-    """torchrun, 2 CPU ranks (gloo): rank 0 alone talks to the bus; a skip-samples and a stop sent from the
-    CLI are applied by both ranks at the same step; the stop saves a checkpoint first."""
+    """torchrun, 2 CPU ranks (gloo): rank 0 alone talks to the bus; pause, resume, checkpoint-now,
+    skip-samples and stop, sent while it trains, are applied by both ranks at the same step."""
     run_dir = Path("runs/ddp")
     (workdir / "driver.py").write_text(DRIVER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -286,7 +303,20 @@ def test_ddp_two_ranks_apply_each_directive_at_the_same_step(workdir):
     try:
         wait_for_step(run_dir, 10, proc)
         status = json.loads(cli("status", str(run_dir), "--json").stdout)["runs"][0]
-        skip = json.loads(cli("skip-list", str(run_dir), "add", "70000:70100", "--json", "--timeout", "120").stdout)
+        # the ids the two ranks would train on 60 steps from now (16 a step): a skip must keep them out
+        from sentinel.integrations.torch_data import epoch_order
+        from trainer.data import TokenDataset
+
+        n = TokenDataset.open(os.environ["SENTINEL_DATA_DIR"]).num_samples(64)
+        first = 16 * (status["step"] + 60)
+        ahead = [int(i) for i in epoch_order(n, 0, 0, True)[first:first + 160]]
+        skip = json.loads(cli("skip-list", str(run_dir), "add", *[f"{i}:{i + 1}" for i in ahead], "--json",
+                              "--timeout", "120").stdout)
+        cli("pause", str(run_dir), "--json", "--timeout", "120")
+        paused = json.loads(cli("status", str(run_dir), "--json").stdout)["runs"][0]
+        cli("resume", str(run_dir), "--json", "--timeout", "120")
+        ckpt = checkpoint_now(run_dir)
+        wait_for_step(run_dir, status["step"] + 75, proc)
         stop = json.loads(cli("stop", str(run_dir), "--json", "--timeout", "120").stdout)
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -295,16 +325,21 @@ def test_ddp_two_ranks_apply_each_directive_at_the_same_step(workdir):
             proc.communicate()
     assert proc.returncode == 0, out[-3000:]
     assert status["state"] == "live" and status["step"] >= 10, status
-    assert stop["status"] == "applied" and skip["directive_id"], (skip, stop)
+    assert paused["state"] == "paused", paused
+    assert ckpt["status"] == "applied" and stop["status"] == "applied" and skip["directive_id"], (ckpt, skip, stop)
     ranks = [json.loads((run_dir / f"applied-rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1], ranks  # the same directives, at the same steps, on both ranks
     applied = ranks[0]["applied"]
-    assert [a[1] for a in applied] == ["skip-samples", "stop"] and all(a[2] == "applied" for a in applied), applied
-    stop_step = applied[1][0]
-    assert ranks[0]["step"] == stop_step  # the stop was the last step both ranks took
+    kinds = [a[1] for a in applied]
+    assert kinds == ["skip-samples", "pause", "resume", "checkpoint-now", "stop"], applied
+    assert all(a[2] == "applied" for a in applied) and applied[1][0] == applied[2][0]  # resumed where it paused
+    at = {kind: step for step, kind, _, _ in applied}
+    assert at["skip-samples"] < status["step"] + 59, "the skip came too late to be conclusive"
+    assert ranks[0]["step"] == at["stop"]  # the stop was the last step both ranks took
     recs = [r for r in steps(run_dir) if r.get("kind") == "step"]
-    assert recs[-1]["step"] == stop_step and all(len(r["sample_ids"]) == 16 for r in recs)  # 8 per rank
+    assert recs[-1]["step"] == at["stop"] and all(len(r["sample_ids"]) == 16 for r in recs)  # 8 per rank
     assert all(len(set(r["sample_ids"])) == 16 for r in recs)  # the ranks train on different samples
-    after = [i for r in recs if r["step"] > applied[0][0] for i in r["sample_ids"]]
-    assert not any(70000 <= i < 70100 for i in after)
-    assert (run_dir / "checkpoints" / f"step-{stop_step:08d}").is_dir()  # stop: a checkpoint first
+    after = [i for r in recs if r["step"] > at["skip-samples"] for i in r["sample_ids"]]
+    assert not set(after) & set(ahead)  # the stream stepped over them: skip-samples works mid-epoch
+    for kind in ("checkpoint-now", "stop"):  # each saved a checkpoint, registered in the run dir
+        assert (run_dir / "checkpoints" / f"step-{at[kind]:08d}").is_dir(), kind

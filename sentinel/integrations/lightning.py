@@ -4,10 +4,10 @@ Add it to ``Trainer(callbacks=[...])`` and the run dir fills like our own traine
 list, the directives log, checkpoints known to the bus), so ``sentinel run / status / incidents / pages /
 report / backtest RUN_DIR`` work on it::
 
-    sentinel = SentinelCallback(run_dir="runs/tiny-gpt", sampler=sampler)
-    trainer = L.Trainer(max_steps=2000, callbacks=[sentinel, ModelCheckpoint(every_n_train_steps=100, save_top_k=-1)],
-                        use_distributed_sampler=False)
-    fit(trainer, model, loader)        # trainer.fit, relaunched from the checkpoint a rollback names
+    data = SkipAwareDataset(my_dataset)                       # sentinel.integrations.torch_data
+    sentinel = SentinelCallback(run_dir="runs/tiny-gpt", dataset=data)
+    trainer = L.Trainer(max_steps=2000, callbacks=[sentinel, ModelCheckpoint(every_n_train_steps=100, save_top_k=-1)])
+    fit(trainer, model, DataLoader(data, batch_size=8))    # trainer.fit, relaunched from the checkpoint a rollback names
 
 From Lightning's own hooks, per optimizer step: the loss (mean and max over ranks), the grad norm before
 clipping, the learning rate, tokens, the step time and the batch's sample ids; validation losses; and every
@@ -19,8 +19,8 @@ Rollback: Lightning has no public way to swap the model, optimizer, schedulers, 
 data iterator under a running ``fit`` (its data fetcher has already drawn the next batch), so a rollback is
 a relaunch: the directive is acked ``relaunch from checkpoint N``, the fit stops at once (no checkpoint of
 the damaged state), and :func:`fit` calls ``trainer.fit(ckpt_path=...)`` again with the checkpoint of step N.
-The skip list has grown first, and the sampler's position comes back from the checkpoint (its state is in
-this callback's ``state_dict``), so the new fit trains on from step N without the window.
+The skip list has grown first, and the data position comes back from the checkpoint (it is in this
+callback's ``state_dict``), so the new fit trains on from step N without the window.
 
 Distributed (DDP): only rank 0 talks to the bus; the directives it reads reach every rank through
 ``trainer.strategy.broadcast`` at the same step, and the losses and sample ids of all ranks reach rank 0
@@ -29,6 +29,7 @@ through one ``all_gather`` per step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -131,8 +132,13 @@ class _RegisteringIO(CheckpointIO):
         return self.inner.load_checkpoint(path, map_location=map_location, **kwargs)
 
     def remove_checkpoint(self, path) -> None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
         self.inner.remove_checkpoint(path)
-        self.owner._removed(Path(path))
+        if st is not None:
+            self.owner._removed((st.st_dev, st.st_ino))
 
     def teardown(self) -> None:
         self.inner.teardown()
@@ -187,7 +193,7 @@ class SentinelCallback(Callback):
         self.applied: list[tuple[int, str, str, str]] = []  # (step, kind, status, directive id), this process
         self._tokens_total = 0
         self._last_ids: list[int] = []  # the sample ids of the last step trained (every rank's)
-        self._sources: dict[int, Path] = {}  # step -> the file Lightning wrote (this process)
+        self._step_logged: int | None = None
         self._rng_to_load: dict | None = None
         self._reset_step()
 
@@ -265,8 +271,12 @@ class SentinelCallback(Callback):
             self._save_now(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self.session is not None and self.relaunch_checkpoint is None:
+        if stage != "fit" or self.session is None:
+            return
+        if self.relaunch_checkpoint is None:
             self.close()
+        elif self.session.bus is not None:  # kept open for the relaunch; the rollback's ack goes out now
+            self.session.bus.flush(timeout=5.0)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.close()
@@ -293,7 +303,7 @@ class SentinelCallback(Callback):
         self._ids.extend(int(i) for i in self.sample_ids(batch))
         self._tok += int(self.tokens(batch))
         step = trainer.global_step
-        if step == getattr(self, "_step_logged", None):  # gradient accumulation: not an optimizer step yet
+        if step == self._step_logged:  # gradient accumulation: not an optimizer step yet
             return
         self._step_logged = step
         self._publish(step)
@@ -334,7 +344,7 @@ class SentinelCallback(Callback):
         done = self.session.poll(step)
         if ctl.paused:
             self._say(f"paused at step {step}")
-            done += ctl.hold_while_paused(step)
+            done += self.session.hold_while_paused(step)
         self.applied += [(step, a.kind, a.status, a.directive_id) for a in done]
         if not ctl.stop_requested:
             return
@@ -370,14 +380,18 @@ class SentinelCallback(Callback):
             os.link(path, d / path.name)
         except OSError:  # another filesystem: a copy
             shutil.copy2(path, d / path.name)
-        self._sources[step] = path.resolve()
         self.session.checkpoint_saved(step, d)
 
-    def _removed(self, path: Path) -> None:
-        gone = [s for s, p in self._sources.items() if p == path.resolve()]
-        for s in gone:
-            del self._sources[s]
-            shutil.rmtree(self.run_dir / "checkpoints" / checkpoint_dir_name(s), ignore_errors=True)
+    def _removed(self, file_id: tuple[int, int]) -> None:
+        """Lightning deleted a checkpoint (``save_top_k``): its step dir goes too (the hard link), and the bus
+        forgets it, so no rollback is sent to a checkpoint that is gone."""
+        gone = False
+        for ckpt in (self.run_dir / "checkpoints").glob("step-*/*.ckpt"):
+            with contextlib.suppress(OSError):
+                st = ckpt.stat()
+                if (st.st_dev, st.st_ino) == file_id:
+                    shutil.rmtree(ckpt.parent)
+                    gone = True
         if gone and self.session is not None:
             self.session.retain_checkpoints()
 
