@@ -343,3 +343,39 @@ def test_ddp_two_ranks_apply_each_directive_at_the_same_step(workdir):
     assert not set(after) & set(ahead)  # the stream stepped over them: skip-samples works mid-epoch
     for kind in ("checkpoint-now", "stop"):  # each saved a checkpoint, registered in the run dir
         assert (run_dir / "checkpoints" / f"step-{at[kind]:08d}").is_dir(), kind
+
+
+def test_checkpoints_lightning_prunes_leave_the_run_dir_and_a_rollback_to_one_fails(workdir):
+    """``save_top_k`` deletes old .ckpt files: their step dirs go too, and a rollback to one is acked failed
+    (a one-line reason), never a relaunch from nothing."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from sentinel.integrations.lightning import SentinelCallback
+    from sentinel.integrations.torch_data import SkipAwareDataset
+    from sentinel.protocol import Directive
+
+    ns = runpy.run_path("tiny_gpt.py", run_name="tiny_gpt")
+    from trainer.data import ensure_prepared
+
+    windows = ns["Windows"](ensure_prepared())
+    data = SkipAwareDataset(windows, seed=0)
+    run_dir = Path("runs/pruned")
+    cb = SentinelCallback(run_dir=run_dir, dataset=data, log=lambda m: None)
+    keep = ModelCheckpoint(dirpath=run_dir / "lightning", every_n_train_steps=5, save_top_k=2, monitor="step", mode="max")
+
+    class Probe(L.Callback):  # at step 20: the host is asked to restore a checkpoint that save_top_k deleted
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 20:
+                self.failed = cb.session.control.apply(Directive(run=cb.session.run, kind="rollback", to_step=5,
+                                                                 reason="test"), 20)
+
+    probe = Probe()
+    trainer = L.Trainer(max_steps=20, accelerator="cpu", devices=1, callbacks=[cb, keep, probe], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(ns["TinyGPT"](windows.tokens.vocab_size), DataLoader(data, batch_size=8))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000000", "step-00000015",
+                                                                           "step-00000020"]
+    assert probe.failed.status == "failed" and "no Lightning checkpoint of step 5" in probe.failed.detail
+    assert cb.relaunch_checkpoint is None and not (run_dir / "pending_rollback.json").exists()
