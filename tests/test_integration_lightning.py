@@ -345,14 +345,16 @@ def test_ddp_two_ranks_apply_each_directive_at_the_same_step(workdir):
         assert (run_dir / "checkpoints" / f"step-{at[kind]:08d}").is_dir(), kind
 
 
-def test_checkpoints_lightning_prunes_leave_the_run_dir_and_a_rollback_to_one_fails(workdir):
+def test_pruned_checkpoints_leave_the_run_dir_and_sentinel_rollback_of_a_stopped_run_is_taken_by_fit(workdir):
     """``save_top_k`` deletes old .ckpt files: their step dirs go too, and a rollback to one is acked failed
-    (a one-line reason), never a relaunch from nothing."""
+    (a one-line reason), never a relaunch from nothing. Once the fit is over, ``sentinel checkpoints`` verifies
+    the rest and ``sentinel rollback RUN_DIR --to-step 15 --skip ...`` plans a rollback that the next ``fit``
+    takes: it resumes from Lightning's checkpoint of step 15 without the skipped samples."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from sentinel.integrations.lightning import SentinelCallback
+    from sentinel.integrations.lightning import SentinelCallback, fit
     from sentinel.integrations.torch_data import SkipAwareDataset
     from sentinel.protocol import Directive
 
@@ -379,3 +381,21 @@ def test_checkpoints_lightning_prunes_leave_the_run_dir_and_a_rollback_to_one_fa
                                                                            "step-00000020"]
     assert probe.failed.status == "failed" and "no Lightning checkpoint of step 5" in probe.failed.detail
     assert cb.relaunch_checkpoint is None and not (run_dir / "pending_rollback.json").exists()
+    listed = json.loads(cli("checkpoints", str(run_dir), "--json").stdout)
+    rows = listed["runs"][0]["checkpoints"] if "runs" in listed else listed["checkpoints"]
+    assert sorted(c["step"] for c in rows if c["verified"] == "checksum_ok") == [0, 15, 20], listed
+    # the ids steps 16-20 trained on: skipped from now on, so the resumed fit must draw others
+    trained = [i for r in steps(run_dir) if r.get("kind") == "step" and r["step"] > 15 for i in r["sample_ids"]]
+    cli("rollback", str(run_dir), "--to-step", "15", "-y", *[f"--skip={i}:{i + 1}" for i in trained])
+    data2 = SkipAwareDataset(windows, seed=0)
+    cb2 = SentinelCallback(run_dir=run_dir, dataset=data2, log=lambda m: None)
+    again = L.Trainer(max_steps=25, accelerator="cpu", devices=1, callbacks=[cb2], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    fit(again, ns["TinyGPT"](windows.tokens.vocab_size), DataLoader(data2, batch_size=8))
+    recs = steps(run_dir)
+    [marker] = [r for r in recs if r.get("kind") == "rollback"]
+    assert marker["from_step"] == 15 and marker["timeline"] == 1 and marker["directive_id"]
+    resumed = [r for r in recs if r.get("kind") == "step" and r["timeline"] == 1]
+    assert [r["step"] for r in resumed] == list(range(16, 26))
+    assert not {i for r in resumed for i in r["sample_ids"]} & set(trained)
+    assert not (run_dir / "pending_rollback.json").exists()
