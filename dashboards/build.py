@@ -4,12 +4,17 @@
     python -m dashboards.build            # regenerate dashboards/training.json and dashboards/sentinel.json
     python -m dashboards.build --check    # exit 1 if a committed JSON differs from the builder's output
 
-* ``training.json`` - the operator dashboard: the rows of seed 003 §5.4 as panels, laid out in the
-  "60-second inspection order": optimization first (loss, val PPL, grad norm), then systems
-  (tokens/s, MFU, step time, phases, checkpoint age), then slice eval (is the regression global or
-  one bucket: per-slice validation loss and PPL, probe sets, per-source train loss, mixture
-  weights), then restores and per-rank health.
+* ``training.json`` - the operator dashboard. A top line of stats (step, loss, tokens/s, MFU, open
+  incidents, checkpoint age), then the panels in the "60-second inspection order": optimization
+  first (loss, val PPL, grad norm), then systems (tokens/s, MFU, step time, phases, checkpoints),
+  then slice eval (is the regression global or one bucket: per-slice validation loss and PPL,
+  probe sets, per-source train loss, mixture weights), then restores and per-rank health.
 * ``sentinel.json`` - is the sentinel itself alive, leading, keeping up and acting?
+
+Both take ``run`` as a multi-select (with All) and the training dashboard also ``rank``; they link
+to each other (keeping the time range and the variables), and each panel links to the runbook of
+every alert that reads its series. Every panel has a unit and thresholds (a single base colour
+where no level is a red flag); panels tile the 24-column grid without holes.
 
 Timeline events (resumes and rollbacks; LR phases: warmup end, decay start; data changes: mixture
 and sequence-length changes) and sentinel actions are dashboard *annotations*, so every graph shares
@@ -26,109 +31,16 @@ from pathlib import Path
 
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dash_b
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dash_m
 
+from alerts.build import runbook_url
+from dashboards.common import (RATE, RUN, RUN_RANK, UIDS, annotation, base_dashboard, default_stat, default_timeseries,
+                               increase, query, right_axis)
+
 HERE = Path(__file__).resolve().parent
-DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
-RUN = 'run="$run"'  # every trainer and sentinel series carries `run` (docs/metrics.md)
-RATE = "$__rate_interval"
-
-
-# ------------------------------------------------------------------ shared defaults
-def query(expr: str, legend: str, ref_id: str) -> prometheus.Dataquery:
-    return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref_id).datasource(DATASOURCE)
-
-
-def increase(counter: str, by: str, legend: str, ref_id: str) -> prometheus.Dataquery:
-    """A counter's increase over the panel's rate window, summed by ``by`` (the run's series only)."""
-    return query(f"sum by ({by}) (increase({counter}{{{RUN}}}[{RATE}]))", legend, ref_id)
-
-
-def thresholds(*steps: tuple[float | None, str]) -> dash_b.ThresholdsConfig:
-    return (dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE)
-            .steps([dash_m.Threshold(value=v, color=c) for v, c in steps]))
-
-
-def default_timeseries() -> timeseries.Panel:
-    return (
-        timeseries.Panel()
-        .datasource(DATASOURCE)
-        .height(8)
-        .span(12)
-        .line_width(1)
-        .fill_opacity(10)
-        .show_points(common.VisibilityMode.NEVER)
-        .legend(common_b.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
-                .placement(common.LegendPlacement.BOTTOM).show_legend(True))
-        .tooltip(common_b.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI).sort(common.SortOrder.DESCENDING))
-    )
-
-
-def default_stat() -> stat.Panel:
-    return (
-        stat.Panel()
-        .datasource(DATASOURCE)
-        .height(4)
-        .span(6)
-        .graph_mode(common.BigValueGraphMode.AREA)
-        .color_mode(common.BigValueColorMode.BACKGROUND)
-        .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]))
-    )
-
-
-def right_axis(ref_id: str, unit: str) -> list[dash_m.DynamicConfigValue]:
-    return [dash_m.DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
-            dash_m.DynamicConfigValue(id_val="unit", value=unit)]
-
-
-class _PromAnnotationQuery(dash_m.AnnotationQuery):
-    """The SDK's AnnotationQuery lacks the Prometheus annotation fields ``titleFormat`` and
-    ``tagKeys``: without them every timeline marker would read just the annotation's name."""
-
-    def __init__(self, title_format: str, tag_keys: str) -> None:
-        super().__init__()
-        self.title_format, self.tag_keys = title_format, tag_keys
-
-    def to_json(self) -> dict[str, object]:
-        return {**super().to_json(), "titleFormat": self.title_format, "tagKeys": self.tag_keys}
-
-
-def annotation(name: str, expr: str, color: str, *, title: str | None = None, tags: str = "") -> dash_b.AnnotationQuery:
-    # A Prometheus annotation: an event wherever the expression has a sample. `changes(...[1m]) > 0`
-    # marks the minute in which a counter or timestamp moved, whatever the dashboard's resolution.
-    b = dash_b.AnnotationQuery()
-    if title is not None:
-        b._internal = _PromAnnotationQuery(title, tags)  # noqa: SLF001 (the builder has no hook for these fields)
-    return b.name(name).datasource(DATASOURCE).enable(True).icon_color(color).expr(expr)
-
-
-def run_variable() -> dash_b.QueryVariable:
-    return (dash_b.QueryVariable("run").label("run").datasource(DATASOURCE)
-            .query("label_values(training_step, run)")
-            .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .sort(dash_m.VariableSort.ALPHABETICAL_ASC))
-
-
-def datasource_variable() -> dash_b.DatasourceVariable:
-    return dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus")
-
-
-def base_dashboard(title: str, uid: str, description: str) -> dash_b.Dashboard:
-    return (
-        dash_b.Dashboard(title)
-        .uid(uid)
-        .description(description)
-        .tags(["sentinel", "training"])
-        .refresh("30s")
-        .time("now-6h", "now")
-        .timezone("browser")
-        .tooltip(dash_m.DashboardCursorSync.CROSSHAIR)  # one timeline across every panel
-        .with_variable(datasource_variable())
-        .with_variable(run_variable())
-    )
 
 
 # ------------------------------------------------------------------ annotations (shared timeline)
@@ -147,8 +59,8 @@ def timeline_annotation(name: str, events: tuple[str, ...], color: str) -> dash_
 
 
 def training_annotations() -> list[dash_b.AnnotationQuery]:
-    # "Did the spike come right after X?" (§5.5 step 1): every change of training conditions is a
-    # marker on every panel, coloured by kind and titled with the event.
+    # "Did the spike come right after X?": every change of training conditions is a marker on every
+    # panel, coloured by kind and titled with the event.
     return [
         timeline_annotation("Resumes and rollbacks", ("resume", "rollback"), "red"),
         timeline_annotation("LR phases (warmup end, decay start)", ("warmup_end", "decay_start"), "blue"),
@@ -159,48 +71,79 @@ def training_annotations() -> list[dash_b.AnnotationQuery]:
     ]
 
 
-# ------------------------------------------------------------------ training panels (§5.4 rows)
+# ------------------------------------------------------------------ training: the top line of stats
+MFU_LEVELS = ((None, "red"), (0.15, "orange"), (0.3, "green"))
+CKPT_AGE_LEVELS = ((None, "green"), (3600, "orange"), (7200, "red"))  # red: TrainingCheckpointTooOld
+
+
+def top_stats() -> list[stat.Panel]:
+    return [
+        default_stat("none", alerts=("TrainingStalled",)).title("Step")
+        .description("Last completed optimizer step (goes back on a rollback).")
+        .with_target(query(f"training_step{{{RUN}}}", "", "A")),
+        default_stat("none", alerts=("TrainingLossSpike",)).title("Loss")
+        .description("Global mean training loss of the last step.")
+        .with_target(query(f"training_loss{{{RUN}}}", "", "A")),
+        default_stat("short", alerts=("TrainingThroughputLow",)).title("Tokens/s")
+        .description("Global tokens per second over the last 20 steps.")
+        .with_target(query(f"training_tokens_per_second{{{RUN}}}", "", "A")),
+        default_stat("percentunit", *MFU_LEVELS).title("MFU")
+        .description("Model FLOPs utilisation. Empty when the device's peak FLOP/s is unknown (CPU, unlisted GPU: "
+                     "set telemetry.peak_flops). Below 15 % on a GPU: look at the step breakdown.")
+        .with_target(query(f"training_mfu_ratio{{{RUN}}}", "", "A")),
+        default_stat("none", (None, "green"), (1, "red"), alerts=("SentinelEscalation",)).title("Open incidents")
+        .description("Incidents the sentinel has open on the run (none: green).")
+        .with_target(query(f"max by (run) (sentinel_incidents_open{{{RUN}}})", "", "A")),
+        default_stat("s", *CKPT_AGE_LEVELS, alerts=("TrainingCheckpointTooOld",)).title("Checkpoint age")
+        .description("Seconds since the last successful checkpoint (since the process started, before the first). "
+                     "Red at 2 hours, where TrainingCheckpointTooOld fires.")
+        .with_target(query(f"training_checkpoint_age_seconds{{{RUN}}}", "", "A")),
+    ]
+
+
+# ------------------------------------------------------------------ training: 1. optimization
 def loss_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Train loss and validation perplexity")
-            .description("§5.4 train loss / val PPL. Healthy: smooth decline. Red flag: sudden spike, oscillation, "
-                         "val PPL not improving or diverging from train. First move: align the timeline "
-                         "(annotations: resumes, rollbacks, sentinel actions, skips).")
+    return (default_timeseries("none", alerts=("TrainingLossSpike", "TrainingNonFiniteSkips"))
+            .title("Train loss and validation perplexity")
+            .description("Healthy: a smooth decline. Red flag: a sudden spike, oscillation, validation perplexity "
+                         "not improving or diverging from train. First move: align the timeline (annotations: "
+                         "resumes, rollbacks, sentinel actions, skips).")
             .with_target(query(f"training_loss{{{RUN}}}", "train loss", "A"))
             .with_target(query(f"training_validation_loss{{{RUN}}}", "val loss", "B"))
-            .with_target(query(f"training_validation_perplexity{{{RUN}}}", "val PPL", "C"))
+            .with_target(query(f"exp(training_validation_loss{{{RUN}}})", "val PPL", "C"))
             .override_by_query("C", right_axis("C", "none")))
 
 
 def grad_norm_panel() -> timeseries.Panel:
     clipped = (f"sum by (run) (rate(training_grad_clipped_steps_total{{{RUN}}}[{RATE}]))"
                f" / max by (run) (rate(training_step_duration_seconds_count{{{RUN}}}[{RATE}]))")
-    return (default_timeseries().title("Grad norm (pre-clip) and clipped-step share")
-            .description("§5.4 grad norm. Healthy: noisy but bounded. Red flag: sudden spike or periodic jitter, "
-                         "clipping on most steps. First move: stabilize first, replay next (sentinel replay-batch).")
+    return (default_timeseries("none").title("Grad norm (pre-clip) and clipped-step share")
+            .description("Healthy: noisy but bounded. Red flag: a sudden spike or periodic jitter, clipping on "
+                         "most steps. First move: stabilize first, replay next (sentinel replay-batch).")
             .with_target(query(f"training_grad_norm{{{RUN}}}", "grad norm (pre-clip)", "A"))
             .with_target(query(clipped, "clipped steps share", "B"))
             .override_by_query("B", right_axis("B", "percentunit")))
 
 
 def learning_rate_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Learning rate").span(6)
+    return (default_timeseries("sci").title("Learning rate")
             .description("Unexpected jump: schedule or restore error. Align it with loss spikes.")
             .with_target(query(f"training_learning_rate{{{RUN}}}", "lr", "A")))
 
 
 def rank_loss_spread_panel() -> timeseries.Panel:
-    spread = f"max by (run) (training_rank_loss{{{RUN}}}) - min by (run) (training_rank_loss{{{RUN}}})"
-    return (default_timeseries().title("Rank loss spread (max - min)").span(6)
+    spread = f"max by (run) (training_rank_loss{{{RUN_RANK}}}) - min by (run) (training_rank_loss{{{RUN_RANK}}})"
+    return (default_timeseries("none").title("Rank loss spread (max - min)")
             .description("One rank far above the others: bad data on that rank's shard or a faulty device.")
             .with_target(query(spread, "spread", "A"))
-            .with_target(query(f"training_rank_loss{{{RUN}}}", "rank {{rank}}", "B")))
+            .with_target(query(f"training_rank_loss{{{RUN_RANK}}}", "rank {{rank}}", "B")))
 
 
+# ------------------------------------------------------------------ training: 2. systems
 def throughput_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Tokens/s and MFU")
-            .description("§5.4 tokens/s and MFU. Red flag: persistently below target; high utilisation but low MFU "
-                         "(kernel, communication or input starvation). First move: check the step breakdown.")
-            .unit("short")
+    return (default_timeseries("short", alerts=("TrainingThroughputLow",)).title("Tokens/s and MFU")
+            .description("Red flag: persistently below target; high utilisation but low MFU (kernel, communication "
+                         "or input starvation). First move: check the step breakdown.")
             .with_target(query(f"training_tokens_per_second{{{RUN}}}", "tokens/s", "A"))
             .with_target(query(f"training_mfu_ratio{{{RUN}}}", "MFU", "B"))
             .override_by_query("B", right_axis("B", "percentunit")))
@@ -209,14 +152,15 @@ def throughput_panel() -> timeseries.Panel:
 def step_time_panel() -> timeseries.Panel:
     def q(p: str) -> str:
         return (f"histogram_quantile({p}, sum by (run, rank, le) "
-                f"(rate(training_step_duration_seconds_bucket{{{RUN}}}[{RATE}])))")
+                f"(rate(training_step_duration_seconds_bucket{{{RUN_RANK}}}[{RATE}])))")
 
     # busy time = the step minus its wait at the all-reduce: under DDP every rank's *wall* step time is
     # the same (the fast ones wait for the slow one), so only busy time names the straggler (the same
     # expression as the TrainingRankStraggler alert and the sentinel's rank_straggler rule)
-    busy = (f"sum by (run, rank) (rate(training_step_phase_seconds_sum{{{RUN}, phase=~\"data_wait|forward_backward|optimizer\"}}[{RATE}]))"
-            f" / sum by (run, rank) (rate(training_step_phase_seconds_count{{{RUN}, phase=\"forward_backward\"}}[{RATE}]))")
-    return (default_timeseries().title("Busy time per step per rank (straggler), step time p99").unit("s")
+    busy = (f"sum by (run, rank) (rate(training_step_phase_seconds_sum{{{RUN_RANK}, phase=~\"data_wait|forward_backward|optimizer\"}}[{RATE}]))"
+            f" / sum by (run, rank) (rate(training_step_phase_seconds_count{{{RUN_RANK}, phase=\"forward_backward\"}}[{RATE}]))")
+    return (default_timeseries("s", alerts=("TrainingRankStraggler",))
+            .title("Busy time per step per rank (straggler), step time p99")
             .description("Busy time per step (data wait + forward/backward + optimizer, without the all-reduce "
                          "wait) per rank: a rank above the others is a straggler, every other rank waits for it. "
                          "Step wall time p99 is the same on every rank under DDP.")
@@ -225,12 +169,13 @@ def step_time_panel() -> timeseries.Panel:
 
 
 def phase_panel() -> timeseries.Panel:
-    share = f"avg by (run, phase) (rate(training_step_phase_seconds_sum{{{RUN}}}[{RATE}]))"
-    data_wait = (f"max by (run) (rate(training_step_phase_seconds_sum{{{RUN}, phase=\"data_wait\"}}[{RATE}])"
-                 f" / on (run, rank) sum by (run, rank) (rate(training_step_phase_seconds_sum{{{RUN}}}[{RATE}])))")
-    return (default_timeseries().title("Step phase breakdown (share of wall time)").unit("percentunit")
-            .description("Fraction of wall time per phase (mean over ranks). A growing data_wait share is input "
-                         "starvation; the dashed line is the worst rank's data_wait share of its step time.")
+    share = f"avg by (run, phase) (rate(training_step_phase_seconds_sum{{{RUN_RANK}}}[{RATE}]))"
+    data_wait = (f"max by (run) (rate(training_step_phase_seconds_sum{{{RUN_RANK}, phase=\"data_wait\"}}[{RATE}])"
+                 f" / on (run, rank) sum by (run, rank) (rate(training_step_phase_seconds_sum{{{RUN_RANK}}}[{RATE}])))")
+    return (default_timeseries("percentunit", alerts=("TrainingInputStarvation",))
+            .title("Step phase breakdown (share of wall time)")
+            .description("Fraction of wall time per phase (mean over the selected ranks). A growing data_wait share "
+                         "is input starvation; the dashed line is the worst rank's data_wait share of its step time.")
             .stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL))
             .with_target(query(share, "{{phase}}", "A"))
             .with_target(query(data_wait, "data_wait share (worst rank)", "B"))
@@ -240,81 +185,67 @@ def phase_panel() -> timeseries.Panel:
 
 
 def effective_token_ratio_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Effective token ratio per rank").unit("percentunit").span(6)
-            .description("Useful / loaded tokens. Falling: poor packing or many skipped samples.")
-            .with_target(query(f"training_effective_token_ratio{{{RUN}}}", "rank {{rank}}", "A")))
+    return (default_timeseries("percentunit", (None, "red"), (0.5, "orange"), (0.8, "green"))
+            .title("Effective token ratio per rank")
+            .description("Useful / loaded tokens. Falling: poor packing or many skipped samples (below 80 %: orange).")
+            .with_target(query(f"training_effective_token_ratio{{{RUN_RANK}}}", "rank {{rank}}", "A")))
 
 
-def checkpoint_age_panel() -> stat.Panel:
-    return (default_stat().title("Checkpoint age").unit("s")
-            .description("§5.4 checkpoint age. Red flag: too long without a checkpoint. First move: inspect the "
-                         "save/restore path (sentinel checkpoints RUN). Thresholds match TrainingCheckpointTooOld.")
-            .thresholds(thresholds((None, "green"), (3600, "orange"), (7200, "red")))
-            .with_target(query(f"time() - training_checkpoint_last_success_timestamp_seconds{{{RUN}}}", "age", "A")))
+def checkpoint_age_panel() -> timeseries.Panel:
+    return (default_timeseries("s", *CKPT_AGE_LEVELS, alerts=("TrainingCheckpointTooOld",)).title("Checkpoint age")
+            .description("Red flag: too long without a checkpoint. First move: inspect the save/restore path "
+                         "(sentinel checkpoints RUN). The lines are where TrainingCheckpointTooOld warns (2 hours).")
+            .with_target(query(f"training_checkpoint_age_seconds{{{RUN}}}", "age", "A")))
 
 
 def checkpoint_saves_panel() -> timeseries.Panel:
     p99 = (f"histogram_quantile(0.99, sum by (run, le) "
            f"(rate(training_checkpoint_save_duration_seconds_bucket{{{RUN}}}[{RATE}])))")
-    return (default_timeseries().title("Checkpoint save time and failures").span(6)
+    return (default_timeseries("s", alerts=("TrainingCheckpointFailing", "TrainingDiskFull"))
+            .title("Checkpoint save time, size and failures")
             .description("Growing save time: storage jitter or write blocking. Any failure deserves a look.")
-            .with_target(query(p99, "save p99 (s)", "A"))
+            .with_target(query(p99, "save p99", "A"))
             .with_target(query(f"increase(training_checkpoint_failures_total{{{RUN}}}[{RATE}])", "failures", "B"))
             .with_target(query(f"training_checkpoint_size_bytes{{{RUN}}}", "size", "C"))
+            .override_by_query("B", [dash_m.DynamicConfigValue(id_val="unit", value="short")])
             .override_by_query("C", right_axis("C", "bytes")))
 
 
-def skips_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Skipped steps by reason").span(6)
-            .description("Steps whose update was dropped. Increasingly frequent: the run is approaching its "
-                         "stability boundary - do not keep gambling because it recovered.")
-            .with_target(increase("training_skipped_steps_total", "run, reason", "{{reason}}", "A"))
-            .with_target(increase("training_skipped_samples_total", "run", "skipped samples (skip list)", "B")))
-
-
-def restores_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Resumes and rollbacks").span(6)
-            .description("Abnormal restores. Compare with the loss: did the spike happen right after a resume?")
-            .with_target(query(f"increase(training_resumes_total{{{RUN}}}[{RATE}])", "resumes", "A"))
-            .with_target(query(f"increase(training_rollbacks_total{{{RUN}}}[{RATE}])", "rollbacks", "B")))
-
-
-# ------------------------------------------------------------------ slice eval (§5.4 row 7, inspection step 3)
+# ------------------------------------------------------------------ training: 3. slice eval
 # Slice gauges read 0 until a slice's first value (the exporter declares every slice at start): `> 0`
 # keeps that 0 off the plots, where it would read as a perfect loss.
 def slice_val_loss_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Validation loss per slice")
-            .description("§5.4 slice eval. Healthy: critical slices improve together. Red flag: one domain keeps "
-                         "regressing (mixture, tokenizer, contamination). First move: localize to bucket first - which "
-                         "slice, since which annotation? Aggregate val PPL hides it.")
+    return (default_timeseries("none", alerts=("TrainingSliceRegressing",)).title("Validation loss per slice")
+            .description("Healthy: critical slices improve together. Red flag: one domain keeps regressing "
+                         "(mixture, tokenizer, contamination). First move: localize to a bucket first - which "
+                         "slice, since which annotation? Aggregate validation perplexity hides it.")
             .with_target(query(f"training_validation_slice_loss{{{RUN}}} > 0", "{{slice}}", "A")))
 
 
 def slice_regression_panel() -> timeseries.Panel:
     cur = f"max by (run, slice) (training_validation_slice_loss{{{RUN}}} > 0)"
-    return (default_timeseries().title("Validation loss above its 2-hour best, per slice").span(6)
+    return (default_timeseries("none", (None, "green"), (0.1, "red"), alerts=("TrainingSliceRegressing",))
+            .title("Validation loss above its 2-hour best, per slice")
             .description("What TrainingSliceRegressing and the sentinel's slice_regression rule look at: a slice "
                          "above the 0.1-nat line while the others sit at 0 (still improving) is regressing.")
-            .thresholds(thresholds((None, "green"), (0.1, "red")))
-            .thresholds_style(common_b.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
             .with_target(query(f"{cur} - min_over_time(({cur})[2h:])", "{{slice}}", "A")))
 
 
 def slice_val_ppl_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Validation perplexity per slice").span(6)
-            .description("exp(slice validation loss), the per-bucket view of the val PPL panel in row 1.")
-            .with_target(query(f"training_validation_slice_perplexity{{{RUN}}} > 0", "{{slice}}", "A")))
+    return (default_timeseries("none").title("Validation perplexity per slice")
+            .description("exp(slice validation loss): the per-bucket view of the validation perplexity above.")
+            .with_target(query(f"exp(training_validation_slice_loss{{{RUN}}} > 0)", "{{slice}}", "A")))
 
 
 def probe_loss_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Probe-set loss per slice").span(6)
-            .description("§5.8: a small fixed probe set per slice, run at every eval - the early warning. A probe "
+    return (default_timeseries("none").title("Probe-set loss per slice")
+            .description("A small fixed probe set per slice, run at every eval: the early warning. A probe "
                          "rising before the slice's validation loss does is the first sign of a regressing bucket.")
             .with_target(query(f"training_probe_loss{{{RUN}}} > 0", "{{slice}}", "A")))
 
 
 def source_train_loss_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Train loss per source").span(6)
+    return (default_timeseries("none").title("Train loss per source")
             .description("Mean training loss of each source's samples in the last step. Rising with its validation "
                          "loss: that source's training data changed (corruption, tokenizer). Falling while its "
                          "validation rises: the slice's train and val data disagree.")
@@ -322,7 +253,7 @@ def source_train_loss_panel() -> timeseries.Panel:
 
 
 def mixture_weights_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Mixture weights").unit("percentunit")
+    return (default_timeseries("percentunit").title("Mixture weights")
             .description("Sampling weight of each source now in effect (they sum to 1). A weight that moved right "
                          "before a slice regressed or the loss spiked is the first suspect (see the data-change "
                          "annotations).")
@@ -330,38 +261,62 @@ def mixture_weights_panel() -> timeseries.Panel:
             .with_target(query(f"training_mixture_weight_ratio{{{RUN}}}", "{{slice}}", "A")))
 
 
+# ------------------------------------------------------------------ training: 4. restores, skips, rank health
+def skips_panel() -> timeseries.Panel:
+    return (default_timeseries("short", alerts=("TrainingNonFiniteSkips",)).title("Skipped steps by reason")
+            .description("Steps whose update was dropped. Increasingly frequent: the run is approaching its "
+                         "stability boundary - do not keep gambling because it recovered.")
+            .with_target(increase("training_skipped_steps_total", "run, reason", "{{reason}}", "A"))
+            .with_target(increase("training_skipped_samples_total", "run", "skipped samples (skip list)", "B",
+                                  RUN_RANK)))
+
+
+def restores_panel() -> timeseries.Panel:
+    return (default_timeseries("short").title("Resumes and rollbacks")
+            .description("Abnormal restores. Compare with the loss: did the spike happen right after a resume?")
+            .with_target(query(f"increase(training_resumes_total{{{RUN}}}[{RATE}])", "resumes", "A"))
+            .with_target(query(f"increase(training_rollbacks_total{{{RUN}}}[{RATE}])", "rollbacks", "B")))
+
+
 def memory_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Memory per rank").unit("bytes")
+    return (default_timeseries("bytes").title("Memory per rank")
             .description("Creeping up: a leak. CUDA reserved near device memory: OOM ahead. "
                          "CUDA series exist only on GPU runs.")
-            .with_target(query(f"training_process_resident_memory_bytes{{{RUN}}}", "host RSS rank {{rank}}", "A"))
-            .with_target(query(f"training_cuda_memory_allocated_bytes{{{RUN}}}", "CUDA allocated rank {{rank}}", "B"))
-            .with_target(query(f"training_cuda_memory_reserved_bytes{{{RUN}}}", "CUDA reserved rank {{rank}}", "C")))
+            .with_target(query(f"process_resident_memory_bytes{{{RUN_RANK}}}", "host RSS rank {{rank}}", "A"))
+            .with_target(query(f"training_cuda_memory_allocated_bytes{{{RUN_RANK}}}", "CUDA allocated rank {{rank}}", "B"))
+            .with_target(query(f"training_cuda_memory_reserved_bytes{{{RUN_RANK}}}", "CUDA reserved rank {{rank}}", "C")))
 
 
 def heartbeat_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Heartbeat age per rank").unit("s").span(6)
-            .description("Seconds since each rank was last alive. Large: that rank hangs (see TrainingStalled).")
-            .thresholds(thresholds((None, "green"), (120, "orange"), (300, "red")))
-            .thresholds_style(common_b.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
-            .with_target(query(f"time() - training_heartbeat_timestamp_seconds{{{RUN}}}", "rank {{rank}}", "A")))
+    return (default_timeseries("s", (None, "green"), (120, "orange"), (300, "red"),
+                               alerts=("TrainingHeartbeatStale", "TrainingStalled"))
+            .title("Heartbeat age per rank")
+            .description("Seconds since each rank was last alive. Above 5 minutes: that rank hangs "
+                         "(TrainingHeartbeatStale).")
+            .with_target(query(f"time() - training_heartbeat_timestamp_seconds{{{RUN_RANK}}}", "rank {{rank}}", "A")))
 
 
 def telemetry_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Telemetry drops, directives, scrape health").span(6)
+    return (default_timeseries("short", alerts=("TrainingTelemetryDropping", "TrainingDirectivesRejected",
+                                                "TrainingRankDown"))
+            .title("Telemetry drops, directives, scrape health").span(24)
             .description("Dropped telemetry: the sentinel is partly blind. Rejected directives: bad signature, "
                          "expired or invalid. up == 0 names the rank whose endpoint is down.")
-            .with_target(increase("training_telemetry_dropped_total", "run, rank", "dropped rank {{rank}}", "A"))
+            .with_target(increase("training_telemetry_dropped_total", "run, rank", "dropped rank {{rank}}", "A",
+                                  RUN_RANK))
             .with_target(increase("training_directives_rejected_total", "run", "directives rejected", "B"))
             .with_target(increase("training_directives_applied_total", "run, kind", "applied {{kind}}", "C"))
-            .with_target(query(f"up{{{RUN}}}", "up rank {{rank}}", "D")))
+            .with_target(query(f"up{{{RUN_RANK}}}", "up rank {{rank}}", "D")))
 
 
 def training_dashboard() -> dash_b.Dashboard:
-    d = base_dashboard("Sentinel / Training run", "sentinel-training",
-                       "Operator view of one pretraining run (seed 003 §5.4), in the 60-second inspection order.")
+    d = base_dashboard("Sentinel / Training run", UIDS["training"],
+                       "Operator view of pretraining runs, in the 60-second inspection order: optimization, "
+                       "systems, slice eval, then restores and rank health.", rank=True)
     for a in training_annotations():
         d = d.annotation(a)
+    for s in top_stats():
+        d = d.with_panel(s)
     return (
         d.with_row(dash_b.Row("1. Optimization: loss, val PPL, grad norm"))
         .with_panel(loss_panel())
@@ -392,8 +347,28 @@ def training_dashboard() -> dash_b.Dashboard:
 
 
 # ------------------------------------------------------------------ sentinel panels
+def sentinel_stats() -> list[stat.Panel]:
+    return [
+        default_stat("none", (None, "green"), (1, "red"), alerts=("SentinelEscalation",), span=6).title("Open incidents")
+        .description("Incidents the sentinel has open on the run.")
+        .with_target(query(f"max by (run) (sentinel_incidents_open{{{RUN}}})", "", "A")),
+        default_stat("none", (None, "red"), (1, "green"), (2, "red"),
+                     alerts=("SentinelNoLeader", "SentinelSplitBrain", "SentinelDown"), span=6)
+        .title("Leaders holding the lease")
+        .description("Exactly 1 is healthy: 0 = nobody acts on the run, more than 1 = split brain.")
+        .with_target(query(f"sum by (run) (sentinel_leader{{{RUN}}})", "", "A")),
+        default_stat("none", (None, "green"), (100, "orange"), (1000, "red"), alerts=("SentinelCannotKeepUp",), span=6)
+        .title("Step records not yet read")
+        .description("Records on the run's step stream that the sentinel has not read (its lag).")
+        .with_target(query(f"max by (run) (sentinel_stream_lag_records{{{RUN}}})", "", "A")),
+        default_stat("s", span=6).title("Since the last action")
+        .description("Seconds since the sentinel last acted on the run (any kind).")
+        .with_target(query(f"time() - max by (run) (sentinel_last_action_timestamp_seconds{{{RUN}}})", "", "A")),
+    ]
+
+
 def sentinel_steps_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Steps processed vs trained").unit("ops")
+    return (default_timeseries("ops", alerts=("SentinelLagging",)).title("Steps processed vs trained")
             .description("The sentinel must keep up with the trainer; a gap means it lags or is down.")
             .with_target(query(f"sum by (run) (rate(sentinel_steps_processed_total{{{RUN}}}[{RATE}]))",
                                "sentinel steps/s", "A"))
@@ -402,53 +377,43 @@ def sentinel_steps_panel() -> timeseries.Panel:
 
 
 def sentinel_rules_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Rules fired")
+    return (default_timeseries("short").title("Rules fired")
             .description("Rule firings after cooldowns, by rule.")
             .with_target(increase("sentinel_rule_fired_total", "run, rule", "{{rule}}", "A")))
 
 
 def sentinel_actions_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Actions by outcome")
+    return (default_timeseries("short", alerts=("SentinelEscalation",)).title("Actions by outcome")
             .description("sent / duplicate / dry_run / failed, per action kind. 'page' means a human is needed.")
             .with_target(increase("sentinel_actions_total", "run, action, outcome", "{{action}} {{outcome}}", "A")))
-
-
-def sentinel_incidents_panel() -> stat.Panel:
-    return (default_stat().title("Open incidents")
-            .thresholds(thresholds((None, "green"), (1, "red")))
-            .with_target(query(f"max by (run) (sentinel_incidents_open{{{RUN}}})", "open", "A")))
-
-
-def sentinel_leader_panel() -> stat.Panel:
-    return (default_stat().title("Leaders holding the lease")
-            .description("Exactly 1 is healthy: 0 = nobody acts on the run, >1 = split brain.")
-            .thresholds(thresholds((None, "red"), (1, "green"), (2, "red")))
-            .with_target(query(f"sum by (run) (sentinel_leader{{{RUN}}})", "leaders", "A")))
 
 
 def sentinel_latency_panel() -> timeseries.Panel:
     p99 = (f"histogram_quantile(0.99, sum by (run, le) "
            f"(rate(sentinel_detection_latency_seconds_bucket{{{RUN}}}[{RATE}])))")
-    return (default_timeseries().title("Detection latency p99").unit("s").span(6)
-            .description("From step publish to signed directive in Redis (observed when a directive is sent).")
+    return (default_timeseries("s", (None, "green"), (1, "orange"), (5, "red")).title("Detection latency p99")
+            .description("From step publish to signed directive in Redis (observed when a directive is sent). "
+                         "Above a second: the sentinel acts a step or more late.")
             .with_target(query(p99, "p99", "A")))
 
 
 def sentinel_bus_errors_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Bus errors and last action age").span(6)
+    return (default_timeseries("short", alerts=("SentinelBusErrors",)).title("Bus errors and last action age")
             .description("Control-bus errors (each retried; daemon-wide, no run label), and seconds since each "
                          "kind of action was last taken on the run.")
-            .with_target(query(f"sum(increase(sentinel_bus_errors_total[{RATE}]))", "bus errors", "A"))
+            .with_target(query(f"sum(increase(sentinel_bus_errors_total[{RATE}]))", "bus errors", "A", per_run=False))
             .with_target(query(f"time() - sentinel_last_action_timestamp_seconds{{{RUN}}}", "since {{action}}", "B"))
             .override_by_query("B", right_axis("B", "s")))
 
 
 def sentinel_bus_input_panel() -> timeseries.Panel:
-    return (default_timeseries().title("Bus input: refused, trimmed unread, lag")
+    return (default_timeseries("short", alerts=("SentinelRecordsRejected", "SentinelCannotKeepUp",
+                                                "SentinelBusRestarted", "SentinelInternalError"))
+            .title("Bus input: refused, trimmed unread, lag")
             .description("Step-stream entries the sentinel refused, by stream and reason (forged, malformed, newer "
-                         "schema: the SentinelRecordsRejected runbook); step records the capped stream trimmed before "
-                         "the sentinel read them; records not yet read (right axis); embedded buses restarted; polls that raised "
-                         "an unforeseen error (the SentinelInternalError runbook).")
+                         "schema); step records the capped stream trimmed before the sentinel read them; records not "
+                         "yet read (right axis); embedded buses restarted; polls that raised an unforeseen error. "
+                         "The panel links to each alert's runbook.")
             .with_target(increase("sentinel_records_rejected_total", "run, stream, reason", "refused {{stream}} {{reason}}", "A"))
             .with_target(increase("sentinel_records_trimmed_unread_total", "run", "trimmed unread", "B"))
             .with_target(increase("sentinel_bus_restarts_total", "run", "bus restarts", "C"))
@@ -458,13 +423,16 @@ def sentinel_bus_input_panel() -> timeseries.Panel:
 
 
 def sentinel_dashboard() -> dash_b.Dashboard:
-    d = base_dashboard("Sentinel / Daemon health", "sentinel-daemon",
-                       "Is the sentinel alive, leading, keeping up with the trainer, and what did it do?")
+    d = base_dashboard("Sentinel / Daemon health", UIDS["daemon"],
+                       "Is the sentinel alive, leading, keeping up with the trainer, and what did it do?", rank=False)
     d = d.annotation(sentinel_action_annotation())
+    # Watchdog concerns no panel (it fires always, to prove the alerting path works): a dashboard link
+    d = d.link(dash_b.DashboardLink("Runbook: Watchdog").type(dash_m.DashboardLinkType.LINK).icon("doc")
+               .url(runbook_url("Watchdog")).target_blank(True))
+    for s in sentinel_stats():
+        d = d.with_panel(s)
     return (
-        d.with_panel(sentinel_incidents_panel())
-        .with_panel(sentinel_leader_panel())
-        .with_panel(sentinel_steps_panel())
+        d.with_panel(sentinel_steps_panel())
         .with_panel(sentinel_rules_panel())
         .with_panel(sentinel_actions_panel())
         .with_panel(sentinel_latency_panel())

@@ -1,20 +1,27 @@
 """The sentinel's own Prometheus metrics (for Grafana annotations and alerts).
 
-Built once per daemon in a registry we own. Label cardinality stays low: ``run`` everywhere, plus
-``rule`` or ``action``/``outcome`` from small fixed vocabularies.
+Built once per daemon in a registry we own (no ``_created`` series, plus prometheus-client's
+``process_*`` series of the daemon's own process). Label cardinality stays low: ``run`` everywhere,
+plus ``rule`` or ``action``/``outcome`` from small fixed vocabularies.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from sentinel.client.metrics import MetricsRegistry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class SentinelMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or MetricsRegistry()
         r = self.registry
+        try:
+            ProcessCollector(registry=r)
+        except ValueError:  # a caller's registry that has one already
+            pass
         self.steps = Counter("sentinel_steps_processed", "Step records processed.", ["run"], registry=r)
         self.fired = Counter("sentinel_rule_fired", "Rule firings (after cooldowns).", ["run", "rule"], registry=r)
         self.actions = Counter("sentinel_actions", "Actions taken, by outcome: sent, duplicate, dry_run, and the trainer's verdict failed or rejected.",

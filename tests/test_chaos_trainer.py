@@ -251,7 +251,7 @@ def test_fuzzed_train_state_or_manifest_never_crashes_the_loader(fuzz_trainer, d
     re-signed where the checksums still apply): the loader falls back to step 8 in one line, loads
     12 when the change is harmless, or refuses in one line (TrainingError: incompatible run); never
     a traceback, never a partial load."""
-    import trainer.train as train_mod
+    import trainer.checkpointing as checkpointing_mod
     from trainer.train import TrainingError
 
     tr, ck, pristine = fuzz_trainer
@@ -267,7 +267,7 @@ def test_fuzzed_train_state_or_manifest_never_crashes_the_loader(fuzz_trainer, d
         man["files"][name] = hashlib.sha256((ck / name).read_bytes()).hexdigest()
         (ck / "manifest.json").write_text(json.dumps(man))
     logged: list[str] = []
-    monkeypatch.setattr(train_mod, "_log", lambda env, msg: logged.append(msg))
+    monkeypatch.setattr(checkpointing_mod, "_log", lambda env, msg: logged.append(msg))
     _FUZZ["tried"] += 1
     try:
         got = tr.load_checkpoint()
@@ -369,7 +369,7 @@ def test_skip_ranges_past_int64_never_crash_the_trainer(tmp_path, dataset, refs,
     tr = train_mod.Trainer(cfg, run, DistEnv(0, 0, 1, torch.device("cpu")), offline=True)
     before = tr.skip.ranges
     for kind in ("skip-samples", "rollback"):
-        tr._apply(Directive(run=tr.run_id, kind=kind, ranges=[(1, int(BIG))], to_step=8, issuer="test"))
+        tr.control.apply(Directive(run=tr.run_id, kind=kind, ranges=[(1, int(BIG))], to_step=8, issuer="test"), tr.state.step)
     assert tr.skip.ranges == before
     logged = [json.loads(ln) for ln in (run / "directives.jsonl").read_text().splitlines()]
     assert [d["status"] for d in logged[-2:]] == ["failed", "failed"]

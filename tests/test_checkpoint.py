@@ -206,8 +206,8 @@ def test_loading_uses_weights_only_after_verify():
     assert calls
     for p, m in calls:
         assert "weights_only=True" in m.group(1), f"{p}: torch.load without weights_only=True: {m.group(0)}"
-    train = srcs[REPO / "trainer" / "train.py"]
-    assert "load_torch(" in train and "torch.load(" not in train
+    loader = srcs[REPO / "trainer" / "checkpointing.py"]  # where the trainer reads its checkpoints back
+    assert "load_torch(" in loader and "torch.load(" not in loader
 
 
 def test_load_torch_refuses_pickled_object(tmp_path):
@@ -307,6 +307,7 @@ def _tampered(src: Path, dst: Path, case: str) -> Path:
 @pytest.mark.parametrize("case", sorted(SIGNED_MALFORMED))
 def test_signed_but_malformed_checkpoint_is_rejected_in_one_line(tmp_path, dataset, refs, case, monkeypatch):
     """Checksum-valid but malformed: rejected with one reason (in process: fast), never a traceback."""
+    import trainer.checkpointing as checkpointing_mod
     import trainer.train as train_mod
     from trainer.config import load_yaml, resolve
     from trainer.dist import DistEnv
@@ -315,7 +316,7 @@ def test_signed_but_malformed_checkpoint_is_rejected_in_one_line(tmp_path, datas
     cfg = resolve(preset=None, config_file=None, saved=load_yaml(run / "config.yaml"), overrides={"data.dir": str(dataset)})
     tr = train_mod.Trainer(cfg, run, DistEnv(0, 0, 1, torch.device("cpu")), offline=True)
     logged: list[str] = []
-    monkeypatch.setattr(train_mod, "_log", lambda env, msg: logged.append(msg))
+    monkeypatch.setattr(checkpointing_mod, "_log", lambda env, msg: logged.append(msg))
     assert tr.load_checkpoint() == 8
     assert len(logged) == 1 and "step-00000012" in logged[0] and "falling back" in logged[0], logged
     assert SIGNED_MALFORMED[case][1] in logged[0], logged[0]

@@ -276,8 +276,11 @@ def test_skip_list_says_why_each_range_is_there(run_copy):
                        ("skip-samples", 21, "run-t0-s25"), ("operator", None, None)], sources
     assert out["origins"][4]["reason"] == "bad shard" and out["origins"][4]["who"].startswith("cli:")
     human = CliRunner().invoke(main, ["skip-list", str(d)], env={"COLUMNS": "160"}, catch_exceptions=False).stdout
-    assert "rollback to step 20, incident run-t0-s25" in human and "skip-samples, applied at step 21" in human
+    # grouped by incident: its rollback and its skip-samples directive are one row
+    assert "incident run-t0-s25: rollback to step 20; skip-samples, applied at step 21" in " ".join(human.split())
     assert "added by cli:" in human
+    groups = [(g["why"].split(":")[0], len(g["ranges"])) for g in out["groups"]]
+    assert groups == [("-", 1), ("incident run-t0-s25", 3), ("added by cli", 1)], groups
 
 
 def test_skip_list_live_run_only_grows(embedded_bus):

@@ -2,7 +2,9 @@
 panel query works against a real Prometheus that scraped a real run and a real sentinel.
 
 Fast checks: committed JSON == builder output (and ``--check`` says so), sorted keys, a ``refId`` on
-every query (unique per panel), the ``run`` variable, every query scoped to ``$run``.
+every query (unique per panel), the ``run`` (and ``rank``) multi-select variables, every query scoped
+to ``$run``, a unit and thresholds on every panel, panels that tile the grid, the top line of stats,
+links between the dashboards and to every alert's runbook, no internal references in user-facing text.
 
 Slow end-to-end check (``test_every_panel_query_returns_data``): Debian ``prometheus`` on 127.0.0.1
 scrapes (1 s) a 2-rank ``torchrun`` training run through the scrape config of docs/metrics.md
@@ -31,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -103,7 +106,7 @@ def test_check_flag_detects_stale_json(build, tmp_path):
 
 
 def test_training_dashboard_follows_the_inspection_order_with_a_timeline():
-    """Seed 003: the 60-second order is optimization, then systems, then slice eval, then decide;
+    """The 60-second inspection order is optimization, then systems, then slice eval, then decide;
     every change of training conditions is an annotation titled with its event."""
     d = _load("training.json")
     rows = [p["title"] for p in d["panels"] if p.get("type") == "row"]
@@ -163,21 +166,22 @@ def test_every_query_has_ref_id_and_run_scope(name):
         assert p["datasource"]["uid"] == "${datasource}"
     for where, expr in _queries(d):
         # every series is per run; the daemon-wide bus error counter is the one without a run label
-        assert 'run="$run"' in expr or "sentinel_bus_errors_total" in expr, f"{where}: not scoped to $run: {expr}"
+        assert 'run=~"$run"' in expr or "sentinel_bus_errors_total" in expr, f"{where}: not scoped to $run: {expr}"
+        assert 'run="$run"' not in expr, f"{where}: `run` is a multi-select, match it with =~"
     assert any(a["name"] == "Sentinel actions" for a in d["annotations"]["list"])
 
 
 def test_training_dashboard_covers_the_operator_table():
     exprs = " ".join(e for _, e in _queries(_load("training.json")))
-    for needed in ("training_loss", "training_validation_perplexity", "training_grad_norm",
+    for needed in ("training_loss", "exp(training_validation_loss", "training_grad_norm",
                    "training_grad_clipped_steps_total", "training_tokens_per_second", "training_mfu_ratio",
                    "training_step_duration_seconds_bucket", 'phase="data_wait"', "training_effective_token_ratio",
-                   "time() - training_checkpoint_last_success_timestamp_seconds", "training_skipped_steps_total",
-                   "training_resumes_total", "training_rollbacks_total", "training_process_resident_memory_bytes",
+                   "training_checkpoint_age_seconds", "training_skipped_steps_total",
+                   "training_resumes_total", "training_rollbacks_total", "process_resident_memory_bytes",
                    "time() - training_heartbeat_timestamp_seconds", "training_telemetry_dropped_total",
-                   'max by (run) (training_rank_loss{run="$run"}) - min by (run) (training_rank_loss{run="$run"})',
+                   'max by (run) (training_rank_loss{run=~"$run", rank=~"$rank"}) - min by (run) (training_rank_loss{run=~"$run", rank=~"$rank"})',
                    # row 3, slice eval (issue 11)
-                   "training_validation_slice_loss", "training_validation_slice_perplexity", "training_probe_loss",
+                   "training_validation_slice_loss", "exp(training_validation_slice_loss", "training_probe_loss",
                    "training_slice_loss", "training_mixture_weight_ratio"):  # fmt: skip
         assert needed in exprs, needed
     sexprs = " ".join(e for _, e in _queries(_load("sentinel.json")))
@@ -186,6 +190,102 @@ def test_training_dashboard_covers_the_operator_table():
                    "sentinel_bus_errors_total", "sentinel_records_rejected_total", "sentinel_records_trimmed_unread_total",
                    "sentinel_stream_lag_records", "sentinel_bus_restarts_total"):  # fmt: skip
         assert needed in sexprs, needed
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_panel_has_a_unit_and_thresholds(name):
+    for p in _panels(_load(name)):
+        defaults = p["fieldConfig"]["defaults"]
+        assert defaults.get("unit"), f"{p['title']}: no unit"
+        steps = defaults.get("thresholds", {}).get("steps")
+        assert steps and steps[0]["value"] is None, f"{p['title']}: no thresholds (a base step at least)"
+        levels = [s["value"] for s in steps[1:]]
+        assert levels == sorted(levels), f"{p['title']}: threshold levels out of order"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_panels_tile_the_grid_without_holes(name):
+    """Every section (the panels above the first row, then each row's) fills a 24-wide rectangle
+    exactly once: no hole, no overlap; each row starts right below the previous section."""
+    d = _load(name)
+    sections: list[list[dict]] = [[]]
+    tops = [0]
+    for p in d["panels"]:
+        if p.get("type") == "row":
+            g = p["gridPos"]
+            assert (g["x"], g["w"], g["h"]) == (0, 24, 1), p["title"]
+            sections.append([])
+            tops.append(g["y"] + 1)
+        else:
+            sections[-1].append(p)
+    bottom = 0
+    for top, panels in zip(tops, sections):
+        if top != tops[0]:
+            assert top == bottom + 1, f"a row at y={top - 1}, the section above ends at {bottom}"
+        if not panels:
+            bottom = top - 1 if top else 0
+            continue
+        cells: dict[tuple[int, int], str] = {}
+        for p in panels:
+            g = p["gridPos"]
+            for x in range(g["x"], g["x"] + g["w"]):
+                for y in range(g["y"], g["y"] + g["h"]):
+                    assert (x, y) not in cells, f"{p['title']} overlaps {cells.get((x, y))}"
+                    cells[(x, y)] = p["title"]
+        bottom = max(y for _, y in cells) + 1
+        holes = [(x, y) for y in range(top, bottom) for x in range(24) if (x, y) not in cells]
+        assert not holes, f"{name}: holes at {holes[:5]}... in the section from y={top}"
+
+
+def test_variables_run_multi_select_with_all_and_rank():
+    for name in NAMES:
+        by_name = {v["name"]: v for v in _load(name)["templating"]["list"]}
+        assert by_name["run"]["multi"] is True and by_name["run"]["includeAll"] is True
+    rank = {v["name"]: v for v in _load("training.json")["templating"]["list"]}["rank"]
+    assert rank["multi"] is True and rank["includeAll"] is True and rank["allValue"] == ".*"
+    assert 'run=~"$run"' in rank["query"]
+    # every per-rank series is filtered by it
+    for where, expr in _queries(_load("training.json")):
+        for per_rank in ("training_rank_loss", "training_step_phase_seconds", "training_heartbeat_timestamp_seconds",
+                         "training_effective_token_ratio", "process_resident_memory_bytes"):  # fmt: skip
+            if per_rank + "{" in expr:
+                assert f'{per_rank}{{run=~"$run", rank=~"$rank"' in expr, where
+
+
+def test_training_dashboard_opens_with_the_six_stats():
+    stats = [p for p in _load("training.json")["panels"] if p["gridPos"]["y"] == 0]
+    assert [(p["type"], p["title"]) for p in stats] == [("stat", t) for t in (
+        "Step", "Loss", "Tokens/s", "MFU", "Open incidents", "Checkpoint age")]
+
+
+def test_dashboards_link_each_other_and_every_alert_runbook():
+    from alerts.build import runbook_url
+
+    training, daemon = _load("training.json"), _load("sentinel.json")
+    for d, other in ((training, daemon), (daemon, training)):
+        (link,) = [lk for lk in d["links"] if lk["url"] == f"/d/{other['uid']}"]
+        assert link["keepTime"] and link["includeVars"]
+    urls = {lk["url"] for d in (training, daemon) for lk in d["links"]}
+    urls |= {lk["url"] for d in (training, daemon) for p in _panels(d) for lk in p.get("links", [])}
+    alerts = [r["alert"] for f in sorted((ROOT / "alerts").glob("*.yaml"))
+              for g in yaml.safe_load(f.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    assert len(alerts) >= 20
+    missing = [a for a in alerts if runbook_url(a) not in urls]
+    assert not missing, f"alerts without a runbook link on a dashboard: {missing}"
+    for url in urls:
+        if "/docs/runbooks/" in url and url.endswith(".md"):
+            assert (ROOT / "docs" / "runbooks" / url.rsplit("/", 1)[1]).is_file(), url
+
+
+INTERNAL_REF = re.compile(r"§|\bseed\s+0\d\d\b|\bthe seed's\b", re.I)
+
+
+def test_no_internal_references_in_what_users_read():
+    files = [*DASH_DIR.glob("*.json"), *(ROOT / "alerts").glob("*.yaml"), *(ROOT / "alerts" / "src").glob("*.yaml"),
+             *(ROOT / "docs" / "runbooks").glob("*.md"), ROOT / "docs" / "metrics.md", DASH_DIR / "build.py"]
+    found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for f in files
+             for i, line in enumerate(f.read_text().splitlines(), 1) if INTERNAL_REF.search(line)]
+    assert not found, "\n".join(found)
 
 
 # ------------------------------------------------------------------ slow: real Prometheus, real run
@@ -238,7 +338,8 @@ def _drill_faults(data: Path, seed: int) -> list[str]:
 
 
 def _concrete(expr: str, run: str) -> str:
-    return expr.replace("$run", run).replace("$__rate_interval", RATE_INTERVAL)
+    # `rank` set to All (its all value .*), `run` to the run of the test
+    return expr.replace("$run", run).replace("$rank", ".*").replace("$__rate_interval", RATE_INTERVAL)
 
 
 @pytest.mark.slow
@@ -344,6 +445,10 @@ def test_every_panel_query_returns_data(tmp_path):
         # the variable's query: label_values(training_step, run) lists this run
         body = json.loads(urllib.request.urlopen(f"{prom.url}/api/v1/label/run/values?match[]=training_step").read())
         assert run in body["data"], body
+        # and the rank variable's, for this run: both ranks
+        match = urllib.parse.quote(f'training_heartbeat_timestamp_seconds{{run=~"{run}"}}')
+        body = json.loads(urllib.request.urlopen(f"{prom.url}/api/v1/label/rank/values?match[]={match}").read())
+        assert body["data"] == ["0", "1"], body
         assert trainer.poll() in (None, 0), train_log.read_text()[-3000:]
     finally:
         for p in (trainer, sentinel):

@@ -231,3 +231,17 @@ def test_a_long_run_shows_its_newest_incidents_and_says_how_many_are_older(tmp_p
     assert "5 older incident(s) not shown" in human("incidents", str(d))
     assert len(as_json("incidents", str(d), "--limit", "0")["incidents"]) == 25
     assert [i["onset_step"] for i in as_json("incidents", str(d), "--id", f"{RUN}-t0-s100")["incidents"]] == [100]
+
+
+def test_a_rolled_back_incident_says_to_which_step_not_state_healthy(tmp_path):
+    """The policy's word for a rolled-back incident that recovered is `healthy`; the view says what
+    happened: "rolled back to 80, recovered". A rollback the trainer refused is no rollback."""
+    d = make_run(tmp_path / "a", [_incident()], [_directive("d-roll", "rollback", "applied", T0 + 2)])
+    assert as_json("incidents", str(d))["incidents"][0]["state_text"] == "rolled back to 80, recovered"
+    text = human("incidents", str(d))
+    assert "state rolled back to 80, recovered" in text and "state healthy" not in text
+    d = make_run(tmp_path / "b", [_incident()], [_directive("d-roll", "rollback", "rejected", T0 + 2)])
+    assert as_json("incidents", str(d))["incidents"][0]["state_text"] == "healthy"
+    d = make_run(tmp_path / "c", [_incident(closed_at=None, state="verifying")],
+                 [_directive("d-roll", "rollback", "applied", T0 + 2)])
+    assert as_json("incidents", str(d))["incidents"][0]["state_text"] == "rolled back to 80; verifying"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sentinel.client.metrics import TrainerMetrics, _version
+from sentinel.client.metrics import MetricsRegistry, TrainerMetrics, _version, gpu_uuid_label
 from sentinel.client.targets import TARGETS_FILE, rank_port, write_targets
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -23,11 +23,19 @@ RUN = "test-run"
 PHASES = {"data_wait": 0.01, "forward_backward": 0.2, "optimizer": 0.03, "telemetry": 0.001, "control": 0.0005}
 
 
+HOST = {"host": "node-7", "pod": "trainer-0-abcde", "gpu_uuid": "GPU-5d3c1f0e-aaaa-bbbb-cccc-0123456789ab"}
+
+
 def make(rank: int = 0, **kw) -> TrainerMetrics:
     return TrainerMetrics(
         run=RUN, rank=rank, world_size=2, model="gpt2-124m", parallelism="ddp", device="cpu", dtype="bf16",
-        registry=CollectorRegistry(), **kw,
+        **{**HOST, **kw},
     )
+
+
+def glob(m: TrainerMetrics, name: str, **labels) -> float | None:
+    """A global series' value: exported with rank="" (Prometheus stores it without rank)."""
+    return m.registry.get_sample_value(name, {"run": RUN, "rank": "", **labels})
 
 
 def step(m: TrainerMetrics, i: int = 1, **over) -> None:
@@ -58,10 +66,13 @@ def series_name(family) -> str:
 
 
 def exported(m: TrainerMetrics) -> dict[str, tuple[str, set[str]]]:
-    """{metric name: (type, label names)} from the registry, `_created` and `le` left out."""
+    """{metric name: (label names as Prometheus stores them)} of the training_* families: `le` and
+    empty labels (a global series' rank="") left out."""
     out = {}
     for fam in m.registry.collect():
-        labels = {k for s in fam.samples if not s.name.endswith("_created") for k in s.labels} - {"le", "quantile"}
+        if not fam.name.startswith("training"):
+            continue
+        labels = {k for s in fam.samples for k, v in s.labels.items() if v} - {"le", "quantile"}
         out[series_name(fam)] = ("gauge" if fam.type == "info" else fam.type, labels)
     return out
 
@@ -112,12 +123,65 @@ def test_docs_exported_by_column_matches_nonzero_rank():
         assert ("rank" in row["labels"]) == row["who"].startswith("every rank"), name
 
 
-def test_docs_relabel_regex_matches_exactly_the_global_series():
-    regex = re.search(r'regex: "(training_[^"]+)"', DOCS.read_text()).group(1)
+def test_global_series_export_an_empty_rank_and_need_no_relabel_rule():
+    """Rank 0's global series carry rank="" (honor_labels then keeps the target's rank off them):
+    exactly the rows documented as "rank 0", and no scrape config in docs or deploy relabels."""
+    docs = documented()
     m = populated(rank=0)
     for fam in m.registry.collect():
         for s in fam.samples:
-            assert bool(re.fullmatch(regex, s.name)) == ("rank" not in s.labels), s.name
+            if not s.name.startswith("training_"):
+                continue
+            name = max((n for n in docs if s.name == n or s.name.startswith(n + "_")), key=len)
+            want = "" if docs[name]["who"].startswith("rank 0") else "0"
+            assert s.labels["rank"] == want, (s.name, s.labels)
+    root = DOCS.parents[1]
+    for path in [DOCS, root / "deploy" / "compose" / "prometheus.yml"]:
+        assert "metric_relabel_configs" not in path.read_text(), path
+
+
+def test_no_created_series_and_process_metrics_on_the_own_registry():
+    for m in (populated(0), populated(1)):
+        body = m.exposition().decode()
+        assert "_created" not in body
+        assert m.registry.get_sample_value("process_resident_memory_bytes") > 1e6
+        assert m.registry.get_sample_value("process_start_time_seconds") > 0
+        assert "training_process_resident_memory_bytes" not in body
+    # the per-registry switch leaves every other registry of the process alone
+    from prometheus_client import Counter, generate_latest
+
+    other = CollectorRegistry()
+    Counter("host_app_requests", "an integration's host process metric", registry=other).inc()
+    assert b"host_app_requests_created" in generate_latest(other)
+    # a ?name[]= scrape asks for a restricted registry: still no _created
+    reg = MetricsRegistry()
+    Counter("x_events", "x", registry=reg).inc()
+    restricted = generate_latest(reg.restricted_registry(["x_events_total", "x_events_created"])).decode()
+    assert "x_events_total 1.0" in restricted and "_created" not in restricted
+
+
+@pytest.mark.parametrize("given, label", [("5d3c1f0e-aaaa", "GPU-5d3c1f0e-aaaa"), ("GPU-1", "GPU-1"),
+                                          ("MIG-2", "MIG-2"), (None, ""), ("", ""), ("  ", "")])
+def test_gpu_uuid_label_as_dcgm_prints_it(given, label):
+    assert gpu_uuid_label(given) == label
+
+
+def test_info_defaults_host_and_pod_from_the_environment(monkeypatch):
+    import socket
+
+    def info(**env) -> dict:
+        for k in ("POD_NAME", "HOSTNAME", "KUBERNETES_SERVICE_HOST"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        m = TrainerMetrics(run=RUN, rank=3, world_size=4, model="m", parallelism="ddp", device="cpu", dtype="fp32")
+        (sample,) = [s for fam in m.registry.collect() if fam.name == "training" for s in fam.samples]
+        return sample.labels
+
+    got = info(POD_NAME="job-1-0-xyz", HOSTNAME="other")
+    assert (got["host"], got["pod"], got["gpu_uuid"], got["rank"]) == (socket.gethostname(), "job-1-0-xyz", "", "3")
+    assert info(HOSTNAME="job-1-0-abc", KUBERNETES_SERVICE_HOST="10.0.0.1")["pod"] == "job-1-0-abc"
+    assert info(HOSTNAME="laptop")["pod"] == ""  # outside Kubernetes a host name is no pod
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,7 +226,7 @@ def test_docs_prometheus_yml_is_valid(tmp_path):
 
 def test_on_step_sets_values():
     m = make(0, tokens_per_second_window=2)
-    g = lambda name, **labels: m.registry.get_sample_value(name, {"run": RUN, **labels})  # noqa: E731
+    g = lambda name, **labels: m.registry.get_sample_value(name, {"run": RUN, "rank": "", **labels})  # noqa: E731
     step(m, 1)
     step(m, 2, step_seconds=0.75, grad_clipped=True)
     assert g("training_step") == 2
@@ -196,25 +260,23 @@ def test_on_step_sets_values():
     assert g("training_step") == 5 and g("training_grad_norm") == 1.25
 
 
-def test_validation_perplexity_and_overflow():
+def test_validation_loss_only_perplexity_is_derived_in_promql():
     m = make(0)
-    m.on_validation(2.0)
-    assert m.registry.get_sample_value("training_validation_perplexity", {"run": RUN}) == pytest.approx(math.exp(2.0))
     m.on_validation(1e6)
-    assert m.registry.get_sample_value("training_validation_perplexity", {"run": RUN}) == math.inf
-    assert m.registry.get_sample_value("training_validation_loss", {"run": RUN}) == 1e6
+    assert glob(m, "training_validation_loss") == 1e6
+    assert b"perplexity" not in m.exposition()
 
 
 def test_mfu_absent_when_unknown():
     m = make(0)
     step(m, mfu=None)
-    assert m.registry.get_sample_value("training_mfu_ratio", {"run": RUN}) is None
+    assert glob(m, "training_mfu_ratio") is None
     assert b"training_mfu_ratio" not in m.exposition()
 
 
 def test_checkpoint_age_grows_and_failures_count():
     m = make(0)
-    g = lambda name: m.registry.get_sample_value(name, {"run": RUN})  # noqa: E731
+    g = lambda name: glob(m, name)  # noqa: E731
     m.on_checkpoint(ok=True, seconds=4.0, size_bytes=1000, timestamp=time.time() - 100)
     a1 = g("training_checkpoint_age_seconds")
     time.sleep(0.02)
@@ -229,7 +291,7 @@ def test_checkpoint_age_grows_and_failures_count():
 
 def test_counters_events_and_info():
     m = make(0)
-    g = lambda name, **labels: m.registry.get_sample_value(name, {"run": RUN, **labels})  # noqa: E731
+    g = lambda name, **labels: glob(m, name, **labels)  # noqa: E731
     m.on_resume(), m.on_rollback(), m.on_rollback()
     m.on_directive("rollback", applied=True)
     m.on_directive("rollback", applied=False)
@@ -246,25 +308,24 @@ def test_counters_events_and_info():
     m.set_telemetry_dropped(7)
     m.set_telemetry_dropped(2)  # the bus client was recreated: its count restarted
     assert g("training_telemetry_dropped_total", rank="0") == 9
-    info = {"model": "gpt2-124m", "world_size": "2", "parallelism": "ddp", "device": "cpu", "dtype": "bf16"}
-    assert m.registry.get_sample_value("training_info", {"run": RUN, **info, "version": _version()}) == 1
+    info = {"model": "gpt2-124m", "world_size": "2", "parallelism": "ddp", "device": "cpu", "dtype": "bf16", **HOST}
+    assert g("training_info", rank="0", **info, version=_version()) == 1
     before = g("training_heartbeat_timestamp_seconds", rank="0")
     time.sleep(0.01)
     m.heartbeat()
     assert g("training_heartbeat_timestamp_seconds", rank="0") > before
-    assert g("training_process_resident_memory_bytes", rank="0") > 1e6
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_run_label_everywhere_rank_label_only_on_per_rank(rank):
     m = populated(rank)
-    for fam in m.registry.collect():
+    families = [fam for fam in m.registry.collect() if fam.name.startswith("training")]
+    for fam in families:
         for s in fam.samples:
             assert s.labels.get("run") == RUN, s
-            if "rank" in s.labels:
-                assert s.labels["rank"] == str(rank), s
-    global_names = {"training_loss", "training_step", "training_tokens_total", "training_info"}
-    names = {s.name for fam in m.registry.collect() for s in fam.samples if "rank" not in s.labels}
+            assert s.labels["rank"] in ("", str(rank)), s
+    global_names = {"training_loss", "training_step", "training_tokens_total"}
+    names = {s.name for fam in families for s in fam.samples if not s.labels["rank"]}
     if rank == 0:
         assert global_names <= names
     else:
@@ -277,7 +338,7 @@ def test_global_calls_are_noops_off_rank0():
     m.on_validation(1.0), m.on_checkpoint(ok=True, seconds=1, size_bytes=1, timestamp=1.0)
     m.on_resume(), m.on_rollback(), m.on_directive("stop", True)
     assert m.registry.get_sample_value("training_rank_loss", {"run": RUN, "rank": "1"}) == 2.6
-    assert m.registry.get_sample_value("training_loss", {"run": RUN}) is None
+    assert glob(m, "training_loss") is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +354,7 @@ def test_serve_on_port_zero_returns_real_port():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             body = resp.read()
         assert resp.status == 200
-        assert b'training_loss{run="test-run"} 2.5' in body
+        assert b'training_loss{rank="",run="test-run"} 2.5' in body
         assert b"training_checkpoint_age_seconds" in body
         with pytest.raises(RuntimeError):
             m.serve("127.0.0.1", 0)

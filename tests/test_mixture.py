@@ -105,7 +105,7 @@ def _metrics(rank: int = 0) -> TrainerMetrics:
 
 
 def _sample(m: TrainerMetrics, name: str, **labels) -> float | None:
-    return m.registry.get_sample_value(name, {"run": "r", **labels})
+    return m.registry.get_sample_value(name, {"run": "r", "rank": "", **labels})  # a global series: rank=""
 
 
 def test_slice_metrics_bounded_and_set():
@@ -122,7 +122,6 @@ def test_slice_metrics_bounded_and_set():
     assert _sample(m, "training_slice_loss", slice="pydoc") == 3.0
     assert _sample(m, "training_slice_loss", slice="intruder") is None  # undeclared: dropped
     assert _sample(m, "training_validation_slice_loss", slice="pydoc") == 1.0
-    assert _sample(m, "training_validation_slice_perplexity", slice="pydoc") == pytest.approx(2.718281828)
     assert _sample(m, "training_probe_loss", slice="stdlib") == 4.0
     assert _sample(m, "training_mixture_weight_ratio", slice="stdlib") == 0.2
     for e in TIMELINE_EVENTS:
@@ -472,10 +471,10 @@ def test_corrupt_source_drill_shows_in_that_slice_only(mix_dir, tmp_path):
     assert min(after) > max(others) + 0.5 and min(after) > max(before)
     for name in WEIGHTS:
         for metric in ("training_slice_loss", "training_validation_slice_loss", "training_probe_loss",
-                       "training_validation_slice_perplexity", "training_mixture_weight_ratio"):
-            assert f'{metric}{{run="run",slice="{name}"}}' in text, (metric, name)
-    assert 'training_timeline_events_total{event="warmup_end",run="run"} 1.0' in text
-    assert 'training_timeline_events_total{event="mixture_change",run="run"} 0.0' in text
+                       "training_mixture_weight_ratio"):
+            assert f'{metric}{{rank="",run="run",slice="{name}"}}' in text, (metric, name)
+    assert 'training_timeline_events_total{event="warmup_end",rank="",run="run"} 1.0' in text
+    assert 'training_timeline_events_total{event="mixture_change",rank="",run="run"} 0.0' in text
 
 
 def test_seq_len_schedule_on_a_mixture_marks_counts_and_accounts_the_length_in_effect(mix_dir, tmp_path):
@@ -491,8 +490,8 @@ def test_seq_len_schedule_on_a_mixture_marks_counts_and_accounts_the_length_in_e
     assert ("seq_len_change", 8) in _markers(run)
     change = next(r for r in records(run) if isinstance(r, MarkerRecord) and r.marker == "seq_len_change")
     assert change.detail == "seq_len 32->64 (256->512 tokens per step)"
-    assert 'training_timeline_events_total{event="seq_len_change",run="run"} 1.0' in text
-    assert 'training_sequence_length_tokens{run="run"} 64.0' in text
+    assert 'training_timeline_events_total{event="seq_len_change",rank="",run="run"} 1.0' in text
+    assert 'training_sequence_length_tokens{rank="",run="run"} 64.0' in text
     ds = TokenDataset.open(mix_dir)
     steps = authoritative_steps(records(run))
     for s, r in steps.items():

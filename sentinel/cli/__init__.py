@@ -12,6 +12,7 @@ import sys
 import click
 
 from sentinel import __version__
+from sentinel.cli.exits import add_epilogs, epilog
 
 # command name -> (module, attribute, one-line help). Order is the order in --help.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -67,7 +68,9 @@ class LazyGroup(click.Group):
             return None
         module, attr, short = COMMANDS[name]
         try:
-            return getattr(importlib.import_module(module), attr)
+            cmd = getattr(importlib.import_module(module), attr)
+            add_epilogs(cmd, name)
+            return cmd
         except ModuleNotFoundError as e:
             if e.name != module:
                 raise
@@ -84,7 +87,8 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+             epilog=epilog("sentinel"))
 @click.version_option(__version__, prog_name="sentinel")
 def main():
     """Keep long PyTorch LLM pretraining runs alive and honest.

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected, not_empty
+from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected, not_empty, offline_note
 
 STATUS_STYLE = {"resume_verified": "bold green", "checksum_ok": "green", "unverified": "yellow", "failed": "bold red",
                 "corrupt": "bold red", "incomplete": "red"}
@@ -79,8 +79,8 @@ def _checkpoints(run, quick, redis_url, as_json):
     pending = rundir.pending_rollback_for_view(ref.run_dir)
     out = {"run": ref.run, "run_dir": str(ref.run_dir) if ref.run_dir else None, "source": source,
            "checkpoints": rows, "pending_rollback": pending}
-    if ref.bus_down:  # a bus that is down: the files are read, and that is said
-        out["note"] = ref.bus_note
+    if ref.bus_down:  # a bus that is down: the files are read, and that is said (not for a run that has stopped)
+        out["note"] = offline_note(ref)
     count_bus_entries(out, rejected)
     if as_json:
         emit_json(out)

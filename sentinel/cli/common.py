@@ -297,3 +297,56 @@ def lost_ack_error(ref, d, e: Exception) -> SentinelError:
     return SentinelError(f"directive {d.id[:8]} is on the bus, but waiting for its ack failed ({e}); the trainer of "
                          f"{ref.run} may still apply it until {_expiry(d)} (check `sentinel status {ref.run}`)",
                          exit_code=1)
+
+
+# --------------------------------------------------------------------------------------------
+# The offline views of a stopped run: its embedded bus being down is expected, not news
+# --------------------------------------------------------------------------------------------
+
+STEPS_QUIET_S = 60.0  # steps.jsonl unchanged this long: no trainer is writing it (status's offline-writing)
+LOCK_FILE = "trainer.lock"  # trainer/rundir_lock.py: the trainer's rank 0 holds an exclusive flock on it
+
+
+def trainer_holds_lock(run_dir: Path) -> bool | None:
+    """Whether a process on this machine holds ``RUN_DIR/trainer.lock`` (the kernel's /proc/locks,
+    read without touching the lock: taking it, even shared, could make a starting trainer refuse
+    to start). False with no lock file; None when it cannot be known (no /proc/locks)."""
+    try:
+        st = (Path(run_dir) / LOCK_FILE).stat()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    key = f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
+    try:
+        with open("/proc/locks") as f:
+            return any(key in line for line in f)
+    except OSError:
+        return None
+
+
+def run_has_stopped(run_dir: Path | None) -> bool:
+    """A run directory whose trainer has stopped: no process on this machine holds its lock, and its
+    steps.jsonl has not changed for a minute (a trainer on another node writes it)."""
+    if run_dir is None or trainer_holds_lock(run_dir) is not False:
+        return False
+    from sentinel import rundir
+
+    mt = rundir.steps_mtime(run_dir)
+    import time
+
+    return mt is None or time.time() - mt >= STEPS_QUIET_S
+
+
+def offline_note(ref) -> str | None:
+    """The note a view prints about the missing bus: ``ref.bus_note``, except for a run that has
+    stopped read without an explicit bus (--redis-url, SENTINEL_REDIS_URL): its own embedded bus is
+    down because the run is over, and saying so at every view is noise. An explicit bus that is down
+    is always said."""
+    if ref.bus_note is None:
+        return None
+    ctx = click.get_current_context(silent=True)
+    explicit = (ctx is not None and ctx.params.get("redis_url")) or os.environ.get("SENTINEL_REDIS_URL")
+    if not explicit and run_has_stopped(ref.run_dir):
+        return None
+    return ref.bus_note

@@ -14,7 +14,7 @@ import time
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
+from sentinel.cli.common import OneLineText, FiniteFloat, not_empty, offline_note
 from sentinel.cli.common import (WRONG_TYPE, SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, fmt_clock,
                                  friendly_errors, json_option, read_or_reject, read_unless_wrong_type, redis_url_option)
 from sentinel.protocol import finite_or_none
@@ -45,7 +45,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
     trainer_log = rundir.read_directives_log(ref.run_dir, tail=2000) if ref.run_dir else []
     if ref.r is None:
         # no bus: what the run directory remembers (the incidents mirror, manual actions, applied directives)
-        out["note"] = ref.bus_note
+        out["note"] = offline_note(ref)
         out["audit"] = rundir.read_audit(ref.run_dir, tail=200) if ref.run_dir else []
         out["directives"] = trainer_log[-200:]
         incs = read_incidents_log(ref.run_dir, rejected) if ref.run_dir else []
@@ -90,6 +90,7 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
         d["timeline"] = by_id.get(inc.id, [])
         d["outcome"] = _outcome(inc, d["timeline"])
         annotate_actions(d, applied=applied, acks=acks, trainer_log=trainer_log)
+        d["state_text"] = state_text(d)
         out["incidents"].append(d)
     out["rejected_lines"], out["first_rejected"] = len(rejected), (rejected[0] if rejected else None)
     count_bus_entries(out, bad_entries)
@@ -103,6 +104,22 @@ def _first_flagged(inc) -> int | None:
     steps = [e.get("step") for e in inc.evidence if isinstance(e, dict)]
     steps = [s for s in steps if isinstance(s, int) and not isinstance(s, bool)]
     return min(steps) if steps else None
+
+
+def state_text(inc: dict) -> str:
+    """What the incident's state means to a person: "rolled back to 80" when the trainer applied a
+    rollback (and ", recovered" once the incident closed healthy), not the policy's bare word
+    ``healthy``; else the state as it is (``verifying``, ``escalated``, ``recovered``, ...)."""
+    rolled = [a for a in inc.get("actions") or [] if a.get("kind") == "rollback" and a.get("to_step") is not None
+              and str(a.get("outcome") or "").startswith(("acked", "prepared"))]
+    if not rolled:
+        return str(inc.get("state"))
+    text = f"rolled back to {rolled[-1]['to_step']}"
+    if str(rolled[-1].get("outcome")).startswith("prepared"):
+        text += " at the next start"
+    if inc.get("closed_at") is not None and inc.get("state") == "healthy":
+        return text + ", recovered"
+    return text if inc.get("state") in ("healthy", "rollback") else f"{text}; {inc.get('state')}"
 
 
 def _outcome(inc, timeline: list[dict]) -> str:
@@ -135,9 +152,10 @@ def _render(runs: list[dict]):
 
     parts = []
     for run in runs:
-        if run["source"] == "files":
-            parts.append(Text(f"{run['run']}: no control bus ({run.get('note') or 'offline'}); "
-                              "from the run directory:", style="yellow"))
+        if run["source"] == "files" and run.get("note"):
+            parts.append(Text(f"{run['run']}: no control bus ({run['note']}); from the run directory:", style="yellow"))
+        elif run["source"] == "files":  # a run that has stopped: its bus is down by design, nothing to warn of
+            parts.append(Text(f"{run['run']}: the run has stopped; from the run directory:", style="dim"))
         if not run["incidents"]:
             parts.extend(_no_incidents(run))
             continue
@@ -149,7 +167,8 @@ def _render(runs: list[dict]):
             dur = fmt_duration((inc["closed_at"] or time.time()) - inc["opened_at"])
             pat = inc.get("pattern")
             at = f" at step {inc['closed_step']}" if inc.get("closed_step") is not None else ""
-            head = Text.assemble(("rule ", "dim"), (inc["rule"], "bold"), ("  state ", "dim"), (inc["state"], style),
+            head = Text.assemble(("rule ", "dim"), (inc["rule"], "bold"), ("  state ", "dim"),
+                                 (inc.get("state_text") or inc["state"], style),
                                  ("\nonset step ", "dim"), str(inc["onset_step"]), *_steps(inc),
                                  ("\nopened ", "dim"), _ts(inc["opened_at"]), "  ",
                                  (f"closed after {dur}{at}" if not inc["open"] else f"open for {dur}", style),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from sentinel.cli.common import not_empty
+from sentinel.cli.common import not_empty, offline_note
 from sentinel.cli.common import (count_bus_entries, emit_runs, fmt_clock, friendly_errors, json_option, read_or_reject,
                                  redis_url_option)
 
@@ -39,7 +39,7 @@ def run_pages(ref, limit: int | None = None) -> dict:
                                           "incident_id": ev.incident_id, **ev.data})
             pages[(round(page["time"], 3), page["summary"])] = page
     else:
-        out["note"] = ref.bus_note
+        out["note"] = offline_note(ref)
     if ref.run_dir is not None:  # the mirror: all of it without a bus, what a restarted bus forgot with one
         rejected: list[str] = []
         for page in rundir.read_pages_log(ref.run_dir, rejected=rejected):
@@ -62,9 +62,10 @@ def _render(runs: list[dict]):
 
     parts = []
     for run in runs:
-        if run["source"] == "files":
-            parts.append(Text(f"{run['run']}: {run.get('note') or 'no control bus'}; "
-                              "from the run directory's pages.jsonl:", style="yellow"))
+        if run["source"] == "files" and run.get("note"):
+            parts.append(Text(f"{run['run']}: {run['note']}; from the run directory's pages.jsonl:", style="yellow"))
+        elif run["source"] == "files":  # a run that has stopped: its bus is down by design, nothing to warn of
+            parts.append(Text(f"{run['run']}: the run has stopped; from the run directory's pages.jsonl:", style="dim"))
         if not run["pages"]:
             parts.append(Text(f"{run['run']}: no pages", style="green"))
             continue

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, redis_url_option, not_empty
+from sentinel.logs import ENV_FORMAT, LOG_FORMATS, configure, daemon_log
 
 
 def _check_alertmanager_url(url: str) -> None:
@@ -52,18 +53,6 @@ def _run_dir_problem(path: str) -> str | None:
     return None
 
 
-def _console_log():
-    from rich.console import Console
-
-    console = Console(stderr=True, highlight=False, log_path=False, width=max(100, Console().width))
-
-    def log(msg: str) -> None:
-        style = "bold red" if ("PAGE" in msg or "escalat" in msg or msg.startswith("WARNING")) else ("yellow" if "sent " in msg else None)
-        console.log(msg, style=style, markup=False)  # "[run] ..." is text, not a rich markup tag
-
-    return log
-
-
 @click.command("run")
 @click.argument("runs", nargs=-1, metavar="[RUN_DIR_OR_ID]...", callback=not_empty)
 @redis_url_option
@@ -80,9 +69,13 @@ def _console_log():
               help="Leader lease TTL in ms (HA: one sentinel acts per run).")
 @click.option("--max-runs", type=click.IntRange(1, 100_000), default=1024, show_default=True,
               help="With no run named: watch at most this many live runs (a run is live when its trainer signed a step record in the last day, or its heartbeat is on).")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
+              envvar=ENV_FORMAT, show_envvar=True,
+              help="text: a console on a terminal, plain lines elsewhere; json: one object per line "
+                   "(time, level, logger, message, run) for Loki or ELK.")
 @friendly_errors
 def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, metrics_host, metrics_port, consumer,
-        alertmanager_url, lease_ms, max_runs):
+        alertmanager_url, lease_ms, max_runs, log_format):
     """Watch every step of the given runs (run dirs or run ids; none: every run on the bus) and act.
 
     The first SIGTERM/Ctrl-C finishes the current batch, saves state and releases leases (warm
@@ -114,7 +107,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
                    run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer
-    log = _console_log()
+    log = daemon_log(configure(log_format))
     metrics = SentinelMetrics()
     members = []
     for (url, secret, run_dir), ids in _bus_groups(runs, redis_url, secret_file).items():

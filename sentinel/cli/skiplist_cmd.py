@@ -20,6 +20,8 @@ from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
 from sentinel.cli.common import WRONG_TYPE, SentinelError, emit_json, friendly_errors, json_option, lost_ack_error, read_unless_wrong_type, redis_url_option
 
 ACTIONS = ("show", "add", "remove")
+LIMIT = 20  # groups shown by default
+EXAMPLES = 3  # ranges spelled out per group
 
 
 @click.command("skip-list")
@@ -30,11 +32,17 @@ ACTIONS = ("show", "add", "remove")
 @click.option("--timeout", type=FiniteFloat(1, 86_000), default=60.0, show_default=True,
               help="Seconds to wait for a live trainer's ack after `add`.")
 @click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
+@click.option("--limit", type=click.IntRange(min=0), default=LIMIT, show_default=True,
+              help="`show`: at most N groups (0: all); --json always has every range.")
 @redis_url_option
 @json_option
 @friendly_errors
-def skip_list(run, action, ranges, reason, timeout, secret_file, redis_url, as_json):
+def skip_list(run, action, ranges, reason, timeout, secret_file, limit, redis_url, as_json):
     """Show or edit RUN's skip list of sample-id ranges [LO, HI).
+
+    `show` groups the ranges by why they are there (the incident and rollback, the skip-samples
+    directive, the config, the operator who added them): one row per group, with its number of
+    ranges and samples, the span they fall in and the first ranges as LO:HI.
 
     \b
       sentinel skip-list runs/x                 # show
@@ -43,7 +51,7 @@ def skip_list(run, action, ranges, reason, timeout, secret_file, redis_url, as_j
     """
     from sentinel.runref import ops_errors
 
-    ops_errors(_skip_list)(run, action, ranges, reason, timeout, secret_file, redis_url, as_json)
+    ops_errors(_skip_list)(run, action, ranges, reason, timeout, secret_file, redis_url, as_json, limit)
 
 
 def _parse(ranges) -> list[tuple[int, int]]:
@@ -80,14 +88,14 @@ def current_ranges(ref) -> tuple[list[tuple[int, int]], str]:
     return merge_ranges(ranges), "bus"
 
 
-def _skip_list(run, action, ranges, reason, timeout, secret_file, redis_url, as_json):
+def _skip_list(run, action, ranges, reason, timeout, secret_file, redis_url, as_json, limit=LIMIT):
     from sentinel.runref import resolve
 
     ref = resolve(run, redis_url)
     if action == "show":
         if ranges:
             raise SentinelError("`show` takes no ranges (did you mean `add`?)")
-        return _show(ref, as_json)
+        return _show(ref, as_json, limit)
     want = _parse(ranges)
     if not want:
         raise SentinelError(f"`{action}` needs at least one range LO:HI")
@@ -96,7 +104,28 @@ def _skip_list(run, action, ranges, reason, timeout, secret_file, redis_url, as_
     return _remove(ref, want, reason, as_json)
 
 
-def _show(ref, as_json):
+def group_ranges(rs: list[tuple[int, int]], why: list[dict | None]) -> list[dict]:
+    """The ranges grouped by incident (a rollback and the skip-samples directives of one incident are
+    one group), else by origin (``rundir.skip_origins``: the config, an operator's add, an unexplained
+    range), in the order of their first range: ``{"why", "incident_id", "ranges": [[lo, hi], ...], "samples"}``."""
+    groups: dict[str, dict] = {}
+    for (lo, hi), o in zip(rs, why):
+        iid = (o or {}).get("incident_id")
+        key = f"incident {iid}" if iid else _why(o)
+        g = groups.setdefault(key, {"why": key, "incident_id": iid, "what": [], "ranges": [], "samples": 0})
+        what = _why({**o, "incident_id": None}) if iid else None
+        if what and what not in g["what"]:
+            g["what"].append(what)
+        g["ranges"].append([lo, hi])
+        g["samples"] += hi - lo
+    for g in groups.values():
+        if g["what"]:
+            g["why"] += ": " + "; ".join(g["what"])
+        del g["what"]
+    return list(groups.values())
+
+
+def _show(ref, as_json, limit=LIMIT):
     from sentinel import rundir
 
     rs, source = current_ranges(ref)
@@ -108,24 +137,29 @@ def _show(ref, as_json):
            "config_ranges": [list(r) for r in cfg],
            "pending_rollback_ranges": (pending or {}).get("ranges", []) if pending else [],
            "origins": [None if o is None else {k: v for k, v in o.items() if k != "ranges"} for o in why]}
+    groups = group_ranges(rs, why)
     if as_json:
-        emit_json(out)
+        emit_json({**out, "groups": groups})
         return
     from rich.markup import escape
     from rich.table import Table
 
     from sentinel.cli.status_cmd import console_for_output
 
-    t = Table(title=f"skip list of {ref.run}: {len(rs)} range(s), {rundir.count(rs):,} samples ({source})", title_justify="left")
-    t.add_column("from (incl.)", justify="right", no_wrap=True)
-    t.add_column("to (excl.)", justify="right", no_wrap=True)
-    t.add_column("samples", justify="right", no_wrap=True)
-    t.add_column("as LO:HI", no_wrap=True)  # the form --skip / skip-list add / --inject-fault take
+    t = Table(title=f"skip list of {ref.run}: {len(rs)} range(s), {rundir.count(rs):,} samples, {len(groups)} group(s) "
+                    f"({source})", title_justify="left")
     t.add_column("why", overflow="fold")
-    for (lo, hi), o in list(zip(rs, why))[:200]:
-        t.add_row(str(lo), str(hi), f"{hi - lo:,}", f"{lo}:{hi}", escape(_why(o)))
-    if len(rs) > 200:
-        t.caption = f"... and {len(rs) - 200} more ranges (--json for all)"
+    t.add_column("ranges", justify="right", no_wrap=True)
+    t.add_column("samples", justify="right", no_wrap=True)
+    t.add_column("within [from, to)", no_wrap=True)
+    t.add_column("as LO:HI", overflow="fold")  # the form --skip / skip-list add / --inject-fault take
+    shown = groups if limit == 0 else groups[:limit]
+    for g in shown:
+        rows = g["ranges"]
+        first = " ".join(f"{lo}:{hi}" for lo, hi in rows[:EXAMPLES]) + (f" +{len(rows) - EXAMPLES} more" if len(rows) > EXAMPLES else "")
+        t.add_row(escape(g["why"]), str(len(rows)), f"{g['samples']:,}", f"[{rows[0][0]}, {rows[-1][1]})", first)
+    if len(shown) < len(groups):
+        t.caption = f"... and {len(groups) - len(shown)} more group(s) (--limit 0 for all, --json for every range)"
     console_for_output().print(t)
 
 

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import FiniteFloat, not_empty
+from sentinel.cli.common import FiniteFloat, not_empty, offline_note
 from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected
 
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
@@ -66,7 +66,7 @@ def run_status(ref, now: float | None = None) -> dict:
         mt = rundir.steps_mtime(ref.run_dir) if ref.run_dir else None
         row["state"] = "offline"
         row["heartbeat_age_seconds"] = None
-        row["note"] = ref.bus_note
+        row["note"] = offline_note(ref)
         if mt is not None and now - mt < 60:
             row["state"] = "offline-writing"  # steps.jsonl moving, but no bus: a trainer without telemetry
     elif hb is None:
@@ -335,10 +335,12 @@ def collect(runs, redis_url) -> tuple[list[dict], list[str]]:
 @click.argument("runs", nargs=-1, metavar="[RUN]...", callback=not_empty)
 @click.option("--watch", is_flag=True, help="Refresh live until Ctrl-C.")
 @click.option("--interval", type=FiniteFloat(0.2, 3600), default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--exit-status", is_flag=True,
+              help="Exit 1 when a run is HUNG, stale or paused (with --watch: as soon as one is), for scripts and probes.")
 @redis_url_option
 @json_option
 @friendly_errors
-def status(runs, watch, interval, redis_url, as_json):
+def status(runs, watch, interval, redis_url, as_json, exit_status):
     """One row per run: step, loss, val PPL, grad norm, tokens/s, MFU, checkpoint age, open incidents,
     guard skips, last action. Out-of-band values are red: loss >20% above its recent median, the
     newest checkpoint older than 2 h, a stale heartbeat, a hung run (heartbeat, but no new step
@@ -350,26 +352,48 @@ def status(runs, watch, interval, redis_url, as_json):
     rollback or resume.
 
     RUN is a run directory (works offline, from steps.jsonl) or a run id on the bus; without RUN,
-    every run registered on the bus (--redis-url / SENTINEL_REDIS_URL).
+    every run registered on the bus (--redis-url / SENTINEL_REDIS_URL). A run directory whose own
+    embedded bus is down gets a note saying so, unless the run has stopped: no process on this
+    machine holds RUN_DIR/trainer.lock and steps.jsonl has not changed for a minute (the same rule
+    in incidents, pages and checkpoints). An explicit bus that is down is always said.
+
+    --exit-status makes it a probe: exit 1 when a run is HUNG, stale or paused.
     """
     from sentinel.runref import ops_errors
 
-    ops_errors(_status)(runs, watch, interval, redis_url, as_json)
+    ops_errors(_status)(runs, watch, interval, redis_url, as_json, exit_status)
 
 
-def _status(runs, watch, interval, redis_url, as_json):
+NEEDS_ATTENTION = ("hung", "stale", "paused")  # the states --exit-status exits 1 for
+
+
+def needs_attention(rows: list[dict]) -> list[str]:
+    """``run (state)`` of each run that is HUNG, stale or paused."""
+    return [f"{r['run']} ({r['state']})" for r in rows if r.get("state") in NEEDS_ATTENTION]
+
+
+def _attention_exit(rows: list[dict], exit_status: bool) -> None:
+    bad = needs_attention(rows) if exit_status else []
+    if bad:
+        click.echo(f"needs attention: {', '.join(bad)}", err=True)
+        raise click.exceptions.Exit(1)
+
+
+def _status(runs, watch, interval, redis_url, as_json, exit_status=False):
     rows, errors = collect(runs, redis_url)
     if not watch:
         if as_json:
             emit_json({"runs": rows, "time": time.time()})
-            return
-        warn_rejected(rows)
-        console_for_output().print(render(rows, errors))
+        else:
+            warn_rejected(rows)
+            console_for_output().print(render(rows, errors))
+        _attention_exit(rows, exit_status)
         return
     try:
         if as_json:  # one compact JSON document per refresh (NDJSON)
             while True:
                 click.echo(json.dumps({"runs": rows, "time": time.time()}, default=str, sort_keys=True))
+                _attention_exit(rows, exit_status)
                 time.sleep(interval)
                 rows, errors = collect(runs, redis_url)
         from rich.live import Live
@@ -377,6 +401,8 @@ def _status(runs, watch, interval, redis_url, as_json):
         console = console_for_output()
         with Live(render(rows, errors), console=console, refresh_per_second=4, screen=False) as live:
             while True:
+                if exit_status and needs_attention(rows):
+                    break
                 time.sleep(interval)
                 try:
                     rows, errors = collect(runs, redis_url)
@@ -387,5 +413,6 @@ def _status(runs, watch, interval, redis_url, as_json):
                     if not isinstance(e, BusError):
                         raise
                     live.update(render(rows, [f"{e} (showing the last good data)"]))
+        _attention_exit(rows, exit_status)
     except KeyboardInterrupt:
         return

@@ -10,10 +10,16 @@ Why this shape:
   which; tests/test_metrics.py keeps the two in step.
 * **Cheap on the hot path.** Every labelled child is resolved once in ``__init__``; ``on_step`` is a
   handful of locked float stores and a 20-element sum. Nothing here touches the GPU: values arrive
-  as host floats (the trainer copies them one step late, non-blocking). CUDA memory and RSS are
-  read by callbacks at scrape time, so they cost nothing per step and are always fresh.
+  as host floats (the trainer copies them one step late, non-blocking). CUDA memory is read by
+  callbacks at scrape time, so it costs nothing per step and is always fresh; the process's own
+  RSS, CPU time, open files and start time come from prometheus-client's ``ProcessCollector``
+  (``process_*``), registered on the same registry.
+* **Global series need no relabel rule.** A global series carries ``rank=""``: with
+  ``honor_labels: true`` an exported empty label wins over the scrape target's ``rank="0"`` and
+  Prometheus then stores the series without ``rank`` (docs/metrics.md, "Scrape configuration").
 * **Our own registry.** Never the process-global one, so tests and several trainers in one
-  process never collide.
+  process never collide. It leaves out the ``<name>_created`` series of counters, histograms and
+  summaries (:class:`MetricsRegistry`): a second series per counter that no panel or alert reads.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import resource
-import sys
+import socket
 import time
 import typing
 from collections import deque
+from collections.abc import Iterable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -33,9 +39,11 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    ProcessCollector,
     Summary,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 from sentinel.protocol import MARKER_KINDS, MAX_SLICES, REJECT_REASONS, SLICE_NAME_RE, DirectiveKind
 
@@ -51,8 +59,51 @@ DIRECTIVE_KINDS: tuple[str, ...] = typing.get_args(DirectiveKind)
 # timeline events counted by training_timeline_events_total{event}: the schedule/data markers plus restarts
 TIMELINE_EVENTS: tuple[str, ...] = MARKER_KINDS + ("resume", "rollback")
 
-RUN = ("run",)
 RUN_RANK = ("run", "rank")
+GLOBAL_RANK = ""  # the `rank` of a global series: empty, so Prometheus stores none (honor_labels)
+
+
+class MetricsRegistry(CollectorRegistry):
+    """A ``CollectorRegistry`` that never exposes ``<name>_created`` samples.
+
+    Per registry, unlike ``prometheus_client.disable_created_metrics()``, which would change every
+    other registry of the process (an integration must not change its host's metrics)."""
+
+    def collect(self) -> Iterable[Metric]:
+        return _without_created(super().collect())
+
+    def restricted_registry(self, names: Iterable[str]):  # a scrape with ?name[]=...
+        inner = super().restricted_registry(names)
+
+        class _Restricted:
+            def collect(self) -> Iterable[Metric]:
+                return _without_created(inner.collect())
+
+        return _Restricted()
+
+
+def _without_created(families: Iterable[Metric]) -> Iterable[Metric]:
+    for fam in families:
+        if fam.type in ("counter", "histogram", "summary", "gaugehistogram"):
+            fam.samples = [s for s in fam.samples if not s.name.endswith(("_created", "_gcreated"))]
+        yield fam
+
+
+def _pod_name() -> str:
+    """``$POD_NAME`` (the Downward API), else on Kubernetes ``$HOSTNAME`` (a pod's host name is its
+    name unless the spec sets another), else ``""``."""
+    if os.environ.get("POD_NAME"):
+        return os.environ["POD_NAME"]
+    return os.environ.get("HOSTNAME", "") if os.environ.get("KUBERNETES_SERVICE_HOST") else ""
+
+
+def gpu_uuid_label(uuid: object | None) -> str:
+    """A GPU UUID as nvidia-smi and the DCGM exporter's ``UUID`` label print it (``GPU-<uuid>``);
+    ``torch.cuda.get_device_properties(i).uuid`` has no prefix. ``""`` when there is none."""
+    text = str(uuid or "").strip()
+    if not text:
+        return ""
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
 
 def _version() -> str:
@@ -64,24 +115,6 @@ def _version() -> str:
         import sentinel
 
         return getattr(sentinel, "__version__", "unknown")
-
-
-def _resident_bytes() -> float:
-    """Current RSS from /proc/self/statm; elsewhere the peak RSS from getrusage (best available)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return float(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def _perplexity(loss: float) -> float:
-    """exp(loss), +Inf on overflow (a diverged run), NaN stays NaN."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return math.inf
 
 
 class TrainerMetrics:
@@ -99,10 +132,18 @@ class TrainerMetrics:
         dtype: str,
         registry: CollectorRegistry | None = None,
         tokens_per_second_window: int = 20,
+        host: str | None = None,
+        pod: str | None = None,
+        gpu_uuid: object | None = None,
     ) -> None:
+        """``host`` defaults to ``socket.gethostname()``, ``pod`` to ``$POD_NAME`` (set it from the
+        Downward API), else ``$HOSTNAME`` on Kubernetes, else ``""``; ``gpu_uuid`` is this rank's GPU, e.g.
+        ``torch.cuda.get_device_properties(i).uuid`` (``""`` on CPU). They label ``training_info``
+        so that DCGM exporter series (``Hostname``, ``pod``, ``UUID``) join a run's ranks.
+        ``registry`` defaults to a new :class:`MetricsRegistry`."""
         if tokens_per_second_window < 1:
             raise ValueError("tokens_per_second_window must be >= 1")
-        self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
+        self.registry: CollectorRegistry = registry if registry is not None else MetricsRegistry()
         self.run = run
         self.rank = int(rank)
         self.is_global_exporter = self.rank == 0
@@ -115,8 +156,16 @@ class TrainerMetrics:
         self._window: deque[tuple[int, float, int, int]] = deque(maxlen=tokens_per_second_window)
 
         self._build_per_rank(device)
+        Info("training", "Static facts about the run and where this rank runs (value is always 1).", RUN_RANK,
+             registry=self.registry).labels(self.run, str(self.rank)).info({
+                 "model": str(model), "world_size": str(world_size), "parallelism": str(parallelism),
+                 "device": str(device), "dtype": str(dtype), "version": _version(),
+                 "host": socket.gethostname() if host is None else str(host),
+                 "pod": _pod_name() if pod is None else str(pod),
+                 "gpu_uuid": gpu_uuid_label(gpu_uuid),
+             })  # fmt: skip
         if self.is_global_exporter:
-            self._build_global(world_size=world_size, model=model, parallelism=parallelism, device=device, dtype=dtype)
+            self._build_global()
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -149,9 +198,12 @@ class TrainerMetrics:
             "training_heartbeat_timestamp_seconds", "Unix time this rank last reported being alive.", RUN_RANK, registry=r
         ).labels(*lv)
         self._heartbeat.set(self._started)
-        Gauge(
-            "training_process_resident_memory_bytes", "Resident set size of this rank's process.", RUN_RANK, registry=r
-        ).labels(*lv).set_function(_resident_bytes)
+        # process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds, ... (Linux /proc);
+        # they carry no labels of their own: run and rank come from the scrape target
+        try:
+            ProcessCollector(registry=r)
+        except ValueError:  # a caller's registry that has one already (the process-global one does)
+            pass
         self._dropped = Counter(
             "training_telemetry_dropped", "Telemetry records this rank could not deliver to the control bus.",
             RUN_RANK, registry=r,
@@ -188,28 +240,17 @@ class TrainerMetrics:
             RUN_RANK, registry=r,
         ).labels(*lv).set_function(reader(torch.cuda.memory_reserved))
 
-    def _build_global(self, *, world_size: int, model: str, parallelism: str, device: str, dtype: str) -> None:
-        r, lv = self.registry, (self.run,)
+    def _build_global(self) -> None:
+        r, lv = self.registry, (self.run, GLOBAL_RANK)
 
         def gauge(name: str, doc: str):
-            return Gauge(name, doc, RUN, registry=r).labels(*lv)
+            return Gauge(name, doc, RUN_RANK, registry=r).labels(*lv)
 
         def counter(name: str, doc: str):
-            return Counter(name, doc, RUN, registry=r).labels(*lv)
+            return Counter(name, doc, RUN_RANK, registry=r).labels(*lv)
 
-        Info("training", "Static facts about the run (value is always 1).", RUN, registry=r).labels(*lv).info(
-            {
-                "model": str(model),
-                "world_size": str(world_size),
-                "parallelism": str(parallelism),
-                "device": str(device),
-                "dtype": str(dtype),
-                "version": _version(),
-            }
-        )
         self._loss = gauge("training_loss", "Global mean training loss of the last step.")
         self._val_loss = gauge("training_validation_loss", "Mean loss of the last validation pass.")
-        self._val_ppl = gauge("training_validation_perplexity", "exp(training_validation_loss).")
         self._grad_norm = gauge("training_grad_norm", "Global L2 norm of the gradient before clipping.")
         self._clipped = counter("training_grad_clipped_steps", "Steps whose gradient was clipped.")
         self._lr = gauge("training_learning_rate", "Learning rate used by the last step.")
@@ -227,9 +268,10 @@ class TrainerMetrics:
         )
         self._mfu_family = None  # created on the first known MFU: absent when no peak is known
         self._mfu = None
-        skipped = Counter("training_skipped_steps", "Steps whose update was dropped, by reason.", RUN + ("reason",), registry=r)
+        skipped = Counter("training_skipped_steps", "Steps whose update was dropped, by reason.", RUN_RANK + ("reason",),
+                          registry=r)
         self._skipped_family = skipped
-        self._skipped = {reason: skipped.labels(self.run, reason) for reason in SKIP_REASONS}
+        self._skipped = {reason: skipped.labels(*lv, reason) for reason in SKIP_REASONS}
         self._resumes = counter("training_resumes", "Resumes from a checkpoint (process starts included).")
         self._rollbacks = counter("training_rollbacks", "In-process rollbacks to an earlier checkpoint.")
 
@@ -239,10 +281,10 @@ class TrainerMetrics:
         Gauge(
             "training_checkpoint_age_seconds",
             "Seconds since the last successful checkpoint (since process start before the first one).",
-            RUN, registry=r,
+            RUN_RANK, registry=r,
         ).labels(*lv).set_function(lambda: time.time() - self._checkpoint_ref)
         self._ckpt_seconds = Histogram(
-            "training_checkpoint_save_duration_seconds", "Wall time of successful checkpoint saves.", RUN,
+            "training_checkpoint_save_duration_seconds", "Wall time of successful checkpoint saves.", RUN_RANK,
             buckets=CHECKPOINT_SECONDS_BUCKETS, registry=r,
         ).labels(*lv)
         self._ckpt_bytes = gauge("training_checkpoint_size_bytes", "Size on disk of the last successful checkpoint.")
@@ -261,23 +303,23 @@ class TrainerMetrics:
         # reason: sentinel.protocol.REJECT_REASONS (a small fixed set)
         self._directives_rejected = Counter(
             "training_directives_rejected", "Directives refused, by reason (bad_signature, unsigned, expired, malformed, ...).",
-            RUN + ("reason",), registry=r,
+            RUN_RANK + ("reason",), registry=r,
         )
         self._rejected_seen: dict[str, int] = {}
         for reason in REJECT_REASONS:  # every series exists from the start, so increase() sees the first one
-            self._directives_rejected.labels(self.run, reason)
+            self._directives_rejected.labels(*lv, reason)
         applied = Counter(
-            "training_directives_applied", "Directives applied, by kind.", RUN + ("kind",), registry=r
+            "training_directives_applied", "Directives applied, by kind.", RUN_RANK + ("kind",), registry=r
         )
         self._applied_family = applied
-        self._applied = {kind: applied.labels(self.run, kind) for kind in DIRECTIVE_KINDS}
+        self._applied = {kind: applied.labels(*lv, kind) for kind in DIRECTIVE_KINDS}
 
         events = Counter(
             "training_timeline_events",
             "Changes of training conditions (LR phase, mixture, seq len) and restarts, by event.",
-            RUN + ("event",), registry=r,
+            RUN_RANK + ("event",), registry=r,
         )
-        self._timeline_events = {e: events.labels(self.run, e) for e in TIMELINE_EVENTS}
+        self._timeline_events = {e: events.labels(*lv, e) for e in TIMELINE_EVENTS}
         self._build_slices()
 
     def _build_slices(self) -> None:
@@ -286,12 +328,11 @@ class TrainerMetrics:
         r = self.registry
 
         def family(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, RUN + ("slice",), registry=r)
+            return Gauge(name, doc, RUN_RANK + ("slice",), registry=r)
 
         self._slice_families = {
             "train": family("training_slice_loss", "Mean training loss of the last step over the samples of each slice."),
             "val": family("training_validation_slice_loss", "Held-out validation loss of each slice at the last eval."),
-            "val_ppl": family("training_validation_slice_perplexity", "exp(training_validation_slice_loss)."),
             "probe": family("training_probe_loss", "Loss on each slice's small fixed probe set at the last eval."),
             "weight": family(
                 "training_mixture_weight_ratio", "Sampling weight of each slice in the data mixture (weights sum to 1)."
@@ -400,7 +441,7 @@ class TrainerMetrics:
         if skipped_reason:
             child = self._skipped.get(skipped_reason)
             if child is None:
-                child = self._skipped[skipped_reason] = self._skipped_family.labels(self.run, skipped_reason)
+                child = self._skipped[skipped_reason] = self._skipped_family.labels(self.run, GLOBAL_RANK, skipped_reason)
             child.inc()
         elif step_tokens > 0:
             self._tokens.inc(step_tokens)
@@ -408,17 +449,16 @@ class TrainerMetrics:
             if self._mfu is None:
                 self._mfu_family = Gauge(
                     "training_mfu_ratio", "Model FLOPs utilisation: achieved model FLOP/s / peak FLOP/s of all devices.",
-                    RUN, registry=self.registry,
+                    RUN_RANK, registry=self.registry,
                 )
-                self._mfu = self._mfu_family.labels(self.run)
+                self._mfu = self._mfu_family.labels(self.run, GLOBAL_RANK)
             self._mfu.set(mfu)
 
     def on_validation(self, loss: float) -> None:
-        """Record a validation pass: loss and perplexity ``exp(loss)`` (+Inf on overflow). Rank 0 only."""
+        """Record a validation pass's loss (perplexity is ``exp()`` of it in PromQL). Rank 0 only."""
         if not self.is_global_exporter:
             return
         self._val_loss.set(loss)
-        self._val_ppl.set(_perplexity(loss))
 
     def set_slices(self, names: typing.Sequence[str]) -> None:
         """Declare the run's slices (data sources); only these ever become ``slice`` label values.
@@ -443,7 +483,7 @@ class TrainerMetrics:
                 continue
             child = children.get(key)
             if child is None:
-                child = children[key] = self._slice_families[key].labels(self.run, name)
+                child = children[key] = self._slice_families[key].labels(self.run, GLOBAL_RANK, name)
             child.set(value)
 
     def on_slice_losses(self, losses: dict[str, float] | None) -> None:
@@ -451,9 +491,8 @@ class TrainerMetrics:
         self._set_slice_values("train", losses)
 
     def on_slice_validation(self, val: dict[str, float] | None, probe: dict[str, float] | None) -> None:
-        """Per-slice held-out loss (and its perplexity) and probe loss of one eval."""
+        """Per-slice held-out loss and probe loss of one eval."""
         self._set_slice_values("val", val)
-        self._set_slice_values("val_ppl", {k: _perplexity(v) for k, v in (val or {}).items()})
         self._set_slice_values("probe", probe)
 
     def set_mixture_weights(self, weights: dict[str, float]) -> None:
@@ -502,11 +541,11 @@ class TrainerMetrics:
         if not self.is_global_exporter:
             return
         if not applied:
-            self._directives_rejected.labels(self.run, "malformed").inc()
+            self._directives_rejected.labels(self.run, GLOBAL_RANK, "malformed").inc()
             return
         child = self._applied.get(kind)
         if child is None:  # unknown kinds are rejected upstream; count anyway rather than lose it
-            child = self._applied[kind] = self._applied_family.labels(self.run, kind)
+            child = self._applied[kind] = self._applied_family.labels(self.run, GLOBAL_RANK, kind)
         child.inc()
 
     def set_step_log(self, *, write_failures: int, lost: int, buffered: int) -> None:
@@ -530,7 +569,7 @@ class TrainerMetrics:
             if new < 0:  # the client was recreated: its count restarted
                 new = int(total)
             if new:
-                self._directives_rejected.labels(self.run, reason).inc(new)
+                self._directives_rejected.labels(self.run, GLOBAL_RANK, reason).inc(new)
             self._rejected_seen[reason] = int(total)
 
     def set_telemetry_dropped(self, total: int) -> None:

@@ -89,7 +89,7 @@ def restore(tr, step: int) -> None:
 
 def param_digest(tr) -> str:
     """The param digest exactly as the trainer records it (``StepRecord.param_digest``)."""
-    from trainer.train import digest_hex, param_digest_tensor
+    from trainer.telemetry.digest import digest_hex, param_digest_tensor
 
     d = param_digest_tensor(tr.raw_model.parameters())
     if tr.cfg.parallelism == "fsdp" and tr.env.distributed:

@@ -93,7 +93,7 @@ def _components_now(tr) -> dict:
         out["model.pt"] = tr.raw_model.state_dict()
         out["optim.pt"] = tr.opt.state_dict()
     if tr.env.is_main:
-        ts = tr._train_state()
+        ts = tr.train_state()
         out["train_state.json"] = {k: v for k, v in ts.items() if k not in VOLATILE_TRAIN_STATE}
     out[f"rng-rank{tr.env.rank}.pt"] = rng.capture()
     return out
@@ -140,7 +140,7 @@ def _step(tr, number: int) -> dict:
     ``number`` is the step this should be (the trainer's own counter is what is being tested)."""
     from trainer.data import batch_fingerprint
 
-    ids, _n_skipped, micro, micro_ids = tr._batch()
+    ids, _n_skipped, micro, micro_ids = tr.next_batch()
     lr = tr.lr_for(tr.state.step, ids)
     loss, _ranks, gnorm, factor, _reason = tr.train_step(micro, micro_ids, lr)
     tr.state.step += 1
