@@ -79,13 +79,23 @@ def read_manifest(path: str | os.PathLike) -> dict | None:
     return raw if isinstance(raw, dict) and isinstance(raw.get("files"), dict) else None
 
 
+def _newer_files(path: Path) -> bool:
+    """A file of ``path`` changed after its manifest was written (the step saved again after a rollback)."""
+    try:
+        written = (path / CHECKPOINT_MANIFEST).stat().st_mtime
+        return any(p.stat().st_mtime > written for p in path.rglob("*") if p.is_file() and p.name != CHECKPOINT_MANIFEST)
+    except OSError:
+        return True
+
+
 def checkpoint_info(run: str, step: int, path: str | os.PathLike, *, world_size: int = 1, timeline: int = 0,
                     tokens: int = 0, framework: str = "custom") -> CheckpointInfo:
     """The ``CheckpointInfo`` of directory ``path`` (saved at ``step``), writing its manifest when it has none.
 
     Call it once the framework has finished writing the directory: the manifest vouches for the files as
-    they are now."""
-    manifest = read_manifest(path)
+    they are now. A manifest older than a file beside it (the step saved again after a rollback) is
+    written anew."""
+    manifest = read_manifest(path) if not _newer_files(Path(path)) else None
     if manifest is None or manifest.get("step") != int(step):
         manifest = write_manifest(path, step, world_size=world_size, timeline=timeline, tokens=tokens,
                                   framework=framework)

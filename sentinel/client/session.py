@@ -289,7 +289,13 @@ class RunSession:
         """Block while paused (until ``resume``, ``stop``, or ``max_pause_s``); returns what was applied."""
         t0 = time.monotonic()
         give_up = (lambda: time.monotonic() - t0 > max_pause_s) if max_pause_s is not None else None
-        return self.control.hold_while_paused(int(step), give_up=give_up)
+        out = self.control.hold_while_paused(int(step), give_up=give_up)
+        if self.control.paused and not self.control.stop_requested:  # max_pause_s passed: go on, and say so
+            self.control.paused = False
+            if self.bus:
+                self.bus.set_paused(False)
+            self._log(f"paused for {max_pause_s:.0f}s with no resume (max_pause_s): training goes on")
+        return out
 
     def close(self) -> None:
         """Flush the step log and the bus, stop serving metrics; stop the embedded bus when this session

@@ -1,0 +1,119 @@
+"""The Hugging Face callback's cost per step: step time with ``SentinelCallback`` on / off (ABBA).
+
+    python bench/callback_overhead.py [--steps 120] [--rounds 3] [--json]
+
+One process, one torch thread, a tiny GPT-2 (2 layers, d=64, byte vocabulary, 8 x 64 tokens a step) on
+CPU: the smallest step a real run has, so the callback's fixed cost weighs the most. Each trial is a fresh
+``Trainer`` of ``--steps`` steps; "on" adds ``SentinelCallback`` (the run's embedded bus, steps.jsonl, the
+control loop polled every step) with ``SkipAwareDataset`` + ``SampleIdCollator``, "off" trains on the plain
+dataset. The step time is the median gap between consecutive ``on_step_end`` calls after a warm-up (the
+callback's own work lies in that gap). Trials run A B B A per round; the figure is the median over the
+pairs of off/on (1.0: free; the target is >= 0.99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+WARMUP = 20
+
+
+def _trainer(out_dir: Path, steps: int, on: bool, tokens: torch.Tensor):
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return (len(tokens) - 1) // 64
+
+        def __getitem__(self, i):
+            x = tokens[i * 64:(i + 1) * 64]
+            return {"input_ids": x, "labels": x}
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3,
+                             save_strategy="no", logging_steps=100_000, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    clock = Clock()
+    if on:
+        from sentinel.integrations.hf import SentinelCallback
+        from sentinel.integrations.torch_data import SampleIdCollator, SkipAwareDataset
+
+        t = Trainer(model=model, args=args, train_dataset=SkipAwareDataset(Windows(), seed=0), data_collator=SampleIdCollator(),
+                    callbacks=[SentinelCallback(run_dir=out_dir, log=lambda m: None), clock])
+    else:
+        t = Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[clock])
+    return t, clock
+
+
+def trial(out_dir: Path, steps: int, on: bool, tokens: torch.Tensor) -> float:
+    """Median seconds per step (gap between consecutive step ends, after the warm-up)."""
+    t, clock = _trainer(out_dir, steps, on, tokens)
+    with contextlib.redirect_stdout(io.StringIO()):  # HF prints its end-of-training metrics
+        t.train()
+    gaps = [b - a for a, b in zip(clock.marks[WARMUP:], clock.marks[WARMUP + 1:])]
+    return statistics.median(gaps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=120, help=f"steps per trial (the first {WARMUP} are warm-up)")
+    p.add_argument("--rounds", type=int, default=3, help="ABBA rounds (2 pairs each; the median is over the pairs)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    a = p.parse_args(argv)
+    if a.steps <= WARMUP + 2 or a.rounds < 1:
+        p.error(f"need --steps > {WARMUP + 2} and --rounds >= 1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    text = b"".join(p.read_bytes() for p in sorted(Path(json.__file__).parent.parent.glob("*.py")))[:400_000]
+    tokens = torch.tensor(list(text))
+    from sentinel.client.session import stop_bus
+
+    with tempfile.TemporaryDirectory(prefix="callback-overhead-") as tmp:
+        run_dir = Path(tmp) / "bench-run"
+        on_s, off_s = [], []
+        try:
+            for _ in range(a.rounds):
+                for on in (True, False, False, True):  # A B B A
+                    (on_s if on else off_s).append(trial(run_dir if on else Path(tmp) / "off", a.steps, on, tokens))
+        finally:
+            stop_bus(run_dir)
+    ratios = [off / on for off, on in zip(off_s, on_s)]
+    out = {"steps_per_trial": a.steps, "rounds": a.rounds, "pairs": len(ratios),
+           "step_seconds_on": [round(x, 6) for x in on_s], "step_seconds_off": [round(x, 6) for x in off_s],
+           "overhead_ms_per_step": round((statistics.median(on_s) - statistics.median(off_s)) * 1e3, 3),
+           "ratio_off_over_on_median": round(statistics.median(ratios), 4), "target": 0.99}
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"step time on {statistics.median(on_s) * 1e3:.2f} ms, off {statistics.median(off_s) * 1e3:.2f} ms; "
+              f"off/on ratio (median of {len(ratios)} ABBA pairs): {out['ratio_off_over_on_median']:.4f} (target >= 0.99)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
