@@ -1,6 +1,7 @@
 """What does ``SentinelCallback`` cost a Lightning step? The same fit with and without it, ABBA.
 
-    PYTHONPATH=. python bench/callback_overhead_lightning.py [--steps 120] [--warmup 20] [--quads 5] [--json]
+    PYTHONPATH=. python bench/callback_overhead.py --framework lightning [--steps 120] [--warmup 20] [--quads 5] [--json]
+    PYTHONPATH=. python bench/callback_overhead_lightning.py [the same options]
 
 One process, one tiny GPT (the model of ``docs/integrate-lightning.md``: 2 layers, d_model 64, seq 64,
 batch 8, random init) on the locally prepared Shakespeare tokens, CPU, one torch thread. Each segment is a
@@ -104,13 +105,13 @@ def build(steps: int):
     return fit, run_dir
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=120, help="steps per segment")
     ap.add_argument("--warmup", type=int, default=20, help="first steps of a segment not timed")
     ap.add_argument("--quads", type=int, default=5, help="ABBA quads (on/off/off/on); >= 5 for a median")
     ap.add_argument("--json", action="store_true", help="print JSON")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.steps <= args.warmup + 2:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup} + 2")
     import logging
@@ -144,7 +145,7 @@ def main() -> None:
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads 1"}
     if args.json:
         print(json.dumps(res, indent=1))
-        return
+        return 0
     for i, q in enumerate(quads):
         print(f"quad {i}: wall on {q['on_ms']:.2f} / off {q['off_ms']:.2f} ms/step (ratio {q['ratio']:.4f}, "
               f"median-interval {q['ratio_median_interval']:.4f}); CPU on {q['on_cpu_ms']:.2f} / off "
@@ -153,7 +154,8 @@ def main() -> None:
                       ("ratio_cpu", "process CPU time per step")):
         r = res[key]
         print(f"on/off ratio ({what}): median {r['median']:.4f} (min {r['min']:.4f}, max {r['max']:.4f})  [target >= 0.99]")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

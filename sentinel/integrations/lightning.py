@@ -252,6 +252,7 @@ class SentinelCallback(Callback):
             self.session.control.host = _Host(self, trainer)
         if self.dataset is not None:
             self.dataset.skip = self.session.skip  # the same object the control loop grows
+            self.dataset.shard = (self._rank, self._world)  # each rank its share of the one stream
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._rng_to_load is not None:
