@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,7 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build(steps: int):
+MODELS = {  # (n_layer, d_model, seq_len): "tiny" is the docs' model; "small" a step ~5x longer
+    "tiny": (2, 64, 64),
+    "small": (2, 128, 128),
+}
+
+
+def build(steps: int, model: str = "tiny"):
     """(make_fit(on: bool) -> per-step intervals, close) over one shared model init and data set."""
     import lightning as L
     import torch
@@ -55,7 +62,7 @@ def build(steps: int):
     from trainer.data import TokenDataset, ensure_prepared
     from trainer.model import GPT
 
-    seq = 64
+    n_layer, d_model, seq = MODELS[model]
     tokens = TokenDataset.open(ensure_prepared())
 
     class Windows(Dataset):
@@ -69,7 +76,8 @@ def build(steps: int):
     class TinyGPT(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.gpt = GPT(ModelConfig(n_layer=2, n_head=2, d_model=64, seq_len=seq, vocab_size=tokens.vocab_size))
+            self.gpt = GPT(ModelConfig(n_layer=n_layer, n_head=4, d_model=d_model, seq_len=seq,
+                                       vocab_size=tokens.vocab_size))
 
         def training_step(self, batch, batch_idx):
             return self.gpt(batch["input_ids"], batch["labels"])[1]
@@ -110,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=120, help="steps per segment")
     ap.add_argument("--warmup", type=int, default=20, help="first steps of a segment not timed")
     ap.add_argument("--quads", type=int, default=5, help="ABBA quads (on/off/off/on); >= 5 for a median")
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                    help="tiny: 2 layers, d_model 64, seq 64 (the docs' model); small: 2 layers, d_model 128, seq 128")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup + 2:
@@ -120,27 +130,31 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    fit, run_dir = build(args.steps)
-    fit(True)  # warm everything once (imports, allocator, the bus connection)
+    fit, run_dir = build(args.steps, args.model)
     quads = []
-    for _ in range(args.quads):
-        seg: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
-        for on in (True, False, False, True):
-            wall, cpu = fit(on)
-            wall, cpu = wall[args.warmup:], cpu[args.warmup:]
-            seg[on].append((statistics.fmean(wall), statistics.median(wall), statistics.fmean(cpu)))
-        on, off = ([statistics.fmean(x[k] for x in seg[arm]) for k in range(3)] for arm in (True, False))
-        quads.append({"on_ms": on[0] * 1e3, "off_ms": off[0] * 1e3, "ratio": off[0] / on[0],
-                      "ratio_median_interval": off[1] / on[1], "on_cpu_ms": on[2] * 1e3, "off_cpu_ms": off[2] * 1e3,
-                      "ratio_cpu": off[2] / on[2]})
-    from sentinel.client.session import stop_bus
+    try:
+        fit(True)  # warm everything once (imports, allocator, the bus connection)
+        for _ in range(args.quads):
+            seg: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+            for on in (True, False, False, True):
+                wall, cpu = fit(on)
+                wall, cpu = wall[args.warmup:], cpu[args.warmup:]
+                seg[on].append((statistics.fmean(wall), statistics.median(wall), statistics.fmean(cpu)))
+            on, off = ([statistics.fmean(x[k] for x in seg[arm]) for k in range(3)] for arm in (True, False))
+            quads.append({"on_ms": on[0] * 1e3, "off_ms": off[0] * 1e3, "ratio": off[0] / on[0],
+                          "ratio_median_interval": off[1] / on[1], "on_cpu_ms": on[2] * 1e3, "off_cpu_ms": off[2] * 1e3,
+                          "ratio_cpu": off[2] / on[2]})
+    finally:
+        from sentinel.client.session import stop_bus
 
-    stop_bus(run_dir)
+        stop_bus(run_dir)
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
+
     def summary(key: str) -> dict:
         r = sorted(q[key] for q in quads)
         return {"min": r[0], "median": statistics.median(r), "max": r[-1]}
 
-    res = {"steps": args.steps, "warmup": args.warmup, "quads": quads, "ratio": summary("ratio"),
+    res = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "quads": quads, "ratio": summary("ratio"),
            "ratio_median_interval": summary("ratio_median_interval"), "ratio_cpu": summary("ratio_cpu"),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads 1"}
     if args.json:

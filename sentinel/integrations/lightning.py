@@ -194,6 +194,7 @@ class SentinelCallback(Callback):
         self._tokens_total = 0
         self._last_ids: list[int] = []  # the sample ids of the last step trained (every rank's)
         self._step_logged: int | None = None
+        self._params: list[torch.nn.Parameter] | None = None
         self._rng_to_load: dict | None = None
         self._reset_step()
 
@@ -265,6 +266,7 @@ class SentinelCallback(Callback):
         if resumed is None:
             self._tokens_total = 0
         self._step_logged = None
+        self._params = None
         self.session.begin(step, checkpoint=Path(resumed).name if resumed and step else None, tokens=self._tokens_total)
         self._reset_step()
         self._t_last = time.perf_counter()
@@ -291,7 +293,9 @@ class SentinelCallback(Callback):
     # ------------------------------------------------------------------ per step
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         if self.grad_norm:
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            if self._params is None:  # walking the module tree every step costs more than the norm's bookkeeping
+                self._params = [p for p in pl_module.parameters() if p.requires_grad]
+            grads = [p.grad for p in self._params if p.grad is not None]
             if grads:  # before clipping; under DDP the grads are already averaged (the same on every rank)
                 self._gnorm = torch.nn.utils.get_total_norm(grads)
         self._lr = optimizer.param_groups[0]["lr"]
