@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the local CPU wheel first, so nothing pulls multi-GB CUDA builds
 	$(BIN)/pip install -q $(TORCH) numpy
-	$(BIN)/pip install -q -e '.[test,dashboards]'
+	$(BIN)/pip install -q -e '.[test,dashboards,train,demo,embedded,report,hf,lightning]'
 	touch $@
 
 setup: $(BIN)/.installed

@@ -55,9 +55,13 @@ def _str(dumper: yaml.SafeDumper, s: str):
 _Dumper.add_representer(str, _str)
 
 
+def dump(doc: object) -> str:
+    """YAML as a hand-written rule file reads: keys in order, multi-line strings as literal blocks."""
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
+
+
 def render(src: Path) -> str:
-    doc = add_runbook_links(yaml.safe_load(src.read_text()))
-    return HEADER.format(name=src.name) + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
+    return HEADER.format(name=src.name) + dump(add_runbook_links(yaml.safe_load(src.read_text())))
 
 
 def sources() -> list[Path]:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sentinel.contract.rundir import STEPS
 from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord, authoritative_steps, parse_step_line
 
 DEMO_RULES = """\
@@ -235,7 +236,7 @@ class SentinelThread:
 
 
 def read_steps(run_dir: Path) -> tuple[dict[int, StepRecord], list[TimelineRecord]]:
-    path = run_dir / "steps.jsonl"
+    path = run_dir / STEPS
     recs = []
     if path.is_file():
         with open(path, "rb") as f:
@@ -247,7 +248,7 @@ def read_steps(run_dir: Path) -> tuple[dict[int, StepRecord], list[TimelineRecor
 
 def read_markers(run_dir: Path) -> list[MarkerRecord]:
     """The run's timeline markers (LR phases, mixture and seq-len changes), in log order."""
-    path = Path(run_dir) / "steps.jsonl"
+    path = Path(run_dir) / STEPS
     if not path.is_file():
         return []
     with open(path, "rb") as f:

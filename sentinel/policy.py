@@ -57,6 +57,7 @@ from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, Field
 
+from sentinel.contract.targets import rollback_target
 from sentinel.detectors import median_of
 from sentinel.protocol import Ack, CheckpointInfo, Event, Incident, IncidentState, MarkerRecord, StepRecord, TimelineRecord, ids_to_ranges, merge_ranges
 from sentinel.rules import Finding, RuleEngine, RuleSet
@@ -668,15 +669,11 @@ class RunPolicy:
             self._close("healthy", rec.step, f"dry run: loss {median_of(recent):.4g} back within band of {base:.4g} (nothing was rolled back)")
 
     def _pick_target(self, onset: int) -> int | None:
-        """The newest checkpoint at least ``rollback_margin_steps`` before the onset, else the oldest
-        one before it. Strictly before: a checkpoint of step N holds the weights after step N's
-        update, so one of the onset step may already carry the damage first seen there. Never one
-        of a branch a later timeline abandoned."""
-        steps = sorted(s for s, c in self._checkpoints.items() if s < onset and not self._abandoned(c))
-        margin_ok = [s for s in steps if s <= onset - self.cfg.rollback_margin_steps]
-        if margin_ok:
-            return margin_ok[-1]
-        return steps[0] if steps else None
+        """The contract's rollback target (``sentinel.contract.targets.rollback_target``: a checkpoint
+        no later than ``onset - 2``, preferably ``rollback_margin_steps`` before the onset), among the
+        usable checkpoints. Never one of a branch a later timeline abandoned."""
+        usable = [s for s, c in self._checkpoints.items() if not self._abandoned(c)]
+        return rollback_target(usable, onset, margin=self.cfg.rollback_margin_steps)
 
     def _recovered_why(self, rec: StepRecord) -> str:
         lvl = self.engine.loss_level()

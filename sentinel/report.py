@@ -303,8 +303,12 @@ def _phases_from_shape(segments: list[Segment]) -> list[tuple[str, int, int]]:
 def render(data: ReportData, out: str | Path, *, dpi: int = 110) -> Path:
     """Paint ``data`` into a PNG at exactly ``out`` (parent directories created); returns the path.
     ``ReportError`` (one line) when ``out`` cannot be one (``check_out_path``) or cannot be written."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        from sentinel.client.extras import missing_message
 
+        raise ReportError(missing_message("matplotlib", "the report")) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sentinel import bus
+from sentinel.acks import last_ack_id, wait_ack  # noqa: F401  (re-exported: the CLI's commands use them here)
 from sentinel.cli.common import WRONG_TYPE, SentinelError, looks_like_run_dir, read_unless_wrong_type
 from sentinel.protocol import Keys
 from sentinel.rundir import RunDirError, require_run_dir, run_id_of
@@ -260,58 +261,6 @@ def fmt_bytes(n: int | None) -> str:
             return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
         x /= 1000
     return f"{n} B"
-
-
-# --------------------------------------------------------------------------------------------
-# Directives by hand: send one signed directive and wait for the trainer's ack
-# --------------------------------------------------------------------------------------------
-
-
-def last_ack_id(ref: RunRef) -> str:
-    """The acks stream's newest entry id, where waiting for an ack starts: an entry stamped far
-    ahead (anyone can XADD one) does not count, or no ack after it would ever be read."""
-    with bus.bus_errors(ref.r):
-        last = ref.r.xrevrange(ref.keys.acks, count=16)
-    return next((eid for eid, _ in last if not bus.is_future_id(eid)), "0-0")
-
-
-def wait_ack(ref: RunRef, directive_id: str, after_id: str, timeout: float, on_tick=None, *,
-             secret: bytes | None = None, entry_id: str | None = None):
-    """Block until the trainer acks ``directive_id`` (returns the ``Ack``) or ``timeout`` passes (None).
-
-    With ``secret``, only acks the trainer signed count (anyone can XADD an "applied"); with
-    ``entry_id`` (the directive's own stream entry), a refusal of another entry under the same
-    directive id (a forged copy) is not the answer."""
-    from sentinel.ingest import check_ack
-    from sentinel.protocol import Ack, SchemaError
-
-    t0 = time.monotonic()
-    cursor = after_id
-    while True:
-        left = timeout - (time.monotonic() - t0)
-        if left <= 0:
-            return None
-        if on_tick:
-            on_tick(time.monotonic() - t0)
-        with bus.bus_errors(ref.r):
-            resp = ref.r.xread({ref.keys.acks: cursor}, count=100, block=max(1, int(min(0.5, left) * 1000)))
-        for _, items in resp or []:
-            for eid, fields in items:
-                if bus.is_future_id(eid):
-                    continue  # never the cursor: nothing after it would be read
-                cursor = eid
-                if secret is not None:
-                    a = check_ack(bus.to_entry(ref.keys.acks, eid, fields), ref.run, secret).record
-                else:
-                    try:
-                        a = Ack.from_json((fields or {}).get(bus.FIELD, "{}"))
-                    except SchemaError:
-                        continue
-                if a is None or a.directive_id != directive_id:
-                    continue
-                if entry_id is not None and a.entry_id is not None and a.entry_id != entry_id:
-                    continue
-                return a
 
 
 def publish_event(ref: RunRef, ev) -> str | None:

@@ -1,14 +1,16 @@
 """The dependency rules of docs/architecture.md, checked on the source (every import statement, at
 module level or inside a function) and on a fresh interpreter (what importing the core really loads).
 
-- ``sentinel/protocol.py``, the one contract, imports nothing of ours.
+- The contract (``sentinel/contract/``) imports nothing of ours but itself; ``sentinel/protocol.py``,
+  its compatibility facade, imports only the contract.
+- No import cycle among our modules, counting every import statement (in-function ones too).
 - The pure core (``sentinel/detectors/``, ``sentinel/rules/``, ``sentinel/policy.py``) imports only
-  the protocol and itself, pydantic and YAML, and no stdlib module that does I/O over a network or
+  the contract and itself, pydantic and YAML, and no stdlib module that does I/O over a network or
   other processes; importing it loads no torch, numpy, redis or trainer.
 - Only the offline tools import ``trainer``: ``sentinel/offline/`` at module level; the CLI
   commands that start them (replay-batch, verify-resume, demo) and the demo's drill only inside
   functions, so ``sentinel --help`` and the daemon never load torch.
-- ``trainer/`` imports from the sentinel only the contract, the bus's connection helpers and its
+- ``trainer/`` imports from the sentinel only the contract (and its facade), the bus's connection helpers and its
   public client library (``sentinel.client``, which any training loop may use), and the hardened
   ``/metrics`` endpoint both sides serve (``sentinel.metrics_http``).
 """
@@ -23,13 +25,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = sorted((ROOT / "sentinel" / "detectors").glob("*.py")) + sorted((ROOT / "sentinel" / "rules").glob("*.py")) + [ROOT / "sentinel" / "policy.py"]
-CORE_MAY_IMPORT_OF_OURS = ("sentinel.protocol", "sentinel.detectors", "sentinel.rules")
+CORE_MAY_IMPORT_OF_OURS = ("sentinel.contract", "sentinel.protocol", "sentinel.detectors", "sentinel.rules")
 CORE_MAY_IMPORT_THIRD_PARTY = ("pydantic", "yaml")
 IO_MODULES = ("socket", "ssl", "http", "urllib", "subprocess", "multiprocessing", "threading", "asyncio", "shutil",
               "sqlite3", "select", "selectors")
-TRAINER_MAY_IMPORT = ("sentinel.protocol", "sentinel.bus", "sentinel.client", "sentinel.embedded", "sentinel.metrics_http")
+TRAINER_MAY_IMPORT = ("sentinel.contract", "sentinel.protocol", "sentinel.bus", "sentinel.client", "sentinel.embedded", "sentinel.metrics_http")
 # sentinel modules that may import trainer inside a function (they start an offline tool or the demo)
-LAZY_TRAINER_USERS = ("sentinel/cli/replay_cmd.py", "sentinel/cli/verify_cmd.py", "sentinel/cli/demo_cmd.py", "sentinel/drill.py")
+LAZY_TRAINER_USERS = ("sentinel/cli/replay_cmd.py", "sentinel/cli/verify_cmd.py", "sentinel/cli/demo_cmd.py", "sentinel/drill.py",
+                      "sentinel/cli/docgen.py")  # docgen: the trainer's --help, for docs/cli.md
 
 
 def _imports(path: Path, root: Path = ROOT) -> list[tuple[str, bool]]:
@@ -70,9 +73,96 @@ def test_the_import_reader_sees_nested_relative_and_from_imports(tmp_path):
     assert ("torch", False) in got and ("trainer.train.x", False) in got
 
 
-def test_the_protocol_imports_nothing_of_ours():
-    bad = [n for n, _ in _imports(ROOT / "sentinel" / "protocol.py") if _is(n, ("sentinel", "trainer"))]
-    assert bad == []
+def test_the_contract_imports_nothing_of_ours():
+    contract = sorted((ROOT / "sentinel" / "contract").glob("*.py"))
+    bad = [f"{p.name}: {n}" for p in contract for n, _ in _imports(p)
+           if _is(n, ("sentinel", "trainer")) and not _is(n, ("sentinel.contract",))]
+    bad += [f"protocol.py: {n}" for n, _ in _imports(ROOT / "sentinel" / "protocol.py")
+            if _is(n, ("sentinel", "trainer")) and not _is(n, ("sentinel.contract",))]
+    assert bad == [] and len(contract) >= 10
+
+
+def _module_graph(root: Path = ROOT, packages=("sentinel", "trainer")) -> dict[str, set[str]]:
+    """Our modules and, for each, the modules of ours it imports (every import statement; an import
+    of a package's own ``__init__`` from inside the package does not count)."""
+    mods = {}
+    for pkg in packages:
+        for p in sorted((root / pkg).rglob("*.py")):
+            name = ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = p
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, p in mods.items():
+        for name, _ in _imports(p, root):
+            r = resolve(name)
+            if r and r != m and not m.startswith(r + "."):
+                graph[m].add(r)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function(tmp_path):
+    pkg = tmp_path / "sentinel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from sentinel import b\n")
+    (pkg / "b.py").write_text("def f():\n    from sentinel.a import x\n")
+    (pkg / "c.py").write_text("import sentinel.a\n")
+    assert _cycles(_module_graph(tmp_path, ("sentinel",))) == [["sentinel.a", "sentinel.b"]]
+
+
+def test_no_import_cycles_in_function_imports_included():
+    graph = _module_graph()
+    assert len(graph) > 100 and _cycles(graph) == []
 
 
 def test_the_pure_core_imports_only_the_protocol_itself_pydantic_and_yaml():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

@@ -82,7 +82,7 @@ def test_k8s_renders_with_complete_metadata(which, request):
             assert md.get("namespace") == "sentinel", f"{o['kind']}/{md['name']} has no namespace"
     kinds = {o["kind"] for o in objs}
     assert {"Namespace", "StatefulSet", "Service", "Job", "Deployment", "ConfigMap",
-            "PersistentVolumeClaim", "PodMonitor"} <= kinds
+            "PersistentVolumeClaim", "PodMonitor", "PrometheusRule"} <= kinds
     # the Secret is a template, created out of band: never rendered with placeholder values
     assert "Secret" not in kinds
 
@@ -175,6 +175,20 @@ def test_k8s_redis_is_durable(k8s_base):
     cm = next(o for o in _by_kind(k8s_base, "ConfigMap") if o["metadata"]["name"].startswith("redis-config"))
     conf = cm["data"]["redis.conf"]
     assert re.search(r"^appendonly yes$", conf, re.M) and re.search(r"^maxmemory-policy noeviction$", conf, re.M)
+
+
+def test_k8s_prometheusrule_and_dashboard_configmaps_are_current(k8s_base):
+    """deploy/k8s/base/monitoring/manifests/ is `sentinel export --only manifests` output, current."""
+    from sentinel.cli.export_cmd import artifacts
+
+    monitoring = K8S / "base" / "monitoring"
+    for rel, text in artifacts(("manifests",)).items():
+        assert (monitoring / rel).read_text() == text, \
+            f"{rel} is stale: run `sentinel export --only manifests {monitoring.relative_to(ROOT)}`"
+    rule = _one(k8s_base, "PrometheusRule", "sentinel-alerts")
+    assert {g["name"] for g in rule["spec"]["groups"]} == {"sentinel-meta", "sentinel", "training"}
+    boards = [o for o in _by_kind(k8s_base, "ConfigMap") if o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    assert sorted(k for o in boards for k in o["data"]) == sorted(p.name for p in (ROOT / "dashboards").glob("*.json"))
 
 
 # --------------------------------------------------------------------------------------------

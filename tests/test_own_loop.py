@@ -20,7 +20,6 @@ import time
 
 import pytest
 
-from sentinel import bus
 from sentinel.client import Applied, BusClient, CheckpointInfo, ControlLoop, RestoreFailed, StepLog, StepRecord
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -224,6 +224,11 @@ def _say(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from sentinel.client.extras import missing_module
+
+    if (missing := missing_module(("torch",), "python -m trainer")) is not None:
+        _say(missing + " (for CUDA, install your torch build first)")
+        return 2
     from trainer.config import ConfigError, load_yaml, resolve
 
     # every check that can refuse the flags runs before the run dir (lock, step log) is created
@@ -263,6 +268,10 @@ def main(argv=None) -> int:
         _say("out of memory (the model, the batch or the guard window is larger than this machine holds)")
         return 2
     except RuntimeError as e:  # torch's allocator: "[enforce fail at alloc_cpu.cpp] ... can't allocate memory"
+        if _lost_peer(e):  # another rank (or node) died mid-collective: one line, then torchrun ends the job
+            _say(f"a collective failed: another rank or node is gone ({' '.join(str(e).split())[-160:]}); "
+                 "restart the job to resume from the newest checkpoint")
+            return 2
         if "allocate" not in str(e) or "memory" not in str(e):
             raise
         _say(f"out of memory: {' '.join(str(e).split())[-200:]}")
@@ -286,6 +295,15 @@ def main(argv=None) -> int:
     finally:
         tdist.shutdown()
     return 0
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """A collective broken by a peer that died (gloo: connection reset or closed; NCCL: a remote error)."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "remote process exited", "Broken pipe"))
 
 
 if __name__ == "__main__":

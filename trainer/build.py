@@ -72,6 +72,8 @@ def setup_telemetry(tr) -> None:
     tr.metrics = TrainerMetrics(
         run=tr.run_id, rank=env.rank, world_size=env.world_size, model=cfg.preset or "custom",
         parallelism=cfg.parallelism if env.distributed else "single", device=dev_name or env.device.type, dtype=dtype,
+        # training_info's gpu_uuid joins a rank to the DCGM exporter's series of its GPU
+        gpu_uuid=str(torch.cuda.get_device_properties(env.device).uuid) if env.device.type == "cuda" else None,
     )
     tr.metrics.set_slices(tr.ds.source_names)
     if not tr.ds.is_mixture:  # a mixture's weights are set at its first step (drills may move them)

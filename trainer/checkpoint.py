@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import pickle
-import re
 import shutil
 import threading
 import time
@@ -29,12 +28,13 @@ from typing import Any, Callable
 import torch
 from pydantic import ValidationError
 
-from sentinel.protocol import CHECKPOINT_MANIFEST as MANIFEST
-from sentinel.protocol import checkpoint_dir_name, sha256_file  # noqa: F401  (re-exported)
-from trainer.checkpoint_state import Manifest, TrainStateFile, first_error, required_files
-
-FORMAT_VERSION = 1
-STEP_DIR = re.compile(r"^step-(\d{8,})$")
+from sentinel.contract.checkpoints import ManifestError, TrainStateFile, check_manifest, first_error
+from sentinel.contract.fsio import fsync_dir as _fsync_dir
+from sentinel.contract.fsio import sha256_file  # noqa: F401  (re-exported)
+from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
+from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
+from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
+from sentinel.contract.rundir import checkpoint_dir_name
 
 
 class CheckpointError(Exception):
@@ -42,14 +42,6 @@ class CheckpointError(Exception):
 
 
 step_dir_name = checkpoint_dir_name
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -100,7 +92,7 @@ def verify(path: Path) -> dict:
     """Check a checkpoint directory against its manifest; return the manifest or raise CheckpointError.
 
     Valid means: a well-formed manifest naming this step, listing every file the step needs
-    (``checkpoint_state.required_files``), each present with a matching sha256, and a
+    (``sentinel.contract.checkpoints.check_manifest``), each present with a matching sha256, and a
     ``train_state.json`` that passes its strict schema. Checksums run before any parsing of the
     files they cover, and nothing here unpickles anything."""
     if not path.is_dir():
@@ -110,20 +102,11 @@ def verify(path: Path) -> dict:
     if not mpath.is_file():
         raise CheckpointError(f"{path.name}: incomplete (no manifest)")
     raw = _read_json(mpath, "manifest")
-    if isinstance(raw, dict) and "format" in raw and raw["format"] != FORMAT_VERSION:
-        raise CheckpointError(f"{path.name}: unsupported checkpoint format {raw.get('format')!r}")
     try:
-        manifest = Manifest.model_validate(raw)
-    except ValidationError as e:
-        raise CheckpointError(f"{path.name}: manifest is malformed ({first_error(e)})") from None
-    m = STEP_DIR.match(path.name)
-    if m and int(m.group(1)) != manifest.step:
-        raise CheckpointError(f"{path.name}: manifest names step {manifest.step}, not the step of its directory")
+        manifest = check_manifest(raw, path.name)
+    except ManifestError as e:
+        raise CheckpointError(f"{path.name}: {e}") from None
     files = manifest.files
-    sharded = any(n.startswith("dcp/") for n in files)
-    for name in required_files(manifest.world_size, sharded):
-        if name not in files:
-            raise CheckpointError(f"{path.name}: {name} is not in the manifest (incomplete or tampered)")
     for name, digest in sorted(files.items()):
         f = path / name
         if not f.is_file():

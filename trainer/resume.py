@@ -13,13 +13,10 @@ import os
 import time
 from pathlib import Path
 
+from sentinel.contract.rundir import RunFileError
+from sentinel.contract.rundir import read_skip_removals as removals_in_file
 from sentinel.protocol import (
-    MAX_RECORD_BYTES,
     SKIP_REMOVED,
-    SchemaError,
-    loads_bounded,
-    read_regular_file,
-    skip_ranges_error,
     subtract_ranges,
 )
 from trainer.checkpoint import step_dir_name
@@ -33,22 +30,12 @@ def _log(env, msg: str) -> None:
 
 
 def read_skip_removals(run_dir: Path) -> tuple[list[tuple[int, int]] | None, str | None]:
-    """(ranges, None) from ``skiplist.removed.json`` (``sentinel skip-list remove``; None: no file),
-    or (None, why) when it is malformed: refused in one line like a bad plan (the operator asked)."""
-    path = run_dir / SKIP_REMOVED
-    fix = "fix or delete it, then start again"
+    """(ranges, None) from ``skiplist.removed.json`` (``sentinel skip-list remove``; [] or no file: none),
+    or (None, why) when it is unreadable or malformed: refused in one line like a bad plan (the operator asked)."""
     try:
-        raw = loads_bounded(read_regular_file(path, MAX_RECORD_BYTES), path.name)
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:
-        return None, f"{path} is unreadable ({e.strerror or e}): {fix}"
-    except SchemaError as e:
-        return None, f"{path} is unreadable ({e}): {fix}"
-    bad = skip_ranges_error(raw)
-    if bad:
-        return None, f"{path} is malformed ({bad}): {fix}"
-    return [tuple(r) for r in raw], None
+        return removals_in_file(run_dir), None
+    except RunFileError as e:
+        return None, f"{e}: fix or delete it, then start again"
 
 
 def start(tr) -> None:
@@ -100,6 +87,7 @@ def start(tr) -> None:
         # save can only be paged, and a NaN at step 30 would stop the run for a human
         tr.save_checkpoint()
 
+
 def _read_skip_removals(tr) -> list[tuple[int, int]]:
     """The ranges in ``skiplist.removed.json``, the same on every rank; a malformed file stops the
     start in one line before anything is loaded or logged (no ``resume`` record for a start that
@@ -111,6 +99,7 @@ def _read_skip_removals(tr) -> list[tuple[int, int]]:
     if bad:
         raise TrainingError(bad)
     return [tuple(r) for r in removed or []]
+
 
 def _apply_skip_removals(tr, removed, keep) -> None:
     """Ranges an operator took off the skip list (``sentinel skip-list remove``, run stopped) stay
@@ -124,6 +113,7 @@ def _apply_skip_removals(tr, removed, keep) -> None:
     tr.checkpoints.removals_applied = True
     _log(tr.env, f"skip list: {n} samples an operator removed ({SKIP_REMOVED}) are trained on again")
 
+
 def _checkpoints_gone(tr) -> str | None:
     """A run dir whose step log reached past its first periodic checkpoint, with no checkpoint at
     all (deleted, or a mount that did not come up): a start over would append a second history
@@ -136,6 +126,7 @@ def _checkpoints_gone(tr) -> str | None:
     return (f"{tr.run_dir}/steps.jsonl logs steps up to {last}, but {tr.checkpoints.ckpt.root} holds no checkpoint (deleted, "
             "or a mount that did not come up?): refusing to start the run over on top of its history. Restore the "
             "checkpoints, or start a new run dir (or move steps.jsonl away to train this one from scratch)")
+
 
 def _unloadable_message(tr) -> str:
     """Why a run dir whose every checkpoint failed is not started over. A fresh start would append

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from sentinel.client.control import ControlLoop, RestoreFailed
 from sentinel.client.steplog import StepLog, clean_text
+from sentinel.contract.rundir import STEPS
 from trainer import build, resume, rundir_lock, seqlen
 from trainer import faults as drills
 from trainer.checkpoint import CheckpointError
@@ -72,7 +73,7 @@ class Trainer:
         self.readback = StepReadback(env.device)
         self.checkpoints = TrainerCheckpoints(self)
         self.ckpt = self.checkpoints.ckpt  # the files: trainer/checkpoint.py
-        self.steplog = StepLog(self.run_dir / "steps.jsonl", log=lambda m: print(m, flush=True)) if env.is_main and not offline else None
+        self.steplog = StepLog(self.run_dir / STEPS, log=lambda m: print(m, flush=True)) if env.is_main and not offline else None
         self.metrics = self.bus = self.secret = self.flops_per_token = self.peak = None
         if not offline:
             build.setup_telemetry(self)

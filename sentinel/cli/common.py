@@ -174,12 +174,19 @@ def emit_runs(runs: list[dict], as_json: bool, render) -> None:
         emit_json({"runs": runs})
         return
     warn_rejected(runs)
-    from sentinel.cli.status_cmd import console_for_output
-
     console = console_for_output()
     if not runs:
         console.print("[dim]no runs registered on the bus[/]")
     console.print(render(runs))
+
+
+def console_for_output(stderr: bool = False):
+    """A rich console; when output is piped, wide enough that rows are not cut to 80 columns."""
+    from rich.console import Console
+
+    c = Console(stderr=stderr)
+    # an explicit COLUMNS (a narrow pager, a test of the 80-column layout) wins over the pipe default
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(stderr=stderr, width=200)
 
 
 def warn_rejected(runs: list[dict]) -> None:
@@ -267,7 +274,7 @@ def send_and_wait(ref, d, timeout: float, *, console, as_json: bool, doing: str,
     seconds for the trainer's Ack (returned; None on timeout), with a spinner for a person. With
     ``secret``, only an ack the trainer signed counts."""
     from sentinel import bus
-    from sentinel.runref import last_ack_id, wait_ack
+    from sentinel.acks import last_ack_id, wait_ack
 
     after = last_ack_id(ref)  # before publishing, so a fast ack is not missed
     eid = bus.publish_own(ref.r, ref.keys.directives, d)

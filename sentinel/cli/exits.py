@@ -37,6 +37,8 @@ EXIT_STATUS: dict[str, tuple[tuple[int, str], ...]] = {
                                                  "or with --strict a malformed line"))),
     "report": ((0, "the PNG is written"), ERROR),
     "rules": ((0, "done"), ERROR),
+    "export": ((0, "written (with --check: every file is up to date)"), (1, "with --check: a file differs or is missing"),
+               ERROR),
     "rules check": ((0, "the file is valid"), (2, "the file is invalid or unreadable (one line on stderr)")),
 }
 DEFAULT = ((0, "done"), ERROR)

@@ -331,11 +331,10 @@ def _num(x, fmt):
 
 
 def _ranges(raw) -> list[tuple[int, int]]:
-    """An action's sample ranges as [lo, hi) int pairs; a malformed list (from a file) counts as none."""
-    try:
-        return [(int(lo), int(hi)) for lo, hi in raw or []]
-    except (TypeError, ValueError):
-        return []
+    """An action's sample ranges as [lo, hi) int pairs; malformed ones (from a file) are dropped."""
+    from sentinel.contract.ranges import valid_ranges
+
+    return valid_ranges(raw)
 
 
 @click.command("incidents")

@@ -114,8 +114,9 @@ def _not_surviving(log, step: int) -> str:
     timelines (then: which, and the --timeline that replays it). Torch-free, before any replay."""
     from sentinel.protocol import StepRecord
     from sentinel.client.steplog import read
+    from sentinel.contract.rundir import STEPS
 
-    log_path = log.run_dir / "steps.jsonl"
+    log_path = log.run_dir / STEPS
     gone = sorted({r.timeline for r in read(log_path, rejected=[]) if isinstance(r, StepRecord) and r.step == step})
     if not gone:
         return f"step {step} is not in the step log of {log.run_dir} ({log.span()})"

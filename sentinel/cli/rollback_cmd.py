@@ -98,14 +98,11 @@ def _candidates(ref):
 
 
 def last_clean_checkpoint_step(onset: int) -> int:
-    """The newest checkpoint step that can hold no damage from an anomaly first seen at ``onset``.
+    """The newest checkpoint step that can hold no damage from an anomaly first seen at ``onset``
+    (``onset - 2``: the rule and its reasons are ``sentinel.contract.targets``)."""
+    from sentinel.contract.targets import clean_bound
 
-    Checkpoint N holds the weights after N updates, and step S's loss is computed on checkpoint
-    S-1's weights before update S. A bad batch at S does its damage in update S (checkpoints >= S
-    hold it); a bad update at S-1 (an LR spike, a corrupt optimizer step) first shows in step S's
-    loss, so checkpoint S-1 holds it. Either way only checkpoints <= S-2 are vouched for: the loss
-    computed on their weights (step N+1 < S) was normal."""
-    return onset - 2
+    return clean_bound(onset)
 
 
 ONSET_PAST_LOG_MAX = 10_000
@@ -131,19 +128,20 @@ def _pick(ref, to_step, before_step, checkpoint, current):
         if current is not None and before_step > current + ONSET_PAST_LOG_MAX:
             raise SentinelError(f"--before-step {before_step} is past the run's last step ({current}): "
                                 "name the step where the damage began")
+        from sentinel.contract.targets import rollback_target
+
         bound = last_clean_checkpoint_step(before_step)
-        ok = [c for c in cands if c["step"] <= bound and c["verified"] in ("checksum_ok", "unverified", "resume_verified")
-              and (current is None or c["step"] <= current)]
-        if ref.run_dir is not None:  # re-hash newest-first until one passes
-            for c in ok:
-                ck = rundir.find_checkpoint(ref.run_dir, c["step"], rehash=True)
+        ok = {c["step"]: c for c in cands if c["verified"] in ("checksum_ok", "unverified", "resume_verified")
+              and (current is None or c["step"] <= current)}
+        match = None
+        while match is None and (target := rollback_target(ok, before_step)) is not None:
+            c = ok.pop(target)
+            if ref.run_dir is None:
+                match = c
+            else:  # re-hash the target; one that fails passes the choice to the next
+                ck = rundir.find_checkpoint(ref.run_dir, target, rehash=True)
                 if ck is not None and ck.status in ("checksum_ok", "resume_verified"):
                     match = ck.to_json()
-                    break
-            else:
-                match = None
-        else:
-            match = ok[0] if ok else None
         if match is None:
             raise SentinelError(f"no usable checkpoint at or before step {bound} (onset {before_step} - 2) for run "
                                 f"{ref.run} (checkpoints: {listing})")

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from sentinel.cli.common import FiniteFloat, not_empty, offline_note
+from sentinel.cli.common import FiniteFloat, console_for_output, not_empty, offline_note  # noqa: F401  (console_for_output: re-exported)
 from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected
 
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
@@ -307,17 +307,6 @@ class _Responsive:
 
     def __rich_console__(self, console, options):
         yield self.wide if options.max_width >= WIDE_STATUS else self.narrow
-
-
-def console_for_output(stderr: bool = False):
-    """A rich console; when output is piped, wide enough that rows are not cut to 80 columns."""
-    from rich.console import Console
-
-    import os
-
-    c = Console(stderr=stderr)
-    # an explicit COLUMNS (a narrow pager, a test of the 80-column layout) wins over the pipe default
-    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(stderr=stderr, width=200)
 
 
 def collect(runs, redis_url) -> tuple[list[dict], list[str]]:

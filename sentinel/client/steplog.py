@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from sentinel.contract.fsio import fsync_dir
 from sentinel.protocol import (MAX_RECORD_BYTES, SchemaError, StepRecord, TimelineRecord, authoritative_steps,
                                parse_step_line)
 
@@ -79,16 +80,9 @@ def _parse_at(path: Path, n: int, line: bytes):
 
 
 def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Best effort: a directory that cannot be fsynced (gone, a filesystem without it) is no error here."""
+    with contextlib.suppress(OSError):
+        fsync_dir(d)
 
 
 def clean_text(value):

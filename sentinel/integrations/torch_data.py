@@ -118,6 +118,8 @@ class SampleIdCollator:
         self.inner = inner
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        if not all(SAMPLE_ID in f for f in features):  # an eval set with no ids: the plain batch
+            return self.inner(features)
         ids = [int(f[SAMPLE_ID]) for f in features]
         batch = self.inner([{k: v for k, v in f.items() if k != SAMPLE_ID} for f in features])
         batch[SAMPLE_ID] = torch.tensor(ids, dtype=torch.int64)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from sentinel.contract.rundir import STEPS
 # Comparison tolerance. On CPU a replay is bitwise: floats are compared with ``==``. CUDA kernels
 # (atomics, split-K GEMMs, bf16 autocast) are not run-to-run bitwise, so on CUDA two values agree
 # when |a - b| <= CUDA_ATOL + CUDA_RTOL * |b|.
@@ -99,7 +100,7 @@ def open_run(run: str | os.PathLike, keep: Callable[[int], bool] = lambda step: 
         cfg = load_run_config(run_dir)
     except ConfigError as e:
         raise OfflineError(str(e)) from None
-    log = run_dir / "steps.jsonl"
+    log = run_dir / STEPS
     if not log.is_file():
         raise OfflineError(f"{run_dir} has no step log (steps.jsonl)")
     rejected: list[str] = []

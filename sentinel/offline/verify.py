@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from sentinel.contract.rundir import CKPT_DIR, STEPS, VERIFIED
 from sentinel.offline import OfflineError, ProgressFn, same, tolerance_text
 from sentinel.offline.replay import _stderr, build_trainer, checkpoint_problem, gather, param_digest, restore
 
@@ -301,7 +302,7 @@ def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: 
     # the steps compared and the checkpoints' recorded digests; the rest of a long log is only counted
     saved = {s for s, _ in checkpoint_steps(run_dir)}
     # unreadable lines are skipped, as open_run skipped them (the CLI said so)
-    log = scan(run_dir / "steps.jsonl", keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c, rejected=[])
+    log = scan(run_dir / STEPS, keep=lambda s: c <= s <= c + steps + 1 or s in saved, applied_upto=c, rejected=[])
     records = log.records
     notes: list[str] = []
 
@@ -464,7 +465,7 @@ def unresumable(tr, env, c: int, problem: str, notes: list[str]) -> dict:
 
 def mark_verified(run_dir: Path, step: int, ok: bool, extra: dict | None = None) -> Path:
     """Record the outcome in RUN_DIR/checkpoints/verified.json ({step: {"verified", "time", ...}})."""
-    path = Path(run_dir) / "checkpoints" / "verified.json"
+    path = Path(run_dir) / CKPT_DIR / VERIFIED
     data: dict = {}
     try:
         data = json.loads(path.read_text())

@@ -24,7 +24,6 @@ agree. The source of any id is therefore known from the id alone (:meth:`TokenDa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -33,7 +32,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .fingerprint import compute_fingerprint
 from .tokenizer import Tokenizer, tokenizer_from_info
+from .verify import verify_shards
 
 from sentinel.client.skiplist import DataError  # one error type for the whole data side (skip lists too)
 
@@ -44,32 +45,6 @@ MIXTURE_FORMAT_VERSION = 2  # a dataset with named sources (meta.json["sources"]
 SPLITS = ("train", "val")
 
 
-
-
-def compute_fingerprint(shards: Sequence[dict], tokenizer: dict, sources: Sequence[dict] | None = None) -> str:
-    """sha256 over the sorted ``split:name:sha256`` of every shard plus the tokenizer identity
-    (and, for a mixture, each source's name and token ranges: they define the sample ids).
-
-    Split and name are included with each content hash so that swapping train and val, or
-    reordering shards (which renumbers every sample id), also changes the fingerprint. Source
-    weights are not included: they change which ids are drawn, never what an id names.
-    """
-    h = hashlib.sha256()
-    for line in sorted(f"{s['split']}:{s['name']}:{s['sha256']}" for s in shards):
-        h.update(line.encode() + b"\n")
-    h.update(json.dumps(tokenizer, sort_keys=True, separators=(",", ":")).encode())
-    if sources:
-        layout = [[s["name"], s["train"]["start"], s["train"]["tokens"], s["val"]["start"], s["val"]["tokens"]] for s in sources]
-        h.update(json.dumps(layout, separators=(",", ":")).encode())
-    return h.hexdigest()
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def not_a_regular_file(path: Path) -> str | None:
@@ -247,8 +222,6 @@ class TokenDataset:
         streams = {s: _TokenStream(names[s], arrays[s]) for s in SPLITS}
         ds = cls(data_dir, meta, streams)
         if verify is not False:
-            from .verify import verify_shards
-
             ds.fingerprint = verify_shards(data_dir, meta, dtype, use_cache=verify is None)
         return ds
 

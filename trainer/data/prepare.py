@@ -36,6 +36,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from sentinel.contract.fsio import fsync_dir as _fsync_dir
+
 from .dataset import (FORMAT_NAME, FORMAT_VERSION, META_NAME, MIXTURE_FORMAT_VERSION, DataError, compute_fingerprint,
                       not_a_regular_file)
 from .sources import LICENCES, SourceSpec, check_mixture, shakespeare_files, source_files
@@ -356,14 +358,6 @@ def _write_json_durably(path: Path, obj: dict) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prepare_dataset(

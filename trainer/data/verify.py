@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .dataset import DataError, compute_fingerprint
+from sentinel.client.skiplist import DataError
+
+from .fingerprint import compute_fingerprint
 
 CACHE_NAME = ".sentinel-verified.json"
 _CHUNK_TOKENS = 1 << 22  # 8-16 MB per read: one pass computes the sha256 and the largest token id

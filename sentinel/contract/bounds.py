@@ -1,0 +1,73 @@
+"""Range checks of records read from untrusted transport: numbers no trainer of ours can produce.
+
+A record that parses can still be absurd (a step of 10**60, a -inf loss, a negative token count):
+``record_range_error`` says what, and the reader rejects it with the ``out_of_range`` reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sentinel.contract.limits import MAX_COUNT, MAX_MAGNITUDE, MAX_STEP, MAX_TIMELINE
+from sentinel.contract.records import Ack, Event, Incident, MarkerRecord, StepRecord, TimelineRecord
+
+_NONFINITE_OK = ("loss", "loss_max_rank", "grad_norm", "val_loss", "val_ppl")  # NaN/+inf are real signals here
+
+
+def _bad_float(name: str, x: float, *, nonfinite_ok: bool) -> str | None:
+    if math.isnan(x) or x == math.inf:
+        return None if nonfinite_ok else f"{name} is not finite"
+    if not (0.0 <= x <= MAX_MAGNITUDE):
+        return f"{name}={x!r} is out of range"
+    return None
+
+
+def _bad_int(name: str, x: int, lo: int, hi: int) -> str | None:
+    if lo <= x <= hi:
+        return None
+    shown = str(x) if -10**30 < x < 10**30 else f"<a {x.bit_length()}-bit {'negative ' if x < 0 else ''}number>"  # one short line
+    return f"{name}={shown} is out of range [{lo}, {hi}]"
+
+
+def record_range_error(rec: object) -> str | None:
+    """None when every number in a step/timeline/ack/event/incident record is plausible, else what is not.
+
+    A NaN or +inf loss or grad norm is legitimate (that is what the NaN rule watches for); a
+    negative one, -inf, a finite value beyond float32, a negative step or count, or a non-finite
+    time or learning rate can only come from a bug or a forger.
+    """
+    checks: list[str | None] = []
+    if isinstance(rec, StepRecord):
+        checks += [_bad_int("step", rec.step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
+                   _bad_int("tokens", rec.tokens, 0, MAX_COUNT), _bad_int("batch_tokens", rec.batch_tokens, 0, MAX_COUNT),
+                   _bad_int("world_size", rec.world_size, 1, 1 << 24)]
+        checks += [_bad_int("sample_ids", i, 0, MAX_COUNT) for i in rec.sample_ids if not 0 <= i <= MAX_COUNT][:1]
+        for name in ("loss", "loss_max_rank", "grad_norm", "lr", "time", "step_seconds", "tokens_per_second", "mfu",
+                     "val_loss", "val_ppl", "checkpoint_age_seconds", "effective_token_ratio"):
+            x = getattr(rec, name)
+            if x is not None:
+                checks.append(_bad_float(name, x, nonfinite_ok=name in _NONFINITE_OK))
+        for name, xs in (("rank_losses", rec.rank_losses), ("rank_step_seconds", rec.rank_step_seconds),
+                         ("phases", list((rec.phases or {}).values())),
+                         ("rank_phases", [x for ph in rec.rank_phases or () for x in ph.values()])):
+            checks += [_bad_float(name, x, nonfinite_ok=name == "rank_losses") for x in xs or ()]
+    elif isinstance(rec, TimelineRecord):
+        checks += [_bad_int("from_step", rec.from_step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
+                   _bad_float("time", rec.time, nonfinite_ok=False)]
+        checks += [f"skip range {lo}:{hi} is out of range" for lo, hi in rec.skip_ranges if not 0 <= lo < hi <= MAX_COUNT][:1]
+    elif isinstance(rec, MarkerRecord):
+        checks += [_bad_int("step", rec.step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
+                   _bad_float("time", rec.time, nonfinite_ok=False)]
+    elif isinstance(rec, Incident):  # the daemon's own record, but read back from a file or a shared bus
+        checks += [_bad_int(name, x, 0, MAX_STEP) for name, x in (("onset_step", rec.onset_step),
+                   ("detect_step", rec.detect_step), ("rollback_to", rec.rollback_to), ("closed_step", rec.closed_step))
+                   if x is not None]
+        checks += [_bad_float(name, x, nonfinite_ok=False) for name, x in (("opened_at", rec.opened_at),
+                   ("closed_at", rec.closed_at)) if x is not None]
+        checks += [f"skip range {lo}:{hi} is out of range" for lo, hi in rec.skip_ranges + rec.suspects
+                   if not 0 <= lo < hi <= MAX_COUNT][:1]
+    elif isinstance(rec, (Ack, Event)):
+        if rec.step is not None:
+            checks.append(_bad_int("step", rec.step, 0, MAX_STEP))
+        checks.append(_bad_float("time", rec.time, nonfinite_ok=False))
+    return next((c for c in checks if c), None)

@@ -1,0 +1,94 @@
+"""The contract's one-copy rules: the rollback target, the manifest validator, the skip-removal
+reader and the sample-id range helpers (pure functions: tables, no services)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sentinel.contract.checkpoints import ManifestError, check_manifest
+from sentinel.contract.ranges import intersect_ranges, merge_ranges, subtract_ranges, valid_ranges
+from sentinel.contract.rundir import SKIP_REMOVED, RunFileError, read_skip_removals
+from sentinel.contract.targets import rollback_target
+
+CKPTS = (50, 120, 180, 198, 199, 250)
+
+# (checkpoints, onset, margin, suspect_updates, expected target)
+TARGETS = [
+    (CKPTS, 300, 100, 2, 199),  # newest <= 300 - 100 = 200
+    (CKPTS, 200, 0, 2, 198),  # 199 produced step 200's anomalous loss: never a target
+    (CKPTS, 201, 0, 2, 199),  # onset - 2 itself is vouched for
+    (CKPTS, 200, 100, 2, 50),  # none <= 100: the oldest vouched one (furthest from the onset)
+    (CKPTS, 140, 100, 2, 50),
+    (CKPTS, 52, 100, 2, 50),  # only 50 <= 52 - 2
+    (CKPTS, 51, 100, 2, None),  # 50 = onset - 1: not vouched, nothing older: None (escalate)
+    (CKPTS, 30, 0, 2, None),
+    ((), 1000, 0, 2, None),
+    ((100, 100, 90), 110, 0, 2, 100),  # duplicates are one checkpoint
+    (CKPTS, 200, 0, 1, 199),  # a replay of step 200 restores the state it trained from
+    (CKPTS, 199, 0, 1, 198),
+    (CKPTS, 50, 0, 1, None),  # a checkpoint of the replayed step holds its update
+    ((0,), 2, 0, 2, 0),  # a fresh start's step 0 counts
+]
+
+
+@pytest.mark.parametrize("checkpoints,onset,margin,suspect,want", TARGETS)
+def test_rollback_target_is_vouched_for_and_prefers_the_margin(checkpoints, onset, margin, suspect, want):
+    assert rollback_target(checkpoints, onset, margin=margin, suspect_updates=suspect) == want
+
+
+def _manifest(**over) -> dict:
+    files = {n: "a" * 64 for n in ("train_state.json", "model.pt", "optim.pt", "rng-rank0.pt")}
+    return {"format": 1, "step": 20, "files": files, "bytes": 10, "world_size": 1, "created": 1.0, **over}
+
+
+MANIFESTS = {  # case -> (manifest, words of the one-line error; None: valid)
+    "valid": (_manifest(), None),
+    "extra-metadata": (_manifest(run="r", timeline=3, tokens=9), None),
+    "not-an-object": ([1, 2], "expected a JSON object"),
+    "newer-format": (_manifest(format=2), "unsupported checkpoint format 2"),
+    "negative-step": (_manifest(step=-5), "manifest step is invalid"),
+    "step-as-string": (_manifest(step="20"), "manifest step is invalid"),
+    "other-directory": (_manifest(step=30), "manifest names step 30, not the step of its directory"),
+    "world-size-zero": (_manifest(world_size=0), "manifest world_size is invalid"),
+    "nan-created": (_manifest(created=float("nan")), "manifest created is invalid"),
+    "bad-digest": (_manifest(files={**_manifest()["files"], "model.pt": "xyz"}), "manifest files is invalid"),
+    "path-escape": (_manifest(files={**_manifest()["files"], "../escape": "a" * 64}), "unsafe file name"),
+    "rng-unlisted": (_manifest(world_size=2), "rng-rank1.pt is not in the manifest"),
+    "missing-format": ({k: v for k, v in _manifest().items() if k != "format"}, "manifest format is invalid"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MANIFESTS))
+def test_one_manifest_validator_for_trainer_and_views(case):
+    raw, words = MANIFESTS[case]
+    if words is None:
+        assert check_manifest(raw, "step-00000020").step == 20
+        return
+    with pytest.raises(ManifestError) as e:
+        check_manifest(raw, "step-00000020")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("content,words", [
+    (None, None), ("[[5, 10], [1, 3], [3, 4]]", None), ('[["a", 1]]', "is malformed"), ("[[10, 5]]", "is malformed"),
+    ("{", "is unreadable"), ("[" * 100 + "]" * 100, "is unreadable"), (b"\xff\xfe", "is unreadable"),
+])
+def test_one_skip_removal_reader(tmp_path, content, words):
+    if content is not None:
+        p = tmp_path / SKIP_REMOVED
+        p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    if words is None:
+        assert read_skip_removals(tmp_path) == ([] if content is None else [(1, 4), (5, 10)])
+        return
+    with pytest.raises(RunFileError, match=words):
+        read_skip_removals(tmp_path)
+
+
+def test_range_helpers():
+    assert merge_ranges([(5, 10), (0, 0), (1, 3), (3, 5)]) == [(1, 10)]
+    assert subtract_ranges([(0, 10)], [(2, 4), (8, 20)]) == [(0, 2), (4, 8)]
+    assert intersect_ranges([(0, 10), (20, 30)], [(5, 25)]) == [(5, 10), (20, 25)]
+    assert valid_ranges(json.loads('[[1, 2], [3, 2], ["a", 5], [true, 4], [4, 9], 7]')) == [(1, 2), (4, 9)]
+    assert valid_ranges("nope") == []
