@@ -210,7 +210,10 @@ def check_manifest(raw: object, dir_name: str | None = None) -> Manifest:
     if raw.get("framework") not in (None, "sentinel"):  # another loop's checkpoint (sentinel.client.checkpoints):
         return manifest  # its files are what that framework wrote; ours need model.pt, optim.pt, ...
     sharded = any(n.startswith("dcp/") for n in manifest.files)
-    for name in checkpoint_required_files(manifest.world_size, sharded):
+    # a framework's checkpoint (``framework`` in its manifest: sentinel.client.checkpoints) holds that
+    # framework's files, all listed and hashed; only our trainer's must hold the trainer's files
+    required = [] if "framework" in raw else checkpoint_required_files(manifest.world_size, sharded)
+    for name in required:
         if name not in manifest.files:
             raise ManifestError(f"{name} is not in the manifest (incomplete or tampered)")
     return manifest

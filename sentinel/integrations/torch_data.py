@@ -41,7 +41,8 @@ class SkipAwareDataset(IterableDataset):
     """An endless stream of ``dataset[i] | {"sample_id": i}``, ``i`` never in ``skip`` (see the module docstring).
 
     With DataLoader workers, each worker takes every ``num_workers``-th id of the stream; the skip list a
-    worker sees is the one of the moment its iterator was created (a new epoch or a relaunch)."""
+    worker sees is the one of the moment its iterator was created (a new epoch or a relaunch). Without
+    workers the skip list is read live: ids a directive adds are never yielded from then on."""
 
     def __init__(self, dataset, *, skip: SkipList | None = None, seed: int = 0, shuffle: bool = True):
         if len(dataset) <= 0:
@@ -50,6 +51,9 @@ class SkipAwareDataset(IterableDataset):
         self.skip = skip if skip is not None else SkipList()
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.epoch, self.pos = 0, 0  # the next id is epoch_order(...)[pos] of epoch `epoch`
+        # (rank, world size) when each rank iterates its own copy (Lightning DDP: its callback sets it); (0, 1)
+        # when a framework shards batches itself (HF's accelerate)
+        self.shard = (0, 1)
         self._start = (0, 0)  # where the next __iter__ starts
 
     # no __len__: a sized stream would make frameworks (HF) restart it every "epoch" of len(dataset) ids
@@ -75,14 +79,19 @@ class SkipAwareDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         k, nw = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        rank, world = self.shard  # (rank, world size): each rank takes its share of the one stream too
+        k, nw = rank * nw + k, world * nw
         epoch, pos = self._start
         n, taken = len(self.dataset), 0
         while True:
             order = epoch_order(n, self.seed, epoch, self.shuffle)
             mask = self.skip.contains_many(order[pos:]) if len(self.skip) else None
+            seen, base = len(self.skip), pos
             found = False
             for j in range(pos, n):
-                if mask is not None and mask[j - pos]:
+                if len(self.skip) != seen:  # the skip list grew while streaming (a directive): re-read it from here
+                    seen, base, mask = len(self.skip), j, self.skip.contains_many(order[j:])
+                if mask is not None and mask[j - base]:
                     continue
                 found = True
                 taken += 1
