@@ -159,6 +159,7 @@ class ControlLoop:
         plan for this very step (a relaunch after :class:`RelaunchRequired`) becomes the ``rollback`` marker
         with the directive's id and ranges, and is deleted."""
         plan = self.pending_plan()
+        self.stop_requested, self.relaunch_step = False, None  # a relaunch reuses the loop: a fresh start of it
         self.timeline = self.next_timeline()
         if plan is not None and int(plan["to_step"]) == step:
             ranges = [tuple(r) for r in plan.get("ranges", [])]

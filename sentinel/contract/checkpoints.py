@@ -207,8 +207,6 @@ def check_manifest(raw: object, dir_name: str | None = None) -> Manifest:
     m = STEP_DIR_RE.match(dir_name or "")
     if m and int(m.group(1)) != manifest.step:
         raise ManifestError(f"manifest names step {manifest.step}, not the step of its directory")
-    if raw.get("framework") not in (None, "sentinel"):  # another loop's checkpoint (sentinel.client.checkpoints):
-        return manifest  # its files are what that framework wrote; ours need model.pt, optim.pt, ...
     sharded = any(n.startswith("dcp/") for n in manifest.files)
     # a framework's checkpoint (``framework`` in its manifest: sentinel.client.checkpoints) holds that
     # framework's files, all listed and hashed; only our trainer's must hold the trainer's files
