@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/callback_overhead.py --framework lightning [--steps 120] [--warmup 20] [--quads 5] [--json]
     PYTHONPATH=. python bench/callback_overhead_lightning.py [the same options]
 
-One process, one tiny GPT (the model of ``docs/integrate-lightning.md``: 2 layers, d_model 64, seq 64,
+One process, one tiny GPT (the model of ``docs/integrate.md`` (Lightning): 2 layers, d_model 64, seq 64,
 batch 8, random init) on the locally prepared Shakespeare tokens, CPU, one torch thread. Each segment is a
 fresh ``lightning.Trainer`` fit of ``--steps`` steps from the same initial weights and the same data
 stream (a ``SkipAwareDataset``, in both arms, so the data path is identical); no checkpoints, no

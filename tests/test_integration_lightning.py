@@ -1,6 +1,6 @@
 """A real ``lightning.Trainer`` guarded by ``SentinelCallback`` beside the real ``sentinel run`` daemon.
 
-The script is the one in ``docs/integrate-lightning.md``, run verbatim: a tiny GPT (random init) on the
+The script is the one in ``docs/integrate.md`` (## Lightning), run verbatim: a tiny GPT (random init) on the
 Shakespeare tokens prepared locally. One shared story serves most assertions:
 
 1. the healthy run: the script as ``__main__``, untouched;
@@ -37,15 +37,15 @@ from conftest import skip_or_fail
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "integrate-lightning.md"
+DOC = ROOT / "docs" / "integrate.md"
 POISON_STEP = 100  # the samples of this step (first pass) are trained with the learning rate x300
 SENTINEL = [sys.executable, "-m", "sentinel"]
 
 
 def snippet() -> str:
-    """The docs' Python block, verbatim."""
-    [block] = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    return block
+    """The Python block of the docs' Lightning section, verbatim."""
+    section = DOC.read_text().split("\n## Lightning\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)[0]
 
 
 def cli(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
