@@ -93,7 +93,7 @@ def _clamp_block(r: redis.Redis, block_ms: int | None) -> int | None:
     return max(0, int(block_ms)) or 1  # BLOCK 0 would mean "forever"
 
 
-def _entries(resp) -> list[Entry]:
+def entries(resp) -> list[Entry]:
     out: list[Entry] = []
     # connect() speaks RESP2: [[stream, [(id, fields), ...]], ...]
     for stream, items in resp or []:
@@ -107,7 +107,7 @@ def _entries(resp) -> list[Entry]:
 def read_stream(r: redis.Redis, stream: str, after_id: str, *, count: int = 1000) -> list[Entry]:
     """XREAD entries after ``after_id`` (no group), decoded entry by entry like ``read_group``."""
     with bus_errors(r):
-        return _entries(raw(r).xread({stream: after_id}, count=count))
+        return entries(raw(r).xread({stream: after_id}, count=count))
 
 
 def read_group(
@@ -133,7 +133,7 @@ def read_group(
     for attempt in (0, 1):
         try:
             resp = raw(r).xreadgroup(group, consumer, {s: start for s in names}, count=count, block=block)
-            return _entries(resp)
+            return entries(resp)
         except redis.ResponseError as e:
             if str(e).startswith("NOGROUP") and attempt == 0:
                 for s in names:

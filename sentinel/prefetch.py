@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sentinel import bus
+from sentinel import bus, bus_streams
 
 
 def prefetch(r, watchers, now: float) -> None:
@@ -46,5 +46,5 @@ def prefetch(r, watchers, now: float) -> None:
         w.prefetched = {}
     for (w, what), reply in zip(plan, replies):
         if what in ("acks", "approvals") and not isinstance(reply, Exception):
-            reply = bus._entries(reply)
+            reply = bus_streams.entries(reply)
         w.prefetched[what] = reply

@@ -202,14 +202,15 @@ class BusClient:
                 self._step, self._timeline = rec.step, getattr(rec, "timeline", 0)
             self._step_time = time.time()
             self._push(self._telemetry, (self.keys.steps, data, self._steps_maxlen, mac))
-        self._wake.set()
+        # no wake-up: the I/O thread sends what is queued every poll interval (0.1 s), many records in one
+        # round trip. Waking it per step made it compete with the training loop for the GIL at every step
+        # (0.34 ms a step on a tiny CPU model: bench/callback_overhead.py)
 
     def publish_event(self, ev) -> None:
         """Queue an ``Event`` (droppable telemetry, like steps)."""
         data = ev.to_json()
         with self._lock:
             self._push(self._telemetry, (self.keys.events, data, self._events_maxlen, None))
-        self._wake.set()
 
     def register(self, info: dict[str, Any]) -> None:
         """Add the run to the bus's run registry (``Keys.RUNS``) with its metadata hash, and keep it

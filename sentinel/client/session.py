@@ -120,51 +120,13 @@ def stop_bus(run_dir: str | os.PathLike) -> bool:
     return stop_embedded(run_dir)
 
 
-class _BatchedBus:
-    """The session's ``BusClient``, with step records sent in batches: at most one wake-up of the bus
-    client's I/O thread per ``every_s`` (its own poll interval) instead of one per step. That thread
-    competes with the training loop for the GIL; batching took the HF callback's ``on_step_end`` on a
-    ~27 ms CPU step from ~3 ms to 0.21 ms (median; bench/callback_overhead.py, docs/integrate.md "Cost").
-    Anything else sent through it (a timeline marker, an ack, a checkpoint) first sends the records held,
-    so the bus sees them in the order they happened."""
-
-    def __init__(self, bus: BusClient, every_s: float):
-        self._bus, self._every, self._held, self._last = bus, every_s, [], 0.0
-
-    def publish_step(self, rec, *, batch: bool = False) -> None:
-        self._held.append(rec)
-        now = time.monotonic()
-        if not batch or now - self._last >= self._every:
-            self.send_held(now)
-
-    def send_held(self, now: float | None = None) -> None:
-        held, self._held = self._held, []
-        for rec in held:
-            self._bus.publish_step(rec)
-        self._last = time.monotonic() if now is None else now
-
-    def poll_directives(self):  # every step: sends what is held once it is every_s old (a paused loop too)
-        if self._held and time.monotonic() - self._last >= self._every:
-            self.send_held()
-        return self._bus.poll_directives()
-
-    def __getattr__(self, name: str):  # everything else is the bus client's; what writes, after the held records
-        if self._held and name in _SENDS:
-            self.send_held()
-        return getattr(self._bus, name)
-
-
-_SENDS = frozenset({"ack", "register", "register_checkpoint", "retain_checkpoints", "set_skiplist", "set_paused",
-                    "publish_event", "flush", "close"})
-
-
 class RunSession:
     """Everything a training loop in RUN_DIR needs to be watched and steered (see the module docstring)."""
 
     def __init__(self, run_dir: str | os.PathLike, *, host: ControlHost, redis_url: str | None = EMBEDDED,
                  run: str | None = None, rank: int = 0, world_size: int = 1, broadcast: Callable[[Any], Any] | None = None,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1", model: str = "custom",
-                 framework: str = "custom", device: str = "cpu", publish_every_s: float = 0.1,
+                 framework: str = "custom", device: str = "cpu",
                  log: Callable[[str], None] | None = None):
         self.run_dir = Path(run_dir)
         self.rank, self.world_size = int(rank), int(world_size)
@@ -177,8 +139,7 @@ class RunSession:
             except OSError as e:
                 raise SessionError(f"cannot create run directory {self.run_dir}: {e.strerror or e}") from None
         self.run = self._run_id(run)
-        self.bus: _BatchedBus | None = None  # a BusClient (rank 0), step records batched
-        self.publish_every_s = publish_every_s
+        self.bus: BusClient | None = None  # rank 0 only
         self.steplog: StepLog | None = None
         self.url: str | None = None
         self._embedded = False
@@ -215,9 +176,8 @@ class RunSession:
         self._embedded = reconnect is not None
         try:
             secret = bus.load_secret(self.run_dir)
-            self.bus = _BatchedBus(BusClient(self.url, self.run, secret, start_after_id="0-0",
-                                             cursor_file=self.run_dir / "directives.cursor", reconnect=reconnect),
-                                   self.publish_every_s)
+            self.bus = BusClient(self.url, self.run, secret, start_after_id="0-0",
+                                 cursor_file=self.run_dir / "directives.cursor", reconnect=reconnect)
         except bus.BusError as e:
             raise SessionError(str(e)) from None
         self.bus.register({"run_dir": str(self.run_dir.resolve()), "world_size": self.world_size, "model": model,
@@ -280,7 +240,7 @@ class RunSession:
         self._last_written = rec
         self.steplog.write(rec)
         if self.bus:
-            self.bus.publish_step(rec, batch=True)  # on the bus within publish_every_s
+            self.bus.publish_step(rec)  # on the bus within the client's poll interval (0.1 s), batched
 
     def log_eval(self, step: int, *, val_loss: float) -> None:
         """A validation pass at ``step``: the step's record again with ``val_loss`` / ``val_ppl`` (the last
@@ -348,7 +308,6 @@ class RunSession:
         if self.steplog:
             self.steplog.close()
         if self.bus:
-            self.bus.send_held()
             self.bus.flush(timeout=5.0)
             self.bus.close()
         if self.metrics:
