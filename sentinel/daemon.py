@@ -19,7 +19,6 @@ import math
 import os
 import re
 import socket
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from typing import Callable
 import redis
 
 from sentinel import bus, rundir
+from sentinel.daemon_lease import STANDBY_PROBE_S, Lease
+from sentinel.daemon_pages import OPERATIONAL_S, Pager
 from sentinel.ingest import StepGate, Verdict, check_ack, furthest_position, is_authentic
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import DIRECTIVE_KINDS, SPIKE_PATTERNS, Action, RunPolicy
@@ -46,30 +47,11 @@ from sentinel.protocol import (
 )
 from sentinel.rules import RuleSet, rules_yaml
 
-# compare-and-renew: only the holder may extend its lease
-_RENEW = """
-local t = redis.call('TYPE', KEYS[1])['ok']
-if t == 'string' and redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-if t ~= 'none' and (t ~= 'string' or redis.call('PTTL', KEYS[1]) == -1) then
-  -- no sentinel writes a lease without a TTL or of another type: it would hold the run forever
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 2
-end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
 DIRECTIVE_TTL_S = 600.0  # a directive nobody applied within 10 minutes is stale: the trainer rejects it
 DISCOVER_PER_PASS = 2000  # registered names looked at per discovery pass (every 2 s)
 LIVE_PROBE = 16  # newest steps entries looked at for one the trainer signed
 SENT_KEPT = 1024  # directives this sentinel sent, remembered (id -> stream entry) to tell their acks apart
+EVENT_KEYS_KEPT = 4096  # keys of the newest events on the bus, remembered to publish each event once
 SENT_SAVED = 256  # ... and how many of them the persisted state carries to a successor
 
 
@@ -99,6 +81,16 @@ def _finite(v: object) -> float | None:
     if type(v) not in (int, float) or not math.isfinite(v):
         raise ValueError("not a time")
     return float(v)
+
+
+def event_key(ev: Event) -> str:
+    """An event's idempotency key: what it says, about what (a replay of the same records derives the
+    same key; the time it was derived at is left out)."""
+    import hashlib
+
+    data = {k: v for k, v in ev.data.items() if k not in ("key", "history")}
+    what = json.dumps([ev.kind, ev.incident_id, ev.step, ev.message, data], default=str, sort_keys=True)
+    return f"{ev.kind}:{ev.step}:{hashlib.sha256(what.encode()).hexdigest()[:16]}"
 
 
 def _id_seconds(eid: str) -> float:
@@ -141,6 +133,8 @@ class RunWatcher:
         self.keys = Keys(run)
         self.policy = RunPolicy(run, opts.rules, dry_run=opts.dry_run, require_approval=opts.require_approval)
         self.leader = False
+        self.pager = Pager(run, opts.alertmanager_url, log)
+        self.lease = Lease(r, self.keys.leader, opts.consumer, opts.lease_ms, lambda m: self.log(f"[{run}] {m}"))
         self.last_id = "0-0"  # newest step-stream id the policy state covers
         self.acks_id = "0-0"
         self.approvals_id = "0-0"
@@ -169,6 +163,11 @@ class RunWatcher:
         # directive id -> its directives-stream entry, for the directives this sentinel sent: only
         # their acks are verdicts on its actions (anyone can make the trainer refuse a junk entry)
         self._sent: OrderedDict[str, str] = OrderedDict()
+        # incident id -> the directives-stream entry of its rollback: a step published before it was
+        # trained before the trainer could apply the rollback (RunPolicy.on_step's predates_rollback)
+        self._decisions: dict[str, str] = {}
+        self._event_keys: OrderedDict[str, None] = OrderedDict()  # keys of the events on the bus (exactly once)
+        self.replayed_events = 0  # events a replay derived again that were on the bus already: not re-published
         self.last_read = time.time()  # when a step entry was last read (or the watcher made): Daemon._retire_idle
         self.ensure_steps()
 
@@ -184,21 +183,20 @@ class RunWatcher:
 
     # ------------------------------------------------------------------ leadership
     def renew_lease(self) -> bool:
-        me, ttl = self.opts.consumer, self.opts.lease_ms
-        got = bool(self.r.set(self.keys.leader, me, nx=True, px=ttl))
-        if not got:
-            renewed = self.r.eval(_RENEW, 1, self.keys.leader, me, ttl)
-            if renewed == 2:
-                self._rejected("leader", Verdict(None, "no_lease", "the leader key held no lease (no TTL, or not a string); taken over"))
-            got = bool(renewed)
+        me = self.opts.consumer
+        got = self.lease.acquire_or_renew(lambda: self._rejected(
+            "leader", Verdict(None, "no_lease", "the leader key held no lease (no TTL, or not a string); taken over")))
         if got and not self.leader:
-            self.log(f"[{self.run}] leader lease acquired by {me}")
+            self.log(f"[{self.run}] leader lease acquired by {me} (lease {self.opts.lease_ms / 1000:g} s)")
             self._load_state()
             head = bus.raw(self.r).xrevrange(self.keys.steps, count=1)
             self._history_until = head[0][0].decode() if head else "0-0"
             self._recovered = False  # a new term: recover pending entries again (ours and a dead leader's)
+            self._on_leadership()
         elif not got and self.leader:
             self.log(f"[{self.run}] leader lease lost")
+        if not got:
+            self.lease.report_standby(self.run)
         self.leader = got
         self.m.leader.labels(self.run).set(1 if got else 0)
         return got
@@ -206,7 +204,7 @@ class RunWatcher:
     def release(self) -> None:
         if self.leader:
             self._save_state()
-            self.r.eval(_RELEASE, 1, self.keys.leader, self.opts.consumer)
+            self.lease.release()
             self.leader = False
             self.m.leader.labels(self.run).set(0)
 
@@ -226,8 +224,11 @@ class RunWatcher:
                     "last_time": _finite(gate.get("last_time"))}
             sent = [(str(d), str(i)) for d, i in st.get("sent", [])[-SENT_SAVED:]
                     if isinstance(d, str) and isinstance(i, str) and _STREAM_ID.fullmatch(i)]
+            decisions = {str(k): str(v) for k, v in (st.get("decisions") or {}).items()
+                         if isinstance(v, str) and _STREAM_ID.fullmatch(v)}
             self.policy.load_state_dict(st["policy"])
             self._check_position(gate, ids[0])
+            self.pager.load_state_dict(st.get("pages"))
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError, MemoryError) as e:
             # corrupt or hostile: start afresh, loudly (and counted: the daemon wrote none of these)
             why = f"{e.__class__.__name__}: {str(e)[:120]}" if isinstance(e, ValueError) else e.__class__.__name__
@@ -239,6 +240,7 @@ class RunWatcher:
         self.checkpoints_seen = seen
         self.gate.load_state_dict(gate)
         self._sent = OrderedDict(sent)
+        self._decisions = decisions
         if st["policy"].get("samples") is None:
             self._restore_samples()
         self.log(f"[{self.run}] resumed policy state at stream id {self.last_id} (state {self.policy.state})")
@@ -274,7 +276,8 @@ class RunWatcher:
     def _save_state(self) -> None:
         st = {"policy": self.policy.state_dict(include_samples=False), "last_id": self.last_id, "acks_id": self.acks_id,
               "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen),
-              "gate": self.gate.state_dict(), "sent": list(self._sent.items())[-SENT_SAVED:], "saved": time.time()}
+              "gate": self.gate.state_dict(), "sent": list(self._sent.items())[-SENT_SAVED:], "saved": time.time(),
+              "decisions": dict(list(self._decisions.items())[-SENT_SAVED:]), "pages": self.pager.state_dict()}
         self.r.set(self.keys.policy, json.dumps(st))
 
     # ------------------------------------------------------------------ one iteration
@@ -300,6 +303,7 @@ class RunWatcher:
             self._check_stream_restart()
         done: list[str] = []
         future = False
+        self.policy.begin_batch()
         for e in todo:
             done.append(e.id)
             if _stream_id_tuple(e.id) <= _stream_id_tuple(self.last_id):
@@ -317,7 +321,7 @@ class RunWatcher:
             history = (_stream_id_tuple(e.id) <= _stream_id_tuple(self._history_until)
                        and rec.time < time.time() - self.opts.backlog_age_s)
             try:
-                self._feed(rec, history)
+                self._feed(rec, history, e.id)
             except (bus.BusError, redis.RedisError):
                 raise
             except Exception as err:  # noqa: BLE001 - a record no check foresaw must not be re-read forever
@@ -325,6 +329,7 @@ class RunWatcher:
                                                 f"{err.__class__.__name__}: {str(err)[:120]!r}; skipped"))
         if self._replaying:
             self._end_replay()
+        self._execute(self.policy.end_batch(), None)  # the follow-up skip of the steps read: one directive
         if future:  # the trainer could add no record after it: remove it (the trainer would too, on its next XADD)
             bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
             n = bus.repair_stream_ids(self.r, self.keys.steps)
@@ -339,6 +344,7 @@ class RunWatcher:
         hb = self._heartbeat_time()
         self._execute(self.policy.on_tick(time.time(), hb), None)
         n_events = self._flush_events()
+        self.pager.tick(time.time(), self._incident_open)
         # an idle poll (nothing read, nothing decided) leaves the state as it was; serialising it costs
         # O(sample history x batch size), and idle polls come every 100 ms: save only what changed
         if done or n_events or marks != (self.last_id, self.acks_id, self.approvals_id, len(self.checkpoints_seen)):
@@ -348,6 +354,68 @@ class RunWatcher:
         self.m.incidents_open.labels(self.run).set(
             sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
         return len(done)
+
+    # ------------------------------------------------------------------ failover: act as the first leader would have
+    def _on_leadership(self) -> None:
+        """A new term: learn which events are on the bus already (a replay derives some again), and
+        send what the previous leader decided and saved but did not get to send."""
+        self._event_keys.clear()
+        for _, f in bus.raw(self.r).xrevrange(self.keys.events, count=EVENT_KEYS_KEPT):
+            try:
+                key = json.loads(f.get(b"json", b"{}")).get("data", {}).get("key")
+            except (ValueError, AttributeError, RecursionError):
+                continue
+            if isinstance(key, str):
+                self._event_keys[key] = None
+        self._send_undelivered()
+
+    def _send_undelivered(self) -> None:
+        """The actions of open incidents that the saved state holds as decided, and the applied hash
+        does not know: the previous leader saved them and died before sending (``_execute`` saves
+        first). Sent now, once (the same idempotency keys)."""
+        now = time.time()
+        todo = []
+        for inc in self.policy.recent_incidents():
+            if inc.closed_at is not None:
+                continue
+            for act in inc.actions:
+                if act.get("dry_run") or act.get("kind") not in (*DIRECTIVE_KINDS, "page"):
+                    continue
+                if now - float(act.get("time") or 0) > DIRECTIVE_TTL_S:
+                    continue  # stale: the trainer would refuse it
+                if self.r.hexists(self.keys.applied, act.get("idempotency_key", "")):
+                    continue
+                todo.append(Action.model_validate(act))
+        for a in todo:
+            self.log(f"[{self.run}] sending {a.kind} of incident {a.incident_id}: decided by the previous leader, not sent")
+        self._execute(todo, None)
+
+    def _predates(self, eid: str) -> bool:
+        """Was step entry ``eid`` published before the open incident's rollback directive was? Then
+        the trainer trained it before it could apply the rollback."""
+        inc = self.policy.current
+        if inc is None or inc.state != "rollback":
+            return False
+        sent = self._decisions.get(inc.id)
+        if sent is None:
+            sent = self._decisions[inc.id] = self._find_rollback_entry(inc)
+        return _stream_id_tuple(eid) <= _stream_id_tuple(sent)
+
+    def _find_rollback_entry(self, inc: Incident) -> str:
+        """The directives-stream entry of ``inc``'s rollback, sent by an earlier leader (its
+        directive id from the applied hash); "0-0" when it is not to be found."""
+        keys = [a.get("idempotency_key") for a in inc.actions if a.get("kind") == "rollback" and not a.get("dry_run")]
+        did = self.r.hget(self.keys.applied, keys[-1]) if keys else None
+        if did:
+            did = did.decode() if isinstance(did, bytes) else did
+            for eid, f in bus.raw(self.r).xrevrange(self.keys.directives, count=1000):
+                if did.encode() in f.get(b"json", b""):
+                    return eid.decode()
+        return "0-0"
+
+    def _incident_open(self, key: str) -> bool:
+        inc = self.policy.incident(key)
+        return inc is not None and inc.closed_at is None
 
     def _check_stream_restart(self) -> None:
         """New entries at or below the position the state covers: either old ones delivered again
@@ -364,7 +432,7 @@ class RunWatcher:
                      "reading it from its start")
             self.last_id = "0-0"
 
-    def _feed(self, rec: StepRecord | TimelineRecord | MarkerRecord, history: bool) -> None:
+    def _feed(self, rec: StepRecord | TimelineRecord | MarkerRecord, history: bool, eid: str = "0-0") -> None:
         """Give one accepted record to the policy. History (an old backlog) informs, never acts."""
         if history and not self.policy.dry_run:
             # replay it as a dry run: detectors and checkpoints learn, pages and rollbacks are not sent
@@ -372,7 +440,7 @@ class RunWatcher:
             self.policy.dry_run = True
             self._replaying = True
             try:
-                self._feed(rec, history=False)
+                self._feed(rec, history=False, eid=eid)
                 self._flush_events(history=True)
             finally:
                 self.policy.dry_run = False
@@ -381,7 +449,7 @@ class RunWatcher:
             self._end_replay()
         if isinstance(rec, StepRecord):
             self.m.steps.labels(self.run).inc()
-            self._execute(self.policy.on_step(rec), rec.time)
+            self._execute(self.policy.on_step(rec, predates_rollback=self._predates(eid)), rec.time)
         elif isinstance(rec, TimelineRecord):
             self._execute(self.policy.on_timeline(rec), rec.time)
         else:  # a marker: a planned change of the loss level restarts its baselines (RunPolicy.on_marker)
@@ -619,6 +687,13 @@ class RunWatcher:
         for ev in events:
             if history:
                 ev.data["history"] = True
+            key = ev.data.setdefault("key", event_key(ev))
+            if key in self._event_keys:  # a replay derived it again: it is on the bus already
+                self.replayed_events += 1
+                continue
+            self._event_keys[key] = None
+            while len(self._event_keys) > EVENT_KEYS_KEPT:
+                self._event_keys.popitem(last=False)
             if ev.kind == "rule_fired" and ev.data.get("rule"):
                 self.m.fired.labels(self.run, str(ev.data["rule"])).inc()
             elif ev.kind == "spike_pattern" and ev.data.get("pattern") in SPIKE_PATTERNS:
@@ -722,11 +797,16 @@ class RunWatcher:
                 d = Directive(run=self.run, kind=a.kind, ranges=a.ranges, to_step=a.to_step, reason=a.reason,
                               incident_id=a.incident_id, issuer=f"sentinel:{self.opts.consumer}",
                               expires_at=now + DIRECTIVE_TTL_S).signed(self.opts.secret)
+                # the decision is saved before it is sent: a leader that dies now leaves it to its
+                # successor, which sends what it finds decided and not applied (_send_undelivered)
+                self._save_state()
                 if not self._write_own("applied", self.keys.applied, lambda: self.r.hsetnx(self.keys.applied, a.idempotency_key, d.id)):
                     self.m.actions.labels(self.run, a.kind, "duplicate").inc()
                     continue
                 eid = self._write_own("directives", self.keys.directives, lambda: bus.publish(self.r, self.keys.directives, d))
                 self._sent[d.id] = eid.decode() if isinstance(eid, bytes) else str(eid)
+                if a.kind == "rollback" and a.incident_id:
+                    self._decisions[a.incident_id] = self._sent[d.id]
                 while len(self._sent) > SENT_KEPT:
                     self._sent.popitem(last=False)
                 if published_at is not None:
@@ -736,6 +816,7 @@ class RunWatcher:
                 self.log(f"[{self.run}] sent {a.kind}" + (f" to step {a.to_step}" if a.to_step is not None else "")
                          + (f", skipping {sum(h - l for l, h in a.ranges)} samples" if a.ranges else "") + f": {a.reason}")
             elif a.kind == "page":
+                self._save_state()
                 if not self._write_own("applied", self.keys.applied, lambda: self.r.hsetnx(self.keys.applied, a.idempotency_key, "page")):
                     self.m.actions.labels(self.run, "page", "duplicate").inc()
                     continue
@@ -744,7 +825,11 @@ class RunWatcher:
                 severity = rule_cfg.severity if rule_cfg is not None else "critical"
                 self.log(f"[{self.run}] PAGE: {a.reason}")
                 delivered = ["log", "bus"]
-                if self._notify_alertmanager(a, severity):
+                key = a.incident_id or f"op:{rule or a.reason[:60]}"
+                alert = self.pager.alert(key, severity=severity, summary=a.reason, incident_id=a.incident_id, rule=rule, now=now)
+                if a.incident_id is None:
+                    alert["until"] = now + OPERATIONAL_S
+                if self.pager.fire(alert, now):
                     delivered.append("alertmanager")
                 if self._mirror_dir() is not None:
                     delivered.append("run_dir")
@@ -756,63 +841,6 @@ class RunWatcher:
                 self._mirror_page(page)
                 self.m.actions.labels(self.run, "page", "sent").inc()
                 self.m.last_action.labels(self.run, "page").set(now)
-
-    def _notify_alertmanager(self, a: Action, severity: str = "critical") -> bool:
-        """POST the page to Alertmanager; True when it accepted it."""
-        if not self.opts.alertmanager_url:
-            return False
-        import urllib.request
-
-        body = json.dumps([{
-            "labels": {"alertname": "SentinelPage", "run": self.run, "severity": severity,
-                       "incident": a.incident_id or ""},
-            "annotations": {"summary": a.reason},
-        }]).encode()
-        url, headers = _basic_auth(self.opts.alertmanager_url)
-        req = urllib.request.Request(url.rstrip("/") + "/api/v2/alerts", data=body,
-                                     headers={"Content-Type": "application/json", **headers}, method="POST")
-        outcome: list[BaseException | None] = []
-
-        def post() -> None:
-            try:
-                urllib.request.urlopen(req, timeout=3).close()
-                outcome.append(None)
-            except Exception as e:  # noqa: BLE001 - down, refused, not HTTP (BadStatusLine), a host idna refuses
-                outcome.append(e)
-
-        # a thread with a deadline: urlopen's timeout bounds each read, and a server that trickles
-        # a byte every 2 s would hold the poll loop (every run, the lease renewals) for good
-        t = threading.Thread(target=post, name="alertmanager-post", daemon=True)
-        t.start()
-        t.join(self.ALERTMANAGER_DEADLINE_S)
-        if not outcome:
-            self.log(f"[{self.run}] Alertmanager did not answer within {self.ALERTMANAGER_DEADLINE_S:g} s: the page is "
-                     "in the log, on the bus and in the run dir")
-            return False
-        if outcome[0] is not None:
-            e = outcome[0]
-            self.log(f"[{self.run}] could not reach Alertmanager ({e.__class__.__name__}: {bus.redact_url(str(e))[:200]!r})")
-            return False
-        return True
-
-    ALERTMANAGER_DEADLINE_S = 5.0
-
-
-def _basic_auth(url: str) -> tuple[str, dict[str, str]]:
-    """An Alertmanager URL with ``user:password@`` (basic auth behind a proxy): the URL without them,
-    and the ``Authorization`` header they stand for (urllib would read them as part of the host)."""
-    import base64
-    from urllib.parse import unquote, urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.username is None:
-        return url, {}
-    netloc = parts.hostname or ""
-    netloc = f"[{netloc}]" if ":" in netloc else netloc
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    token = base64.b64encode(f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()).decode()
-    return urlunsplit(parts._replace(netloc=netloc)), {"Authorization": f"Basic {token}"}
 
 
 class Daemon:
@@ -831,6 +859,7 @@ class Daemon:
         self.stop_requested = False
         self._last_discovery = 0.0
         self._last_lease = 0.0
+        self._last_probe = 0.0
 
     def _discover(self) -> None:
         if self.fixed_runs is not None:
@@ -909,7 +938,12 @@ class Daemon:
         if now - self._last_lease > self.opts.lease_ms / 3000.0:
             for w in self.watchers.values():
                 w.renew_lease()
-            self._last_lease = now
+            self._last_lease = self._last_probe = now
+        elif now - self._last_probe > STANDBY_PROBE_S:  # standbys try more often: a lapsed lease is taken at once
+            for w in self.watchers.values():
+                if not w.leader:
+                    w.renew_lease()
+            self._last_probe = now
         led = [w for w in self.watchers.values() if w.leader]
         if not led:
             time.sleep(block_ms / 1000.0)

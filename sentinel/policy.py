@@ -148,6 +148,9 @@ class RunPolicy:
         # checkpoint of an older timeline after such a fork point is off the surviving lineage
         self._forks: list[list[int]] = []
         self._fork_cut: tuple[list[int], list[int]] | None = None  # ``_abandoned``'s index of the forks
+        self._predates = False  # the step being judged was published before the rollback was sent
+        self._batching = False  # between begin_batch and end_batch: follow-up skips are merged
+        self._later: dict[str, Any] | None = None  # the batch's follow-up skip: incident, [lo, hi] steps, ranges
 
     # ------------------------------------------------------------------ public interface
 
@@ -175,6 +178,11 @@ class RunPolicy:
 
     def incident(self, incident_id: str) -> Incident | None:
         return self._incidents.get(incident_id)
+
+    @property
+    def current(self) -> Incident | None:
+        """The open anomaly incident (suspect through escalated), if any."""
+        return self._incidents.get(self._current) if self._current else None
 
     def drain_events(self) -> list[Event]:
         ev, self._events = self._events, []
@@ -238,13 +246,48 @@ class RunPolicy:
         """A checkpoint is gone (retention deleted it): never roll back to it."""
         self._checkpoints.pop(step, None)
 
-    def on_step(self, rec: StepRecord) -> list[Action]:
+    def on_step(self, rec: StepRecord, *, predates_rollback: bool = False) -> list[Action]:
+        """Judge one step record. ``predates_rollback``: the record was published before the open
+        incident's rollback directive was (the daemon compares their stream ids): the trainer could
+        not have applied the rollback yet, so the step is backlog, not a sign that it never will (a
+        leader that takes over and replays the steps trained since the decision)."""
         if rec.timeline < self.timeline:
             return []  # a late record from a timeline a rollback abandoned
         pre: list[Action] = []
         if rec.timeline > self.timeline and self._state in ("rollback", "awaiting_approval"):
             pre = self._inferred_restore(rec)
-        return pre + self._on_step(rec)
+        self._predates = predates_rollback and self._state == "rollback"
+        try:
+            return pre + self._on_step(rec)
+        finally:
+            self._predates = False
+
+    def begin_batch(self) -> None:
+        """Steps fed between ``begin_batch`` and ``end_batch`` (a daemon's read) collect the samples
+        they add to a sent rollback's skip (``_skip_later``) into one follow-up window, sent as one
+        ``skip-samples`` directive by the first ``end_batch`` after the window closed (the restore
+        was seen, the incident escalated, or ``SKIP_LATER_MAX_STEPS`` passed): one directive per
+        rollback, whether the steps came one per read or as the backlog a new leader replays. The
+        window is part of the saved state, so a successor sends it when it closes."""
+        self._batching = True
+
+    def end_batch(self) -> list[Action]:
+        """The batch's follow-up skip, as one action (or none)."""
+        self._batching = False
+        later = self._later
+        if later is None or (self._state == "rollback" and self._current == later["incident"]
+                             and not self._ep.get("skip_capped")):
+            return []  # the trainer has not applied the rollback yet: more steps may join the skip
+        self._later = None
+        inc = self._incidents.get(later["incident"])
+        if inc is None:
+            return []
+        lo, hi = later["steps"]
+        what = f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
+        act = self._incident_action(inc, "skip-samples", f"samples of {what}, trained on the damaged branch before the "
+                                    f"rollback to step {inc.rollback_to} took effect",
+                                    ranges=[tuple(r) for r in later["ranges"]], skip_steps=(lo, hi))
+        return self._emit([act])
 
     def _inferred_restore(self, rec: StepRecord) -> list[Action]:
         """A step of a newer timeline arrived while a rollback (or an approval) waits, but not the
@@ -281,6 +324,9 @@ class RunPolicy:
         if self.dry_run and st in ("verifying", "escalated") and self._ep.get("held"):
             self._hold(rec, findings)
             return self._emit([])
+        if st == "rollback" and self._predates:
+            # published before the rollback was sent: the trainer could not have applied it yet
+            self._ep["rollback_seen"] = self.steps_seen
         if st == "rollback":
             # the restore must come: a trainer that resumed by itself before applying the rollback,
             # or never applies it, trains on unjudged; after a window of steps a human takes over
@@ -595,6 +641,8 @@ class RunPolicy:
         inc = self._incidents.get(self._current) if self._current else None
         if inc is None or rec.step <= self._ep.get("skip_to", rec.step) or rec.timeline != self._ep.get("skip_timeline"):
             return None  # a replay, or a step of the restored branch (its marker not read yet)
+        if self._predates:  # backlog trained before the rollback existed: the cap counts from after it
+            self._ep["skip_base"] = rec.step
         base = self._ep.get("skip_base", inc.detect_step)  # a restart while approval is pending counts anew
         if rec.step - base > SKIP_LATER_MAX_STEPS:
             if not self._ep.get("skip_capped"):  # a trainer that does not apply directives: say so once, do not flood
@@ -613,6 +661,13 @@ class RunPolicy:
                 pending["ranges"] = [list(r) for r in merge_ranges([tuple(r) for r in pending["ranges"]] + new)]
                 if pending.get("skip_steps"):
                     pending["skip_steps"] = [pending["skip_steps"][0], rec.step]
+            return None
+        if self._batching:  # one directive for the whole read (end_batch)
+            lt = self._later
+            if lt is None or lt["incident"] != inc.id:
+                lt = self._later = {"incident": inc.id, "steps": [rec.step, rec.step], "ranges": []}
+            lt["steps"][1] = rec.step
+            lt["ranges"] = [list(r) for r in merge_ranges([tuple(r) for r in lt["ranges"]] + new)]
             return None
         return self._incident_action(inc, "skip-samples", f"samples of step {rec.step}, trained on the damaged branch "
                                      f"before the rollback to step {inc.rollback_to} took effect", ranges=new,
@@ -883,6 +938,7 @@ class RunPolicy:
             "forks": [list(f) for f in self._forks],
             "engine": self.engine.state_dict(),
             "events": [e.model_dump(mode="json") for e in self._events],
+            "later": self._later,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -950,6 +1006,15 @@ class RunPolicy:
         self._fork_cut = None
         self.engine.load_state_dict(d["engine"])
         self._events = [Event.model_validate(e) for e in d.get("events", [])]
+        later = d.get("later")
+        if later is not None:
+            if not (isinstance(later, dict) and later.get("incident") in self._incidents
+                    and isinstance(later.get("steps"), list) and len(later["steps"]) == 2
+                    and all(_is_int(x) for x in later["steps"]) and isinstance(later.get("ranges"), list)
+                    and all(isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and 0 <= r[0] <= r[1]
+                            for r in later["ranges"])):
+                raise ValueError("later is not a follow-up skip of an incident of the state")
+            self._later = {"incident": later["incident"], "steps": list(later["steps"]), "ranges": [list(r) for r in later["ranges"]]}
 
 
 _STATES = frozenset(get_args(IncidentState))
