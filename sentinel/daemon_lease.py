@@ -40,7 +40,13 @@ end
 return 0
 """
 
-STANDBY_PROBE_S = 1.0  # a sentinel without the lease tries to take it this often
+STANDBY_PROBE_S = 0.25  # a sentinel without the lease tries to take it this often (per run; see standby_probe_s)
+STANDBY_PROBES_PER_S = 200  # ... but all of a daemon's standby runs together at most this often
+
+
+def standby_probe_s(standby_runs: int) -> float:
+    """How often a daemon with this many runs led by others tries their leases."""
+    return max(STANDBY_PROBE_S, standby_runs / STANDBY_PROBES_PER_S)
 
 
 def _text(v) -> str | None:
@@ -183,8 +189,8 @@ class Lease:
         at = f" on {h.host}" + (f" (pid {h.pid})" if h.pid else "") if h.host else ""
         until = time.strftime("%H:%M:%S UTC", time.gmtime(h.until))
         self.log(f"standing by: {h.consumer}{at} leads until {until} (renewed every "
-                 f"{self.ttl_ms / 3000:.1f} s); this sentinel takes over within {self.ttl_ms / 1000 + STANDBY_PROBE_S:.0f} s "
-                 f"of its last renewal")
+                 f"{self.ttl_ms / 3000:.1f} s); this sentinel takes over within {self.ttl_ms / 1000:g} s of its "
+                 "last renewal, at once if it dies on this host")
 
     def release(self) -> None:
         self.r.eval(_RELEASE, 2, self.key, holder_key(self.key), self.me)

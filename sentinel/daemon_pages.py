@@ -29,7 +29,7 @@ ALERTNAME = "SentinelPage"
 RESEND_S = 20.0  # an open page is POSTed again this often
 ENDS_AFTER_S = 180.0  # ... with endsAt this far ahead
 DEADLINE_S = 5.0  # one POST, all of it (a server that trickles a byte every 2 s must not hold the loop)
-RUNBOOK_URL = "https://github.com/sentinel-train/sentinel/blob/main/docs/runbooks/SentinelPage.md"
+RUNBOOK_URL = "https://github.com/sentinel-train/sentinel/blob/main/docs/runbooks/SentinelEscalation.md"  # the escalation runbook (alerts/build.py)
 MAX_OPEN = 256  # open pages kept (one per open incident, plus operational ones)
 OPERATIONAL_S = 900.0  # a page of no incident (a rule whose action is page) stays up this long
 

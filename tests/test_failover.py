@@ -8,7 +8,9 @@ rollback directive is on the bus, (3) the loop acked it, (4) the sentinel verifi
 Judged, per trial:
 
 - exactly one rollback directive, at most one ``skip-samples`` directive per incident;
-- the skip applied within 10 steps of the rollback;
+- the skip applied within 10 steps of the rollback by a standby, and, in every mode, before the
+  restored run trains any of its samples again (a restarted sentinel first starts a process: about
+  1 s of imports on a loaded 2-core machine, 15 of these steps, plus the 0.5 s before the restart);
 - no ``rollback_not_applied`` for the rollback the loop applied;
 - every event on the bus once (each carries an idempotency key; no key twice), one ``incident``
   and one ``action rollback`` event, and ``sentinel incidents`` shows one rollback, the incident
@@ -34,13 +36,13 @@ from test_own_loop import POISON, ToyLoop
 
 from sentinel import bus
 from sentinel.client.bus import BusClient
-from sentinel.protocol import Directive, Keys
+from sentinel.protocol import Directive, Keys, StepRecord
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TRIALS = int(os.environ.get("SENTINEL_CHAOS_TRIALS", "1"))
 STEPS = 300
-STEP_S = 0.04  # a step of the loop; the sentinel reads as the steps come
+STEP_S = 0.06  # a step of the loop (~15 steps/s with its bus work); the sentinel reads as the steps come
 POISON_STEP = min(POISON) // 8 + 1  # the step that trains on the poison (8 samples a step)
 MOMENTS = ("open", "sent", "acked", "verifying")
 
@@ -57,6 +59,15 @@ def _events(r, k: Keys) -> list[dict]:
 
 def _directives(r, k: Keys) -> list[Directive]:
     return [bus.decode(e, Directive) for e in bus.read_stream(r, k.directives, "0-0", count=10_000)]
+
+
+def _steps(r, k: Keys) -> list[StepRecord]:
+    out = []
+    for e in bus.read_stream(r, k.steps, "0-0", count=100_000):
+        rec = bus.decode(e)
+        if isinstance(rec, StepRecord):
+            out.append(rec)
+    return out
 
 
 def _leader_pid(r, k: Keys) -> int | None:
@@ -177,13 +188,25 @@ def _judge(res: dict) -> dict:
     fig["skips"] = len(skips)
     if skips:
         fig["skip_after_rollback_steps"] = skips[0]["step"] - rb[0]["step"]
-        assert fig["skip_after_rollback_steps"] <= 10, where
+        if fig["mode"] == "standby":  # a restart first starts a process (~1 s here): see the module docstring
+            assert fig["skip_after_rollback_steps"] <= 10, where
+        # what the bound stands for: no sample the damaged branch trained after the detection is
+        # trained again on the restored branch
+        again = [(rec.step, i) for rec in _steps(r, k) if rec.timeline >= 1 for i in rec.sample_ids
+                 if any(lo <= i < hi for s in skips for lo, hi in s["ranges"])]
+        assert again == [], (again, where)
     assert loop.w == 0.0 and all(loop._skipped(i) for i in POISON), where  # the poison never trained on again
     evs = _events(r, k)
     keys = collections.Counter(e.get("data", {}).get("key") for e in evs)
     assert None not in keys and max(keys.values()) == 1, ([kk for kk, n in keys.items() if n > 1], where)
+    # and no event said twice under another key: what it is about, once
+    about = collections.Counter((e["kind"], e.get("step"), e.get("incident_id"), e["data"].get("rule"),
+                                 e["data"].get("directive_id"), json.dumps(e["data"].get("action"), sort_keys=True))
+                                for e in evs)
+    assert max(about.values()) == 1, ([a for a, n in about.items() if n > 1], where)
     kinds = collections.Counter(e["kind"] for e in evs)
     fig["events"] = len(evs)
+    fig["event_kinds"] = dict(kinds)
     assert kinds["rollback_not_applied"] == 0, where
     assert kinds["incident"] == 1, where
     assert sum(1 for e in evs if e["kind"] == "action" and e["data"]["action"]["kind"] == "rollback") == 1, where
