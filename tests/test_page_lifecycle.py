@@ -112,6 +112,7 @@ def test_a_page_stays_up_while_its_incident_is_open_survives_a_restart_and_resol
         t0 = time.monotonic()
         pump(lambda: bool(am.active()), timeout=10)
         back_s = time.monotonic() - t0
+        print(f"PAGE back {back_s:.2f} s after the Alertmanager restart")
         assert back_s < 5, back_s
 
         # the operator approves; the rollback is applied and verifies: the incident closes, the page resolves

@@ -78,7 +78,7 @@ def _console_log():
 @click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")
 @click.option("--lease-seconds", type=click.FloatRange(0.5, 3600.0), default=None,
               help="Leader lease period in seconds [default: 10]. One sentinel acts per run; a standby takes "
-                   "over within this (plus 1 s) after the leader's last renewal, at once when the leader was a "
+                   "over within this after the leader's last renewal, at once when the leader was a "
                    "process of this machine that died. Shorter: faster takeover, more renewals (one every third).")
 @click.option("--lease-ms", type=click.IntRange(500, 3_600_000), default=None,
               help="The lease period in ms (the same setting as --lease-seconds).")

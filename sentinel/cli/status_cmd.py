@@ -273,10 +273,10 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
     for r in rows:
         if "leader" in r:
             ld = r["leader"]
-            parts.append(Text(f"{r['run']}: sentinel leader " + (
-                f"{ld['consumer']}" + (f" on {ld['host']}" if ld.get("host") else "")
+            parts.append(Text(f"{r['run']}: " + (
+                f"sentinel leader {ld['consumer']}" + (f" on {ld['host']}" if ld.get("host") else "")
                 + f", lease until {time.strftime('%H:%M:%S UTC', time.gmtime(ld['until']))}" if ld
-                else "none: no sentinel watches this run"), style="dim" if ld else "yellow"))
+                else "no sentinel leads this run: nobody watches it"), style="dim" if ld else "yellow"))
     for n in notes:
         parts.append(Text(f"note: {n}", style="dim"))
     for e in errors:
