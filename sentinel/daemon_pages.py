@@ -92,6 +92,8 @@ class Pager:
 
     def fire(self, alert: dict, now: float) -> bool:
         """Open (or update) a page and POST it now; True when Alertmanager accepted it."""
+        if not self.url:
+            return False  # no Alertmanager: nothing to keep up
         key = alert["key"]
         old = self.open.get(key)
         if old is not None:
