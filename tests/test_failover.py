@@ -233,3 +233,29 @@ def test_a_killed_leader_s_successor_acts_once_as_it_would_have(embedded_bus, tm
         with open(os.environ["SENTINEL_CHAOS_REPORT"], "a") as f:
             for fig in figs:
                 f.write(json.dumps(fig) + "\n")
+
+
+def test_a_replayed_backlog_after_the_rollback_makes_one_skip_and_no_false_not_applied():
+    """The policy's side of a takeover, without processes: a successor that feeds 40 steps trained
+    before its rollback went out, as one read (``begin_batch`` / ``end_batch``), then the restore
+    marker, sends one skip-samples for them all, says nothing of a rollback not applied, and the
+    open follow-up window survives a save and load in between."""
+    from test_policy import IDS_PER_STEP, detect_step, policy, rec, to_rollback
+
+    from sentinel.protocol import TimelineRecord
+
+    p, _ = policy()
+    to_rollback(p)
+    d = detect_step(p)
+    p.begin_batch()
+    out = [a for s in range(d + 1, d + 41) for a in p.on_step(rec(s, 5.0), predates_rollback=True)]
+    assert out == [] and p.end_batch() == []  # the window is still open: the trainer has not restored yet
+    q, _ = policy()
+    q.load_state_dict(p.state_dict())  # a successor takes over here
+    q.begin_batch()
+    q.on_timeline(TimelineRecord(kind="rollback", run=q.run, from_step=200, timeline=1, time=2000.0))
+    [skip] = q.end_batch()
+    assert skip.kind == "skip-samples" and skip.skip_steps == (d + 1, d + 40)
+    assert skip.ranges == [((d + 1) * IDS_PER_STEP, (d + 41) * IDS_PER_STEP)]
+    kinds = [e.kind for e in p.drain_events() + q.drain_events()]
+    assert "rollback_not_applied" not in kinds and q.state == "verifying"
