@@ -165,7 +165,7 @@ class Lease:
             d = json.loads(h) if h else None
         except (ValueError, TypeError, RecursionError):
             return False
-        if not isinstance(d, dict) or type(d.get("pid")) is not int or d.get("pid") == os.getpid():
+        if not isinstance(d, dict) or type(d.get("pid")) is not int or not 0 < d["pid"] < 1 << 22 or d["pid"] == os.getpid():
             return False
         if any(d.get(k) != v for k, v in self._machine.items()) or not self._machine["boot"] or _pid_alive(d["pid"]):
             return False
