@@ -4,7 +4,7 @@ module level or inside a function) and on a fresh interpreter (what importing th
 - The contract (``sentinel/contract/``) imports nothing of ours but itself; ``sentinel/protocol.py``,
   its compatibility facade, imports only the contract.
 - No import cycle among our modules, counting every import statement (in-function ones too).
-- The pure core (``sentinel/detectors/``, ``sentinel/rules/``, ``sentinel/policy.py``) imports only
+- The pure core (``sentinel/detectors/``, ``sentinel/rules/``, ``sentinel/policy*.py``) imports only
   the contract and itself, pydantic and YAML, and no stdlib module that does I/O over a network or
   other processes; importing it loads no torch, numpy, redis or trainer.
 - Only the offline tools import ``trainer``: ``sentinel/offline/`` at module level; the CLI
@@ -24,8 +24,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = sorted((ROOT / "sentinel" / "detectors").glob("*.py")) + sorted((ROOT / "sentinel" / "rules").glob("*.py")) + [ROOT / "sentinel" / "policy.py"]
-CORE_MAY_IMPORT_OF_OURS = ("sentinel.contract", "sentinel.protocol", "sentinel.detectors", "sentinel.rules")
+CORE = (sorted((ROOT / "sentinel" / "detectors").glob("*.py")) + sorted((ROOT / "sentinel" / "rules").glob("*.py"))
+        + sorted((ROOT / "sentinel").glob("policy*.py")))  # policy.py and its parts (policy_*.py)
+CORE_MAY_IMPORT_OF_OURS = ("sentinel.contract", "sentinel.protocol", "sentinel.detectors", "sentinel.rules",
+                           "sentinel.policy_types", "sentinel.policy_lineage", "sentinel.policy_episode",
+                           "sentinel.policy_recovery", "sentinel.policy_state")
 CORE_MAY_IMPORT_THIRD_PARTY = ("pydantic", "yaml")
 IO_MODULES = ("socket", "ssl", "http", "urllib", "subprocess", "multiprocessing", "threading", "asyncio", "shutil",
               "sqlite3", "select", "selectors")

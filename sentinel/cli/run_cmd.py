@@ -65,8 +65,12 @@ def _run_dir_problem(path: str) -> str | None:
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve sentinel_* metrics on this port (0: a free port).")
 @click.option("--consumer", type=ConsumerName(), help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
 @click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")
-@click.option("--lease-ms", type=click.IntRange(500, 3_600_000), default=10_000, show_default=True,
-              help="Leader lease TTL in ms (HA: one sentinel acts per run).")
+@click.option("--lease-seconds", type=click.FloatRange(0.5, 3600.0), default=None,
+              help="Leader lease period in seconds [default: 10]. One sentinel acts per run; a standby takes "
+                   "over within this after the leader's last renewal, at once when the leader was a "
+                   "process of this machine that died. Shorter: faster takeover, more renewals (one every third).")
+@click.option("--lease-ms", type=click.IntRange(500, 3_600_000), default=None,
+              help="The lease period in ms (the same setting as --lease-seconds).")
 @click.option("--max-runs", type=click.IntRange(1, 100_000), default=1024, show_default=True,
               help="With no run named: watch at most this many live runs (a run is live when its trainer signed a step record in the last day, or its heartbeat is on).")
 @click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
@@ -75,7 +79,7 @@ def _run_dir_problem(path: str) -> str | None:
                    "(time, level, logger, message, run) for Loki or ELK.")
 @friendly_errors
 def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, metrics_host, metrics_port, consumer,
-        alertmanager_url, lease_ms, max_runs, log_format):
+        alertmanager_url, lease_seconds, lease_ms, max_runs, log_format):
     """Watch every step of the given runs (run dirs or run ids; none: every run on the bus) and act.
 
     The first SIGTERM/Ctrl-C finishes the current batch, saves state and releases leases (warm
@@ -91,6 +95,9 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     from sentinel.rules import RulesError, default_rules
     from sentinel.rules_file import load_rules
 
+    if lease_seconds is not None and lease_ms is not None:
+        raise SentinelError("give --lease-seconds or --lease-ms, not both")
+    lease_ms = int(lease_seconds * 1000) if lease_seconds is not None else (lease_ms or 10_000)
     if alertmanager_url is not None:
         _check_alertmanager_url(alertmanager_url)
     for r in runs:
@@ -103,7 +110,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     except RulesError as e:
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
-                   alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs, state_save_s=2.0,
+                   alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs,
                    run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer
@@ -137,7 +144,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     for m in members:
         ids = m.daemon.fixed_runs
         log(f"sentinel {opts.consumer} on {m.label}" + (" (dry run)" if dry_run else "")
-            + (f", runs: {', '.join(ids)}" if ids else ", all registered runs"))
+            + (f", runs: {', '.join(ids)}" if ids else ", all registered runs") + f"; lease {lease_ms / 1000:g} s")
     if not alertmanager_url:
         log(NO_ALERTMANAGER_WARNING)
     fleet.run_forever()

@@ -169,6 +169,11 @@ def run_status(ref, now: float | None = None) -> dict:
         if pending:
             row["pending_rollback"] = pending
     row["last_action"] = last
+    if ref.r is not None:  # the sentinel that leads (acts for) the run, and until when its lease runs
+        from sentinel.daemon_lease import read_holder
+
+        h = read_holder(ref.r, ref.keys.leader, now)
+        row["leader"] = None if h is None else {"consumer": h.consumer, "host": h.host, "pid": h.pid, "until": h.until}
     count_bus_entries(row, bad_entries)
     loss, med = row.get("loss"), row.get("loss_median")
     row["loss_out_of_band"] = bool(loss is not None and med and (loss != loss or loss > LOSS_BAND * med))
@@ -265,6 +270,13 @@ def render(rows: list[dict], errors: list[str], now: float | None = None):
     if not rows and not errors:
         parts.append(Text("no runs registered on the bus", style="dim"))
     notes = [f"{r['run']}: {r['note']}" for r in rows if r.get("note")]
+    for r in rows:
+        if "leader" in r:
+            ld = r["leader"]
+            parts.append(Text(f"{r['run']}: " + (
+                f"sentinel leader {ld['consumer']}" + (f" on {ld['host']}" if ld.get("host") else "")
+                + f", lease until {time.strftime('%H:%M:%S UTC', time.gmtime(ld['until']))}" if ld
+                else "no sentinel leads this run: nobody watches it"), style="dim" if ld else "yellow"))
     for n in notes:
         parts.append(Text(f"note: {n}", style="dim"))
     for e in errors:

@@ -1,0 +1,90 @@
+"""The daemon's settings (``Options``), its limits, and the small readers its parts share."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sentinel.protocol import Event
+from sentinel.rules import RuleSet
+
+DIRECTIVE_TTL_S = 600.0  # a directive nobody applied within 10 minutes is stale: the trainer rejects it
+DISCOVER_PER_PASS = 2000  # registered names looked at per discovery pass (every 2 s)
+LIVE_PROBE = 16  # newest steps entries looked at for one the trainer signed
+SENT_KEPT = 1024  # directives this sentinel sent, remembered (id -> stream entry) to tell their acks apart
+EVENT_KEYS_KEPT = 4096  # keys of the newest events on the bus, remembered to publish each event once
+SENT_SAVED = 256  # ... and how many of them the persisted state carries to a successor
+
+
+def _is_file(p: Path) -> bool:
+    try:  # a bus-given path may be too long for the OS (ENAMETOOLONG is not swallowed by is_file)
+        return p.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id, as the state saves them
+
+
+def _count(v: object, none: bool = False) -> int | None:
+    """A non-negative int from a saved state (a bool, float or text there is corruption)."""
+    if v is None and none:
+        return None
+    if type(v) is not int or v < 0:
+        raise ValueError("not a count")
+    return v
+
+
+def _finite(v: object) -> float | None:
+    """A finite time from a saved state, or None (absent: a state saved before it was kept)."""
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise ValueError("not a time")
+    return float(v)
+
+
+def event_key(ev: Event) -> str:
+    """An event's idempotency key: what it says, about what (a replay of the same records derives the
+    same key; the time it was derived at is left out)."""
+    data = {k: v for k, v in ev.data.items() if k not in ("key", "history")}
+    what = json.dumps([ev.kind, ev.incident_id, ev.step, ev.message, data], default=str, sort_keys=True)
+    return f"{ev.kind}:{ev.step}:{hashlib.sha256(what.encode()).hexdigest()[:16]}"
+
+
+def _id_seconds(eid: str) -> float:
+    """The Unix time a stream entry id is stamped with."""
+    return int(eid.partition("-")[0]) / 1000.0
+
+
+def _stream_id_tuple(eid: str) -> tuple[int, int]:
+    a, _, b = eid.partition("-")
+    return int(a), int(b or 0)
+
+
+@dataclass
+class Options:
+    rules: RuleSet
+    secret: bytes
+    consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    dry_run: bool = False
+    require_approval: bool | None = None
+    lease_ms: int = 10_000
+    batch: int = 500
+    alertmanager_url: str | None = None
+    # records older than this, already on the stream when the lease was taken, are history: they
+    # rebuild the detectors' state, but the sentinel does not act on incidents that are long over
+    backlog_age_s: float = 120.0
+    # with no run named: how many registered runs to watch at most, and after how long without a
+    # step record (and no heartbeat) a run counts as over
+    max_runs: int = 1024
+    idle_s: float = 86_400.0
+    # run id -> its run directory, where incidents and pages are mirrored (else the dir the trainer
+    # registered on the bus, when it exists on this machine)
+    run_dirs: dict[str, Path] = field(default_factory=dict)
