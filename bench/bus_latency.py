@@ -23,7 +23,7 @@ import time
 
 
 def _reader(url: str, stream: str, n: int, out) -> None:
-    from sentinel.bus import connect, decode, Entry
+    from sentinel.bus import Entry, connect, decode
 
     r = connect(url, timeout=5.0)
     last, lat = "0-0", []
@@ -39,7 +39,7 @@ def _reader(url: str, stream: str, n: int, out) -> None:
 
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
 def _step(run: str, step: int):
@@ -76,9 +76,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from sentinel import bus
+    from sentinel.client.bus import BusClient
     from sentinel.embedded import ensure_embedded, stop_embedded
     from sentinel.protocol import Keys
-    from sentinel.client.bus import BusClient
 
     with tempfile.TemporaryDirectory(prefix="bus-bench-") as run_dir:
         url = ensure_embedded(run_dir)

@@ -50,11 +50,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from anchors import olmo_skip_step  # noqa: E402
-from detection_quality import Score, Trace, label_real, score  # noqa: E402
+from anchors import olmo_skip_step
+from detection_quality import Score, Trace, label_real, score
 
-from sentinel.backtest import backtest, parse_trace_line  # noqa: E402
-from sentinel.rules import default_rules  # noqa: E402
+from sentinel.backtest import backtest, parse_trace_line
+from sentinel.rules import default_rules
 
 WINDOW = 50  # a rollback must be ordered at most this many steps after the onset
 HORIZON = 4 * WINDOW  # drills are replayed to this many steps after the onset

@@ -37,10 +37,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from anchors import ANCHORS  # noqa: E402
+from anchors import ANCHORS
 
-from sentinel.backtest import backtest, parse_trace_line  # noqa: E402
-from sentinel.rules import default_rules  # noqa: E402
+from sentinel.backtest import backtest, parse_trace_line
+from sentinel.rules import default_rules
 
 SCORE_FROM = 100  # steps before this are not scored
 TOL = 3  # a flag up to this many steps after an event's end still detects it
@@ -66,7 +66,7 @@ class Score:
     fn: int = 0
     delays: list[int] = field(default_factory=list)
 
-    def add(self, o: "Score") -> None:
+    def add(self, o: Score) -> None:
         self.tp += o.tp
         self.fp += o.fp
         self.fn += o.fn

@@ -113,7 +113,7 @@ def main(argv=None) -> None:
         if "unavailable" in r:
             print(f"attention {r['kernel']:<20} unavailable: {r['unavailable']}")
         else:
-            print(f"attention {r['kernel']:<20} repeats bit for bit: {str(r['repeats_bitwise']):<5}  "
+            print(f"attention {r['kernel']:<20} repeats bit for bit: {r['repeats_bitwise']!s:<5}  "
                   f"forward+backward {r['forward_backward_ms']:.2f} ms")
     runs = []
     with tempfile.TemporaryDirectory(prefix="determinism-bench-") as tmp:

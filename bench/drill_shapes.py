@@ -33,8 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import decision_quality as dq  # noqa: E402
-
+import decision_quality as dq
 
 OTHER_SHAPES = {
     "jump-noisy": "a jump of 0.25-1.0 nats, and the per-step noise doubles from the onset",

@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sentinel.policy import RunPolicy  # noqa: E402
-from sentinel.protocol import StepRecord  # noqa: E402
-from sentinel.rules import RuleEngine, default_rules, parse_rules  # noqa: E402
+from sentinel.policy import RunPolicy
+from sentinel.protocol import StepRecord
+from sentinel.rules import RuleEngine, default_rules, parse_rules
 
 OTHER_RULES = """
 version: 1

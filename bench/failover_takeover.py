@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import redis  # noqa: E402
+import redis
 
-from sentinel.protocol import Keys  # noqa: E402
+from sentinel.protocol import Keys
 
 
 def main() -> None:

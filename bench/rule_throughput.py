@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sentinel.policy import RunPolicy  # noqa: E402
-from sentinel.protocol import StepRecord  # noqa: E402
-from sentinel.rules import RuleEngine, default_rules  # noqa: E402
+from sentinel.policy import RunPolicy
+from sentinel.protocol import StepRecord
+from sentinel.rules import RuleEngine, default_rules
 
 
 def make_records(n: int, full: bool, seed: int = 0) -> list[StepRecord]:

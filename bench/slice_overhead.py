@@ -8,7 +8,8 @@ run in blocks of ``--block`` with the per-source path on (per-sample losses, a `
 one-hot matmul into a ``[sources]`` sum, the sum riding the loss gather and the readback) and off
 (the plain mean loss, as for a single-source dataset), in ABBA order so slow drift of a shared
 machine hits both arms alike. Reported: per-pair on/off ratio of the mean step wall time and of the
-process CPU time per step (less sensitive to neighbours on a shared machine), with min/median/max. The model, data and sampler stream are the same in both arms (only which ids each
+process CPU time per step (less sensitive to neighbours on a shared machine), with min/median/max. The model,
+data and sampler stream are the same in both arms (only which ids each
 block sees differs), so the ratio isolates the per-source bookkeeping.
 """
 

@@ -21,7 +21,8 @@ likely a mix of both.
 
 Regression scenarios: one slice (random) starts rising at eval 60 while the others keep improving:
 ramp (+0.02 nats/eval), slow (+0.01 nats/eval), step (+0.2 nats at once), each under t3 noise and
-ramp also under AR(1) noise (ramp_ar1: independent, ramp_ar1_common: shared drift). Detected = the first page after the onset names that slice (delay in
+ramp also under AR(1) noise (ramp_ar1: independent, ramp_ar1_common: shared drift). Detected = the first page
+after the onset names that slice (delay in
 evals from the onset); a page before the onset or naming another slice is a false page.
 
 Seeds 0..N-1 are the tuning set; seeds 10_000.. are held out (never looked at while tuning).
@@ -39,8 +40,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sentinel.protocol import StepRecord  # noqa: E402
-from sentinel.rules import RuleEngine, default_rules  # noqa: E402
+from sentinel.protocol import StepRecord
+from sentinel.rules import RuleEngine, default_rules
 
 N_EVALS, N_SLICES, ONSET, EVAL_EVERY = 120, 4, 60, 50
 NAMES = ("shakespeare", "pydoc", "stdlib", "prose")

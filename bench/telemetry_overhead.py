@@ -12,7 +12,8 @@ arm goes first in each pair instead.
 Throughput is steady state, from the run's ``steps.jsonl``: the first ``--warmup`` steps are
 dropped, then ``tokens/s = batch tokens of steps w+1..N / (time[N] - time[w])``, where ``time`` is
 the wall clock each step record was stamped with. A second, outlier-robust figure uses the median
-step-to-step interval instead of the mean (on a shared machine a neighbour's burst hits single steps). Timestamp deltas cover the *whole* loop (control
+step-to-step interval instead of the mean (on a shared machine a neighbour's burst hits single steps).
+Timestamp deltas cover the *whole* loop (control
 poll, step, step log, Prometheus update, ...), unlike ``step_seconds``, which stops before the
 metrics update; the ``step_seconds``-based figure is reported too, as a cross-check.
 
@@ -209,7 +210,8 @@ def print_table(result: dict) -> None:
     head = ("pair", "on tok/s", "off tok/s", "on/off", "ms/step on / off")
     foot = [
         ("min", f"{s['tokens_per_second_on']['min']:,.0f}", f"{s['tokens_per_second_off']['min']:,.0f}", f"{s['ratio_on_off']['min']:.4f}", ""),
-        ("median", f"{s['tokens_per_second_on']['median']:,.0f}", f"{s['tokens_per_second_off']['median']:,.0f}", f"{s['ratio_on_off']['median']:.4f}", ""),
+        ("median", f"{s['tokens_per_second_on']['median']:,.0f}", f"{s['tokens_per_second_off']['median']:,.0f}",
+         f"{s['ratio_on_off']['median']:.4f}", ""),
         ("max", f"{s['tokens_per_second_on']['max']:,.0f}", f"{s['tokens_per_second_off']['max']:,.0f}", f"{s['ratio_on_off']['max']:.4f}", ""),
     ]  # fmt: skip
     cfg = result["config"]

@@ -37,8 +37,19 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dash_m
 
 from alerts.build import runbook_url
-from dashboards.common import (RATE, RUN, RUN_RANK, UIDS, annotation, base_dashboard, default_stat, default_timeseries,
-                               increase, query, right_axis)
+from dashboards.common import (
+    RATE,
+    RUN,
+    RUN_RANK,
+    UIDS,
+    annotation,
+    base_dashboard,
+    default_stat,
+    default_timeseries,
+    increase,
+    query,
+    right_axis,
+)
 
 HERE = Path(__file__).resolve().parent
 

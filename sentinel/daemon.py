@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import redis
 
@@ -45,8 +45,8 @@ from sentinel.daemon_reads import ReadsMixin
 from sentinel.daemon_state import StateMixin
 from sentinel.ingest import StepGate, Verdict, is_authentic
 from sentinel.metrics import SentinelMetrics
-from sentinel.prefetch import prefetch
 from sentinel.policy import RunPolicy
+from sentinel.prefetch import prefetch
 from sentinel.protocol import (
     STEP_CONSUMER_GROUP,
     Keys,

@@ -51,7 +51,7 @@ class ActionsMixin:
                 self.m.actions.labels(self.run, a.kind, "sent").inc()
                 self.m.last_action.labels(self.run, a.kind).set(now)
                 self.log(f"[{self.run}] sent {a.kind}" + (f" to step {a.to_step}" if a.to_step is not None else "")
-                         + (f", skipping {sum(h - l for l, h in a.ranges)} samples" if a.ranges else "") + f": {a.reason}")
+                         + (f", skipping {sum(h - lo for lo, h in a.ranges)} samples" if a.ranges else "") + f": {a.reason}")
             elif a.kind == "page":
                 self._save_state()
                 if not self._write_own("applied", self.keys.applied, lambda: self.r.hsetnx(self.keys.applied, a.idempotency_key, "page")):

@@ -19,8 +19,8 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Callable
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from sentinel import bus
@@ -52,7 +52,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def post_alerts(url: str, alerts: list[dict], deadline_s: float = DEADLINE_S) -> BaseException | None | bool:
+def post_alerts(url: str, alerts: list[dict], deadline_s: float = DEADLINE_S) -> BaseException | bool | None:
     """POST ``alerts`` to ``url``'s /api/v2/alerts within ``deadline_s``: None when accepted, the
     exception when it failed, False when no answer came in time."""
     base, headers = basic_auth(url)

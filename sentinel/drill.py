@@ -131,7 +131,7 @@ def ensure_mixture_prepared(path: Path | None = None) -> Path:
     return path
 
 
-def mixture_fault_arg(spec: "DrillSpec") -> str:
+def mixture_fault_arg(spec: DrillSpec) -> str:
     """``--inject-fault`` for a mixture drill: from ``drill_step`` on, the source is corrupted, or its
     sampling weight multiplied by ``factor`` (0 starves it)."""
     if spec.fault == "corrupt_source":

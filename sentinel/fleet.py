@@ -10,9 +10,9 @@ counted in ``sentinel_bus_restarts_total``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import redis
 

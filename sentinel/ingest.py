@@ -37,7 +37,6 @@ from sentinel.protocol import (
     record_range_error,
 )
 
-
 MAX_STEP_RATE = 1_000_000  # steps per second of record time, and the jump allowed at no time apart
 MAX_FUTURE_S = 86_400.0
 

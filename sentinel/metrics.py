@@ -26,7 +26,8 @@ class SentinelMetrics:
             pass
         self.steps = Counter("sentinel_steps_processed", "Step records processed.", ["run"], registry=r)
         self.fired = Counter("sentinel_rule_fired", "Rule firings (after cooldowns).", ["run", "rule"], registry=r)
-        self.actions = Counter("sentinel_actions", "Actions taken, by outcome: sent, duplicate, dry_run, and the trainer's verdict failed or rejected.",
+        self.actions = Counter("sentinel_actions",
+                               "Actions taken, by outcome: sent, duplicate, dry_run, and the trainer's verdict failed or rejected.",
                                ["run", "action", "outcome"], registry=r)
         self.incidents_open = Gauge("sentinel_incidents_open", "Incidents not yet healthy or escalated-and-closed.", ["run"], registry=r)
         self.latency = Histogram("sentinel_detection_latency_seconds", "From step publish to signed directive in Redis.",
@@ -38,7 +39,8 @@ class SentinelMetrics:
         self.last_action = Gauge("sentinel_last_action_timestamp_seconds", "Unix time of the last action, by kind.",
                                  ["run", "action"], registry=r)
         self.leader = Gauge("sentinel_leader", "1 while this sentinel holds the run's leader lease.", ["run"], registry=r)
-        self.spike_pattern = Gauge("sentinel_spike_pattern", "1 for the run's current spike pattern (one-off, periodic, increasing), 0 for the others.",
+        self.spike_pattern = Gauge("sentinel_spike_pattern",
+                                   "1 for the run's current spike pattern (one-off, periodic, increasing), 0 for the others.",
                                    ["run", "pattern"], registry=r)
         self.episodes = Counter("sentinel_anomaly_episodes", "Anomaly episodes closed, by outcome: recovered (annotated, no action) or damage.",
                                 ["run", "outcome"], registry=r)

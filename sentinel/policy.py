@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sentinel.policy_episode import EpisodeMixin
 from sentinel.policy_lineage import LineageMixin

@@ -101,9 +101,7 @@ class EpisodeMixin:
         steps = [e["step"] for e in eps]
         gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
         pattern = "one-off"
-        if same_data:
-            pattern = "periodic"
-        elif len(gaps) >= 3 and max(gaps[-3:]) - min(gaps[-3:]) <= max(2, 0.05 * max(gaps[-3:])):
+        if same_data or (len(gaps) >= 3 and max(gaps[-3:]) - min(gaps[-3:]) <= max(2, 0.05 * max(gaps[-3:]))):
             pattern = "periodic"
         if len(gaps) >= 6:
             last, earlier = gaps[-3:], gaps[:-3]

@@ -396,7 +396,7 @@ def render(data: ReportData, out: str | Path, *, dpi: int = 110) -> Path:
     for ev in data.resumes:
         m, c = marks.get(ev["kind"], ("o", "#1f77b4"))
         ax_ev.scatter([ev["step"]], [lane["resumes / pauses"]], marker=m, color=c, s=40, zorder=4)
-    for a, b, n in data.skip_windows:
+    for a, b, _n in data.skip_windows:
         y = lane["skip windows"]
         ax_ev.broken_barh([(a - 0.5, b - a + 1)], (y - 0.3, 0.6), color="#8c564b", alpha=0.75)
     if data.skip_windows:

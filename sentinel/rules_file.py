@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from sentinel.rules.config import MAX_RULES_BYTES, RuleSet, RulesError, parse_rules
 from sentinel.protocol import UnreadableFileError, read_regular_file
+from sentinel.rules.config import MAX_RULES_BYTES, RulesError, RuleSet, parse_rules
 
 
 def load_rules(path: str | os.PathLike) -> RuleSet:

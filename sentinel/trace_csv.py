@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import csv
 import math
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from sentinel.trace_names import GRAD_NAMES, STEP_NAMES, TIME_NAMES, find_name, null_loss_is_nan, shown_names
 from sentinel.trace_names import LOSS_NAMES as _LOSS_NAMES

@@ -17,7 +17,8 @@ would hold, so they pass the same checks as a JSON line (``backtest.record_from_
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 MAX_BYTES = 1 << 30  # a trainer state beyond 1 GiB is not one: read as JSON lines instead
 

@@ -14,7 +14,8 @@ writes a NaN as null: a null loss on a row of nothing else is read as a NaN ther
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from sentinel.trace_names import LOSS_NAMES, STEP_NAMES, find_name
 

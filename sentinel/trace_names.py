@@ -9,7 +9,8 @@ preference, so a log reads the same whichever way it was exported. Names compare
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 STEP_NAMES = ("step", "_step", "global_step", "trainer/global_step", "iteration", "iter", "steps")
 LOSS_NAMES = ("loss", "train/loss", "train_loss", "train/lm_loss", "lm_loss", "lm loss", "training_loss", "train/loss_step")

@@ -28,8 +28,9 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from sentinel.protocol import UnreadableFileError, open_regular
 from sentinel.trace_names import GRAD_NAMES, LOSS_NAMES, find_name, shown_names

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 MAX_LINE = 4096
 

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--async-ckpt", action="store_true", help="snapshot to CPU and write checkpoints in the background")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N checkpoints, delete older ones (checkpoint.keep_last)")
-    p.add_argument("--keep-every", type=int, metavar="K", help="also keep every checkpoint whose step is a multiple of K, forever (checkpoint.keep_every)")
+    p.add_argument("--keep-every", type=int, metavar="K",
+                   help="also keep every checkpoint whose step is a multiple of K, forever (checkpoint.keep_every)")
     p.add_argument("--eval-every", type=int, metavar="N", help="validate (per slice, plus the probe sets) every N steps (eval.every)")
     p.add_argument("--skip", action="append", default=[], metavar="LO:HI", help="skip sample ids [LO, HI) (repeatable)")
     p.add_argument("--inject-fault", action="append", default=[], metavar="KIND@LO[:HI]",

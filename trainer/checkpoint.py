@@ -26,18 +26,24 @@ import pickle
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from pydantic import ValidationError
 
-from sentinel.contract.checkpoints import ManifestError, TrainStateFile, check_manifest, first_error
-from sentinel.contract.checkpoints import manifest_digest  # noqa: F401  (re-exported)
+from sentinel.contract.checkpoints import (
+    ManifestError,
+    TrainStateFile,
+    check_manifest,
+    first_error,
+    manifest_digest,  # noqa: F401  (re-exported)
+)
 from sentinel.contract.fsio import fsync_dir as _fsync  # by name: a file's data, or a directory's names
-from sentinel.contract.fsio import sha256_file  # noqa: F401  (re-exported)
+from sentinel.contract.fsio import sha256_file
 from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR

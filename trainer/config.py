@@ -175,7 +175,7 @@ class Fault(_Strict):
     factor: float = 1.0
 
     @classmethod
-    def parse(cls, text: str) -> "Fault":
+    def parse(cls, text: str) -> Fault:
         """``KIND@ID``, ``KIND@LO:HI`` (half-open, like ``--skip``), ``lr@ID:F`` or ``lr@LO:HI:F``.
 
         ``lr@A:B`` is an id and a factor (the long-standing form), never a range: an lr range always
@@ -233,7 +233,7 @@ class SourceFault(_Strict):
     factor: float = Field(1.0, ge=0)
 
     @classmethod
-    def parse(cls, text: str) -> "SourceFault":
+    def parse(cls, text: str) -> SourceFault:
         m = SOURCE_FAULT_RE.match(text.strip())
         if not m:
             raise ConfigError(f"--inject-fault {text!r}: expected {SOURCE_FAULT_SYNTAX}")

@@ -28,7 +28,8 @@ class StepReadback:
         packed = []
         for kind, items in parts.items():
             dtype = torch.float64 if kind == "f" else torch.int64
-            flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, t in items]) if items else torch.empty(0, dtype=dtype, device=next(iter(tensors.values())).device)
+            device = next(iter(tensors.values())).device
+            flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, t in items]) if items else torch.empty(0, dtype=dtype, device=device)
             packed.append(([n for n, _ in items], [t.numel() for _, t in items], flat))
         if not self.lagged:
             return [(self._unpack(packed), meta)]

@@ -121,7 +121,7 @@ class SliceEval:
                     continue
                 self.batches += got
                 items += [(b, k) for b in got]
-            for k, name in enumerate(self.names):
+            for k in range(len(self.names)):
                 try:
                     items.append((ds.probe_windows(seq_len, probe_samples, k), n + k))
                 except DataError:

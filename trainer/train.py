@@ -121,7 +121,8 @@ class Trainer:
         cfg.model.vocab_size = vocab
         n = self.ds.num_samples(cfg.model.seq_len)
         if n < self.global_batch:
-            raise TrainingError(f"dataset {data_dir} has {n} samples of length {cfg.model.seq_len}, fewer than one global batch ({self.global_batch})")
+            raise TrainingError(f"dataset {data_dir} has {n} samples of length {cfg.model.seq_len}, "
+                                f"fewer than one global batch ({self.global_batch})")
         self.n_sources = len(self.ds.sources)
         self.per_source = self.n_sources > 1  # one slice: its loss is the step loss, nothing to compute
         try:
@@ -160,7 +161,7 @@ class Trainer:
         """The host-side state a checkpoint holds (train_state.json): the offline tools' view of it."""
         return self.checkpoints.train_state()
 
-    # ================================================================== control (the ControlHost side)    # ================================================================== control (the ControlHost side)
+    # ================================================================== control (the ControlHost side)
     def restore_checkpoint(self, step: int) -> None:
         """A rollback directive: reload the full state of checkpoint ``step`` in-process (the skip list is
         kept: it only grows). ``sentinel.client.ControlLoop`` does the rest (marker, ack, timeline)."""

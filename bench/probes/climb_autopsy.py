@@ -32,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
-import decision_quality as dq  # noqa: E402
-from sentinel.detectors.climb import ClimbTrend  # noqa: E402
-from sentinel.rules import default_rules  # noqa: E402
-from sentinel.rules.loss import LossEval  # noqa: E402
+import decision_quality as dq
+
+from sentinel.detectors.climb import ClimbTrend
+from sentinel.rules import default_rules
+from sentinel.rules.loss import LossEval
 
 BANDS = ((200, 700), (700, 1500), (1500, 10**9))
 

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
-import decision_quality as dq  # noqa: E402
+import decision_quality as dq
 
 SLOPES = (0.002, 0.003, 0.004, 0.005)
 ALPHAS = (0.0, 0.5, 1.0)  # the share of the baseline's slope carried into the window (0: today's flat baseline)

@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
-import decision_quality as dq  # noqa: E402
+import decision_quality as dq
 
 DEADLINE = 50  # the judge: a rollback at most this many steps after the onset
 STRIDE = 4  # healthy scan: a candidate onset every this many steps
@@ -119,7 +119,7 @@ def main() -> None:
         per_run_max.append(top)
         fits.append((x, lvl, sigma))
     tops = sorted((t for t in per_run_max if t == t), reverse=True)
-    allowed = int(math.floor(BUDGET * len(runs)))  # runs that may pass the bar
+    allowed = math.floor(BUDGET * len(runs))  # runs that may pass the bar
     bar = tops[allowed] if allowed < len(tops) else 0.0
 
     rng = np.random.default_rng(0)

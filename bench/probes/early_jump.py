@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
-import decision_quality as dq  # noqa: E402
-import logging_variants as lv  # noqa: E402
+import decision_quality as dq
+import logging_variants as lv
 
-from sentinel.detectors import DescentJump  # noqa: E402
+from sentinel.detectors import DescentJump
 
 VARIANTS = "ema0.5,ema0.3,ema0.2,ema0.1,roll10,roll20,quiet0.3,quiet0.2,round2"
 

@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
-from decision_quality import Run, load_curves  # noqa: E402
+from decision_quality import Run, load_curves
 
-from sentinel.backtest import backtest, parse_trace_line  # noqa: E402
-from sentinel.rules import default_rules  # noqa: E402
+from sentinel.backtest import backtest, parse_trace_line
+from sentinel.rules import default_rules
 
 DEFAULT = "ema0.5,ema0.3,ema0.2,ema0.1,mean10,every10,restart100,restart500"
 

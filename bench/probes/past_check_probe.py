@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: decision_quality
 
-import sentinel.detectors as D  # noqa: E402
-from decision_quality import inject, load_curves, run_backtest  # noqa: E402
-from logging_variants import logged, replay  # noqa: E402
+from decision_quality import inject, load_curves, run_backtest
+from logging_variants import logged, replay
+
+import sentinel.detectors as D
 
 D.LevelShift.PAST_FACTOR = 0.0  # measure what the tests would do without the check
 _feed = D.LevelShift.feed

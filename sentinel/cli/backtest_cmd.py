@@ -201,9 +201,9 @@ def _run_settings(trace: str, given: frozenset[str]) -> dict:
     Anything unreadable is left at the command line's value."""
     from pathlib import Path
 
-    from sentinel.rundir import APPLIED_RULES, CONFIG, STEPS, run_config
     from sentinel.rules import RulesError
     from sentinel.rules_file import load_rules
+    from sentinel.rundir import APPLIED_RULES, CONFIG, STEPS, run_config
 
     p = Path(trace)
     if p.name != STEPS or not (p.parent / CONFIG).is_file():

@@ -12,7 +12,18 @@ import time
 
 import click
 
-from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected, not_empty, offline_note
+from sentinel.cli.common import (
+    bus_entry,
+    count_bus_entries,
+    emit_json,
+    friendly_errors,
+    json_option,
+    not_empty,
+    offline_note,
+    read_or_reject,
+    redis_url_option,
+    warn_rejected,
+)
 
 STATUS_STYLE = {"resume_verified": "bold green", "checksum_ok": "green", "unverified": "yellow", "failed": "bold red",
                 "corrupt": "bold red", "incomplete": "red"}

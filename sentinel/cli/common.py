@@ -164,6 +164,11 @@ def redis_url_option(fn):
     )(fn)
 
 
+def secret_file_option(fn, what: str = "HMAC secret file"):
+    return click.option("--secret-file", type=click.Path(dir_okay=False),
+                        help=f"{what} (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")(fn)
+
+
 def emit_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 

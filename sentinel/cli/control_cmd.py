@@ -18,13 +18,15 @@ import time
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
 from sentinel.cli.common import (
+    FiniteFloat,
+    OneLineText,
     SentinelError,
     emit_json,
     friendly_errors,
     json_option,
     no_ack_error,
+    not_empty,
     redis_url_option,
     send_and_wait,
 )

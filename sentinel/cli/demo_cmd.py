@@ -10,8 +10,7 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import FiniteFloat
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option
+from sentinel.cli.common import FiniteFloat, SentinelError, emit_json, friendly_errors, json_option
 
 MAX_DEMO_RANKS = 16  # gloo ranks on one CPU machine
 MAX_DEMO_STEPS = 1_000_000
@@ -35,7 +34,7 @@ def _live_view(spec, state):
                       f"{r.lr:.2e}", f"{r.val_loss:.4f}" if r.val_loss is not None else "",
                       f"[yellow]skip ({r.skip_reason})[/]" if r.skipped else "ok", str(r.timeline))
         rb = [x for x in timeline if x.kind == "rollback"]
-        status = (f"[bold green]rolled back to step {rb[-1].from_step}[/], skipping {sum(h - l for l, h in rb[-1].skip_ranges)} samples"
+        status = (f"[bold green]rolled back to step {rb[-1].from_step}[/], skipping {sum(h - lo for lo, h in rb[-1].skip_ranges)} samples"
                   if rb else "[dim]watching[/]")
         log_panel = Panel("\n".join(log[-8:]) or "[dim]no events yet[/]", title="sentinel", border_style="cyan")
         return Group(t, Panel(status, title="status"), log_panel)
@@ -170,7 +169,7 @@ def _demo(console, run_dir, steps, ranks, drill_step, mixture, fault, source, fa
         t = Table(title="what happened", show_header=False)
         t.add_row("faulty sample", ", ".join(map(str, res.fault_ids)) + f" (trained at step {drill_step})")
         for rb in res.rollbacks:
-            t.add_row("rollback", f"to step {rb.from_step}, skipped {sum(h - l for l, h in rb.skip_ranges)} samples ({rb.reason})")
+            t.add_row("rollback", f"to step {rb.from_step}, skipped {sum(h - lo for lo, h in rb.skip_ranges)} samples ({rb.reason})")
         if spec.sentinel and not res.rollbacks:
             t.add_row("rollback", "[red]none[/]")
         later = out.get("later_skips") or []
@@ -300,7 +299,7 @@ def _last_error_line(log: Path, tail_bytes: int = 64 * 1024) -> str | None:
             lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines()]
     except OSError:
         return None
-    lines = [ln for ln in lines if ln and not ln.startswith(_TORCHRUN_FRAME) and not ln[:1] == "["
+    lines = [ln for ln in lines if ln and not ln.startswith(_TORCHRUN_FRAME) and ln[:1] != "["
              and "torch.distributed.elastic" not in ln]
     pick = (next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
             or next((ln for ln in reversed(lines) if ln.split(":", 1)[0].endswith(("Error", "Exception"))), None)

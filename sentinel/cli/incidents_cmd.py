@@ -14,9 +14,25 @@ import time
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat, not_empty, offline_note
-from sentinel.cli.common import (WRONG_TYPE, SentinelError, bus_entry, count_bus_entries, emit_json, emit_runs, fmt_clock,
-                                 friendly_errors, json_option, read_or_reject, read_unless_wrong_type, redis_url_option)
+from sentinel.cli.common import (
+    WRONG_TYPE,
+    FiniteFloat,
+    OneLineText,
+    SentinelError,
+    bus_entry,
+    count_bus_entries,
+    emit_json,
+    emit_runs,
+    fmt_clock,
+    friendly_errors,
+    json_option,
+    not_empty,
+    offline_note,
+    read_or_reject,
+    read_unless_wrong_type,
+    redis_url_option,
+    secret_file_option,
+)
 from sentinel.protocol import finite_or_none
 
 EVENTS_SCAN = 20_000  # newest events read per run to build timelines
@@ -35,8 +51,8 @@ def run_incidents(ref, *, only_open: bool = False, incident_id: str | None = Non
     ``last`` > 0: only the newest ``last`` of them (``older_not_shown`` counts the rest)."""
     from sentinel import bus, rundir
     from sentinel.incidents_view import annotate_actions
-    from sentinel.rundir import read_incidents_log
     from sentinel.protocol import Ack, Event, SchemaError
+    from sentinel.rundir import read_incidents_log
 
     out: dict = {"run": ref.run, "source": "bus" if ref.r is not None else "files", "only_open": only_open,
                  "incidents": []}
@@ -450,7 +466,7 @@ def publish_approval(ref, inc, secret: bytes, who: str, reason: str | None):
 @click.option("--force", is_flag=True, help="Send the approval even if the incident does not look like it is waiting for one.")
 @click.option("--wait", "wait_s", type=FiniteFloat(0, 86_000), default=0.0, show_default=True,
               help="Seconds to wait for the sentinel to act on the approval (0: do not wait).")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
+@secret_file_option
 @redis_url_option
 @json_option
 @friendly_errors

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import click
 
-from sentinel.cli.common import not_empty, offline_note
-from sentinel.cli.common import (count_bus_entries, emit_runs, fmt_clock, friendly_errors, json_option, read_or_reject,
-                                 redis_url_option)
+from sentinel.cli.common import (
+    count_bus_entries,
+    emit_runs,
+    fmt_clock,
+    friendly_errors,
+    json_option,
+    not_empty,
+    offline_note,
+    read_or_reject,
+    redis_url_option,
+)
 
 EVENTS_SCAN = 20_000  # newest events read per run
 
@@ -96,7 +104,8 @@ def _render(runs: list[dict]):
 
 @click.command("pages")
 @click.argument("runs", nargs=-1, metavar="[RUN]...", callback=not_empty)
-@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True, help="Show the newest N pages per run (0: all), as `incidents --limit`.")
+@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Show the newest N pages per run (0: all), as `incidents --limit`.")
 @redis_url_option
 @json_option
 @friendly_errors

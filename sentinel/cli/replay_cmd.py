@@ -112,9 +112,9 @@ def replay_batch(run: str, step: int, checkpoint: str | None, timeline: int | No
 def _not_surviving(log, step: int) -> str:
     """Why ``step`` cannot be replayed by default: absent from the log, or only on abandoned
     timelines (then: which, and the --timeline that replays it). Torch-free, before any replay."""
-    from sentinel.protocol import StepRecord
     from sentinel.client.steplog import read
     from sentinel.contract.rundir import STEPS
+    from sentinel.protocol import StepRecord
 
     log_path = log.run_dir / STEPS
     gone = sorted({r.timeline for r in read(log_path, rejected=[]) if isinstance(r, StepRecord) and r.step == step})

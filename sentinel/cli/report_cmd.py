@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, redis_url_option, not_empty
+from sentinel.cli.common import SentinelError, emit_json, friendly_errors, json_option, not_empty, redis_url_option
 
 REPORTS_DIR = "reports"
 INCIDENT_CONTEXT_STEPS = 40  # steps shown around an incident with --incident

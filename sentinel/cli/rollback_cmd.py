@@ -18,14 +18,17 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
 from sentinel.cli.common import (
+    FiniteFloat,
+    OneLineText,
     SentinelError,
     emit_json,
     friendly_errors,
     json_option,
     no_ack_error,
+    not_empty,
     redis_url_option,
+    secret_file_option,
     send_and_wait,
 )
 
@@ -254,7 +257,7 @@ def _print_plan(console, plan: dict) -> None:
 @click.option("--reason", type=OneLineText(), help="Why (goes into the directive, the incident log and the audit log).")
 @click.option("--timeout", type=FiniteFloat(1, 86_000), default=DEFAULT_TIMEOUT, show_default=True,
               help="Seconds to wait for a live trainer's ack.")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
+@secret_file_option
 @redis_url_option
 @json_option
 @friendly_errors

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, redis_url_option, not_empty
+from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, not_empty, redis_url_option
 from sentinel.logs import ENV_FORMAT, LOG_FORMATS, configure, daemon_log
 
 
@@ -57,13 +57,15 @@ def _run_dir_problem(path: str) -> str | None:
 @click.argument("runs", nargs=-1, metavar="[RUN_DIR_OR_ID]...", callback=not_empty)
 @redis_url_option
 @click.option("--rules", "rules_file", type=click.Path(dir_okay=False), help="Rules YAML (default: the built-in rules).")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file for directives (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
+@click.option("--secret-file", type=click.Path(dir_okay=False),
+              help="HMAC secret file for directives (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
 @click.option("--dry-run", is_flag=True, help="Decide and record, but send no directive.")
 @click.option("--require-approval", is_flag=True, default=None, help="Page and wait for `sentinel approve` before acting.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics endpoint binds (0.0.0.0 for a Prometheus on another host).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve sentinel_* metrics on this port (0: a free port).")
-@click.option("--consumer", type=ConsumerName(), help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
+@click.option("--consumer", type=ConsumerName(),
+              help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
 @click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")
 @click.option("--lease-seconds", type=click.FloatRange(0.5, 3600.0), default=None,
               help="Leader lease period in seconds [default: 10]. One sentinel acts per run; a standby takes "
@@ -72,7 +74,8 @@ def _run_dir_problem(path: str) -> str | None:
 @click.option("--lease-ms", type=click.IntRange(500, 3_600_000), default=None,
               help="The lease period in ms (the same setting as --lease-seconds).")
 @click.option("--max-runs", type=click.IntRange(1, 100_000), default=1024, show_default=True,
-              help="With no run named: watch at most this many live runs (a run is live when its trainer signed a step record in the last day, or its heartbeat is on).")
+              help="With no run named: watch at most this many live runs (a run is live when its trainer signed a step "
+                   "record in the last day, or its heartbeat is on).")
 @click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
               envvar=ENV_FORMAT, show_envvar=True,
               help="text: a console on a terminal, plain lines elsewhere; json: one object per line "
@@ -91,9 +94,9 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     from sentinel.daemon import Daemon, Options
     from sentinel.fleet import Fleet, Member
     from sentinel.metrics import SentinelMetrics
-    from sentinel.rundir import run_id_of
     from sentinel.rules import RulesError, default_rules
     from sentinel.rules_file import load_rules
+    from sentinel.rundir import run_id_of
 
     if lease_seconds is not None and lease_ms is not None:
         raise SentinelError("give --lease-seconds or --lease-ms, not both")

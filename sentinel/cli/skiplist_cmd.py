@@ -16,8 +16,20 @@ import uuid
 
 import click
 
-from sentinel.cli.common import OneLineText, FiniteFloat, not_empty
-from sentinel.cli.common import WRONG_TYPE, SentinelError, emit_json, friendly_errors, json_option, lost_ack_error, read_unless_wrong_type, redis_url_option
+from sentinel.cli.common import (
+    WRONG_TYPE,
+    FiniteFloat,
+    OneLineText,
+    SentinelError,
+    emit_json,
+    friendly_errors,
+    json_option,
+    lost_ack_error,
+    not_empty,
+    read_unless_wrong_type,
+    redis_url_option,
+    secret_file_option,
+)
 
 ACTIONS = ("show", "add", "remove")
 LIMIT = 20  # groups shown by default
@@ -31,7 +43,7 @@ EXAMPLES = 3  # ranges spelled out per group
 @click.option("--reason", type=OneLineText(), default=None, help="Why (recorded in the audit log and the directive).")
 @click.option("--timeout", type=FiniteFloat(1, 86_000), default=60.0, show_default=True,
               help="Seconds to wait for a live trainer's ack after `add`.")
-@click.option("--secret-file", type=click.Path(dir_okay=False), help="HMAC secret file (mode 0600); without it: env SENTINEL_SECRET, then RUN_DIR/bus/secret.")
+@secret_file_option
 @click.option("--limit", type=click.IntRange(min=0), default=LIMIT, show_default=True,
               help="`show`: at most N groups (0: all); --json always has every range.")
 @redis_url_option

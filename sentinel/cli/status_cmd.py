@@ -12,8 +12,20 @@ import time
 
 import click
 
-from sentinel.cli.common import FiniteFloat, console_for_output, not_empty, offline_note  # noqa: F401  (console_for_output: re-exported)
-from sentinel.cli.common import bus_entry, count_bus_entries, emit_json, read_or_reject, friendly_errors, json_option, redis_url_option, warn_rejected
+from sentinel.cli.common import (
+    FiniteFloat,
+    bus_entry,
+    console_for_output,
+    count_bus_entries,
+    emit_json,
+    friendly_errors,
+    json_option,
+    not_empty,
+    offline_note,
+    read_or_reject,
+    redis_url_option,
+    warn_rejected,
+)
 
 WINDOW = 200  # step records read per run (loss median, guard skips, last val PPL)
 LOSS_BAND = 1.20  # loss above 1.2x its recent median is out of band

@@ -14,21 +14,21 @@ from sentinel.client.steplog import StepLog
 from sentinel.protocol import Ack, CheckpointInfo, Directive, StepRecord, TimelineRecord
 
 __all__ = [
+    "Ack",
     "Applied",
+    "BusClient",
+    "CheckpointInfo",
     "ControlHost",
     "ControlLoop",
+    "DataError",
+    "Directive",
     "RelaunchRequired",
     "RestoreFailed",
     "RunSession",
-    "checkpoint_info",
-    "write_manifest",
-    "Ack",
-    "BusClient",
-    "CheckpointInfo",
-    "DataError",
-    "Directive",
     "SkipList",
     "StepLog",
     "StepRecord",
     "TimelineRecord",
+    "checkpoint_info",
+    "write_manifest",
 ]

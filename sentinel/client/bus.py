@@ -34,13 +34,14 @@ import random
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 
 from sentinel.bus import FIELD, BusError, check_is_redis, connect, redact_url
-from sentinel.client.bus_intake import INBOX_MAX, REJECT_ACK_BURST, DirectiveIntake, _id_tuple, _short, read_cursor  # noqa: F401  (INBOX_MAX: re-exported)
+from sentinel.client.bus_intake import INBOX_MAX, REJECT_ACK_BURST, DirectiveIntake, _id_tuple, _short, read_cursor
 from sentinel.protocol import (
     RECORD_MAC_FIELD,
     Keys,
@@ -274,7 +275,7 @@ class BusClient(DirectiveIntake):
         except Exception:  # noqa: BLE001 - closing a dead connection must not fail shutdown
             pass
 
-    def __enter__(self) -> "BusClient":
+    def __enter__(self) -> BusClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -439,7 +440,8 @@ class BusClient(DirectiveIntake):
                 step, step_time, paused = self._step, self._step_time, self._paused
             hb = step is not None and (step != self._hb_step or now - self._hb_sent >= self._hb_every)
             if hb:
-                pipe.set(k.heartbeat, json.dumps({"step": step, "time": step_time, "sent": now, "pid": os.getpid(), "paused": paused}), px=self._hb_ttl_ms)
+                beat = {"step": step, "time": step_time, "sent": now, "pid": os.getpid(), "paused": paused}
+                pipe.set(k.heartbeat, json.dumps(beat), px=self._hb_ttl_ms)
             with self._lock:
                 info, info_sent = self._info, self._info_sent
                 read_dirs = len(self._inbox) < INBOX_MAX

@@ -25,9 +25,10 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from sentinel.client.bus import BusClient
 from sentinel.client.skiplist import DataError, SkipList

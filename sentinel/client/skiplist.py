@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_right
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
-from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES, atomic_write_text, merge_ranges, read_regular_file, subtract_ranges
-
+from sentinel.protocol import (
+    MAX_SAMPLE_ID,
+    MAX_STATE_BYTES,
+    atomic_write_text,
+    merge_ranges,
+    read_regular_file,
+    subtract_ranges,
+)
 
 
 class DataError(Exception):
@@ -79,7 +85,7 @@ class SkipList:
         atomic_write_text(path, json.dumps([[lo, hi] for lo, hi in self._ranges]))
 
     @classmethod
-    def load(cls, path: Path | str) -> "SkipList":
+    def load(cls, path: Path | str) -> SkipList:
         """Read a saved list; a missing file is an empty list (nothing skipped yet).
 
         Anything else that is not a valid list is refused in one line (DataError), never ignored:

@@ -12,17 +12,23 @@ byte: a whole record keeps its line (the newline is appended), a torn write is m
 
 from __future__ import annotations
 
-import errno
 import contextlib
+import errno
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from sentinel.contract.fsio import fsync_dir
-from sentinel.protocol import (MAX_RECORD_BYTES, SchemaError, StepRecord, TimelineRecord, authoritative_steps,
-                               parse_step_line)
+from sentinel.protocol import (
+    MAX_RECORD_BYTES,
+    SchemaError,
+    StepRecord,
+    TimelineRecord,
+    authoritative_steps,
+    parse_step_line,
+)
 
 # Records held in memory while the disk refuses writes (ENOSPC, EFBIG, EDQUOT, EIO). A record is
 # 1-5 KB, so the buffer is at most a few tens of MB; past it the oldest records are dropped and counted.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-
 import math
 from pathlib import PurePosixPath
 from typing import Annotated, Literal

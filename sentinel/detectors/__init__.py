@@ -30,11 +30,36 @@ from sentinel.detectors.climb import ClimbTrend
 from sentinel.detectors.descent import DescentJump
 from sentinel.detectors.level import LevelShift
 from sentinel.detectors.ranks import rank_outlier, straggler
-from sentinel.detectors.robust import MAD_TO_SIGMA, Ema, SortedWindow, diff_sigma, is_nonfinite, largest_between, median_of
+from sentinel.detectors.robust import (
+    MAD_TO_SIGMA,
+    Ema,
+    SortedWindow,
+    diff_sigma,
+    is_nonfinite,
+    largest_between,
+    median_of,
+)
 from sentinel.detectors.spike import ELEVATED, NONFINITE, NORMAL, SPIKE, WARMUP, KOfN, Persistence, SpikeDetector
 
 __all__ = [
-    "ClimbTrend", "DescentJump", "LevelShift", "rank_outlier", "straggler", "MAD_TO_SIGMA", "Ema", "SortedWindow", "diff_sigma",
-    "is_nonfinite", "largest_between", "median_of", "ELEVATED", "NONFINITE", "NORMAL", "SPIKE", "WARMUP", "KOfN",
-    "Persistence", "SpikeDetector",
+    "ELEVATED",
+    "MAD_TO_SIGMA",
+    "NONFINITE",
+    "NORMAL",
+    "SPIKE",
+    "WARMUP",
+    "ClimbTrend",
+    "DescentJump",
+    "Ema",
+    "KOfN",
+    "LevelShift",
+    "Persistence",
+    "SortedWindow",
+    "SpikeDetector",
+    "diff_sigma",
+    "is_nonfinite",
+    "largest_between",
+    "median_of",
+    "rank_outlier",
+    "straggler",
 ]

@@ -57,10 +57,49 @@ class ClimbTrend:
     calibration only for the verdicts that its least value does not decide.
     """
 
-    __slots__ = ("window", "baseline", "sigmas", "stride", "warmup", "n", "_f", "_kw", "_norm2", "_ksum2", "z", "rise", "_start",
-                 "_s0", "_s1", "_b", "_dirty", "_since_sync", "_phi_val", "_blocks", "_blk", "_spread",
-                 "_zden", "_ksum", "_maxlen", "_phi_noise", "_phi_spread", "_last_noise", "_zpast",
-                 "credit", "fit", "_hist", "_lead", "_klead", "_lead_q", "_rn", "_ru", "_ruu", "_rx", "_rux", "_rxx")
+    __slots__ = (
+        "_b",
+        "_blk",
+        "_blocks",
+        "_dirty",
+        "_f",
+        "_hist",
+        "_klead",
+        "_ksum",
+        "_ksum2",
+        "_kw",
+        "_last_noise",
+        "_lead",
+        "_lead_q",
+        "_maxlen",
+        "_norm2",
+        "_phi_noise",
+        "_phi_spread",
+        "_phi_val",
+        "_rn",
+        "_ru",
+        "_ruu",
+        "_rux",
+        "_rx",
+        "_rxx",
+        "_s0",
+        "_s1",
+        "_since_sync",
+        "_spread",
+        "_start",
+        "_zden",
+        "_zpast",
+        "baseline",
+        "credit",
+        "fit",
+        "n",
+        "rise",
+        "sigmas",
+        "stride",
+        "warmup",
+        "window",
+        "z",
+    )
 
     GATE = 3.0  # the exact (clipped) z is computed only when the unclipped one is within this of the bar
     RESYNC = 4096  # running sums recomputed from scratch this often (float drift)
@@ -409,7 +448,7 @@ class ClimbTrend:
         self._start = 0
         self._blocks: deque[tuple[int, float]] = deque(maxlen=self.BLOCKS)  # (last step, median)
         self._blk: list[float] = []  # the block being filled
-        self._spread: float | None | object = None  # _STALE: the blocks changed since it was computed
+        self._spread: float | object | None = None  # _STALE: the blocks changed since it was computed
         self._zpast: deque[tuple[int, float]] = deque(maxlen=256)  # (step, z) of the exact passes (near the bar: rare)
 
     def state_dict(self) -> dict[str, Any]:

@@ -62,7 +62,7 @@ class DescentJump:
     ``C(pre, 2) + C(post, 2)`` slopes (~550, ~0.1 ms), on ~100 steps of a run.
     """
 
-    __slots__ = ("pre", "post", "sigmas", "first", "until", "stride", "_x", "_n", "z", "rise", "_t0", "_gated", "_points")
+    __slots__ = ("_gated", "_n", "_points", "_t0", "_x", "first", "post", "pre", "rise", "sigmas", "stride", "until", "z")
 
     HISTORY = 64  # losses for the level noise and the rawness check
     LAG = 8  # the level noise: spread of second differences of losses this many steps apart

@@ -11,6 +11,7 @@ from typing import Any
 
 from sentinel.detectors.robust import MAD_TO_SIGMA, largest_between, median_of
 
+
 class LevelShift:
     """Persistent damage: the median of the last ``window`` losses stands above the run's own best level.
 
@@ -48,9 +49,37 @@ class LevelShift:
     and keeps two of these well under a microsecond per step together.
     """
 
-    __slots__ = ("window", "stride", "horizon", "sigmas", "min_rise", "warmup", "n", "_pending", "_mono",
-                 "_above_since", "_v", "_st", "excess", "best", "bar", "jump_sigmas", "_jz", "_jzq", "_q", "kind",
-                 "jump_detrend", "_hist", "_hist_min", "credit", "_lag", "_lrm", "_d2", "wander", "_past")
+    __slots__ = (
+        "_above_since",
+        "_d2",
+        "_hist",
+        "_hist_min",
+        "_jz",
+        "_jzq",
+        "_lag",
+        "_lrm",
+        "_mono",
+        "_past",
+        "_pending",
+        "_q",
+        "_st",
+        "_v",
+        "bar",
+        "best",
+        "credit",
+        "excess",
+        "horizon",
+        "jump_detrend",
+        "jump_sigmas",
+        "kind",
+        "min_rise",
+        "n",
+        "sigmas",
+        "stride",
+        "wander",
+        "warmup",
+        "window",
+    )
 
     SEGMENTS = 3  # the descent's rate is the slowest of this many consecutive spans of past medians
     QUARTILE_SIGMAS = 1.0  # a level verdict also needs the window's lower quartile this many noise sigmas above the best
@@ -135,7 +164,8 @@ class LevelShift:
             self.excess, self.best, self.bar = ex, best, bar
             if self._above_since is None:
                 self._above_since = step
-            if ex > bar and q - best > self.QUARTILE_SIGMAS * noise and self._still_past(ex, q - best, noise, self.sigmas, self.QUARTILE_SIGMAS, floor, 0.0) \
+            if ex > bar and q - best > self.QUARTILE_SIGMAS * noise \
+                    and self._still_past(ex, q - best, noise, self.sigmas, self.QUARTILE_SIGMAS, floor, 0.0) \
                     and self._beyond_past(ex, 1, min(step - self.PAST_GAP, self._above_since - self.window), step):
                 # a shift lifts the whole window; recovered spikes bunched into it (14 of 24 losses
                 # in three multi-step spikes) lift its median past the bar but not its lower quartile

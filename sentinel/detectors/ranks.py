@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+
 def straggler(rank_seconds: list[float]) -> tuple[int, float] | None:
     """(slowest rank, its time / median rank time), or None with fewer than two ranks.
 

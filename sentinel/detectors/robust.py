@@ -36,7 +36,7 @@ class SortedWindow:
     them too, so both ways give the same list.
     """
 
-    __slots__ = ("size", "_fifo", "_sorted", "_mad_cache", "_stale")
+    __slots__ = ("_fifo", "_mad_cache", "_sorted", "_stale", "size")
 
     def __init__(self, size: int):
         if size < 3:

@@ -37,10 +37,31 @@ class SpikeDetector:
     """
 
     __slots__ = (
-        "window", "ema", "min_history", "z_spike", "ratio_spike", "z_elevated", "ratio_elevated",
-        "scale_floor", "readmit_window", "readmit_fraction", "_refused", "_refused_count",
-        "z", "ratio", "baseline", "scale", "_gate", "_fifo", "_size", "_alpha", "recent", "_raw", "_dabs",
-        "noise_floor", "noise_cap",
+        "_alpha",
+        "_dabs",
+        "_fifo",
+        "_gate",
+        "_raw",
+        "_refused",
+        "_refused_count",
+        "_size",
+        "baseline",
+        "ema",
+        "min_history",
+        "noise_cap",
+        "noise_floor",
+        "ratio",
+        "ratio_elevated",
+        "ratio_spike",
+        "readmit_fraction",
+        "readmit_window",
+        "recent",
+        "scale",
+        "scale_floor",
+        "window",
+        "z",
+        "z_elevated",
+        "z_spike",
     )
 
     def __init__(
@@ -270,7 +291,7 @@ class KOfN:
     still in the window).
     """
 
-    __slots__ = ("k", "n", "_flagged")
+    __slots__ = ("_flagged", "k", "n")
 
     def __init__(self, k: int, n: int):
         if not 1 <= k <= n:
@@ -311,7 +332,7 @@ class Persistence:
     worth a page. Time comes from the records (``StepRecord.time``), so backtests replay exactly.
     """
 
-    __slots__ = ("min_steps", "min_seconds", "since_step", "since_time", "count")
+    __slots__ = ("count", "min_seconds", "min_steps", "since_step", "since_time")
 
     def __init__(self, min_steps: int = 1, min_seconds: float = 0.0):
         self.min_steps, self.min_seconds = min_steps, min_seconds

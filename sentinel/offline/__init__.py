@@ -21,11 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from sentinel.contract.rundir import STEPS
+
 # Comparison tolerance. On CPU a replay is bitwise: floats are compared with ``==``. CUDA kernels
 # (atomics, split-K GEMMs, bf16 autocast) are not run-to-run bitwise, so on CUDA two values agree
 # when |a - b| <= CUDA_ATOL + CUDA_RTOL * |b|.
@@ -87,9 +88,9 @@ def open_run(run: str | os.PathLike, keep: Callable[[int], bool] = lambda step: 
     """Validate a run directory and read its step log (torch-free), in one streamed pass: the
     authoritative records of the steps ``keep`` names, the first and last step, and the world size
     and run id of the last record. (Read whole, a long run's log was gigabytes in memory.)"""
+    from sentinel.client.steplog import scan
     from sentinel.protocol import SchemaError
     from trainer.config import ConfigError, load_run_config
-    from sentinel.client.steplog import scan
 
     run_dir = Path(run)
     if not run_dir.exists():
@@ -118,7 +119,7 @@ def open_run(run: str | os.PathLike, keep: Callable[[int], bool] = lambda step: 
 def precheck_checkpoint(run_dir: Path, *, exact: int | None = None, before: int | None = None) -> int:
     """Find and verify (sha256 against the manifest) the checkpoint a tool will restore, in this
     process: multi-rank runs fail fast on bad input instead of after launching ranks."""
-    from trainer.checkpoint import CheckpointError, Checkpointer
+    from trainer.checkpoint import Checkpointer, CheckpointError
 
     ck = Checkpointer(run_dir, rank=0, world_size=1, keep_last=1, keep_every=0,
                       barrier=lambda: None, all_ok=lambda ok: ok, log=lambda m: None)

@@ -291,9 +291,9 @@ def diagnose(rows: list[dict], c: int, *, params_ok: bool | None, opt_step_ok: b
 def verify_resume(env, run_dir: Path, from_step: int, *, steps: int = 5, drill: bool = False,
                   progress: ProgressFn | None = None, warn=None) -> dict:
     """Verify the resume from checkpoint ``from_step``; every rank returns the same result dict."""
-    from trainer.checkpoint import CheckpointError
-    from sentinel.rundir import checkpoint_steps
     from sentinel.client.steplog import scan
+    from sentinel.rundir import checkpoint_steps
+    from trainer.checkpoint import CheckpointError
 
     run_dir = Path(run_dir)
     c = int(from_step)

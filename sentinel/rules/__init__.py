@@ -21,7 +21,7 @@ base), one module per family of evaluators (``loss``, ``telemetry``, ``slices``)
 """
 
 from sentinel.rules.base import Finding
-from sentinel.rules.config import DEFAULT_RULES_PATH, RuleSet, RulesError, default_rules, parse_rules, rules_yaml
+from sentinel.rules.config import DEFAULT_RULES_PATH, RulesError, RuleSet, default_rules, parse_rules, rules_yaml
 from sentinel.rules.engine import RuleEngine
 
 __all__ = ["DEFAULT_RULES_PATH", "Finding", "RuleEngine", "RuleSet", "RulesError", "default_rules", "parse_rules", "rules_yaml"]

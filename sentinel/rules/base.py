@@ -7,6 +7,7 @@ from typing import Any
 
 from sentinel.rules.config import RuleBase
 
+
 @dataclass(slots=True)
 class Finding:
     """One rule's verdict on one step (or tick). ``anomaly`` findings describe damage to the model

@@ -177,7 +177,7 @@ class DivergenceRule(RuleBase):
         return v
 
     @model_validator(mode="after")
-    def _k_of_n(self) -> "DivergenceRule":
+    def _k_of_n(self) -> DivergenceRule:
         # "k of the last n steps" with k > n can never hold: the fast path would be silently off
         if self.k > self.n:
             raise ValueError(f"k = {self.k} is more than n = {self.n} (at least k of the last n steps must be anomalous)")
@@ -322,7 +322,7 @@ class RuleSet(_Strict):
     rules: Rules = Rules()
 
     @model_validator(mode="after")
-    def _bounded(self) -> "RuleSet":
+    def _bounded(self) -> RuleSet:
         _check_bounds(self)
         return self
 

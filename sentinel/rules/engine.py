@@ -19,6 +19,7 @@ from sentinel.rules.telemetry import (
     ValEval,
 )
 
+
 class RuleEngine:
     """All enabled rules of a RuleSet, evaluated in a fixed order. Pure: no clock, no I/O."""
 

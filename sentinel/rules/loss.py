@@ -10,6 +10,7 @@ from sentinel import detectors as d
 from sentinel.rules.base import Evaluator, Fields, Finding, fmt
 from sentinel.rules.config import Rules
 
+
 class LossEval(Evaluator):
     """Loss spike, sustained divergence and non-finite loss share one robust baseline."""
 
@@ -222,7 +223,8 @@ class LossEval(Evaluator):
 
     def state_dict(self) -> dict[str, Any]:
         self._settle()
-        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(), "shift_long": self.shift_long.state_dict(),
+        return {"det": self.det.state_dict(), "kofn": self.kofn.state_dict(), "shift": self.shift.state_dict(),
+                "shift_long": self.shift_long.state_dict(),
                 "climb": self.climb.state_dict(),
                 **({"climb_long": self.climb_long.state_dict()} if self.climb_long is not None else {}),
                 **({"early": self.early.state_dict()} if self.early is not None else {}),

@@ -9,6 +9,7 @@ from sentinel.protocol import MAX_SLICES
 from sentinel.rules.base import Evaluator, Fields, Finding, fmt
 from sentinel.rules.config import SliceRegressionRule
 
+
 class SliceRegressionEval(Evaluator):
     """``slice_regression``: per slice of ``val_slice_loss`` / ``probe_loss``, evaluated on
     evaluation steps only (other records carry neither field, so the rule costs two attribute reads).

@@ -21,6 +21,7 @@ from sentinel.rules.config import (
     ValDivergenceRule,
 )
 
+
 class GradEval(Evaluator):
     def __init__(self, cfg: GradNormSpikeRule, nf_cfg: NonFiniteRule):
         super().__init__(cfg, "grad_norm_spike")

@@ -9,11 +9,12 @@ sample id belongs to exactly one source, and a :class:`MixtureSampler` keeps one
 No torch here: everything is numpy, so offline tools can use it cheaply.
 """
 
+from sentinel.client.skiplist import SkipList
+
 from .dataset import DataError, Source, TokenDataset, load_tokenizer
 from .mixture import MixtureSampler, sampler_for
 from .prepare import default_data_dir, ensure_prepared, prepare_dataset
 from .sampler import Sampler, batch_fingerprint
-from sentinel.client.skiplist import SkipList
 from .sources import SourceSpec, load_mixture_file, parse_source
 
 __all__ = [

@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
+
+from sentinel.client.skiplist import DataError  # one error type for the whole data side (skip lists too)
 
 from .fingerprint import compute_fingerprint
 from .tokenizer import Tokenizer, tokenizer_from_info
 from .verify import verify_shards
-
-from sentinel.client.skiplist import DataError  # one error type for the whole data side (skip lists too)
 
 META_NAME = "meta.json"
 FORMAT_NAME = "sentinel-token-shards"
@@ -198,7 +198,7 @@ class TokenDataset:
         return [s.name for s in self.sources]
 
     @classmethod
-    def open(cls, data_dir: Path | str, verify: bool | None = None) -> "TokenDataset":
+    def open(cls, data_dir: Path | str, verify: bool | None = None) -> TokenDataset:
         """Memory-map every shard after verifying it (sha256 against meta.json, token ids inside the
         vocabulary; see ``verify.py``). ``verify=None``: verified once per shard version (cached by
         stat, so an unchanged dataset costs one stat per shard); ``True``: re-hash everything now;

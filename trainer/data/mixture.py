@@ -19,13 +19,14 @@ Sources shorter than one window at this ``seq_len`` have no samples and are neve
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from sentinel.client.skiplist import SkipList
+
 from .dataset import DataError
 from .sampler import Sampler, check_state
-from sentinel.client.skiplist import SkipList
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1

@@ -30,16 +30,23 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 
 from sentinel.contract.fsio import fsync_dir as _fsync_dir
 
-from .dataset import (FORMAT_NAME, FORMAT_VERSION, META_NAME, MIXTURE_FORMAT_VERSION, DataError, compute_fingerprint,
-                      not_a_regular_file)
+from .dataset import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    META_NAME,
+    MIXTURE_FORMAT_VERSION,
+    DataError,
+    compute_fingerprint,
+    not_a_regular_file,
+)
 from .sources import LICENCES, SourceSpec, check_mixture, shakespeare_files, source_files
 from .tokenizer import (
     BPE_FILE,

@@ -19,8 +19,9 @@ This module knows nothing about data directories beyond the BPE file name; ``dat
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class BpeTokenizer:
         self.eot: int | None = tok.token_to_id(EOT_TEXT)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int) -> "BpeTokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
         """Train byte-level BPE; deterministic for the same texts in the same order."""
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -96,7 +97,7 @@ class BpeTokenizer:
         return cls(tok)
 
     @classmethod
-    def load(cls, path: Path) -> "BpeTokenizer":
+    def load(cls, path: Path) -> BpeTokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         return cls(HFTokenizer.from_file(str(path)))

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from sentinel.client.steplog import StepLog
 from sentinel.protocol import MarkerRecord, StepRecord
@@ -25,6 +26,11 @@ from trainer.guard import REASONS
 from trainer.phases import RANK_PHASES, as_dict
 from trainer.telemetry.digest import digest_hex
 from trainer.telemetry.mfu import mfu as mfu_fn
+
+
+def _listed(x):
+    """A gathered value as a list (one rank's comes back as a scalar)."""
+    return None if x is None else (x if isinstance(x, list) else [x])
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,11 @@ class StepOutput:
     @classmethod
     def from_readback(cls, v: dict, m: dict) -> StepOutput:
         """From ``StepReadback``'s (host values, meta) pair."""
-        listed = (lambda x: None if x is None else (x if isinstance(x, list) else [x]))
         return cls(step=m["step"], lr=m["lr"], ids=m["ids"], n_skipped=m["n_skipped"], time=m["time"],
                    t_start=m["t_start"], phases=dict(m["phases"]), markers=m["markers"], seq_len=m["seq_len"],
-                   loss=v["loss"], rank_losses=listed(v["ranks"]), grad_norm=v["grad_norm"], factor=v["factor"],
+                   loss=v["loss"], rank_losses=_listed(v["ranks"]), grad_norm=v["grad_norm"], factor=v["factor"],
                    reason=int(v["reason"]), val=m["val"], val_slices=m["val_slices"], probe=m["probe"],
-                   source_counts=m["source_counts"], source_sums=listed(v.get("source_sums")),
+                   source_counts=m["source_counts"], source_sums=_listed(v.get("source_sums")),
                    rank_phases=v.get("rank_phases"), digest=v.get("digest"))
 
     @property
