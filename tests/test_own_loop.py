@@ -16,11 +16,13 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from sentinel.client import Applied, BusClient, CheckpointInfo, ControlLoop, RestoreFailed, StepLog, StepRecord
+from sentinel.client import BusClient, CheckpointInfo, ControlLoop, RestoreFailed, StepLog, StepRecord
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -34,13 +36,16 @@ class ToyLoop:
     """The smallest loop that honours the contract, as a ``ControlHost``: state, data cursor, checkpoints.
     The skip list, timelines, markers, dedupe and acks are the ``ControlLoop``'s (sentinel.client)."""
 
-    def __init__(self, client: BusClient, run: str, run_dir):
+    def __init__(self, client: BusClient, run: str, run_dir: Path | None = None):
         self.bus, self.run = client, run
+        run_dir = run_dir or Path(tempfile.mkdtemp(prefix="toy-loop-")) / run
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
         self.step, self.cursor, self.w = 0, 0, 0.0  # w: the "weights" (0 = healthy)
         self.ckpts: dict[int, tuple[int, float]] = {}  # step -> (data cursor, weights)
         self.rng = random.Random(0)
         self.control = ControlLoop(run_dir, run, host=self, bus=client, steplog=StepLog(run_dir / "steps.jsonl"))
-        self.applied: list[Applied] = []
+        self.applied: list[dict] = []  # what the ControlLoop applied: kind, status, to_step, id, ranges
 
     def _batch(self) -> list[int]:
         ids = []
@@ -75,8 +80,15 @@ class ToyLoop:
         if self.step % CKPT_EVERY == 0:
             self.save_checkpoint()
 
+    def _skipped(self, i: int) -> bool:
+        return self.control.skip.contains(i)
+
     def apply_directives(self) -> None:
-        self.applied += self.control.poll(self.step)  # signed, fresh and for this run: BusClient checked
+        done = self.control.poll(self.step)  # signed, fresh and for this run: BusClient checked
+        if done:  # the ranges each put on the skip list: from the ControlLoop's own record
+            logged = {d["id"]: d for d in map(json.loads, (self.run_dir / "directives.jsonl").read_text().splitlines())}
+            self.applied += [{"kind": a.kind, "status": a.status, "to_step": a.to_step, "id": a.directive_id,
+                              "ranges": [tuple(r) for r in logged[a.directive_id].get("ranges", [])]} for a in done]
 
 
 def test_a_foreign_loop_is_rolled_back_past_its_poison_samples_by_the_daemon(embedded_bus, unique_run, tmp_path):
@@ -111,21 +123,21 @@ def test_a_foreign_loop_is_rolled_back_past_its_poison_samples_by_the_daemon(emb
         except subprocess.TimeoutExpired:
             daemon.kill()
             out, _ = daemon.communicate()
-    rollbacks = [a for a in loop.applied if a.kind == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0].status == "applied", (loop.applied, out[-3000:])
+    rollbacks = [a for a in loop.applied if a["kind"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["status"] == "applied", (loop.applied, out[-3000:])
     rb = rollbacks[0]
-    assert rb.to_step < 150, rb
+    assert rb["to_step"] < 150 and any(lo <= min(POISON) and max(POISON) < hi for lo, hi in rb["ranges"]), rb
     assert loop.w == 0.0 and loop.control.timeline == 1  # healthy weights to the end: the poison was never trained on again
     assert all(loop.control.skip.contains(i) for i in POISON)
     # the ControlLoop's record on disk: each directive once, the skip list, and the rollback marker
     logged = [json.loads(ln) for ln in (run_dir / "directives.jsonl").read_text().splitlines()]
-    assert [d["id"] for d in logged] == [a.directive_id for a in loop.applied] and len({d["id"] for d in logged}) == len(logged)
+    assert [d["id"] for d in logged] == [a["id"] for a in loop.applied] and len({d["id"] for d in logged}) == len(logged)
     assert json.loads((run_dir / "skiplist.json").read_text()) == [list(r) for r in loop.control.skip.ranges]
     markers = [json.loads(ln) for ln in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert [(m["kind"], m["timeline"]) for m in markers] == [("start", 0), ("rollback", 1)]
-    assert markers[1]["from_step"] == rb.to_step and markers[1]["directive_id"] == rb.directive_id
+    assert markers[1]["from_step"] == rb["to_step"] and markers[1]["directive_id"] == rb["id"]
     [view] = incidents["runs"]
     [inc] = [i for i in view["incidents"] if i["state"] != "recovered"]  # recovered: a spike the loop never saw as damage
     assert inc["state"] == "healthy" and inc["onset_step"] <= 151 and inc["closed_at"], inc  # verified after the rollback
     [act] = [a for a in inc["actions"] if a["kind"] == "rollback"]
-    assert act["outcome"] == "acked" and act["to_step"] == rb.to_step
+    assert act["outcome"] == "acked" and act["to_step"] == rb["to_step"]

@@ -74,6 +74,22 @@ def read_manifest(path: str | os.PathLike) -> dict | None:
     return raw if isinstance(raw, dict) and isinstance(raw.get("files"), dict) else None
 
 
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check every file ``manifest.json`` lists against its sha256 (before any framework unpickles one);
+    return the manifest, or raise ``CheckpointDirError`` with one line naming what is wrong."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise CheckpointDirError(f"{path}: no manifest (not a checkpoint registered with the sentinel)")
+    for name, digest in sorted(manifest["files"].items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointDirError(f"{path}: {name} is missing")
+        if sha256_file(f) != digest:
+            raise CheckpointDirError(f"{path}: {name} does not match its sha256 in the manifest (corrupt or changed)")
+    return manifest
+
+
 def _newer_files(path: Path) -> bool:
     """A file of ``path`` changed after its manifest was written (the step saved again after a rollback)."""
     try:

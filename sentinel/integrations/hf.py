@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
 from sentinel.client.session import EMBEDDED, RunSession, prepare
 from sentinel.integrations.torch_data import SkipAwareDataset, strip_sample_ids
@@ -315,6 +316,8 @@ def train(trainer, *, resume_from_checkpoint: str | bool | None = None, max_rela
     try:
         for _ in range(max_relaunches + 1):
             cb.resume_from = str(resume) if isinstance(resume, (str, os.PathLike)) else None
+            if cb.resume_from is not None and Path(cb.resume_from, "manifest.json").is_file():
+                verify_checkpoint(cb.resume_from)  # every file against its sha256 before HF loads any of it
             out = trainer.train(resume_from_checkpoint=resume, **kwargs)
             ctl = cb.session.control if cb.session else None
             if ctl is None or ctl.relaunch_step is None:

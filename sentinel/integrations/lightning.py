@@ -46,6 +46,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
 from sentinel.protocol import checkpoint_dir_name
 
@@ -423,7 +424,10 @@ def fit(trainer: Trainer, model: LightningModule, *args: Any, ckpt_path: str | N
     cb = next((c for c in trainer.callbacks if isinstance(c, SentinelCallback)), None)
     if cb is not None and ckpt_path is None:
         ckpt_path = cb.pending_checkpoint()
+    kwargs.setdefault("weights_only", True)  # and the sha256 manifest is checked first (a rollback's target)
     while True:
+        if cb is not None and ckpt_path is not None:
+            verify_checkpoint(Path(ckpt_path).parent)
         trainer.fit(model, *args, ckpt_path=ckpt_path, **kwargs)
         if cb is None or cb.relaunch_checkpoint is None:
             return
