@@ -414,7 +414,9 @@ def test_sentinel_killed_mid_incident_no_duplicate_rollback(restart_as, data_dir
     if info["pending"]:  # died mid-batch: the restart must have re-processed those entries (re-sent nothing)
         assert (metric(m, "sentinel_actions_total", action="rollback", outcome="duplicate") or 0) <= 1
     if restart_as == "other-consumer":
-        assert takeover_s >= lease / 1000 * 0.5, "took over before the dead leader's lease could expire"
+        # the dead leader was a process of this machine: its successor sees it gone and takes the lease at
+        # once instead of waiting it out (daemon_lease; a leader on another host is waited out)
+        assert takeover_s < lease / 1000 + 5, f"took {takeover_s:.2f}s to take over from a dead leader on this host"
 
 
 @pytest.mark.slow
