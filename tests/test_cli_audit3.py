@@ -34,8 +34,10 @@ def test_verify_resume_stops_where_a_rollback_grew_the_skip_list(run_copy, datas
     p = sentinel_proc("rollback", str(run_copy), "--to-step", "10", "--skip", f"{skip}:{skip + 1}", "--yes", "--json")
     assert p.returncode == 0, p.stderr
     run_trainer(run_copy, data_dir=dataset, check=True)  # takes the pending rollback, trains 11-30 again
-    res = cli("verify-resume", str(run_copy), "--from-step", "10", "--steps", "8", "--json")
-    assert res.exit_code == 0, (res.exit_code, res.stdout[-1500:], res.stderr)
+    # in a process of its own with the trainer's environment: on CPU a bitwise resume needs the run's intra-op
+    # thread count (the trainer ran with OMP_NUM_THREADS=1; this pytest process has one thread per core)
+    res = sentinel_proc("verify-resume", str(run_copy), "--from-step", "10", "--steps", "8", "--json", timeout=300)
+    assert res.returncode == 0, (res.returncode, res.stdout[-1500:], res.stderr)
     out = json.loads(res.stdout)
     assert out["ok"] and out["steps"] == 3 and [r["step"] for r in out["rows"]] == [11, 12, 13]
     assert any("from step 14 on, the log did not train samples" in n for n in out["notes"]), out["notes"]
