@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from trainer_helpers import dataset, refs  # noqa: F401  (session fixtures every module sees: one dataset, one cache of runs)
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
 
@@ -38,7 +39,8 @@ DEBIAN_REDIS = "/usr/bin/redis-server"
 STARTS_PROCESS = re.compile(
     r"\b(subprocess\.(run|Popen|check_output|check_call|call)|Popen\(|run_trainer|make_run|reference_run|trainer_cmd"
     r"|ensure_embedded|embedded_bus|redis_server|redis_factory|redis_url|require_binary|launch_workers|torchrun"
-    r"|multiprocessing|mp\.Process|os\.fork|refs\()")
+    r"|multiprocessing|mp\.Process|os\.fork|refs\("
+    r"|\bTrainer\(|build_trainer\()")  # and what trains a model in-process (seconds a run)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,8 @@ IO_MODULES = ("socket", "ssl", "http", "urllib", "subprocess", "multiprocessing"
               "sqlite3", "select", "selectors")
 TRAINER_MAY_IMPORT = ("sentinel.protocol", "sentinel.bus", "sentinel.client", "sentinel.embedded", "sentinel.metrics_http")
 # sentinel modules that may import trainer inside a function (they start an offline tool or the demo)
-LAZY_TRAINER_USERS = ("sentinel/cli/replay_cmd.py", "sentinel/cli/verify_cmd.py", "sentinel/cli/demo_cmd.py", "sentinel/drill.py")
+LAZY_TRAINER_USERS = ("sentinel/cli/replay_cmd.py", "sentinel/cli/verify_cmd.py", "sentinel/cli/demo_cmd.py", "sentinel/drill.py",
+                      "sentinel/cli/docgen.py")  # docgen: python -m trainer --help for docs/cli.md
 
 
 def _imports(path: Path, root: Path = ROOT) -> list[tuple[str, bool]]:

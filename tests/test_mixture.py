@@ -450,7 +450,7 @@ def _fit_in_process(run_dir: Path, overrides: dict):
     finally:
         _signal.signal(_signal.SIGTERM, sigterm)
         trainer.metrics.close()
-        sentinel.client.steplog.close()
+        trainer.steplog.close()
 
 
 def test_corrupt_source_drill_shows_in_that_slice_only(mix_dir, tmp_path):

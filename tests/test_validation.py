@@ -107,8 +107,8 @@ def run(data_dir, tmp_path_factory):
         if trainer is not None:
             if trainer.metrics:
                 trainer.metrics.close()
-            if sentinel.client.steplog:
-                sentinel.client.steplog.close()
+            if trainer.steplog:
+                trainer.steplog.close()
     split_of = {id(s): name for name, s in trainer.ds._streams.items()}
     tagged = [(ph, split_of[id(st)], st, start, length) for ph, st, start, length in reads]
     records = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
