@@ -28,7 +28,6 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     dataset,
     kill_all,
     records,
-    refs,
     run_trainer,
     trainer_cmd,
     trainer_env,
