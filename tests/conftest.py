@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ import pytest
 from trainer_helpers import dataset, refs  # noqa: F401  (session fixtures every module sees: one dataset, one cache of runs)
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
+TESTS = Path(__file__).resolve().parent
 
 # what starts a service or a process, in the source of a test, its fixtures or the module functions it calls
 STARTS_PROCESS = re.compile(
@@ -51,11 +53,18 @@ def _source(obj) -> str:
         return ""
 
 
+def _ours(obj) -> bool:
+    """A function or class defined in tests/ (this module's, or imported from a helper or another test module)."""
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        return False
+    mod = sys.modules.get(getattr(obj, "__module__", "") or "")
+    return Path(getattr(mod, "__file__", None) or "/").resolve().parent == TESTS
+
+
 @functools.lru_cache(maxsize=None)
 def _process_starters(module) -> frozenset[str]:
     """Names of the module's functions that start a service or a process, directly or through one another."""
-    funcs = {n: _source(f) for n, f in vars(module).items()
-             if inspect.isfunction(f) and getattr(f, "__module__", None) == module.__name__}
+    funcs = {n: _source(f) for n, f in vars(module).items() if _ours(f)}
     found = {n for n, src in funcs.items() if STARTS_PROCESS.search(src)}
     while True:
         call = re.compile(r"\b(" + "|".join(map(re.escape, found)) + r")\(") if found else None
