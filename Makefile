@@ -43,3 +43,9 @@ test: setup setup-system
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# the fast tier for the edit loop (<= 90 s, docs/testing.md): in-process tests only; tests/conftest.py marks
+# every test that starts a service or another process `slow`, and `make test` runs those too
+.PHONY: check
+check: setup
+	$(BIN)/python -m pytest -m "not slow" -q $(PYTEST_ARGS)

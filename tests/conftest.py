@@ -6,17 +6,25 @@
 * ``redis_url``     - parametrised over both kinds of server: ``params=["embedded", "debian"]``.
 * ``unique_run``    - a unique, valid run id per test, so tests never share keys.
 * ``require_binary(name)`` - a missing binary fails the test under CI (CI=true), skips otherwise.
+
+Tiers (docs/testing.md): a test that starts a service (a Redis/valkey server, Prometheus, Alertmanager)
+or another process (a trainer, torchrun, ``python -m sentinel``) is marked ``slow`` here at collection,
+from its fixtures and its own source (and the module functions it calls), so ``-m "not slow"``
+(``make check``) is the in-process tier.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,8 +32,70 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from trainer_helpers import dataset, refs  # noqa: F401  (session fixtures every module sees: one dataset, one cache of runs)
 
 DEBIAN_REDIS = "/usr/bin/redis-server"
+TESTS = Path(__file__).resolve().parent
+
+# what starts a service or a process, in the source of a test, its fixtures or the module functions it calls
+STARTS_PROCESS = re.compile(
+    r"\b(subprocess\.(run|Popen|check_output|check_call|call)|Popen\(|run_trainer|make_run|reference_run|trainer_cmd"
+    r"|ensure_embedded|embedded_bus|redis_server|redis_factory|redis_url|require_binary|launch_workers|torchrun"
+    r"|multiprocessing|mp\.Process|os\.fork|refs\("
+    r"|\bTrainer\(|build_trainer\()")  # and what trains a model in-process (seconds a run)
+
+
+@functools.lru_cache(maxsize=None)
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _ours(obj) -> bool:
+    """A function or class defined in tests/ (this module's, or imported from a helper or another test module)."""
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        return False
+    mod = sys.modules.get(getattr(obj, "__module__", "") or "")
+    return Path(getattr(mod, "__file__", None) or "/").resolve().parent == TESTS
+
+
+@functools.lru_cache(maxsize=None)
+def _process_starters(module) -> frozenset[str]:
+    """Names of the module's functions that start a service or a process, directly or through one another."""
+    funcs = {n: _source(f) for n, f in vars(module).items() if _ours(f)}
+    found = {n for n, src in funcs.items() if STARTS_PROCESS.search(src)}
+    while True:
+        call = re.compile(r"\b(" + "|".join(map(re.escape, found)) + r")\(") if found else None
+        more = {n for n, src in funcs.items() if n not in found and call and call.search(src.split("\n", 1)[-1])}
+        if not more:
+            return frozenset(found)
+        found |= more
+
+
+def _starts_processes(item) -> bool:
+    fn = getattr(item, "function", None)
+    if fn is None:
+        return False
+    starters = _process_starters(item.module)
+    sources = [_source(fn).split("\n", 1)[-1]]  # the body: not the decorator or the signature's fixture names
+    infos = getattr(item, "_fixtureinfo", None)
+    for name in (infos.names_closure if infos else ()):
+        for fdef in infos.name2fixturedefs.get(name, ()):
+            if fdef.baseid == "" and fdef.func.__module__ in ("_pytest.tmpdir", "_pytest.monkeypatch"):
+                continue
+            if name in ("embedded_bus", "redis_server", "redis_factory", "redis_url", "refs"):
+                return True
+            sources.append(_source(fdef.func).split("\n", 1)[-1])
+    call = re.compile(r"\b(" + "|".join(map(re.escape, starters)) + r")\(") if starters else None
+    return any(STARTS_PROCESS.search(src) or (call and call.search(src)) for src in sources)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") is None and _starts_processes(item):
+            item.add_marker(pytest.mark.slow)
 
 
 def in_ci() -> bool:

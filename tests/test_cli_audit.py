@@ -62,6 +62,7 @@ def test_a_fifo_as_the_runs_bus_url_does_not_wedge_the_views(run_copy):  # noqa:
         assert "FIFO" in res.output + res.stderr or view == "skip-list", view
 
 
+@pytest.mark.slow  # decompresses up to the cap (~5 s)
 def test_backtest_refuses_a_decompressed_bomb_and_short_columns(tmp_path):
     bomb = tmp_path / "bomb.jsonl.gz"
     with gzip.open(bomb, "wb") as f:

@@ -55,11 +55,10 @@ def sentinel_proc(*args: str, timeout: float = 120, env_extra: dict | None = Non
 
 # ------------------------------------------------------------------ a finished single-rank run, shared
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory, dataset) -> Path:
-    d = tmp_path_factory.mktemp("cli-ops") / "base"
-    run_trainer(d, *BASE_ARGS, "--data", str(dataset), "--max-steps", "30", "--ckpt-every", "10", "--keep-last", "10",
-                "--eval-every", "10", data_dir=dataset, check=True)
-    return d
+def base_run(refs) -> Path:
+    """One 30-step run for the session (test_cli_audit and test_cli_audit3 import this fixture too):
+    ``refs`` trains it once; the tests read it, or a copy (``run_copy``)."""
+    return refs("--max-steps", "30", "--ckpt-every", "10", "--keep-last", "10", "--eval-every", "10")
 
 
 @pytest.fixture

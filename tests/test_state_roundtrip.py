@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from sentinel.policy import RunPolicy
 from sentinel.protocol import CheckpointInfo, StepRecord, TimelineRecord
 from sentinel.rules import default_rules
@@ -58,6 +60,7 @@ def _run(records: list[StepRecord], restore_at) -> tuple[list, list, list]:
     return fired, acts, [(i.id, i.state) for i in p.incidents]
 
 
+@pytest.mark.slow  # a policy restored at every step of a long run (~10 s)
 def test_a_policy_restored_from_its_state_judges_every_later_step_as_the_uninterrupted_one():
     """Before, the spike test's recent values and their differences were not in the state: restored
     at step 425 (seed 2) the spike incident at 436 was lost; restored at every step, incidents

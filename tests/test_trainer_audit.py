@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from trainer_helpers import dataset, run_trainer  # noqa: F401  (dataset is a fixture)
+from trainer_helpers import copy_run, dataset, run_trainer  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -95,14 +95,12 @@ def test_a_damaged_directives_log_does_not_stop_a_start(tmp_path, dataset):  # n
     assert max(r["step"] for r in steps if r.get("kind", "step") == "step") == 5
 
 
-def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, dataset):  # noqa: F811
+def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, dataset, refs):  # noqa: F811
     """steps.jsonl logs 12 steps, checkpoints/ is gone (deleted, a mount that did not come up):
     before, a fresh start appended a second history 1..12 to the log and exited 0."""
     import shutil
 
-    run = tmp_path / "run"
-    run_trainer(run, "--preset", "tiny", "--max-steps", "12", "--ckpt-every", "4", "--data", str(dataset),
-                data_dir=dataset, check=True)
+    run = copy_run(refs("--max-steps", "12", "--ckpt-every", "4"), tmp_path / "run")  # the session's 12-step run
     log = (run / "steps.jsonl").read_bytes()
     shutil.rmtree(run / "checkpoints")
     p = run_trainer(run, "--max-steps", "16", data_dir=dataset)

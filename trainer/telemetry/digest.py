@@ -6,6 +6,9 @@ step record carries it every ``telemetry.param_digest_every`` steps and ``sentin
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import torch
 
 
@@ -31,4 +34,7 @@ def param_digest_tensor(params) -> torch.Tensor:
 
 
 def digest_hex(values) -> str:
-    return "".join(f"{int(x) & 0xFFFFFFFFFFFFFFFF:016x}" for x in values)
+    """The step record's ``param_digest``: 16 hex digits, the first 64 bits of the sha256 of the
+    per-parameter sums (int64), so a record stays short whatever the model's parameter count."""
+    arr = np.asarray(values if isinstance(values, list) else [values], dtype=np.int64)
+    return hashlib.sha256(arr.tobytes()).hexdigest()[:16]
