@@ -27,9 +27,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 from trainer_helpers import dataset, refs  # noqa: F401  (session fixtures every module sees: one dataset, one cache of runs)
@@ -45,7 +45,7 @@ STARTS_PROCESS = re.compile(
     r"|\bTrainer\(|build_trainer\()")  # and what trains a model in-process (seconds a run)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source(obj) -> str:
     try:
         return inspect.getsource(obj)
@@ -61,7 +61,7 @@ def _ours(obj) -> bool:
     return Path(getattr(mod, "__file__", None) or "/").resolve().parent == TESTS
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _process_starters(module) -> frozenset[str]:
     """Names of the module's functions that start a service or a process, directly or through one another."""
     funcs = {n: _source(f) for n, f in vars(module).items() if _ours(f)}
@@ -157,7 +157,7 @@ class RedisProc:
     def log(self) -> Path:
         return self.workdir / "redis.log"
 
-    def start(self) -> "RedisProc":
+    def start(self) -> RedisProc:
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir), "--logfile", str(self.log), *self.args]  # fmt: skip
         self.proc = subprocess.Popen(argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port, require_binary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,9 +206,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"{proc.args[0]} exited {proc.returncode}: {log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=1):
-                return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1):
+            return
         time.sleep(0.1)
     raise AssertionError(f"{url} not ready after {timeout}s: {log.read_text()[-2000:]}")
 

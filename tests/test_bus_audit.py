@@ -25,12 +25,6 @@ import time
 
 import pytest
 from click.testing import CliRunner
-
-from sentinel import bus
-from sentinel.client.bus import INBOX_MAX, BusClient
-from sentinel.cli import main
-from sentinel.ingest import MAX_FUTURE_S, StepGate
-from sentinel.protocol import Ack, CheckpointInfo, Directive, Keys, TimelineRecord, record_mac
 from test_daemon import (
     NAN_STEP,
     SECRET,
@@ -39,11 +33,17 @@ from test_daemon import (
     incident_run,
     make_daemon,
     publish_steps,
-    register_checkpoints,
     pump,
+    register_checkpoints,
     sample,
     step_rec,
 )
+
+from sentinel import bus
+from sentinel.cli import main
+from sentinel.client.bus import INBOX_MAX, BusClient
+from sentinel.ingest import MAX_FUTURE_S, StepGate
+from sentinel.protocol import Ack, CheckpointInfo, Directive, Keys, TimelineRecord, record_mac
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -234,7 +234,7 @@ def test_a_replayed_start_does_not_reset_the_daemon(redis_url, unique_run):
     publish_steps(r, run, range(1, 41))
     pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 40)
     seen = d.watchers[run].policy.engine.state_dict()
-    for eid, fields in raw.xrange(k.steps, count=21):  # the start record and steps 1-20, copied as they are
+    for _eid, fields in raw.xrange(k.steps, count=21):  # the start record and steps 1-20, copied as they are
         raw.xadd(k.steps, fields)
     pump(d, until=lambda: sample(d, "sentinel_records_rejected_total", run=run, stream="steps", reason="replayed") == 1)
     pump(d, until=lambda: sample(d, "sentinel_records_rejected_total", run=run, stream="steps", reason="out_of_order") == 20)
@@ -301,7 +301,7 @@ def test_a_junk_flood_is_counted_not_echoed_and_cannot_push_a_genuine_directive_
     try:
         n = INBOX_MAX + 2_000
         pipe = raw.pipeline(transaction=False)
-        for i in range(n):
+        for _i in range(n):
             pipe.xadd(k.directives, {b"json": b"{}"})
         pipe.execute()
         genuine = Directive(run=run, kind="checkpoint-now", issuer="t", expires_at=time.time() + 600).signed(SECRET)

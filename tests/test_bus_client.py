@@ -7,11 +7,11 @@ import logging
 import time
 
 import pytest
-
 from conftest import free_port
+
 from sentinel import bus
-from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, StepRecord, TimelineRecord
 from sentinel.client.bus import BusClient
+from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, StepRecord, TimelineRecord
 
 SECRET = b"test-secret-0123456789abcdef"
 

@@ -20,6 +20,18 @@ from pathlib import Path
 
 import pytest
 import redis
+from test_daemon import (
+    RULES,
+    SECRET,
+    directives,
+    make_daemon,
+    publish_steps,
+    pump,
+    register_checkpoints,
+    sample,
+    step_rec,
+)
+from trainer_helpers import dataset, trainer_cmd, trainer_env  # noqa: F401  (dataset is a fixture)
 
 from sentinel import bus
 from sentinel.cli.run_cmd import _bus_groups
@@ -36,8 +48,6 @@ from sentinel.protocol import (
     record_mac,
 )
 from sentinel.rules import parse_rules
-from test_daemon import RULES, SECRET, directives, make_daemon, publish_steps, pump, register_checkpoints, sample, step_rec
-from trainer_helpers import dataset, trainer_cmd, trainer_env  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.timeout(600)
 LONG = os.environ.get("SENTINEL_CHAOS_LONG") == "1"
@@ -161,7 +171,7 @@ def _steps_on_stream(r, run: str) -> int:
     return sum(1 for _eid, f in r.xrange(Keys(run).steps) if json.loads(f["json"]).get("kind", "step") == "step")
 
 
-def test_trainer_survives_hostile_directives_and_restarts_without_rereading(tmp_path, dataset):  # noqa: F811
+def test_trainer_survives_hostile_directives_and_restarts_without_rereading(tmp_path, dataset):
     run_dir = tmp_path / "chaos"
     run = run_dir.name
     url = ensure_embedded(run_dir)

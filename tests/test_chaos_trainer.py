@@ -32,11 +32,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import skip_or_fail
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import skip_or_fail
-from trainer.checkpoint import list_checkpoints, verify
 from trainer_helpers import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     PYTHON,
@@ -50,6 +48,8 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     trainer_cmd,
     trainer_env,
 )
+
+from trainer.checkpoint import list_checkpoints, verify
 
 LONG = os.environ.get("SENTINEL_CHAOS_LONG", "").strip() not in ("", "0")
 REF12 = ["--max-steps", "12", "--ckpt-every", "4"]
@@ -79,8 +79,8 @@ def _limit_file_size(limit: int):
 def test_step_log_survives_enospc_and_counts_what_it_drops(tmp_path):
     """/dev/full under the writer's fd: records are held and flushed in order once the disk takes
     writes again; past the buffer the oldest are dropped and counted; the file stays valid JSONL."""
-    from sentinel.protocol import TimelineRecord
     from sentinel.client.steplog import StepLog, read
+    from sentinel.protocol import TimelineRecord
 
     rng = random.Random(9)
     cycles = 200 if LONG else 20

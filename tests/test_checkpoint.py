@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
 from trainer_helpers import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     REPO,
@@ -30,6 +28,8 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     refs,
     run_trainer,
 )
+
+from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
 
 COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
 REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # checkpoints at 4, 8, 12
@@ -92,7 +92,7 @@ def test_retention_keep_last_and_every(tmp_path, dataset):
     run_trainer(run, *BASE_ARGS, "--data", str(dataset), "--max-steps", "20", "--ckpt-every", "1",
                 "--keep-last", "3", "--keep-every", "5", data_dir=dataset, check=True)
     assert checkpoint_steps(run) == [5, 10, 15, 18, 19, 20]
-    for step, path in list_checkpoints(run / "checkpoints"):
+    for _step, path in list_checkpoints(run / "checkpoints"):
         verify(path)
 
 

@@ -20,7 +20,6 @@ import os
 import stat
 
 import pytest
-
 from test_cli_ops import base_run, cli, cli_json, run_copy  # noqa: F401  (fixtures)
 from trainer_helpers import dataset  # noqa: F401  (fixture)
 
@@ -51,7 +50,7 @@ def test_a_secret_file_that_is_no_small_regular_file_is_one_line(tmp_path, monke
     assert ("FIFO" in res.stderr) if kind == "fifo" else ("device" in res.stderr) if kind == "device" else ("KiB" in res.stderr)
 
 
-def test_a_fifo_as_the_runs_bus_url_does_not_wedge_the_views(run_copy):  # noqa: F811
+def test_a_fifo_as_the_runs_bus_url_does_not_wedge_the_views(run_copy):
     (run_copy / "bus").mkdir(exist_ok=True)
     url = run_copy / "bus" / "url"
     url.unlink(missing_ok=True)
@@ -89,7 +88,7 @@ def test_a_url_never_prints_a_password_its_colon_was_forgotten_for():
     _one_error(res, "Port out of range")
 
 
-def test_unreadable_steps_logs_and_bad_side_files_are_said_not_hidden(run_copy):  # noqa: F811
+def test_unreadable_steps_logs_and_bad_side_files_are_said_not_hidden(run_copy):
     d = str(run_copy)
     (run_copy / "steps.jsonl").rename(run_copy / "steps.bak")
     os.mkfifo(run_copy / "steps.jsonl")
@@ -118,7 +117,7 @@ def test_unreadable_steps_logs_and_bad_side_files_are_said_not_hidden(run_copy):
 
 
 @pytest.mark.slow
-def test_one_torn_line_does_not_stop_replay_and_verify(run_copy):  # noqa: F811
+def test_one_torn_line_does_not_stop_replay_and_verify(run_copy):
     log = run_copy / "steps.jsonl"
     lines = log.read_bytes().splitlines(keepends=True)
     i = next(k for k, ln in enumerate(lines) if b'"step":25,' in ln)
@@ -132,7 +131,7 @@ def test_one_torn_line_does_not_stop_replay_and_verify(run_copy):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_a_train_state_that_breaks_its_schema_is_named_as_such(run_copy):  # noqa: F811
+def test_a_train_state_that_breaks_its_schema_is_named_as_such(run_copy):
     import hashlib
 
     ck = run_copy / "checkpoints" / "step-00000020"
@@ -148,7 +147,7 @@ def test_a_train_state_that_breaks_its_schema_is_named_as_such(run_copy):  # noq
 
 
 @pytest.mark.slow
-def test_a_skip_list_that_cannot_be_written_does_not_cost_the_replays_verdict(run_copy, monkeypatch):  # noqa: F811
+def test_a_skip_list_that_cannot_be_written_does_not_cost_the_replays_verdict(run_copy, monkeypatch):
     """A read-only run dir (the audit mounted one): before, the replay's verdict and culprits were
     lost behind `error: Read-only file system: .../.skiplist.json.tmp-15192`."""
     import errno
@@ -178,7 +177,7 @@ def test_a_skip_list_that_cannot_be_written_does_not_cost_the_replays_verdict(ru
     assert lines == ["error: could not add the culprits to the skip list: Read-only file system"], res.stderr
 
 
-def test_small_wording_fixes_of_the_audit(run_copy):  # noqa: F811
+def test_small_wording_fixes_of_the_audit(run_copy):
     """`pages --limit 0` shows all, as `incidents --limit 0` does (it was an error); `report` no
     longer says "from none"; a checkpoint file that is a FIFO is "no regular file", not "missing"."""
     d = str(run_copy)

@@ -19,7 +19,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from offline_helpers import PY, make_run
 from test_cli_ops import _steps, base_run, cli, run_copy, sentinel_proc  # noqa: F401  (fixtures)
 from trainer_helpers import dataset, run_trainer  # noqa: F401  (fixture)
@@ -27,7 +26,7 @@ from trainer_helpers import dataset, run_trainer  # noqa: F401  (fixture)
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_verify_resume_stops_where_a_rollback_grew_the_skip_list(run_copy, dataset):  # noqa: F811
+def test_verify_resume_stops_where_a_rollback_grew_the_skip_list(run_copy, dataset):
     """A rollback to checkpoint 10 that skips one sample of step 14: the log's steps 14 on trained
     without it, so a plain resume from 10 matches steps 11-13 only. Before: `NOT equivalent ...
     data_cursor`, exit 1, checkpoint 10 marked failed."""
@@ -59,7 +58,7 @@ def test_verify_resume_on_two_ranks_shows_the_workers_notes(tmp_path_factory, tm
     assert "note: the log has only 2 step(s) after checkpoint 10; verifying 2" in p.stderr, p.stderr
 
 
-def test_backtest_of_a_run_directory_judges_its_step_log(run_copy):  # noqa: F811
+def test_backtest_of_a_run_directory_judges_its_step_log(run_copy):
     (run_copy / "directives.jsonl").write_text('{"id": "x", "kind": "pause"}\n')
     (run_copy / "incidents.jsonl").write_text('{"id": "run-t0-s5", "rule": "loss_spike"}\n')
     res = cli("backtest", str(run_copy), "--json")

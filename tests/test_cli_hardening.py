@@ -40,7 +40,7 @@ def test_a_broken_bus_url_never_prints_its_password(url, monkeypatch):
     parser's own words quoted the password. Through the flag and through the environment."""
     r = CliRunner().invoke(main, ["status", "--redis-url", url, "somerun"])
     line = _one_line(r)
-    assert PASSWORD not in r.output and "invalid bus URL" in line or "unsupported bus URL scheme" in line, line
+    assert (PASSWORD not in r.output and "invalid bus URL" in line) or "unsupported bus URL scheme" in line, line
     monkeypatch.setenv("SENTINEL_REDIS_URL", url)
     r = CliRunner().invoke(main, ["status", "somerun"])
     _one_line(r)

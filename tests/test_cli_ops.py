@@ -16,10 +16,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from sentinel import bus
-from sentinel.cli import main
-from sentinel.protocol import Ack, CheckpointInfo, Directive, Incident, Keys, StepRecord, TimelineRecord
 from trainer_helpers import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     REPO,
@@ -32,6 +28,10 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     trainer_cmd,
     trainer_env,
 )
+
+from sentinel import bus
+from sentinel.cli import main
+from sentinel.protocol import Ack, CheckpointInfo, Directive, Incident, Keys, StepRecord, TimelineRecord
 
 SENTINEL = [sys.executable, "-m", "sentinel"]
 
@@ -758,8 +758,8 @@ def test_bad_urls_and_ids_are_one_line_not_a_traceback(tmp_path, monkeypatch):
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], (args, r.output[-500:])
         assert "hunter2" not in r.output and len(lines[0]) < 300
-    from sentinel.cli.rollback_cmd import _parse_checkpoint_id
     from sentinel.cli.common import SentinelError
+    from sentinel.cli.rollback_cmd import _parse_checkpoint_id
     for bad in (f"step-{huge}", huge, "x" * 100_000):
         with pytest.raises(SentinelError, match="bad checkpoint id") as e:
             _parse_checkpoint_id(bad)

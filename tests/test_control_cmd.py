@@ -12,11 +12,11 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from trainer_helpers import BASE_ARGS, REPO, dataset, kill_all, last_step, trainer_cmd, trainer_env  # noqa: F401
 
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Directive, Incident, Keys
-from trainer_helpers import BASE_ARGS, REPO, dataset, kill_all, last_step, trainer_cmd, trainer_env  # noqa: F401
 
 
 def cli(*args: str):
@@ -46,7 +46,7 @@ def _wait(cond, timeout: float, what: str, proc=None):
 
 
 @pytest.fixture
-def live_run(tmp_path, dataset):  # noqa: F811
+def live_run(tmp_path, dataset):
     run_dir = tmp_path / "ctl"
     log = open(tmp_path / "trainer.log", "w")
     proc = subprocess.Popen(

@@ -15,9 +15,9 @@ import threading
 import time
 
 import pytest
+from conftest import require_binary
 from prometheus_client import generate_latest
 
-from conftest import require_binary
 from sentinel import bus
 from sentinel.daemon import Daemon, Options
 from sentinel.metrics import SentinelMetrics

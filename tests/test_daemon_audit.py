@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_daemon import RULES, SECRET, publish_steps, pump, register_checkpoints, sample
 
 from sentinel import bus
 from sentinel.daemon import Daemon, Options
 from sentinel.metrics import SentinelMetrics
 from sentinel.protocol import STEP_CONSUMER_GROUP, Keys
 from sentinel.rules import parse_rules
-from test_daemon import RULES, SECRET, publish_steps, pump, register_checkpoints, sample
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -40,7 +40,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port, skip_or_fail, wait_port
 from test_prometheus_e2e import Prometheus, _binary
 from trainer_helpers import kill_all

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-
 from conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[1]

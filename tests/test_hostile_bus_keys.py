@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_daemon import NAN_STEP, incident_run, make_daemon, pump, sample
 
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import CheckpointInfo, Incident, Keys, StepRecord
-from test_daemon import NAN_STEP, incident_run, make_daemon, pump, sample
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -374,6 +374,7 @@ def test_the_trainers_retention_read_never_holds_back_step_records(hostile, embe
     the fix a field of 5,000 digits (int() refuses) or a key of another type raised there on every
     I/O round, before the step records were sent: telemetry stopped for good."""
     from test_bus_client import SECRET, _step, _steps_in_stream
+
     from sentinel.client.bus import BusClient
 
     r = bus.connect(embedded_bus.url)

@@ -120,7 +120,7 @@ def test_a_duplicate_key_in_rules_is_refused_with_its_line(tmp_path):
 
 
 def test_divergence_k_more_than_n_is_refused(tmp_path):
-    from sentinel.rules import RuleSet, RulesError, parse_rules
+    from sentinel.rules import RulesError, RuleSet, parse_rules
 
     kgtn = tmp_path / "kgtn.yaml"
     kgtn.write_text("version: 1\nrules:\n  divergence:\n    k: 20\n    n: 16\n")

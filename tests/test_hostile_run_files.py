@@ -18,9 +18,9 @@ case trains.
 from __future__ import annotations
 
 import json
-import re
 import os
 import random
+import re
 import shutil
 import time
 import traceback

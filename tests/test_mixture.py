@@ -13,8 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from trainer_helpers import (
+    BASE_ARGS,
+    assert_same_trajectory,
+    copy_run,
+    records,
+    reference_run,
+    run_and_kill,
+    run_trainer,
+)
 
 from sentinel.backtest import backtest, load_trace
+from sentinel.client.metrics import TIMELINE_EVENTS, TrainerMetrics
 from sentinel.policy import RunPolicy
 from sentinel.protocol import (
     MarkerRecord,
@@ -25,10 +35,16 @@ from sentinel.protocol import (
     parse_step_line,
 )
 from sentinel.rules import default_rules
-from trainer.data import DataError, MixtureSampler, SkipList, TokenDataset, load_mixture_file, parse_source, prepare_dataset
+from trainer.data import (
+    DataError,
+    MixtureSampler,
+    SkipList,
+    TokenDataset,
+    load_mixture_file,
+    parse_source,
+    prepare_dataset,
+)
 from trainer.data.sources import PYTHON_DOC_ROOT
-from sentinel.client.metrics import TIMELINE_EVENTS, TrainerMetrics
-from trainer_helpers import BASE_ARGS, assert_same_trajectory, copy_run, records, reference_run, run_and_kill, run_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

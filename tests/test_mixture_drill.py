@@ -116,8 +116,8 @@ def test_replay_batch_culprits_carry_their_source(data_root, tmp_path):
     culprits = out["culprits"]
     assert culprits and all(c["source"] in ("shakespeare", "pydoc", "stdlib") for c in culprits)
     # the source is the dataset's own answer for that id
-    from trainer.data import TokenDataset
     from trainer.config import load_run_config
+    from trainer.data import TokenDataset
 
     ds, seq = TokenDataset.open(data), load_run_config(run_dir).model.seq_len
     assert all(c["source"] == ds.source_of(c["id"], seq) for c in culprits)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port
 from test_alerts import _binary, _start, _stop, _wait_ready
 from test_podmonitor_alerts import Prom, fast_rules, wait_until

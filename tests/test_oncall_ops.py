@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from trainer_helpers import dataset, descendants, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys
-from trainer_helpers import dataset, descendants, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401
-
 
 _wait, _steps = wait_for, read_steps
 
@@ -60,7 +59,7 @@ def _cleanup(run_dir: Path, proc: subprocess.Popen) -> None:
 # ================================================================== item 2: SIGTERM while paused
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,signame", [(1, "SIGTERM"), (2, "SIGTERM"), (1, "SIGINT")])
-def test_paused_trainer_checkpoints_and_exits_on_signal(tmp_path, dataset, nproc, signame):  # noqa: F811
+def test_paused_trainer_checkpoints_and_exits_on_signal(tmp_path, dataset, nproc, signame):
     """Preemption of a paused run (Kubernetes/Slurm send SIGTERM to the launcher, torchrun forwards it
     to every rank): the run checkpoints its current step and exits 0 within seconds, it is not killed
     after the grace period with its progress lost."""
@@ -129,7 +128,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 # ================================================================== item 5: per-rank phases, straggler
 @pytest.mark.slow
-def test_straggler_drill_names_the_slow_rank_and_phase(tmp_path, dataset):  # noqa: F811
+def test_straggler_drill_names_the_slow_rank_and_phase(tmp_path, dataset):
     """``--inject-fault slow@1:SECONDS`` on a real 2-rank run: every step record carries per-rank phase
     times in which rank 1 is busy in forward_backward while rank 0 waits in the all-reduce, and the
     sentinel's rank_straggler rule fires naming rank 1 and forward_backward (wall step times alone
@@ -190,7 +189,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path, dataset):  # noqa: F811
+def test_hung_rank_opens_incident_shows_hung_and_pages_survive_the_bus(tmp_path, dataset):
     """The SIGSTOP drill on a live 2-rank run with the sentinel watching (no Alertmanager):
     - the daemon warns at startup that pages reach nobody;
     - the stale heartbeat opens an incident (rule heartbeat_stale) and pages, linked to it;
@@ -279,6 +278,7 @@ def test_page_delivered_to_a_real_alertmanager_is_recorded(tmp_path, embedded_bu
     import urllib.request
 
     from conftest import free_port, require_binary, wait_port
+
     from sentinel import rundir
     from sentinel.policy import Action
 

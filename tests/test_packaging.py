@@ -26,7 +26,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from test_export import check_export
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port
 from test_alerts import Webhook, _binary, _start, _stop, _wait_ready
 from test_daemon import NAN_STEP, SECRET, TARGET, incident_run, make_daemon, publish_steps
 
-from conftest import free_port
 from sentinel import bus, daemon_pages
 from sentinel.protocol import Ack, Directive, Keys, TimelineRecord
 

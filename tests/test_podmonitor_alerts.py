@@ -31,9 +31,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
-
 from conftest import free_port
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from test_alerts import _binary, _start, _stop, _wait_ready
 from test_bus_client import _wait as poll
 from test_deploy import K8S, _kustomize, _one

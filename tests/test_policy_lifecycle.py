@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import random
 
+from test_policy import IDS_PER_STEP, RUN, Clock, damage, noise, policy, rec, replay_restored, warm
+
 from sentinel.policy import SKIP_LATER_MAX_STEPS, Action, RunPolicy
 from sentinel.protocol import CheckpointInfo, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet
-
-from test_policy import IDS_PER_STEP, RUN, Clock, damage, noise, policy, rec, replay_restored, warm  # noqa: F401 - the same records and runs
 
 
 def ckpt(step: int, timeline: int = 0, **kw) -> CheckpointInfo:

@@ -37,12 +37,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port, require_binary
 from test_metrics import DOCS, _cuda_only, documented
 from trainer_helpers import kill_all
-from sentinel.protocol import REJECT_REASONS
+
 from sentinel.client.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
+from sentinel.protocol import REJECT_REASONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from offline_helpers import PY, make_run
 
 from sentinel.cli import main as cli
-from offline_helpers import PY, make_run  # noqa: F401
 from sentinel.client.steplog import authoritative
 
 GARBAGE_STEP = 14

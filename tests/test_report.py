@@ -142,8 +142,9 @@ def test_gather_reads_the_log_once_and_settles_abandoned_steps_as_the_whole_log_
     must be what ``authoritative_steps`` over the whole log says."""
     import random
 
-    from sentinel.protocol import authoritative_steps
     from test_steplog_scan import random_log
+
+    from sentinel.protocol import authoritative_steps
 
     rng = random.Random(21)
     for i in range(200):

@@ -14,8 +14,6 @@ import json
 import random
 
 import pytest
-
-from trainer.checkpoint import list_checkpoints, verify
 from trainer_helpers import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     assert_one_line_error,
@@ -29,6 +27,8 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     run_trainer,
     trajectory,
 )
+
+from trainer.checkpoint import list_checkpoints, verify
 
 N2 = 24  # 2N steps, single rank
 N2_DIST = 16  # 2N steps, 2 ranks (torchrun startup dominates)

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from sentinel.cli.rules_cmd import rules as rules_group
-from sentinel.rules import DEFAULT_RULES_PATH, RuleSet, RulesError, default_rules, parse_rules
+from sentinel.rules import DEFAULT_RULES_PATH, RulesError, RuleSet, default_rules, parse_rules
 from sentinel.rules_file import load_rules
 
 

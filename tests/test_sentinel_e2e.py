@@ -35,9 +35,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from trainer_helpers import kill_all
 
 from sentinel import bus
-from trainer_helpers import kill_all
 from sentinel.drill import DrillSpec, batch_ids_at, incidents_of, read_steps, run_drill, trainer_command
 from sentinel.protocol import Ack, Directive, Event, Keys, StepRecord
 

@@ -21,11 +21,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from trainer_helpers import BASE_ARGS, dataset, run_trainer  # noqa: F401  (fixture)
 
-from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord
 from sentinel.client import steplog as steplog_mod
 from sentinel.client.steplog import StepLog, read
-from trainer_helpers import BASE_ARGS, dataset, run_trainer  # noqa: F401  (fixture)
+from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord
 
 
 def _step(n: int, timeline: int = 0) -> StepRecord:
@@ -267,7 +267,7 @@ def test_the_newest_timeline_is_read_from_the_end_of_a_long_log(tmp_path, monkey
 
 
 # ------------------------------------------------------------------ end to end: a real (tiny) run
-def test_trainer_keeps_the_last_step_of_a_run_whose_newline_was_lost(tmp_path, dataset):  # noqa: F811
+def test_trainer_keeps_the_last_step_of_a_run_whose_newline_was_lost(tmp_path, dataset):
     run = tmp_path / "run"
     run_trainer(run, *BASE_ARGS, "--data", str(dataset), "--max-steps", "4", "--device", "cpu",
                 data_dir=dataset, check=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
+from sentinel.client.steplog import read, scan
 from sentinel.offline.replay import branches
 from sentinel.protocol import StepRecord, TimelineRecord, authoritative_steps
-from sentinel.client.steplog import read, scan
 
 
 def random_log(rng: random.Random, path):

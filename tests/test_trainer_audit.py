@@ -15,7 +15,6 @@ import math
 import os
 
 import pytest
-
 from trainer_helpers import copy_run, dataset, run_trainer  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.timeout(240)
@@ -70,7 +69,7 @@ def test_a_guard_history_that_is_not_finite_is_refused():
     (["guard.window=1000000000000"], "less than or equal to 1000000"),
     (["model.n_layer=1024", "model.d_model=65536", "model.n_head=64"], "parameters needs ~"),
 ])
-def test_a_model_too_large_for_the_machine_is_one_line_before_anything_is_built(tmp_path, dataset, sets, says):  # noqa: F811
+def test_a_model_too_large_for_the_machine_is_one_line_before_anything_is_built(tmp_path, dataset, sets, says):
     args = ["--preset", "tiny", "--max-steps", "2", "--data", str(dataset)]
     for s in sets:
         args += ["--set", s]
@@ -81,7 +80,7 @@ def test_a_model_too_large_for_the_machine_is_one_line_before_anything_is_built(
     assert not (tmp_path / "run").exists(), "refused before the run dir was made"
 
 
-def test_a_damaged_directives_log_does_not_stop_a_start(tmp_path, dataset):  # noqa: F811
+def test_a_damaged_directives_log_does_not_stop_a_start(tmp_path, dataset):
     run = tmp_path / "run"
     run_trainer(run, "--preset", "tiny", "--max-steps", "3", "--data", str(dataset), data_dir=dataset, check=True)
     with open(run / "directives.jsonl", "ab") as f:
@@ -95,7 +94,7 @@ def test_a_damaged_directives_log_does_not_stop_a_start(tmp_path, dataset):  # n
     assert max(r["step"] for r in steps if r.get("kind", "step") == "step") == 5
 
 
-def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, dataset, refs):  # noqa: F811
+def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, dataset, refs):
     """steps.jsonl logs 12 steps, checkpoints/ is gone (deleted, a mount that did not come up):
     before, a fresh start appended a second history 1..12 to the log and exited 0."""
     import shutil
@@ -115,7 +114,7 @@ def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, data
     assert run_trainer(run2, "--max-steps", "5", data_dir=dataset).returncode == 0
 
 
-def test_a_data_dir_or_shard_that_is_no_regular_file_is_named_as_what_it_is(tmp_path, dataset):  # noqa: F811
+def test_a_data_dir_or_shard_that_is_no_regular_file_is_named_as_what_it_is(tmp_path, dataset):
     """Before: a data dir that is a file or a device, a ``meta.json`` FIFO and a shard replaced by a
     directory were all called missing ("has no meta.json", "shard ... is missing")."""
     import shutil
@@ -139,7 +138,7 @@ def test_a_data_dir_or_shard_that_is_no_regular_file_is_named_as_what_it_is(tmp_
         assert p.returncode != 0 and said in last and "Traceback" not in p.stderr, (data, p.stderr[-1500:])
 
 
-def test_a_plain_file_where_the_newest_checkpoint_goes_is_named_when_passed_over(tmp_path, dataset):  # noqa: F811
+def test_a_plain_file_where_the_newest_checkpoint_goes_is_named_when_passed_over(tmp_path, dataset):
     """Before: a file ``checkpoints/step-00000008`` (a copy gone wrong) was skipped in silence and the
     run resumed from step 4 with no word of it."""
     import shutil

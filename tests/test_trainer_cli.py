@@ -13,8 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord, authoritative_steps, parse_step_line
 from trainer_helpers import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     assert_one_line_error,
@@ -27,6 +25,8 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     session_root,
     trajectory,
 )
+
+from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord, authoritative_steps, parse_step_line
 
 COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
 REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # shared with test_checkpoint (session cache)

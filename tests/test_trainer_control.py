@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from trainer_helpers import dataset, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys, TimelineRecord
-from trainer_helpers import dataset, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ class Control:
         return [a for a in (json.loads(f["json"]) for _, f in self.r.xrange(self.keys.acks)) if a["directive_id"] == d.id]
 
 
-def test_every_directive_kind_on_a_live_two_rank_run(tmp_path, dataset):  # noqa: F811
+def test_every_directive_kind_on_a_live_two_rank_run(tmp_path, dataset):
     run_dir = tmp_path / "ctl"
     run = run_dir.name
     proc = subprocess.Popen(

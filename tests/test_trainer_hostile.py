@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from trainer_helpers import (  # noqa: F401  (fixtures)
     assert_one_line_error,
     copy_run,
@@ -114,8 +113,8 @@ def test_unusable_run_dirs_are_refused_before_anything_is_created(tmp_path, caps
 
 # ------------------------------------------------------------------ state files (in process)
 def test_step_log_escapes_lone_surrogates_instead_of_failing(tmp_path):
-    from sentinel.protocol import TimelineRecord
     from sentinel.client.steplog import StepLog, read
+    from sentinel.protocol import TimelineRecord
 
     log = StepLog(tmp_path / "steps.jsonl", log=lambda m: None)
     log.write(TimelineRecord(kind="rollback", run="r\udcff", from_step=2, timeline=1, time=1.0, reason="\udcff\udcfe"))
@@ -145,7 +144,7 @@ def test_skiplist_with_a_reversed_range_is_malformed(tmp_path):
 
 def test_checkpoints_path_that_is_a_file_is_a_checkpoint_error(tmp_path):
     """What replay-batch and verify-resume catch: one line, not a FileExistsError traceback."""
-    from trainer.checkpoint import CheckpointError, Checkpointer
+    from trainer.checkpoint import Checkpointer, CheckpointError
 
     (tmp_path / "checkpoints").write_text("not a dir")
     with pytest.raises(CheckpointError, match="is not a directory"):

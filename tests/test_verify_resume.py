@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from offline_helpers import PY, make_run
 
 from sentinel.cli import main as cli
-from trainer.checkpoint import CheckpointError, sha256_file, verify
-from offline_helpers import PY, make_run  # noqa: F401
 from sentinel.client.steplog import authoritative
+from trainer.checkpoint import CheckpointError, sha256_file, verify
 
 C = 10  # the checkpoint under test (the run has 10 and 20)
 
