@@ -331,7 +331,7 @@ def test_compose_references_resolve():
                     or src.startswith("../../dashboards"), f"{name}: bind source {src} missing"
             else:
                 assert src in volumes, f"{name}: undeclared volume {src}"
-    for name, s in (c.get("secrets") or {}).items():
+    for s in (c.get("secrets") or {}).values():
         assert s["file"].startswith("./secrets/"), "secrets live in the git-ignored ./secrets dir"
     assert "secrets/" in (COMPOSE / ".gitignore").read_text()
     # the trainer's file-SD targets are reachable: bind-all + a stable hostname + shared volume

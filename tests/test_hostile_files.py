@@ -224,9 +224,9 @@ def test_a_skiplist_that_is_no_regular_file_is_one_line(run_dir, tmp_path):
 
 
 def test_a_state_file_over_the_size_cap_is_one_line(run_dir, monkeypatch):
-    from sentinel import rundir
+    from sentinel.runfiles import base  # the run dir's bounded reads (sentinel.rundir re-exports them)
 
-    monkeypatch.setattr(rundir, "MAX_STATE_BYTES", 100)
+    monkeypatch.setattr(base, "MAX_STATE_BYTES", 100)
     (run_dir / "skiplist.json").write_text(json.dumps([[i, i + 1] for i in range(0, 200, 2)]))
     one_line_error(cli("skip-list", run_dir), "skiplist.json", "larger than 100 bytes")
 
