@@ -31,8 +31,9 @@ class ActionsMixin:
                     self.m.actions.labels(self.run, a.kind, "dry_run").inc()
                     self.log(f"[{self.run}] DRY RUN: would send {a.kind} ({a.reason})")
                     continue
+                skip_after = a.skip_steps[1] if a.kind == "rollback" and a.skip_steps else None
                 d = Directive(run=self.run, kind=a.kind, ranges=a.ranges, to_step=a.to_step, reason=a.reason,
-                              incident_id=a.incident_id, issuer=f"sentinel:{self.opts.consumer}",
+                              skip_after=skip_after, incident_id=a.incident_id, issuer=f"sentinel:{self.opts.consumer}",
                               expires_at=now + DIRECTIVE_TTL_S).signed(self.opts.secret)
                 # the decision is saved before it is sent: a leader that dies now leaves it to its
                 # successor, which sends what it finds decided and not applied (_send_undelivered)

@@ -124,3 +124,21 @@ def test_hold_while_paused_returns_when_a_stop_arrives(tmp_path):
     calls = iter([False, True])
     assert loop.hold_while_paused(3, interval_s=0.001, give_up=lambda: next(calls)) == []
     assert loop.paused  # gave up (a signal), still paused: the host checkpoints and exits
+
+
+def test_a_rollback_with_skip_after_skips_what_the_abandoned_branch_trained_past_it(tmp_path):
+    """The sentinel names the detection step: the samples this loop trained after it, on the branch it
+    abandons, go on the skip list with the rollback (no follow-up directive has to reach the loop)."""
+    from sentinel.client import StepRecord
+
+    loop = _loop(tmp_path)
+    loop.begin(0)
+    for step in range(1, 13):  # 4 ids a step: step s trained ids 4(s-1) .. 4s-1
+        ids = list(range(4 * (step - 1), 4 * step))
+        loop.steplog.write(StepRecord(run=RUN, step=step, timeline=0, loss=3.0, loss_max_rank=3.0, grad_norm=1.0, lr=1e-3,
+                                      tokens=step, batch_fingerprint="0" * 16, sample_ids=ids, time=1.0))
+    got = loop.apply(_d("rollback", to_step=5, ranges=[(20, 24)], skip_after=9), 12)
+    assert got.status == "applied"
+    assert loop.skip.ranges == [(20, 24), (36, 48)]  # the window, and steps 10-12's ids (36..47)
+    d = _d("rollback", to_step=5, ranges=[(1, 2)])
+    assert d.skip_after is None and "skip_after" not in d.canonical().decode()  # signed as before the field

@@ -187,9 +187,12 @@ def _judge(res: dict) -> dict:
     skips = [a for a in loop.applied if a["kind"] == "skip-samples"]
     fig["skips"] = len(skips)
     if skips:
-        fig["skip_after_rollback_steps"] = skips[0]["step"] - rb[0]["step"]
-        if fig["mode"] == "standby":  # a restart first starts a process (~1 s here): see the module docstring
-            assert fig["skip_after_rollback_steps"] <= 10, where
+        # the rollback carries skip_after: the loop skipped what it trained past the detection with the
+        # rollback itself, so the follow-up directive (one poll, or a restart, later) only confirms it
+        at_rollback = rb[0]["skip_list"]
+        covered = all(any(a <= lo and hi <= b for a, b in at_rollback) for s in skips for lo, hi in s["ranges"])
+        fig["skip_after_rollback_steps"] = 0 if covered else skips[0]["step"] - rb[0]["step"]
+        assert fig["skip_after_rollback_steps"] <= 10, where
         # what the bound stands for: no sample the damaged branch trained after the detection is
         # trained again on the restored branch
         again = [(rec.step, i) for rec in _steps(r, k) if rec.timeline >= 1 for i in rec.sample_ids

@@ -74,9 +74,11 @@ class ToyLoop:
             self.w += 1.0  # a bad batch: damage that persists
         self.step += 1
         loss = 3.0 - 0.0005 * self.step + 0.5 * self.w + self.rng.gauss(0.0, 0.03)
-        self.bus.publish_step(StepRecord(run=self.run, step=self.step, timeline=self.control.timeline, loss=loss,
-                                         loss_max_rank=loss, grad_norm=1.0, lr=1e-3, tokens=self.step * PER_STEP * 1024,
-                                         batch_fingerprint=f"{ids[0]:016x}", sample_ids=ids, time=time.time()))
+        rec = StepRecord(run=self.run, step=self.step, timeline=self.control.timeline, loss=loss, loss_max_rank=loss,
+                         grad_norm=1.0, lr=1e-3, tokens=self.step * PER_STEP * 1024, batch_fingerprint=f"{ids[0]:016x}",
+                         sample_ids=ids, time=time.time())
+        self.control.steplog.write(rec)  # steps.jsonl: what a rollback's skip_after reads back
+        self.bus.publish_step(rec)
         if self.step % CKPT_EVERY == 0:
             self.save_checkpoint()
 
@@ -88,7 +90,8 @@ class ToyLoop:
         if done:  # the ranges each put on the skip list: from the ControlLoop's own record
             logged = {d["id"]: d for d in map(json.loads, (self.run_dir / "directives.jsonl").read_text().splitlines())}
             self.applied += [{"kind": a.kind, "status": a.status, "to_step": a.to_step, "id": a.directive_id,
-                              "ranges": [tuple(r) for r in logged[a.directive_id].get("ranges", [])]} for a in done]
+                              "ranges": [tuple(r) for r in logged[a.directive_id].get("ranges", [])],
+                              "skip_list": list(self.control.skip.ranges)} for a in done]
 
 
 def test_a_foreign_loop_is_rolled_back_past_its_poison_samples_by_the_daemon(embedded_bus, unique_run, tmp_path):
@@ -133,7 +136,7 @@ def test_a_foreign_loop_is_rolled_back_past_its_poison_samples_by_the_daemon(emb
     logged = [json.loads(ln) for ln in (run_dir / "directives.jsonl").read_text().splitlines()]
     assert [d["id"] for d in logged] == [a["id"] for a in loop.applied] and len({d["id"] for d in logged}) == len(logged)
     assert json.loads((run_dir / "skiplist.json").read_text()) == [list(r) for r in loop.control.skip.ranges]
-    markers = [json.loads(ln) for ln in (run_dir / "steps.jsonl").read_text().splitlines()]
+    markers = [m for m in map(json.loads, (run_dir / "steps.jsonl").read_text().splitlines()) if m["kind"] != "step"]
     assert [(m["kind"], m["timeline"]) for m in markers] == [("start", 0), ("rollback", 1)]
     assert markers[1]["from_step"] == rb["to_step"] and markers[1]["directive_id"] == rb["id"]
     [view] = incidents["runs"]

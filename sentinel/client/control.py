@@ -41,6 +41,7 @@ from sentinel.protocol import (
     SchemaError,
     TimelineRecord,
     atomic_write_text,
+    ids_to_ranges,
     loads_bounded,
     merge_ranges,
     pending_rollback_error,
@@ -253,21 +254,32 @@ class ControlLoop:
             return "failed", "rollback without to_step", None
         self.add_skip(d.ranges)  # first: a crash mid-restore must not train on the window again
         try:
-            self.host.restore_checkpoint(d.to_step)
+            self.host.restore_checkpoint(d.to_step)  # (our trainer writes its last steps' records here)
         except RestoreFailed as e:
             return "failed", str(e), None
         except RelaunchRequired:
+            self._skip_abandoned(d)
             if self.is_main:
                 plan = {"id": d.id, "to_step": d.to_step, "ranges": [list(r) for r in d.ranges],
                         "reason": d.reason, "issuer": d.issuer, "time": time.time()}
                 atomic_write_text(self.run_dir / PENDING_ROLLBACK, json.dumps(plan))
             self.stop_requested, self.relaunch_step = True, d.to_step
             return "applied", f"relaunch from checkpoint {d.to_step}", d.to_step
+        self._skip_abandoned(d)
         self.timeline += 1
         self.mark("rollback", d.to_step, reason=d.reason, directive_id=d.id, ranges=d.ranges)
         if self.metrics:
             self.metrics.on_rollback()
         return "applied", f"resumed at step {d.to_step}, timeline {self.timeline}", d.to_step
+
+    def _skip_abandoned(self, d: Directive) -> None:
+        """``skip_after``: the samples this loop trained after the detection on the branch it abandons go on
+        the skip list with the rollback itself (the sentinel's follow-up skip-samples would name the same ones,
+        one poll later, or a restart later when its leader died). Computed on rank 0, the same on every rank."""
+        if d.skip_after is None:
+            return
+        ids = self.steplog.recent_ids(self.timeline, d.skip_after) if self.is_main and self.steplog else []
+        self.add_skip(self._share(ids_to_ranges(ids)))
 
     # ------------------------------------------------------------------ state on disk and on the bus
     def add_skip(self, ranges) -> None:

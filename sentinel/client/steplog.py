@@ -33,6 +33,7 @@ from sentinel.protocol import (
 # Records held in memory while the disk refuses writes (ENOSPC, EFBIG, EDQUOT, EIO). A record is
 # 1-5 KB, so the buffer is at most a few tens of MB; past it the oldest records are dropped and counted.
 MAX_BUFFERED = 10_000
+RECENT_STEPS = 256  # steps whose sample ids are kept in memory for a rollback's skip_after
 
 # The most a last line without a newline may hold and still be handled at start (kept, or moved to a
 # side file): a torn write is a prefix of one record (<= MAX_RECORD_BYTES), or a few blocks of zeros a
@@ -142,6 +143,7 @@ class StepLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = os.fstat(self._fd).st_size  # end of the last whole record
         self._pending: deque[bytes] = deque()
+        self._recent: deque[tuple[int, int, list[int]]] = deque(maxlen=RECENT_STEPS)  # (timeline, step, sample ids)
         self.max_buffered = max_buffered
         self.write_failures = 0  # write attempts the disk refused
         self.lost = 0  # records dropped because the buffer overflowed
@@ -240,11 +242,19 @@ class StepLog:
         return len(self._pending)
 
     def write(self, rec: StepRecord | TimelineRecord) -> None:
+        if isinstance(rec, StepRecord) and rec.sample_ids:  # what a rollback's skip_after names (recent_ids)
+            self._recent.append((rec.timeline, rec.step, rec.sample_ids))
         self._pending.append(_record_line(rec))
         if len(self._pending) > self.max_buffered:
             self._pending.popleft()
             self.lost += 1
         self.flush()
+
+    def recent_ids(self, timeline: int, after_step: int) -> list[int]:
+        """The sample ids of the steps after ``after_step`` on ``timeline`` written lately (the last
+        ``RECENT_STEPS`` steps; the last record of a step wins)."""
+        by_step = {step: ids for t, step, ids in self._recent if t == timeline and step > after_step}
+        return [i for step in sorted(by_step) for i in by_step[step]]
 
     def flush(self) -> bool:
         """Write every buffered record; False (and the records kept) while the disk refuses."""

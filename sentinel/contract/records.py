@@ -215,6 +215,9 @@ class Directive(_Record):
     ranges: list[tuple[int, int]] = Field(default_factory=list)
     # rollback target: a checkpoint step (the trainer picks that checkpoint exactly)
     to_step: int | None = None
+    # rollback: the trainer also skips the samples it trained after this step on its current timeline (the
+    # damaged branch past the detection), with the rollback itself: no follow-up directive has to reach it
+    skip_after: int | None = None
     reason: str | None = None
     incident_id: str | None = None
     issuer: str = "sentinel"
@@ -223,7 +226,8 @@ class Directive(_Record):
     sig: str | None = None
 
     def canonical(self) -> bytes:
-        body = self.model_dump(exclude={"sig"}, mode="json")
+        # skip_after is signed when set; a directive without it signs as it did before the field existed
+        body = self.model_dump(exclude={"sig"} if self.skip_after is not None else {"sig", "skip_after"}, mode="json")
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     def signed(self, secret: bytes) -> Directive:
