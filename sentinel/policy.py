@@ -127,6 +127,7 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
         self._predates = False  # the step being judged was published before the rollback was sent
         self._batching = False  # between begin_batch and end_batch: follow-up skips are merged
         self._later: dict[str, Any] | None = None  # the batch's follow-up skip: incident, [lo, hi] steps, ranges
+        self.ended: dict[str, Any] | None = None  # the run's run_end marker (step, time, detail) until it trains again
 
     # ------------------------------------------------------------------ public interface
 
@@ -209,6 +210,7 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
             self.timeline = rec.timeline
         self.last_step, self.last_time = rec.step, rec.time
         self.steps_seen += 1
+        self.ended = None
         if self._hang is not None:
             self._end_hang(rec)
         later = None
@@ -280,6 +282,7 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
                         f"{s}: timeline {self.timeline} is current", step=s, incident_id=self._current)
             return out
         self.timeline = rec.timeline
+        self.ended = None
         self._note_fork(rec.timeline, s)
         self._last_fire = {r: [None, v[1]] for r, v in self._last_fire.items()}  # step cooldowns restart
         # checkpoints of the abandoned branch are not ancestors any more; those written on this timeline
@@ -336,7 +339,14 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
         """A change of training conditions. A new mixture or sequence length moves the loss level
         by plan: the loss baselines start again, so the new level is not taken for damage (a
         harder mixture would otherwise read as a level shift and be rolled back). The other
-        markers (end of warmup, start of decay) only annotate the timeline."""
+        markers (end of warmup, start of decay) only annotate the timeline. ``run_end``: the run is
+        over on purpose, so the clock rules rest until it trains again (see ``on_tick``)."""
+        if rec.marker == "run_end" and rec.timeline >= self.timeline:
+            self.ended = {"step": rec.step, "time": rec.time, "detail": rec.detail}
+            self._event("run_ended", "info", f"the run ended at step {rec.step}" + (f" ({rec.detail})" if rec.detail else "")
+                        + ": no hang or checkpoint-age alert until it trains again", step=rec.step,
+                        incident_id=self._current)
+            return self._emit([])
         if rec.marker not in self.LEVEL_MARKERS or rec.timeline < self.timeline:
             return self._emit([])
         what = f"{rec.marker} at step {rec.step}" + (f" ({rec.detail})" if rec.detail else "")
@@ -365,7 +375,12 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
         return self._emit(out)
 
     def on_tick(self, now: float, heartbeat_time: float | None) -> list[Action]:
-        """Clock-driven rules. ``heartbeat_time`` None falls back to the last record's time."""
+        """Clock-driven rules. ``heartbeat_time`` None falls back to the last record's time. A run that
+        ended on purpose (a ``run_end`` marker, nothing trained since) is not hung, and its newest
+        checkpoint is meant to stay the newest: no clock rule fires for it."""
+        if self.ended is not None:
+            self.last_findings = []
+            return self._emit([])
         hb = heartbeat_time if heartbeat_time is not None else self.last_time
         newest = max((c.created for c in self._checkpoints.values()), default=None)
         findings = self.engine.evaluate_tick(now, hb, newest, step=self.last_step)

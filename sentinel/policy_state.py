@@ -61,6 +61,7 @@ class PolicyStateMixin:
             "engine": self.engine.state_dict(),
             "events": [e.model_dump(mode="json") for e in self._events],
             "later": self._later,
+            "ended": self.ended,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -137,6 +138,14 @@ class PolicyStateMixin:
                             for r in later["ranges"])):
                 raise ValueError("later is not a follow-up skip of an incident of the state")
             self._later = {"incident": later["incident"], "steps": list(later["steps"]), "ranges": [list(r) for r in later["ranges"]]}
+        ended = d.get("ended")
+        if ended is not None:
+            e = ended if isinstance(ended, dict) else {}
+            t, detail = e.get("time"), e.get("detail")
+            if not (e and _is_int(e.get("step")) and isinstance(t, (int, float)) and not isinstance(t, bool)
+                    and math.isfinite(t) and (detail is None or (isinstance(detail, str) and len(detail) <= 1000))):
+                raise ValueError("ended is not a run_end marker's step, time and detail")
+            self.ended = {"step": _bounded_int(ended["step"], "ended step"), "time": float(t), "detail": detail}
 
 
 _STATES = frozenset(get_args(IncidentState))

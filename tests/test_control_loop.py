@@ -142,3 +142,20 @@ def test_a_rollback_with_skip_after_skips_what_the_abandoned_branch_trained_past
     assert loop.skip.ranges == [(20, 24), (36, 48)]  # the window, and steps 10-12's ids (36..47)
     d = _d("rollback", to_step=5, ranges=[(1, 2)])
     assert d.skip_after is None and "skip_after" not in d.canonical().decode()  # signed as before the field
+
+
+def test_end_writes_a_run_end_marker_that_the_readers_take(tmp_path):
+    """``end`` says the run is over on purpose (a crash never calls it): a ``run_end`` marker after the last
+    step, parsed by the same reader the sentinel and the offline tools use; the next ``begin`` opens a new
+    timeline, so a relaunch in the same run dir is live again."""
+    from sentinel.protocol import MarkerRecord, parse_step_line
+
+    loop = _loop(tmp_path)
+    loop.begin(0)
+    loop.end(12, "completed")
+    last = (tmp_path / "steps.jsonl").read_text().splitlines()[-1]
+    rec = parse_step_line(last)
+    assert isinstance(rec, MarkerRecord) and (rec.marker, rec.step, rec.detail, rec.timeline) == ("run_end", 12, "completed", 0)
+    loop2 = _loop(tmp_path)
+    loop2.begin(12, checkpoint="step-12")
+    assert loop2.timeline == 1 and _records(tmp_path)[-1]["kind"] == "resume"

@@ -220,6 +220,8 @@ def test_the_docs_snippet_trains_a_watched_run_with_nothing_but_the_callback(sto
     d = story["runs"]["hf-demo"]
     recs = steps_of(d)
     assert recs[0]["kind"] == "start" and recs[0]["timeline"] == 0
+    # it ended on purpose: a watching sentinel will not page "trainer hung" when the heartbeat goes quiet
+    assert (recs[-1]["kind"], recs[-1]["marker"], recs[-1]["detail"]) == ("marker", "run_end", "completed")
     steps = [r for r in recs if r["kind"] == "step"]
     args = story["ns"]["args"]
     assert [r["step"] for r in steps] == list(range(1, args.max_steps + 1))  # every step, logging_steps=50
@@ -270,6 +272,8 @@ def test_a_guarded_run_is_rolled_back_past_the_poison_and_ends_healthy(story):
     assert all(any(lo <= i < hi for lo, hi in skip) for i in poison)
     after = [r for r in recs[recs.index(mark):] if r["kind"] == "step"]
     assert after[0]["step"] == mark["from_step"] + 1 and after[-1]["step"] == 300
+    # the relaunch is not an end; the finished run is, once
+    assert [(r["marker"], r["step"]) for r in recs if r["kind"] == "marker"] == [("run_end", 300)]
     assert not set(poison) & {i for r in after for i in r["sample_ids"]}
     [view] = story["incidents:hf-guarded"]["runs"]
     [inc] = [i for i in view["incidents"] if any(a["kind"] == "rollback" for a in i["actions"])]
@@ -297,8 +301,8 @@ def test_the_embedded_buses_stop_when_training_ends_and_the_views_read_the_files
     from sentinel.client.session import stop_bus
 
     stop_bus(d)
-    st = sentinel("status", d, "--json")
-    assert json.loads(st.stdout)["runs"][0]["step"] == 300
+    st = json.loads(sentinel("status", d, "--json").stdout)["runs"][0]
+    assert st["step"] == 300 and st["state"] == "finished" and st["ended"]["detail"] == "completed", st
 
 
 def test_the_own_loop_snippet_runs_verbatim_and_a_second_run_continues_the_timeline(tmp_path, monkeypatch):
@@ -310,6 +314,7 @@ def test_the_own_loop_snippet_runs_verbatim_and_a_second_run_continues_the_timel
     starts = [r for r in recs if r["kind"] == "start"]
     assert [r["timeline"] for r in starts] == [0, 1]
     assert [r["step"] for r in recs if r["kind"] == "step"] == list(range(1, 51)) * 2
+    assert [(r["marker"], r["step"], r["timeline"]) for r in recs if r["kind"] == "marker"] == [("run_end", 50, 0), ("run_end", 50, 1)]
     ckpts = json.loads(sentinel("checkpoints", tmp_path / "runs" / "own-loop", "--json").stdout)["checkpoints"]
     assert {c["step"] for c in ckpts} == {0, 10, 20, 30, 40, 50}
     from sentinel import bus

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from sentinel.policy import Action, RunPolicy
-from sentinel.protocol import Ack, CheckpointInfo, StepRecord, TimelineRecord
+from sentinel.protocol import Ack, CheckpointInfo, MarkerRecord, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet, default_rules
 
 RUN = "run1"
@@ -491,6 +491,36 @@ def test_tick_heartbeat_pages_with_cooldown():
     assert [a.kind for a in acts] == ["page"] and "heartbeat" in acts[0].reason
     assert p.on_tick(now=10_060.0, heartbeat_time=9_000.0) == []  # cooldown 900 s
     assert [a.kind for a in p.on_tick(now=11_000.0, heartbeat_time=9_000.0)] == ["page"]
+
+
+def test_a_run_that_ended_on_purpose_is_not_paged_as_hung_until_it_trains_again():
+    """A ``run_end`` marker (the trainer finished or was stopped) rests the clock rules: a finished run's
+    heartbeat goes quiet and its newest checkpoint stays the newest, and neither is an incident. The
+    next step (a relaunch) wakes them; the state survives a restart of the sentinel."""
+    p, clock = policy()
+    warm(p, upto=10)
+    p.on_checkpoint(ckpt(9))
+    p.on_marker(MarkerRecord(run=RUN, step=9, marker="run_end", detail="completed", time=1009.5))
+    assert p.ended == {"step": 9, "time": 1009.5, "detail": "completed"}
+    assert any(e.kind == "run_ended" for e in p.drain_events())
+    assert p.on_tick(now=50_000.0, heartbeat_time=1009.0) == [] and p.last_findings == []
+    q, _ = policy()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.ended == p.ended and q.on_tick(now=50_000.0, heartbeat_time=1009.0) == []
+    q.on_step(rec(10, 3.0))  # it trains again: the rules are back
+    assert q.ended is None
+    assert [a.kind for a in q.on_tick(now=50_000.0, heartbeat_time=1010.0)] == ["page", "checkpoint-now"]
+
+
+@pytest.mark.parametrize("ended", [[9], {"step": -1, "time": 1.0}, {"step": 9, "time": float("nan")},
+                                   {"step": 9, "time": True}, {"step": "9", "time": 1.0},
+                                   {"step": 9, "time": 1.0, "detail": 7}, {"step": 9, "time": 1.0, "detail": "x" * 2000}])
+def test_a_hostile_saved_run_end_is_refused(ended):
+    p, _ = policy()
+    warm(p, upto=10)
+    d = {**p.state_dict(), "ended": ended}
+    with pytest.raises(ValueError, match="ended"):
+        policy()[0].load_state_dict(d)
 
 
 def test_tick_checkpoint_age_requests_checkpoint():

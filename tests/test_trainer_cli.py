@@ -93,6 +93,9 @@ def test_resume_appends_timeline_record_and_rerun_steps(tmp_path, dataset, refs)
     assert (mark.kind, mark.from_step, mark.timeline, mark.checkpoint) == ("resume", 4, 1, "step-00000004")
     assert [r.step for r in new] == list(range(5, 13)) and all(r.timeline == 1 for r in new)
     assert isinstance(old[0], TimelineRecord) and old[0].kind == "start" and old[0].timeline == 0
+    # each run that finished said so last (a watching sentinel then expects no more steps): both launches
+    ends = [(r.step, r.timeline, r.detail) for r in records(run) if getattr(r, "marker", None) == "run_end"]
+    assert ends == [(12, 0, "completed"), (12, 1, "completed")] and records(run)[-1].marker == "run_end"
     auth = authoritative_steps(recs)
     assert all(auth[s] is new[s - 5] for s in range(5, 13)), "the last record of a step is authoritative"
     assert all(auth[s] is old[s] for s in range(1, 5))

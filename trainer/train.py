@@ -366,6 +366,8 @@ class Trainer:
         self._flush_readback()
         self.ckpt.wait()
         self.checkpoints.check_age(final=True)
+        # a watching sentinel stops expecting steps (no "hung" page); `why` is set when the loop stopped early
+        self.control.end(self.state.step, "completed" if self.state.step >= cfg.max_steps else f"stopped: {why}")
         self._close_io()  # a collective (the lost-record count): before the barrier, so that no rank
         env.barrier()  # tears its process group down while another is still inside a collective
 

@@ -107,6 +107,11 @@ def run_status(ref, now: float | None = None) -> dict:
         if type(hb_step) is int and 0 <= hb_step <= MAX_SAMPLE_ID and (row.get("step") is None or hb_step > row["step"]):
             row["step"] = hb["step"]
 
+    end = records[-1] if records and getattr(records[-1], "marker", None) == "run_end" else None
+    if end is not None and row["state"] in ("offline", "stopped", "stale", "hung", "no-data"):
+        # the trainer said it ended on purpose, and nothing trained since: not hung, not a crash
+        row["state"] = "finished" if end.detail == "completed" else "stopped"
+        row["ended"] = {"step": end.step, "detail": end.detail, "time": end.time}
     if row["state"] in ("offline", "offline-writing", "stopped") and ref.run_dir is not None:
         planned = rundir.planned_steps(ref.run_dir)
         row["max_steps"] = planned

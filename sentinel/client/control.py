@@ -38,6 +38,7 @@ from sentinel.protocol import (
     PENDING_ROLLBACK,
     Ack,
     Directive,
+    MarkerRecord,
     SchemaError,
     TimelineRecord,
     atomic_write_text,
@@ -303,6 +304,21 @@ class ControlLoop:
         rec = TimelineRecord(kind=kind, run=self.run, from_step=from_step, timeline=self.timeline,
                              time=time.time(), reason=clean_text(reason), directive_id=clean_text(directive_id),
                              skip_ranges=merge_ranges(ranges), checkpoint=checkpoint)
+        if self.steplog:
+            self.steplog.write(rec)
+        if self.bus:
+            self.bus.publish_step(rec)
+
+    def end(self, step: int, detail: str | None = None) -> None:
+        """The run ended on purpose at ``step`` (completed, or stopped after a checkpoint): a ``run_end``
+        marker in steps.jsonl and on the bus (rank 0), so a watching sentinel does not page "trainer hung"
+        once the heartbeat goes quiet. Not for a crash. Call it before closing the bus."""
+        if not self.is_main:
+            return
+        rec = MarkerRecord(run=self.run, step=int(step), timeline=self.timeline, marker="run_end",
+                           detail=clean_text(detail), time=time.time())
+        if self.metrics:
+            self.metrics.on_timeline_event("run_end")
         if self.steplog:
             self.steplog.write(rec)
         if self.bus:

@@ -299,6 +299,13 @@ class RunSession:
             self._log(f"paused for {max_pause_s:.0f}s with no resume (max_pause_s): training goes on")
         return out
 
+    def end(self, step: int, detail: str | None = "completed") -> None:
+        """The run ended on purpose at ``step`` (its last step; ``detail``: "completed", "stopped"...): a
+        ``run_end`` marker, so that a watching sentinel does not page "trainer hung" once the run's heartbeat
+        goes quiet. A crash must not call it. Call before :meth:`close`."""
+        if not self._closed:
+            self.control.end(step, detail)
+
     def close(self) -> None:
         """Flush the step log and the bus, stop serving metrics; stop the embedded bus when this session
         started it and nobody else is connected (a ``sentinel run`` still watching keeps it)."""

@@ -146,8 +146,8 @@ class TimelineRecord(_Record):
     skip_ranges: list[tuple[int, int]] = Field(default_factory=list)
 
 
-MarkerKind = Literal["warmup_end", "decay_start", "mixture_change", "seq_len_change"]
-MARKER_KINDS: tuple[str, ...] = ("warmup_end", "decay_start", "mixture_change", "seq_len_change")
+MarkerKind = Literal["warmup_end", "decay_start", "mixture_change", "seq_len_change", "run_end"]
+MARKER_KINDS: tuple[str, ...] = ("warmup_end", "decay_start", "mixture_change", "seq_len_change", "run_end")
 
 
 class MarkerRecord(_Record):
@@ -156,6 +156,11 @@ class MarkerRecord(_Record):
 
     ``step`` is the number of optimizer steps completed when the change took effect: the step
     ``step + 1`` is the first one trained under the new condition.
+
+    ``run_end`` says the training process ended on purpose at ``step`` (its last step: the run completed,
+    or a stop directive or signal ended it after a checkpoint). A sentinel then stops its clock rules for
+    the run (no "trainer hung" page for a run that is over) until a new step, start or resume arrives. A
+    crash writes none: silence after a crash is what the heartbeat rule is for.
     """
 
     kind: Literal["marker"] = "marker"

@@ -210,6 +210,9 @@ class SentinelCallback(TrainerCallback):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        s = self.session
+        if s is not None and s.control.relaunch_step is None:  # over on purpose (not a relaunch, not a crash)
+            s.end(int(state.global_step), "stopped" if s.control.stop_requested else "completed")
         if not self.relaunch_enabled:  # under train() the session lives on across relaunches
             self.close()
         return control

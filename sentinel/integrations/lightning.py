@@ -277,7 +277,9 @@ class SentinelCallback(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self.session is None:
             return
-        if self.relaunch_checkpoint is None:
+        if self.relaunch_checkpoint is None:  # over on purpose (on_exception closed the session of a crash)
+            ctl = self.session.control
+            self.session.end(trainer.global_step, "stopped" if ctl.stop_requested else "completed")
             self.close()
         elif self.session.bus is not None:  # kept open for the relaunch; the rollback's ack goes out now
             self.session.bus.flush(timeout=5.0)
