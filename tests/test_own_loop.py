@@ -144,3 +144,58 @@ def test_a_foreign_loop_is_rolled_back_past_its_poison_samples_by_the_daemon(emb
     assert inc["state"] == "healthy" and inc["onset_step"] <= 151 and inc["closed_at"], inc  # verified after the rollback
     [act] = [a for a in inc["actions"] if a["kind"] == "rollback"]
     assert act["outcome"] == "acked" and act["to_step"] == rb["to_step"]
+
+
+def test_the_sentinel_starts_first_and_pages_a_dead_run_but_not_one_that_ended(tmp_path):
+    """``sentinel run`` before the training: it creates the missing run dirs and their embedded buses, and the
+    loops (``RunSession``, torch-free) find the bus waiting there. One loop ends on purpose (``end``: a
+    ``run_end`` marker), the other dies; with the heartbeat rule at 2 s the dead one is paged as hung, the
+    finished one never is, and ``status`` shows it finished."""
+    from sentinel.client.session import RunSession, stop_bus
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  heartbeat_stale:\n    stale_seconds: 2\n    cooldown_seconds: 3600\n")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    done, dead = runs / "done", runs / "dead"
+    daemon = subprocess.Popen([sys.executable, "-m", "sentinel", "run", str(done), str(dead), "--rules", str(rules)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((done / "bus" / "url").is_file() and (dead / "bus" / "url").is_file()):
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.communicate()[0][-3000:]
+            time.sleep(0.1)
+
+        class Host:
+            def restore_checkpoint(self, step):
+                raise RestoreFailed("no checkpoints in this test")
+
+            def save_checkpoint(self):
+                pass
+
+        for run_dir in (done, dead):
+            s = RunSession(run_dir, host=Host(), log=lambda m: None)
+            s.begin(0)
+            for step in range(1, 6):
+                s.log_step(step, loss=3.0, grad_norm=1.0, lr=1e-3, batch_tokens=64, sample_ids=range(step * 8, step * 8 + 8))
+                s.poll(step)
+            if run_dir is done:
+                s.end(5, "completed")
+            s.close()  # the dead one just goes quiet: what a crash looks like from the bus
+        deadline = time.monotonic() + 60
+        while not (dead / "pages.jsonl").is_file():
+            assert daemon.poll() is None and time.monotonic() < deadline, "the dead run was never paged"
+            time.sleep(0.2)
+        time.sleep(3)  # the finished run has been quiet as long as the dead one was when it was paged
+    finally:
+        daemon.terminate()
+        out = daemon.communicate(timeout=30)[0]
+        for run_dir in (done, dead):
+            stop_bus(run_dir)
+    assert "created" in out and "the run has not started yet" in out, out[-3000:]
+    pages = [json.loads(ln) for ln in (dead / "pages.jsonl").read_text().splitlines()]
+    assert any("heartbeat" in json.dumps(p) for p in pages), pages
+    assert not (done / "pages.jsonl").is_file() or "heartbeat" not in (done / "pages.jsonl").read_text()
+    st = json.loads(subprocess.run([sys.executable, "-m", "sentinel", "status", str(done), "--json"], capture_output=True,
+                                   text=True, timeout=60, check=True).stdout)["runs"][0]
+    assert (st["state"], st["step"], st.get("ended", {}).get("detail")) == ("finished", 5, "completed"), st

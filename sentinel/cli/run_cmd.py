@@ -34,8 +34,10 @@ def _check_alertmanager_url(url: str) -> None:
         raise SentinelError(f"--alertmanager-url {shown}: {parts.hostname[:80]!r} is no valid host name") from None
 
 
-def _run_dir_problem(path: str) -> str | None:
-    """Why the RUN_DIR argument ``path`` is no run directory (as the other commands say it), or None."""
+def _run_dir_problem(path: str, created: list[str]) -> str | None:
+    """Why the RUN_DIR argument ``path`` is no run directory (as the other commands say it), or None. A
+    run dir that does not exist yet, in a directory that does, is created (appended to ``created``): the
+    sentinel may start before the trainer, which then finds the embedded bus waiting in it."""
     import os
     import stat
 
@@ -45,7 +47,15 @@ def _run_dir_problem(path: str) -> str | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return f"run directory not found: {shown} (to watch a run before it starts, create its directory first)"
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            return f"run directory not found: {shown}, and its parent {printable(parent, 200)} does not exist either"
+        try:
+            os.mkdir(path, 0o755)
+        except OSError as e:
+            return f"run directory {shown}: cannot create it ({e.strerror or type(e).__name__})"
+        created.append(path)
+        return None
     except OSError as e:  # a parent that is a file, no permission, a name too long
         return f"run directory {shown}: {e.strerror or type(e).__name__}"
     if not stat.S_ISDIR(st.st_mode):
@@ -103,9 +113,10 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     lease_ms = int(lease_seconds * 1000) if lease_seconds is not None else (lease_ms or 10_000)
     if alertmanager_url is not None:
         _check_alertmanager_url(alertmanager_url)
+    created: list[str] = []
     for r in runs:
         if "/" in r or r.startswith("."):
-            bad = _run_dir_problem(r)
+            bad = _run_dir_problem(r, created)
             if bad:
                 raise SentinelError(bad)
     try:
@@ -118,6 +129,8 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     if consumer:
         opts.consumer = consumer
     log = daemon_log(configure(log_format))
+    for d in created:
+        log(f"created {d}: the run has not started yet; its trainer will find the bus waiting there")
     metrics = SentinelMetrics()
     members = []
     for (url, secret, run_dir), ids in _bus_groups(runs, redis_url, secret_file).items():

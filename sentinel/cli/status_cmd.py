@@ -108,7 +108,7 @@ def run_status(ref, now: float | None = None) -> dict:
             row["step"] = hb["step"]
 
     end = records[-1] if records and getattr(records[-1], "marker", None) == "run_end" else None
-    if end is not None and row["state"] in ("offline", "stopped", "stale", "hung", "no-data"):
+    if end is not None and row["state"] in ("offline", "offline-writing", "stopped", "stale", "hung", "no-data"):
         # the trainer said it ended on purpose, and nothing trained since: not hung, not a crash
         row["state"] = "finished" if end.detail == "completed" else "stopped"
         row["ended"] = {"step": end.step, "detail": end.detail, "time": end.time}
