@@ -200,6 +200,44 @@ def story(workdir):
             "poison": Drilled.poison}
 
 
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_the_grad_norm_is_the_pre_clip_norm_and_norm_clipping_gives_it_for_free(workdir, clip, monkeypatch):
+    """The step record's grad norm is the norm before clipping, whatever the clipping: with norm clipping it is
+    the one Lightning's own ``clip_grad_norm_`` returns (no second norm computed), otherwise the callback's."""
+    import lightning as L
+    from lightning.pytorch import Callback
+    from torch.utils.data import DataLoader
+
+    from sentinel.integrations import lightning as integration
+    from sentinel.integrations.lightning import SentinelCallback
+    from sentinel.integrations.torch_data import SkipAwareDataset
+    from trainer.data import ensure_prepared
+
+    ns = runpy.run_path(str(workdir / "tiny_gpt.py"))
+    seen: dict[int, float] = {}
+    norms = []  # the callback's own norm computations
+    monkeypatch.setattr(integration, "_total_norm", lambda grads, f=integration._total_norm: norms.append(1) or f(grads))
+
+    class Reference(Callback):  # runs before the sentinel's hook, before Lightning clips
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            import torch
+
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            seen[trainer.global_step + 1] = float(torch.nn.utils.get_total_norm(grads))
+
+    run_dir = workdir / "runs" / f"clip-{clip}"
+    data = SkipAwareDataset(ns["Windows"](ensure_prepared()), seed=0)
+    cb = SentinelCallback(run_dir=run_dir, dataset=data, initial_checkpoint=False, log=lambda m: None)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", callbacks=[Reference(), cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip and 1e-4,
+                        gradient_clip_algorithm=clip)
+    trainer.fit(ns["TinyGPT"](data.dataset.tokens.vocab_size), DataLoader(data, batch_size=8))
+    got = {r["step"]: r["grad_norm"] for r in steps(run_dir) if r.get("kind") == "step"}
+    assert sorted(got) == [1, 2, 3, 4] and all(v > 1e-3 for v in seen.values())  # far above the clip: it clipped
+    assert got == pytest.approx(seen, rel=1e-5)
+    assert len(norms) == (0 if clip == "norm" else 4)  # with norm clipping, Lightning's own norm: none computed
+
+
 def test_the_docs_script_trains_and_leaves_a_run_dir_the_sentinel_reads(story):
     healthy = story["healthy"]
     recs = steps(healthy)

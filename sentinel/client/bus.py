@@ -53,6 +53,8 @@ _CONN_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationE
 RECONNECT_EVERY_S = 5.0  # how often an unreachable bus may be restarted (``reconnect``)
 
 
+MAC_ON_SEND = "mac-on-send"  # a queued record's MAC slot: the I/O thread computes it as it sends the record
+
 class BusClient(DirectiveIntake):
     """Non-blocking bus client for a training loop (its rank 0 only): ours, or any other (docs/integrate.md).
 
@@ -164,10 +166,13 @@ class BusClient(DirectiveIntake):
     def _mac(self, stream: str, data: str) -> str:
         return record_mac(self._secret, stream, data)
 
-    def publish_step(self, rec) -> None:
-        """Queue a ``StepRecord`` or ``TimelineRecord`` (MAC'd). Never blocks; drops the oldest when full."""
-        data = rec.to_json()
-        mac = self._mac(self.keys.steps, data)
+    def publish_step(self, rec, data: str | None = None) -> None:
+        """Queue a ``StepRecord``, ``TimelineRecord`` or ``MarkerRecord``; ``data``: its JSON text when the
+        caller has it already (the step log's line). Never blocks; drops the oldest when full. The MAC is
+        computed by the I/O thread when it sends (``MAC_ON_SEND``): off the training loop's time."""
+        if data is None:
+            data = rec.to_json()
+        mac = MAC_ON_SEND
         with self._lock:
             if isinstance(rec, TimelineRecord):
                 self._step, self._timeline = rec.from_step, rec.timeline
@@ -429,6 +434,8 @@ class BusClient(DirectiveIntake):
         try:
             pipe = r.pipeline(transaction=False)
             for stream, data, maxlen, mac in batch:
+                if mac is MAC_ON_SEND:
+                    mac = self._mac(stream, data)
                 fields = {FIELD: data} if mac is None else {FIELD: data, RECORD_MAC_FIELD: mac}
                 pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)
             if ckpts:

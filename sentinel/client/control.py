@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from sentinel.client.bus import BusClient
 from sentinel.client.skiplist import DataError, SkipList
-from sentinel.client.steplog import StepLog, clean_text
+from sentinel.client.steplog import StepLog, clean_text, write_and_publish
 from sentinel.protocol import (
     MAX_RECORD_BYTES,
     PENDING_ROLLBACK,
@@ -304,10 +304,7 @@ class ControlLoop:
         rec = TimelineRecord(kind=kind, run=self.run, from_step=from_step, timeline=self.timeline,
                              time=time.time(), reason=clean_text(reason), directive_id=clean_text(directive_id),
                              skip_ranges=merge_ranges(ranges), checkpoint=checkpoint)
-        if self.steplog:
-            self.steplog.write(rec)
-        if self.bus:
-            self.bus.publish_step(rec)
+        write_and_publish(rec, self.steplog, self.bus)
 
     def end(self, step: int, detail: str | None = None) -> None:
         """The run ended on purpose at ``step`` (completed, or stopped after a checkpoint): a ``run_end``
@@ -319,10 +316,7 @@ class ControlLoop:
                            detail=clean_text(detail), time=time.time())
         if self.metrics:
             self.metrics.on_timeline_event("run_end")
-        if self.steplog:
-            self.steplog.write(rec)
-        if self.bus:
-            self.bus.publish_step(rec)
+        write_and_publish(rec, self.steplog, self.bus)
 
     def _ack(self, d: Directive, step: int, status: str, detail: str | None) -> None:
         if self.is_main and self.bus:

@@ -51,7 +51,7 @@ from sentinel.client.checkpoints import (
 )
 from sentinel.client.control import Applied, ControlHost, ControlLoop
 from sentinel.client.skiplist import SkipList
-from sentinel.client.steplog import StepLog, clean_text
+from sentinel.client.steplog import StepLog, clean_text, write_and_publish
 from sentinel.contract.ranges import batch_fingerprint
 from sentinel.protocol import Keys, StepRecord
 
@@ -238,9 +238,7 @@ class RunSession:
             checkpoint_age_seconds=(now - self._last_ckpt) if self._last_ckpt else None, world_size=self.world_size,
         )
         self._last_written = rec
-        self.steplog.write(rec)
-        if self.bus:
-            self.bus.publish_step(rec)  # on the bus within the client's poll interval (0.1 s), batched
+        write_and_publish(rec, self.steplog, self.bus)
 
     def log_eval(self, step: int, *, val_loss: float) -> None:
         """A validation pass at ``step``: the step's record again with ``val_loss`` / ``val_ppl`` (the last
@@ -255,9 +253,7 @@ class RunSession:
         rec = last.model_copy(update={"val_loss": float(val_loss),
                                       "val_ppl": math.exp(val_loss) if val_loss < 700 else None, "time": time.time()})
         self._last_written = rec
-        self.steplog.write(rec)
-        if self.bus:
-            self.bus.publish_step(rec)
+        write_and_publish(rec, self.steplog, self.bus)
 
     def checkpoint_saved(self, step: int, path: str | os.PathLike, *, seconds: float = 0.0) -> None:
         """The framework finished writing checkpoint ``step`` at ``path`` (any directory of files): a

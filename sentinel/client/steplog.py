@@ -42,6 +42,15 @@ TAIL_LIMIT = 16 << 20
 _LINE_CAP = MAX_RECORD_BYTES + 1  # bytes of one line held in memory; a longer line is never a record
 
 
+
+def write_and_publish(rec, steplog: StepLog | None, bus) -> None:
+    """``rec`` to ``steps.jsonl`` and onto the bus (a ``BusClient``, or None), rendered to JSON once."""
+    text = render(rec)
+    if steplog is not None:
+        steplog.write(rec, text)
+    if bus is not None:
+        bus.publish_step(rec, text)  # on the bus within the client's poll interval (0.1 s), batched
+
 class StepLogError(SchemaError):
     """A steps.jsonl the trainer cannot continue (a line no reader can parse); its one-line message
     names the file and the 1-based line. Raised before anything in the file is changed."""
@@ -117,14 +126,14 @@ def _clean_all(obj):
     return obj
 
 
-def _record_line(rec: StepRecord | TimelineRecord) -> bytes:
-    """The record as one JSONL line. A string field that UTF-8 cannot encode (lone surrogates) is
-    escaped rather than failing the write: the step log must never be what stops a run."""
+def render(rec: StepRecord | TimelineRecord) -> str:
+    """The record's JSON text (one line). A string field that UTF-8 cannot encode (lone surrogates) is
+    escaped rather than failing the write: the step log must never be what stops a run. The step log
+    and the bus take the same text (``StepLog.write(rec, text)``, ``BusClient.publish_step(rec, text)``)."""
     try:
-        text = rec.to_json()
+        return rec.to_json()
     except ValueError:  # PydanticSerializationError: "surrogates not allowed"
-        text = rec.model_copy(update=_clean_all(rec.model_dump())).to_json()
-    return (text + "\n").encode()
+        return rec.model_copy(update=_clean_all(rec.model_dump())).to_json()
 
 
 class StepLog:
@@ -241,10 +250,11 @@ class StepLog:
     def buffered(self) -> int:
         return len(self._pending)
 
-    def write(self, rec: StepRecord | TimelineRecord) -> None:
+    def write(self, rec: StepRecord | TimelineRecord, text: str | None = None) -> None:
+        """Append ``rec`` (``text``: its ``render``, when the caller has it already)."""
         if isinstance(rec, StepRecord) and rec.sample_ids:  # what a rollback's skip_after names (recent_ids)
             self._recent.append((rec.timeline, rec.step, rec.sample_ids))
-        self._pending.append(_record_line(rec))
+        self._pending.append(((render(rec) if text is None else text) + "\n").encode())
         if len(self._pending) > self.max_buffered:
             self._pending.popleft()
             self.lost += 1

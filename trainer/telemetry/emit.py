@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sentinel.client.steplog import StepLog
+from sentinel.client.steplog import StepLog, write_and_publish
 from sentinel.protocol import MarkerRecord, StepRecord
 from trainer.data import batch_fingerprint
 from trainer.guard import REASONS
@@ -188,7 +188,4 @@ class StepEmitter:
         )
 
     def _write(self, rec) -> None:
-        if self.steplog:
-            self.steplog.write(rec)
-        if self.bus:
-            self.bus.publish_step(rec)
+        write_and_publish(rec, self.steplog, self.bus)
