@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORE = (sorted((ROOT / "sentinel" / "detectors").glob("*.py")) + sorted((ROOT / "sentinel" / "rules").glob("*.py"))
         + sorted((ROOT / "sentinel").glob("policy*.py")))  # policy.py and its parts (policy_*.py)
 CORE_MAY_IMPORT_OF_OURS = ("sentinel.contract", "sentinel.protocol", "sentinel.detectors", "sentinel.rules",

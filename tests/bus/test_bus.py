@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, require_binary, skip_or_fail
 
 from sentinel import bus
 from sentinel.bus import BusError, BusUnavailable
 from sentinel.embedded import PID_FILE, bus_dir, ensure_embedded, stop_embedded
 from sentinel.protocol import Ack, Directive, Event, Keys, SchemaError, StepRecord, TimelineRecord
+from tests.helpers.services import free_port, require_binary, skip_or_fail
 
 
 def _step(run: str, step: int) -> StepRecord:

@@ -25,7 +25,13 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from test_daemon import (
+
+from sentinel import bus
+from sentinel.cli import main
+from sentinel.client.bus import INBOX_MAX, BusClient
+from sentinel.ingest import MAX_FUTURE_S, StepGate
+from sentinel.protocol import Ack, CheckpointInfo, Directive, Keys, TimelineRecord, record_mac
+from tests.helpers.daemon import (
     NAN_STEP,
     SECRET,
     TARGET,
@@ -38,12 +44,6 @@ from test_daemon import (
     sample,
     step_rec,
 )
-
-from sentinel import bus
-from sentinel.cli import main
-from sentinel.client.bus import INBOX_MAX, BusClient
-from sentinel.ingest import MAX_FUTURE_S, StepGate
-from sentinel.protocol import Ack, CheckpointInfo, Directive, Keys, TimelineRecord, record_mac
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_daemon import NAN_STEP, incident_run, make_daemon, pump, sample
 
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import CheckpointInfo, Incident, Keys, StepRecord
+from tests.helpers.daemon import NAN_STEP, incident_run, make_daemon, pump, sample
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -373,9 +373,8 @@ def test_the_trainers_retention_read_never_holds_back_step_records(hostile, embe
     """The trainer reads the checkpoints hash back to forget checkpoints retention deleted. Before
     the fix a field of 5,000 digits (int() refuses) or a key of another type raised there on every
     I/O round, before the step records were sent: telemetry stopped for good."""
-    from test_bus_client import SECRET, _step, _steps_in_stream
-
     from sentinel.client.bus import BusClient
+    from tests.helpers.bus import SECRET, step_record, steps_in_stream
 
     r = bus.connect(embedded_bus.url)
     k = Keys(unique_run)
@@ -387,11 +386,11 @@ def test_the_trainers_retention_read_never_holds_back_step_records(hostile, embe
     try:
         c.retain_checkpoints([10])
         for s in range(1, 6):
-            c.publish_step(_step(unique_run, s))
+            c.publish_step(step_record(unique_run, s))
         assert c.flush(15), "the step records never left the trainer"
     finally:
         c.close(timeout=0.5)
-    assert _steps_in_stream(r, unique_run) == [1, 2, 3, 4, 5]
+    assert steps_in_stream(r, unique_run) == [1, 2, 3, 4, 5]
     if hostile != "WRONGTYPE":  # retention did its job on the good fields and left the rest alone
         assert set(bus.raw(r).hkeys(k.checkpoints)) == {b"9" * 5000, b"\xff\xfe", b"-5", b"20"}
 

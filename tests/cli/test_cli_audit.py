@@ -20,8 +20,9 @@ import os
 import stat
 
 import pytest
-from test_cli_ops import base_run, cli, cli_json, run_copy  # noqa: F401  (fixtures)
-from trainer_helpers import dataset  # noqa: F401  (fixture)
+
+from tests.helpers.cli import base_run, cli, cli_json, run_copy  # noqa: F401  (fixtures)
+from tests.helpers.trainer import dataset  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(300)
 

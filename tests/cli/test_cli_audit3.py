@@ -19,9 +19,10 @@ import shutil
 import subprocess
 
 import pytest
-from offline_helpers import PY, make_run
-from test_cli_ops import _steps, base_run, cli, run_copy, sentinel_proc  # noqa: F401  (fixtures)
-from trainer_helpers import dataset, run_trainer  # noqa: F401  (fixture)
+
+from tests.helpers.cli import base_run, cli, run_copy, sentinel_proc, step_records  # noqa: F401  (fixtures)
+from tests.helpers.offline import PY, make_run
+from tests.helpers.trainer import dataset, run_trainer  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,7 +31,7 @@ def test_verify_resume_stops_where_a_rollback_grew_the_skip_list(run_copy, datas
     """A rollback to checkpoint 10 that skips one sample of step 14: the log's steps 14 on trained
     without it, so a plain resume from 10 matches steps 11-13 only. Before: `NOT equivalent ...
     data_cursor`, exit 1, checkpoint 10 marked failed."""
-    skip = sorted(_steps(run_copy)[14].sample_ids)[0]
+    skip = sorted(step_records(run_copy)[14].sample_ids)[0]
     p = sentinel_proc("rollback", str(run_copy), "--to-step", "10", "--skip", f"{skip}:{skip + 1}", "--yes", "--json")
     assert p.returncode == 0, p.stderr
     run_trainer(run_copy, data_dir=dataset, check=True)  # takes the pending rollback, trains 11-30 again

@@ -55,7 +55,7 @@ def test_the_trainer_refuses_a_broken_bus_url_without_printing_it(tmp_path):
     import subprocess
     import sys
 
-    from trainer_helpers import REPO, trainer_env
+    from tests.helpers.trainer import REPO, trainer_env
 
     for url in (f"redis://:{PASSWORD}/x@127.0.0.1:1/0", "redis://127.0.0.1:1/0?foo=1", "unix://"):
         run_dir = tmp_path / "run"

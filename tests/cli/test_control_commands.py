@@ -12,11 +12,11 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from trainer_helpers import BASE_ARGS, REPO, dataset, kill_all, last_step, trainer_cmd, trainer_env  # noqa: F401
 
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Directive, Incident, Keys
+from tests.helpers.trainer import BASE_ARGS, REPO, dataset, kill_all, last_step, trainer_cmd, trainer_env  # noqa: F401
 
 
 def cli(*args: str):

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from sentinel.cli import main
 from sentinel.cli.docgen import _commands
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 COMMAND_PATHS = [path for path, _, _ in _commands()]
 

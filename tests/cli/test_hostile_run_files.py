@@ -79,7 +79,7 @@ RUN_NAME = "run"
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
     """A real 30-step run plus one good line in every log the daemon and the CLI write."""
-    from offline_helpers import make_run
+    from tests.helpers.offline import make_run
 
     src = make_run(tmp_path_factory, "report", steps=30, every=10)
     d = tmp_path_factory.mktemp("hostile") / RUN_NAME
@@ -438,7 +438,7 @@ def test_replay_and_verify_refuse_a_hostile_config_in_one_line(variant, template
 def test_trainer_refuses_a_hostile_pending_rollback_in_one_line(variant, template, tmp_path):
     """A pending_rollback.json no `sentinel rollback` wrote stops the trainer's start with one line
     naming it (it was a RecursionError / TypeError traceback), and the plan stays for the operator."""
-    from trainer_helpers import assert_one_line_error, run_trainer
+    from tests.helpers.trainer import assert_one_line_error, run_trainer
 
     run = _copy(template, tmp_path)
     body = {"to_step=text": b'{"to_step": "x", "ranges": []}', "to_step=null": b'{"to_step": null, "ranges": []}',

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from trainer_helpers import REPO, assert_one_line_error, dataset, trainer_env  # noqa: F401  (fixtures)
 
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Keys
+from tests.helpers.trainer import REPO, assert_one_line_error, dataset, trainer_env  # noqa: F401  (fixtures)
 
 
 def cli(*args: str):

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_helpers import dataset, descendants, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys
+from tests.helpers.trainer import dataset, descendants, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401
 
 _wait, _steps = wait_for, read_steps
 
@@ -277,10 +277,9 @@ def test_page_delivered_to_a_real_alertmanager_is_recorded(tmp_path, embedded_bu
     alert, labelled with the run, rule severity and incident) and the mirror says so."""
     import urllib.request
 
-    from conftest import free_port, require_binary, wait_port
-
     from sentinel import rundir
     from sentinel.policy import Action
+    from tests.helpers.services import free_port, require_binary, wait_port
 
     am_bin = require_binary("prometheus-alertmanager")
     port = free_port()

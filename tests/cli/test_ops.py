@@ -12,11 +12,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from trainer_helpers import (  # noqa: F401  (fixtures)
+
+from sentinel import bus
+from sentinel.cli import main
+from sentinel.protocol import Ack, CheckpointInfo, Directive, Incident, Keys, StepRecord, TimelineRecord
+from tests.helpers.cli import SENTINEL, cli, cli_json, sentinel_proc, step_records
+from tests.helpers.trainer import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     REPO,
     assert_one_line_error,
@@ -29,47 +33,7 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     trainer_env,
 )
 
-from sentinel import bus
-from sentinel.cli import main
-from sentinel.protocol import Ack, CheckpointInfo, Directive, Incident, Keys, StepRecord, TimelineRecord
-
-SENTINEL = [sys.executable, "-m", "sentinel"]
-
-
-def cli(*args: str, input: str | None = None):
-    res = CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
-    return res
-
-
-def cli_json(*args: str) -> dict:
-    res = cli(*args, "--json")
-    assert res.exit_code == 0, (res.exit_code, res.output, res.stderr)
-    return json.loads(res.stdout)
-
-
-def sentinel_proc(*args: str, timeout: float = 120, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = trainer_env()
-    env.update(env_extra or {})
-    return subprocess.run([*SENTINEL, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 # ------------------------------------------------------------------ a finished single-rank run, shared
-@pytest.fixture(scope="module")
-def base_run(refs) -> Path:
-    """One 30-step run for the session (test_cli_audit and test_cli_audit3 import this fixture too):
-    ``refs`` trains it once; the tests read it, or a copy (``run_copy``)."""
-    return refs("--max-steps", "30", "--ckpt-every", "10", "--keep-last", "10", "--eval-every", "10")
-
-
-@pytest.fixture
-def run_copy(base_run, tmp_path) -> Path:
-    return copy_run(base_run, tmp_path / "run")
-
-
-def _steps(run_dir: Path) -> dict[int, StepRecord]:
-    from sentinel.rundir import effective_steps, read_records
-
-    return {r.step: r for r in effective_steps(read_records(run_dir))}
 
 
 # ------------------------------------------------------------------ architecture
@@ -107,7 +71,7 @@ def test_status_offline_counts_mirrored_incidents_and_shows_the_last_rollback(ru
     is counted (it said 0 while `incidents` said "rollback in progress"), and the rollback that the
     later skip directives follow is in the last-action cell, not hidden behind them. A run short of
     its max_steps is not "finished"; the guard-skip count says over how many steps it is."""
-    recs = [r for r in _steps(run_copy).values() if r.step > 20]
+    recs = [r for r in step_records(run_copy).values() if r.step > 20]
     with open(run_copy / "steps.jsonl", "a") as f:
         f.write(TimelineRecord(kind="rollback", run="run", from_step=20, timeline=1, time=time.time()).to_json() + "\n")
         for r in recs[:5]:  # steps 21-25 again on the new timeline: short of max_steps 30
@@ -299,7 +263,7 @@ def test_skip_list_live_run_only_grows(embedded_bus):
 
 # ------------------------------------------------------------------ rollback, offline
 def test_rollback_offline_then_trainer_start_resumes_with_skips(run_copy, dataset):
-    before = _steps(run_copy)
+    before = step_records(run_copy)
     skip_ids = sorted(sorted(before[11].sample_ids)[:3] + sorted(before[12].sample_ids)[:2])
     args = [a for i in skip_ids for a in ("--skip", f"{i}:{i + 1}")]
     p = sentinel_proc("rollback", str(run_copy), "--to-step", "10", *args, "--yes", "--reason", "drill", "--json")
@@ -348,7 +312,7 @@ def test_rollback_live_two_rank_run(tmp_path, dataset):
     try:
         deadline = time.time() + 120
         target = run_dir / "checkpoints" / "step-00000020" / "manifest.json"
-        while not (target.is_file() and (run_dir / "bus" / "url").is_file() and len(_steps(run_dir)) >= 24):
+        while not (target.is_file() and (run_dir / "bus" / "url").is_file() and len(step_records(run_dir)) >= 24):
             assert proc.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
             assert time.time() < deadline, "the trainer never reached step 24"
             time.sleep(0.2)
@@ -356,7 +320,7 @@ def test_rollback_live_two_rank_run(tmp_path, dataset):
         while r.get(Keys("live").heartbeat) is None:
             assert time.time() < deadline
             time.sleep(0.1)
-        old = _steps(run_dir)
+        old = step_records(run_dir)
         skip_ids = sorted(set(old[21].sample_ids) | set(old[22].sample_ids))
         args = [a for i in skip_ids for a in ("--skip", f"{i}:{i + 1}")]
         p = sentinel_proc("rollback", str(run_dir), "--to-step", "20", *args, "--yes", "--reason", "live drill",

@@ -84,7 +84,7 @@ def test_render_writes_a_readable_png(tmp_path):
 # ------------------------------------------------------------------ the command, on a real run
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
-    from offline_helpers import make_run
+    from tests.helpers.offline import make_run
 
     return make_run(tmp_path_factory, "report", steps=30, every=10)
 
@@ -142,9 +142,8 @@ def test_gather_reads_the_log_once_and_settles_abandoned_steps_as_the_whole_log_
     must be what ``authoritative_steps`` over the whole log says."""
     import random
 
-    from test_steplog_scan import random_log
-
     from sentinel.protocol import authoritative_steps
+    from tests.helpers.steplog import random_log
 
     rng = random.Random(21)
     for i in range(200):

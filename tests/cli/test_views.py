@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import free_port
 
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Keys, StepRecord, TimelineRecord
+from tests.helpers.services import free_port
 
 
 def cli(*args: str, env: dict | None = None):

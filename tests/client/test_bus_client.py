@@ -7,34 +7,17 @@ import logging
 import time
 
 import pytest
-from conftest import free_port
 
 from sentinel import bus
 from sentinel.client.bus import BusClient
-from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, StepRecord, TimelineRecord
-
-SECRET = b"test-secret-0123456789abcdef"
-
+from sentinel.protocol import Ack, CheckpointInfo, Directive, Event, Keys, TimelineRecord
+from tests.helpers.bus import SECRET, poll, step_record, steps_in_stream
+from tests.helpers.services import free_port
 
 # "Never blocks" means: far below any network wait the client could be stuck in (I/O timeout 2 s,
 # a paused server 1.5 s). Not a speed target (those live in bench/): a loaded CI core can take
 # tens of ms to schedule a thread, so the bound is generous.
 NEVER_BLOCKS_S = 0.5
-
-
-def _step(run: str, step: int) -> StepRecord:
-    return StepRecord(run=run, step=step, loss=2.0, loss_max_rank=2.1, grad_norm=1.0, lr=1e-3, tokens=step * 512,
-                      batch_fingerprint=f"fp{step}", sample_ids=list(range(step * 4, step * 4 + 4)), time=time.time())  # fmt: skip
-
-
-def _wait(pred, timeout: float = 10.0, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    return pred()
 
 
 def _poll_until(client: BusClient, n: int, timeout: float = 10.0) -> list[Directive]:
@@ -44,10 +27,6 @@ def _poll_until(client: BusClient, n: int, timeout: float = 10.0) -> list[Direct
         got += client.poll_directives()
         time.sleep(0.02)
     return got
-
-
-def _steps_in_stream(r, run: str) -> list[int]:
-    return [bus.decode(bus.Entry(Keys(run).steps, eid, f)).step for eid, f in r.xrange(Keys(run).steps)]
 
 
 @pytest.fixture
@@ -68,7 +47,7 @@ def test_steps_arrive_in_order_with_heartbeat(redis_url, unique_run, client_for)
     c = client_for(redis_url, unique_run, heartbeat_ttl_s=30)
     c.publish_step(TimelineRecord(kind="start", run=unique_run, from_step=0, timeline=0, time=time.time()))
     for s in range(1, 301):
-        c.publish_step(_step(unique_run, s))
+        c.publish_step(step_record(unique_run, s))
     assert c.flush(10)
     r = bus.connect(redis_url)
     entries = r.xrange(Keys(unique_run).steps)
@@ -77,7 +56,7 @@ def test_steps_arrive_in_order_with_heartbeat(redis_url, unique_run, client_for)
     assert [x.step for x in recs[1:]] == list(range(1, 301))
     assert recs[5].sample_ids == [20, 21, 22, 23]
     assert c.connected and c.dropped == 0
-    hb = _wait(lambda: (v := r.get(Keys(unique_run).heartbeat)) and json.loads(v)["step"] == 300 and v)
+    hb = poll(lambda: (v := r.get(Keys(unique_run).heartbeat)) and json.loads(v)["step"] == 300 and v)
     assert json.loads(hb)["step"] == 300
     assert 0 < r.pttl(Keys(unique_run).heartbeat) <= 30_000
 
@@ -156,7 +135,7 @@ def test_start_after_tail_skips_old_directives(redis_url, unique_run, client_for
     replaying = client_for(redis_url, unique_run)  # default "0-0": re-reads what is there
     tailing = client_for(redis_url, unique_run, start_after_id="$")
     assert [d.id for d in _poll_until(replaying, 1)] == [old.id]
-    assert _wait(lambda: tailing.connected)
+    assert poll(lambda: tailing.connected)
     new = Directive(run=unique_run, kind="resume").signed(SECRET)
     bus.publish(r, k.directives, new)
     assert [d.id for d in _poll_until(tailing, 1)] == [new.id]
@@ -170,7 +149,7 @@ def test_redis_down_at_start_never_blocks_or_raises(unique_run, client_for):
     lat = []
     for s in range(50):
         t = time.perf_counter()
-        c.publish_step(_step(unique_run, s))
+        c.publish_step(step_record(unique_run, s))
         c.poll_directives()
         lat.append(time.perf_counter() - t)
     assert max(lat) < NEVER_BLOCKS_S, max(lat)
@@ -184,26 +163,26 @@ def test_redis_down_at_start_never_blocks_or_raises(unique_run, client_for):
 
 def test_slow_redis_does_not_stall_the_caller(redis_server, unique_run, client_for):
     c = client_for(redis_server.url, unique_run)
-    c.publish_step(_step(unique_run, 0))
+    c.publish_step(step_record(unique_run, 0))
     assert c.flush(5)
     admin = bus.connect(redis_server.url)
     admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")  # every write now hangs 1.5 s
     lat = []
     for s in range(1, 101):
         t = time.perf_counter()
-        c.publish_step(_step(unique_run, s))
+        c.publish_step(step_record(unique_run, s))
         lat.append(time.perf_counter() - t)
         time.sleep(0.005)
     assert max(lat) < NEVER_BLOCKS_S, max(lat)
     assert c.flush(10)
-    assert _steps_in_stream(admin, unique_run) == list(range(101))
+    assert steps_in_stream(admin, unique_run) == list(range(101))
     assert c.dropped == 0
 
 
 def test_outage_buffers_drops_oldest_and_recovers(redis_server, unique_run, client_for):
     k = Keys(unique_run)
     c = client_for(redis_server.url, unique_run, queue_max=50)
-    c.publish_step(_step(unique_run, 0))
+    c.publish_step(step_record(unique_run, 0))
     assert c.flush(5) and c.connected
 
     redis_server.stop()  # an outage (no persistence: the server comes back empty)
@@ -211,12 +190,12 @@ def test_outage_buffers_drops_oldest_and_recovers(redis_server, unique_run, clie
     lat = []
     for s in range(1, 101):
         t = time.perf_counter()
-        c.publish_step(_step(unique_run, s))
+        c.publish_step(step_record(unique_run, s))
         c.poll_directives()
         lat.append(time.perf_counter() - t)
         time.sleep(0.01)
     assert max(lat) < NEVER_BLOCKS_S, f"max {max(lat) * 1e3:.1f} ms"
-    assert _wait(lambda: not c.connected, timeout=5)
+    assert poll(lambda: not c.connected, timeout=5)
     assert c.dropped == 50  # 100 published into a 50-record buffer: the 50 oldest went
     time.sleep(max(0.0, 3.0 - (time.monotonic() - t_down)))
 
@@ -224,11 +203,11 @@ def test_outage_buffers_drops_oldest_and_recovers(redis_server, unique_run, clie
     assert c.flush(timeout=15), f"pending={c.pending}"
     assert c.connected
     r = bus.connect(redis_server.url)
-    assert _steps_in_stream(r, unique_run) == list(range(51, 101))  # the newest 50, in order
-    c.publish_step(_step(unique_run, 101))
+    assert steps_in_stream(r, unique_run) == list(range(51, 101))  # the newest 50, in order
+    c.publish_step(step_record(unique_run, 101))
     d = Directive(run=unique_run, kind="checkpoint-now").signed(SECRET)
     bus.publish(r, k.directives, d)
     assert [x.id for x in _poll_until(c, 1)] == [d.id]
     assert c.flush(5)
-    assert _steps_in_stream(r, unique_run)[-1] == 101
+    assert steps_in_stream(r, unique_run)[-1] == 101
     assert json.loads(r.get(k.heartbeat))["step"] == 101

@@ -10,15 +10,14 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from sentinel.client.metrics import MetricsRegistry, TrainerMetrics, _version, gpu_uuid_label
 from sentinel.client.targets import TARGETS_FILE, rank_port, write_targets
+from tests.helpers.metrics import DOCS, cuda_only, documented
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 RUN = "test-run"
 PHASES = {"data_wait": 0.01, "forward_backward": 0.2, "optimizer": 0.03, "telemetry": 0.001, "control": 0.0005}
 
@@ -77,25 +76,6 @@ def exported(m: TrainerMetrics) -> dict[str, tuple[str, set[str]]]:
     return out
 
 
-def documented() -> dict[str, dict]:
-    rows = {}
-    for line in DOCS.read_text().splitlines():
-        m = re.match(r"^\| `(training_[a-z_]+)` \| ([^|]+) \| ([^|]+) \| ([^|]+) \|", line)
-        if m:
-            name, typ, labels, who = (g.strip() for g in m.groups())
-            rows[name] = {
-                "type": typ.split()[0],
-                "labels": {x.strip() for x in labels.split(",")},
-                "who": who,
-            }
-    assert len(rows) >= 30, "could not parse the metrics table in docs/metrics.md"
-    return rows
-
-
-def _cuda_only(row: dict) -> bool:
-    return "CUDA only" in row["who"]
-
-
 # --------------------------------------------------------------------------------------------
 # (a) docs and code agree
 # --------------------------------------------------------------------------------------------
@@ -104,7 +84,7 @@ def _cuda_only(row: dict) -> bool:
 def test_docs_and_rank0_exposition_agree_both_ways():
     docs = documented()
     have = exported(populated(rank=0))
-    expected = {n for n, row in docs.items() if not _cuda_only(row)}  # this test runs on CPU
+    expected = {n for n, row in docs.items() if not cuda_only(row)}  # this test runs on CPU
     assert set(have) == expected, (
         f"in code, not in docs: {sorted(set(have) - expected)}; in docs, not in code: {sorted(expected - set(have))}"
     )
@@ -116,7 +96,7 @@ def test_docs_and_rank0_exposition_agree_both_ways():
 def test_docs_exported_by_column_matches_nonzero_rank():
     docs = documented()
     have = exported(populated(rank=1))
-    per_rank = {n for n, row in docs.items() if row["who"].startswith("every rank") and not _cuda_only(row)}
+    per_rank = {n for n, row in docs.items() if row["who"].startswith("every rank") and not cuda_only(row)}
     assert set(have) == per_rank
     for name, row in docs.items():
         assert row["who"].startswith(("rank 0", "every rank")), name

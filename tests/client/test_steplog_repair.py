@@ -21,11 +21,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from trainer_helpers import BASE_ARGS, dataset, run_trainer  # noqa: F401  (fixture)
 
 from sentinel.client import steplog as steplog_mod
 from sentinel.client.steplog import StepLog, read
 from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord
+from tests.helpers.trainer import BASE_ARGS, dataset, run_trainer  # noqa: F401  (fixture)
 
 
 def _step(n: int, timeline: int = 0) -> StepRecord:

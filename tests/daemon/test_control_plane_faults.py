@@ -20,18 +20,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from test_daemon import (
-    RULES,
-    SECRET,
-    directives,
-    make_daemon,
-    publish_steps,
-    pump,
-    register_checkpoints,
-    sample,
-    step_rec,
-)
-from trainer_helpers import dataset, trainer_cmd, trainer_env  # noqa: F401  (dataset is a fixture)
 
 from sentinel import bus
 from sentinel.cli.run_cmd import _bus_groups
@@ -48,6 +36,18 @@ from sentinel.protocol import (
     record_mac,
 )
 from sentinel.rules import parse_rules
+from tests.helpers.daemon import (
+    RULES,
+    SECRET,
+    directives,
+    make_daemon,
+    publish_steps,
+    pump,
+    register_checkpoints,
+    sample,
+    step_rec,
+)
+from tests.helpers.trainer import dataset, trainer_cmd, trainer_env  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.timeout(600)
 LONG = os.environ.get("SENTINEL_CHAOS_LONG") == "1"
@@ -264,7 +264,7 @@ def test_one_sentinel_watches_two_runs_each_on_its_own_bus_and_secret(tmp_path):
 def test_sentinel_run_cli_with_two_run_dirs(tmp_path):
     a_dir, _ = _run_dir_with_bus(tmp_path, "run-a")
     b_dir, _ = _run_dir_with_bus(tmp_path, "run-b")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     for key in (bus.ENV_URL, bus.ENV_SECRET):
         env.pop(key, None)
     proc = subprocess.Popen([sys.executable, "-m", "sentinel", "run", str(a_dir), str(b_dir)], env=env,

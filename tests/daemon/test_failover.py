@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_own_loop import POISON, ToyLoop
 
 from sentinel import bus
 from sentinel.client.bus import BusClient
 from sentinel.protocol import Directive, Keys, StepRecord
+from tests.helpers.toy_loop import POISON, ToyLoop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -243,9 +243,8 @@ def test_a_replayed_backlog_after_the_rollback_makes_one_skip_and_no_false_not_a
     before its rollback went out, as one read (``begin_batch`` / ``end_batch``), then the restore
     marker, sends one skip-samples for them all, says nothing of a rollback not applied, and the
     open follow-up window survives a save and load in between."""
-    from test_policy import IDS_PER_STEP, detect_step, policy, rec, to_rollback
-
     from sentinel.protocol import TimelineRecord
+    from tests.helpers.policy import IDS_PER_STEP, detect_step, policy, rec, to_rollback
 
     p, _ = policy()
     to_rollback(p)

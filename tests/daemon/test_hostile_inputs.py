@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_daemon import RULES, SECRET, publish_steps, pump, register_checkpoints, sample
 
 from sentinel import bus
 from sentinel.daemon import Daemon, Options
 from sentinel.metrics import SentinelMetrics
 from sentinel.protocol import STEP_CONSUMER_GROUP, Keys
 from sentinel.rules import parse_rules
+from tests.helpers.daemon import RULES, SECRET, publish_steps, pump, register_checkpoints, sample
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -416,7 +416,7 @@ def test_a_checkpoints_hash_lost_whole_keeps_the_known_targets_until_the_trainer
     r.delete(k.checkpoints)  # the whole hash: retention never drops the newest, so this is lost data
     publish_steps(r, run, range(31, 61), nan_at=45)
     pump(d, until=lambda: _judged(r, run), min_iter=3)
-    from test_daemon import TARGET, directives
+    from tests.helpers.daemon import TARGET, directives
 
     assert [(x.kind, x.to_step) for x in directives(r, run)][:1] == [("rollback", TARGET)]
     assert any("holds no checkpoint entry any more" in line for line in d.logs)
@@ -440,6 +440,6 @@ def test_after_three_failing_polls_the_fresh_policy_knows_the_checkpoints_and_st
     w._read_acks = real
     publish_steps(r, run, range(31, 61), nan_at=45)
     pump(d, until=lambda: _judged(r, run), min_iter=3)
-    from test_daemon import TARGET, directives
+    from tests.helpers.daemon import TARGET, directives
 
     assert [(x.kind, x.to_step) for x in directives(r, run)][:1] == [("rollback", TARGET)]

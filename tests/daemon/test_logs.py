@@ -22,7 +22,7 @@ import pytest
 
 from sentinel.logs import JsonFormatter, configure, daemon_log, level_of, split_run, unconfigure
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"time", "level", "logger", "message", "run"}
 
 

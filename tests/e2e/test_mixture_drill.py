@@ -25,7 +25,7 @@ from sentinel.protocol import StepRecord, parse_step_line
 from sentinel.rules import RuleEngine, parse_rules
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHANGE_STEP = 120
 
 

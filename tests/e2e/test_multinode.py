@@ -27,15 +27,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port
-from test_alerts import _binary, _start, _stop, _wait_ready
-from test_podmonitor_alerts import Prom, fast_rules, wait_until
-from test_sentinel_e2e import Procs, clean_env
-from trainer_helpers import EXACT_FIELDS, TORCHRUN, descendants, kill_all, last_step, trajectory
+
+from tests.helpers.e2e import Procs, clean_env
+from tests.helpers.prometheus import Prom, fast_rules, wait_until
+from tests.helpers.services import find_binary, free_port, start_logged, stop_process, wait_http_ready
+from tests.helpers.trainer import EXACT_FIELDS, TORCHRUN, descendants, kill_all, last_step, trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CKPT_EVERY = 20
 KILL_AFTER = 70  # steps on disk before node 1 dies: past a few checkpoints, with steps after the newest
 EXTRA_AFTER_RESUME = 20  # the resumed run trains this far past the kill, then is stopped
@@ -107,7 +107,7 @@ def _wait(what: str, cond, timeout: float, logs: list[Path], interval: float = 0
 
 
 def test_a_killed_node_pages_fires_training_rank_down_and_the_restart_resumes_bitwise(tmp_path, data_dir, procs, run_dir):
-    prometheus = _binary("prometheus")
+    prometheus = find_binary("prometheus")
     logs = [tmp_path / "node0-a.log", tmp_path / "node1-a.log", tmp_path / "sentinel.log", tmp_path / "prometheus.log"]
     agents = _launch(procs, run_dir, data_dir, MAX_STEPS, "a")
     _wait("the bus and the first steps", lambda: (run_dir / "bus" / "url").is_file() and last_step(run_dir / "steps.jsonl") > 0,
@@ -125,10 +125,10 @@ def test_a_killed_node_pages_fires_training_rank_down_and_the_restart_resumes_bi
         "scrape_configs": [{"job_name": "sentinel-trainer", "honor_labels": True, "scrape_timeout": "1s",
                             "file_sd_configs": [{"files": [str(run_dir / "metrics_targets.json")], "refresh_interval": "1s"}]}],
     }))  # fmt: skip
-    prom_proc = _start([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+    prom_proc = start_logged([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], logs[3])
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/-/ready", prom_proc, logs[3])
+        wait_http_ready(f"http://127.0.0.1:{port}/-/ready", prom_proc, logs[3])
         prom = Prom(f"http://127.0.0.1:{port}")
         _wait("both ranks scraped up", lambda: sorted(
             r["metric"].get("rank") for r in prom.get("/api/v1/query", query='up{job="sentinel-trainer"} == 1')["result"]) == ["0", "1"],
@@ -158,7 +158,7 @@ def test_a_killed_node_pages_fires_training_rank_down_and_the_restart_resumes_bi
         _wait("node 0 exits once its peer is gone", lambda: agents[0].poll() is not None, 120, logs)
         prom.wait("TrainingRankDown resolved with every rank down", lambda: "TrainingRankDown" not in prom.alerts())
     finally:
-        _stop(prom_proc)
+        stop_process(prom_proc)
     if agents[0].poll() is None:  # the survivor, if the test failed before it exited
         kill_all(agents[0], descendants(agents[0].pid))
     first = trajectory(run_dir)

@@ -35,13 +35,12 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from trainer_helpers import kill_all
 
 from sentinel import bus
 from sentinel.drill import DrillSpec, batch_ids_at, incidents_of, read_steps, run_drill, trainer_command
 from sentinel.protocol import Ack, Directive, Event, Keys, StepRecord
+from tests.helpers.e2e import ROOT, Procs, clean_env
 
-ROOT = Path(__file__).resolve().parents[1]
 SLOW = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # The drill: `sentinel demo`'s, shortened: 2 ranks, 120 steps, an lr x100 fault on one sample of
@@ -76,34 +75,6 @@ def data_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.getbasetemp() / "trainer-acceptance"
     root.mkdir(parents=True, exist_ok=True)
     return ensure_prepared(root / "shakespeare-byte")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in ("SENTINEL_REDIS_URL", "SENTINEL_SECRET", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
-
-
-class Procs:
-    """Processes a test started (each in its own session); all killed at exit."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-        with open(log, "ab") as f:
-            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True, cwd=ROOT)  # fmt: skip
-        self.procs.append(p)
-        return p
-
-    def kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                kill_all(p)  # with torchrun's workers, which have their own sessions
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
 """Run the trainer on a really full disk: a small tmpfs, in a private user + mount namespace.
 
-    unshare -rm python tests/chaos_diskfull.py --size 2m --out OUT [--fill-at N --free-after S] -- TRAINER ARGS...
+    unshare -rm python tests/helpers/diskfull.py --size 2m --out OUT [--fill-at N --free-after S] -- TRAINER ARGS...
 
 No root needed (tmpfs is mountable inside a user namespace) and nothing outside sees the mount.
 The run dir is the tmpfs itself; when the trainer exits, its contents are copied to OUT (normal
 disk) and a ``driver.json`` records the exit code, the output, and when the disk was filled and
 freed. ``--fill-at N``: once N step records are on disk, fill the tmpfs to the last byte with a
-filler file; ``--free-after S``: delete the filler S seconds later. Used by test_chaos_trainer.py.
+filler file; ``--free-after S``: delete the filler S seconds later. Used by tests/trainer/test_faults.py.
 """
 
 from __future__ import annotations

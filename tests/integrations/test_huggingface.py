@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import in_ci
+
+from tests.helpers.services import in_ci
 
 if not all(importlib.util.find_spec(m) for m in ("transformers", "accelerate")):  # the 'hf' extra
     if in_ci():
@@ -42,7 +43,7 @@ import torch
 from sentinel.client.session import prepare
 from sentinel.drill import DEMO_RULES as RULES  # the demo's short run: a short rollback margin
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 POISON_STEP = 150  # the step whose batch holds the poisoned samples on the first pass
@@ -424,7 +425,7 @@ def test_ddp_two_ranks_every_rank_applies_the_stop_at_the_same_step(tmp_path):
     script.write_text(DDP_SCRIPT)
     run_dir = tmp_path / "hf-ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    from conftest import free_port
+    from tests.helpers.services import free_port
 
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                         str(free_port()), script, run_dir], capture_output=True, text=True, timeout=400, env=env)

@@ -32,11 +32,12 @@ from typing import ClassVar
 
 import pytest
 import yaml
-from conftest import skip_or_fail
+
+from tests.helpers.services import skip_or_fail
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "integrate.md"
 POISON_STEP = 100  # the samples of this step (first pass) are trained with the learning rate x300
 SENTINEL = [sys.executable, "-m", "sentinel"]

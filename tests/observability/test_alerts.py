@@ -18,33 +18,31 @@ A missing promtool/prometheus/alertmanager fails under CI (CI=true) and skips el
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
-import shutil
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, require_binary
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.services import (
+    Webhook,
+    find_binary,
+    free_port,
+    start_logged,
+    stop_process,
+    wait_http_ready,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "alerts"
 RULE_FILES = sorted(p for p in ALERTS.glob("*.yaml"))
 TEST_FILES = sorted((ALERTS / "tests").glob("*-test.yaml"))
 RUNBOOKS = ROOT / "docs" / "runbooks"
 HEADINGS = ["Meaning", "Impact", "Diagnosis", "Mitigation"]
 SEVERITIES = {"critical", "warning", "info", "none"}
-
-
-def _binary(name: str) -> str:
-    return require_binary(shutil.which(name) or f"/usr/bin/{name}")
 
 
 def _alerts() -> dict[str, dict]:
@@ -141,7 +139,7 @@ def test_every_alert_has_firing_and_quiet_promtool_cases():
 
 
 def test_promtool_check_rules_is_clean():
-    promtool = _binary("promtool")
+    promtool = find_binary("promtool")
     p = subprocess.run([promtool, "check", "rules", *map(str, RULE_FILES)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "WARNING" not in (p.stdout + p.stderr).upper(), p.stdout + p.stderr
@@ -149,74 +147,20 @@ def test_promtool_check_rules_is_clean():
 
 @pytest.mark.parametrize("test_file", TEST_FILES, ids=lambda p: p.name)
 def test_promtool_test_rules(test_file):
-    promtool = _binary("promtool")
+    promtool = find_binary("promtool")
     p = subprocess.run([promtool, "test", "rules", test_file.name], cwd=test_file.parent,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 0 and "SUCCESS" in p.stdout, p.stdout + p.stderr
 
 
 # ------------------------------------------------------------------ slow: a real alert pipeline
-class Webhook:
-    """A tiny Alertmanager webhook receiver: records every notification body."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server API)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                with contextlib.suppress(ValueError):
-                    outer.bodies.append(json.loads(body))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):  # quiet
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/alerts"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def alerts(self) -> list[dict]:
-        return [a for b in list(self.bodies) for a in b.get("alerts", [])]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _start(argv: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-
-
-def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"{proc.args[0]} exited {proc.returncode}: {log.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not ready after {timeout}s: {log.read_text()[-2000:]}")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_watchdog_reaches_alertmanager_receiver(tmp_path):
-    prometheus = _binary("prometheus")
-    alertmanager = _binary("prometheus-alertmanager")
+    prometheus = find_binary("prometheus")
+    alertmanager = find_binary("prometheus-alertmanager")
     hook = Webhook()
     am_port, prom_port = free_port(), free_port()
     am_cfg = tmp_path / "alertmanager.yml"
@@ -239,15 +183,15 @@ def test_watchdog_reaches_alertmanager_receiver(tmp_path):
     procs = []
     try:
         am_log = tmp_path / "alertmanager.log"
-        procs.append(am := _start([alertmanager, f"--config.file={am_cfg}", f"--storage.path={tmp_path / 'am'}",
+        procs.append(am := start_logged([alertmanager, f"--config.file={am_cfg}", f"--storage.path={tmp_path / 'am'}",
                                    f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address=",
                                    "--log.level=warn"], am_log))  # fmt: skip
-        _wait_ready(f"http://127.0.0.1:{am_port}/-/ready", am, am_log)
+        wait_http_ready(f"http://127.0.0.1:{am_port}/-/ready", am, am_log)
         prom_log = tmp_path / "prometheus.log"
-        procs.append(prom := _start([prometheus, f"--config.file={prom_cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        procs.append(prom := start_logged([prometheus, f"--config.file={prom_cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                      f"--web.listen-address=127.0.0.1:{prom_port}", "--rules.alert.resend-delay=1s",
                                      "--log.level=warn"], prom_log))  # fmt: skip
-        _wait_ready(f"http://127.0.0.1:{prom_port}/-/ready", prom, prom_log)
+        wait_http_ready(f"http://127.0.0.1:{prom_port}/-/ready", prom, prom_log)
 
         deadline = time.monotonic() + 60
         names: set[str] = set()
@@ -262,7 +206,7 @@ def test_watchdog_reaches_alertmanager_receiver(tmp_path):
         assert wd["annotations"]["runbook_url"].endswith("/docs/runbooks/Watchdog.md")
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_process(p)
         hook.stop()
 
 

@@ -40,11 +40,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, skip_or_fail, wait_port
-from test_prometheus_e2e import Prometheus, _binary
-from trainer_helpers import kill_all
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.prometheus import Prometheus
+from tests.helpers.services import find_binary, free_port, skip_or_fail, wait_port
+from tests.helpers.trainer import kill_all
+
+ROOT = Path(__file__).resolve().parents[2]
 DASH_DIR = ROOT / "dashboards"
 NAMES = ("training.json", "sentinel.json")
 
@@ -130,7 +131,7 @@ def test_timeline_annotations_mark_each_event_with_promtool(tmp_path):
     """Every timeline annotation's exact query, run by promtool on counters that step 0 -> 1 (each event
     kind, seq_len_change included, at its own moment): it marks the moment of its own events, with the
     event label (the annotation title), and nothing a minute later nor for another annotation's events."""
-    promtool = _binary("promtool")
+    promtool = find_binary("promtool")
     timeline = [a for a in _load("training.json")["annotations"]["list"] if "training_timeline_events_total" in a.get("expr", "")]
     kinds = [e for a in timeline for e in re.search(r'event=~"([^"]+)"', a["expr"]).group(1).split("|")]
     assert "seq_len_change" in kinds
@@ -347,7 +348,7 @@ def test_every_panel_query_returns_data(tmp_path):
     from sentinel.drill import DEMO_RULES, ensure_mixture_prepared
     from sentinel.embedded import PID_FILE, bus_dir, ensure_embedded, stop_embedded
 
-    binary = _binary("prometheus")
+    binary = find_binary("prometheus")
     data = ensure_mixture_prepared(tmp_path / "mixture-data")
     run_dir = tmp_path / f"dash-{uuid.uuid4().hex[:8]}"  # run id = dir name: unique per test
     run_dir.mkdir()

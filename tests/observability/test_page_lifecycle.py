@@ -21,21 +21,20 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port
-from test_alerts import Webhook, _binary, _start, _stop, _wait_ready
-from test_daemon import NAN_STEP, SECRET, TARGET, incident_run, make_daemon, publish_steps
 
 from sentinel import bus, daemon_pages
 from sentinel.protocol import Ack, Directive, Keys, TimelineRecord
+from tests.helpers.daemon import NAN_STEP, SECRET, TARGET, incident_run, make_daemon, publish_steps
+from tests.helpers.services import Webhook, find_binary, free_port, start_logged, stop_process, wait_http_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class AM:
     def __init__(self, tmp: Path, hook: Webhook):
-        self.bin, self.port, self.tmp, self.n = _binary("prometheus-alertmanager"), free_port(), tmp, 0
+        self.bin, self.port, self.tmp, self.n = find_binary("prometheus-alertmanager"), free_port(), tmp, 0
         self.cfg = tmp / "alertmanager.yml"
         compose = yaml.safe_load((ROOT / "deploy" / "compose" / "alertmanager.yml").read_text())
         self.cfg.write_text(yaml.safe_dump({
@@ -51,13 +50,13 @@ class AM:
     def start(self) -> None:
         self.n += 1  # a fresh storage each time: nothing carried over but what the sentinel re-sends
         log = self.tmp / f"am-{self.n}.log"
-        self.proc = _start([self.bin, f"--config.file={self.cfg}", f"--storage.path={self.tmp / f'am-{self.n}'}",
+        self.proc = start_logged([self.bin, f"--config.file={self.cfg}", f"--storage.path={self.tmp / f'am-{self.n}'}",
                             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=warn"], log)
-        _wait_ready(f"{self.url}/-/ready", self.proc, log)
+        wait_http_ready(f"{self.url}/-/ready", self.proc, log)
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop(self.proc)
+            stop_process(self.proc)
 
     def active(self, alertname: str = daemon_pages.ALERTNAME) -> list[dict]:
         try:

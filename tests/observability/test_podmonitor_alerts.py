@@ -25,22 +25,15 @@ from __future__ import annotations
 import json
 import re
 import time
-import urllib.parse
-import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from test_alerts import _binary, _start, _stop, _wait_ready
-from test_bus_client import _wait as poll
-from test_deploy import K8S, _kustomize, _one
 
-ROOT = Path(__file__).resolve().parents[1]
-ALERTS = ROOT / "alerts"
-FAST_FOR = "2s"
-UNDER_TEST = {"SentinelDown", "TrainingRankDown"}
+from tests.helpers.bus import poll as poll
+from tests.helpers.deploy import K8S, kustomize, one_object
+from tests.helpers.prometheus import ALERTS, Prom, fast_rules
+from tests.helpers.services import find_binary, free_port, start_logged, stop_process, wait_http_ready
 
 
 # ------------------------------------------------------------------ the operator's generation
@@ -138,52 +131,9 @@ class Endpoint:
         self.server.server_close()
 
 
-class Prom:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def get(self, path: str, **params: str) -> dict:
-        q = f"?{urllib.parse.urlencode(params)}" if params else ""
-        with urllib.request.urlopen(f"{self.url}{path}{q}", timeout=5) as r:
-            return json.load(r)["data"]
-
-    def alerts(self) -> dict[str, list[dict]]:
-        """alertname -> active (pending or firing) alerts, for the two alerts under test."""
-        out: dict[str, list[dict]] = {}
-        for a in self.get("/api/v1/alerts")["alerts"]:
-            if a["labels"]["alertname"] in UNDER_TEST:
-                out.setdefault(a["labels"]["alertname"], []).append(a)
-        return out
-
-    def wait(self, what: str, cond, timeout: float = 30):
-        return wait_until(what, cond, timeout, lambda: f"alerts now {self.alerts()}")
-
-
-def wait_until(what: str, cond, timeout: float, detail=lambda: "", interval: float = 0.25):
-    """``cond()``'s first truthy value, polled every ``interval`` s; else AssertionError(what, detail())."""
-    got = poll(cond, timeout, interval)
-    if not got:
-        raise AssertionError(f"not within {timeout:.0f} s: {what}\n{detail()}")
-    return got
-
-
-def fast_rules(tmp: Path, alerts: set[str] = UNDER_TEST) -> list[str]:
-    """The shipped rule files, with the ``for:`` of ``alerts`` cut to FAST_FOR."""
-    out = []
-    for f in sorted(ALERTS.glob("*.yaml")):
-        doc = yaml.safe_load(f.read_text())
-        for g in doc["groups"]:
-            for r in g["rules"]:
-                if r.get("alert") in alerts:
-                    r["for"] = FAST_FOR
-        (tmp / f.name).write_text(yaml.safe_dump(doc, sort_keys=False))
-        out.append(str(tmp / f.name))
-    return out
-
-
 @pytest.fixture(scope="module")
 def k8s_objs() -> list[dict]:
-    return _kustomize(K8S)
+    return kustomize(K8S)
 
 
 def test_the_operator_config_of_the_shipped_podmonitors_names_the_jobs_the_alerts_select(k8s_objs):
@@ -203,10 +153,10 @@ def test_the_operator_config_of_the_shipped_podmonitors_names_the_jobs_the_alert
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sentinel_down_and_training_rank_down_fire_when_and_only_when_they_should(k8s_objs, tmp_path):
-    prometheus = _binary("prometheus")
-    job_tpl = _one(k8s_objs, "Job", "sentinel-train")["spec"]["template"]
-    dep_tpl = _one(k8s_objs, "Deployment", "sentinel")["spec"]["template"]
-    redis_tpl = _one(k8s_objs, "StatefulSet", "redis")["spec"]["template"]
+    prometheus = find_binary("prometheus")
+    job_tpl = one_object(k8s_objs, "Job", "sentinel-train")["spec"]["template"]
+    dep_tpl = one_object(k8s_objs, "Deployment", "sentinel")["spec"]["template"]
+    redis_tpl = one_object(k8s_objs, "StatefulSet", "redis")["spec"]["template"]
     run = job_tpl["metadata"]["labels"]["sentinel.dev/run"]
     daemon = Endpoint("sentinel_leader", run=run)
     ranks = [Endpoint("training_step", run=run), Endpoint("training_step", run=run, rank="1")]
@@ -229,11 +179,11 @@ def test_sentinel_down_and_training_rank_down_fire_when_and_only_when_they_shoul
     cfg_file.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                                         "rule_files": fast_rules(tmp_path), "scrape_configs": scrape_configs}))
     log = tmp_path / "prometheus.log"
-    proc = _start([prometheus, f"--config.file={cfg_file}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+    proc = start_logged([prometheus, f"--config.file={cfg_file}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                    f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], log)
     live = [daemon, *ranks]
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/-/ready", proc, log)
+        wait_http_ready(f"http://127.0.0.1:{port}/-/ready", proc, log)
         prom = Prom(f"http://127.0.0.1:{port}")
 
         # 1. everything up: three targets (no decoy, no rdzv port), with the jobs the alerts select
@@ -273,4 +223,4 @@ def test_sentinel_down_and_training_rank_down_fire_when_and_only_when_they_shoul
     finally:
         for ep in live:
             ep.stop()
-        _stop(proc)
+        stop_process(proc)

@@ -24,29 +24,26 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import free_port, require_binary
-from test_metrics import DOCS, _cuda_only, documented
-from trainer_helpers import kill_all
 
 from sentinel.client.metrics import DIRECTIVE_KINDS, PHASES, SKIP_REASONS
 from sentinel.protocol import REJECT_REASONS
+from tests.helpers.metrics import cuda_only, documented
+from tests.helpers.prometheus import Prometheus, http_get
+from tests.helpers.services import find_binary
+from tests.helpers.trainer import kill_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 100_000  # open-ended: the test stops the run (SIGTERM, a graceful stop) once Prometheus has scraped enough
 EVAL_EVERY = 20
 CKPT_EVERY = 100
@@ -54,79 +51,6 @@ PROBE_AT_STEP = 130  # live endpoints are checked once a validation and a checkp
 MIN_SCRAPES = 4
 # Prometheus adds these; everything else on a series must come from the documented label set
 ADDED_LABELS = {"__name__", "job", "instance"}
-
-
-def _binary(name: str) -> str:
-    return require_binary(shutil.which(name) or f"/usr/bin/{name}")
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
-
-
-class Prometheus:
-    """Debian prometheus in the foreground, owned by the test: ``stop()`` kills it."""
-
-    def __init__(self, binary: str, workdir: Path, targets_file: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / "prometheus.log"
-        self.config = workdir / "prometheus.yml"
-        self.config.write_text(yaml.safe_dump(self.documented_config(targets_file), sort_keys=False))
-        self._log_f = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={self.config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            cwd=workdir, stdin=subprocess.DEVNULL, stdout=self._log_f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    @staticmethod
-    def documented_config(targets_file: Path) -> dict:
-        """docs/metrics.md's prometheus.yml with test timings and this run's targets file."""
-        block = re.search(r"```yaml\n(# prometheus.yml\n.*?)```", DOCS.read_text(), re.S).group(1)
-        cfg = yaml.safe_load(block)
-        cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
-        (job,) = cfg["scrape_configs"]
-        assert job["honor_labels"] is True and "metric_relabel_configs" not in job, "docs config changed shape"
-        job.update(scrape_interval="1s", scrape_timeout="1s")
-        job["file_sd_configs"] = [{"files": [str(targets_file)], "refresh_interval": "1s"}]
-        return cfg
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(OSError):
-                if _get(f"{self.url}/-/ready", timeout=1) is not None:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"prometheus not ready after {timeout}s: {self.log_tail()}")
-
-    def query(self, promql: str, at: float | None = None) -> list[dict]:
-        params = {"query": promql}
-        if at is not None:
-            params["time"] = f"{at:.3f}"
-        body = json.loads(_get(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"))
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def log_tail(self, n: int = 10) -> str:
-        with contextlib.suppress(OSError):
-            return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-n:])
-        return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log_f.close()
 
 
 @pytest.fixture
@@ -138,7 +62,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def prometheus(tmp_path: Path, run_dir: Path):
-    binary = _binary("prometheus")
+    binary = find_binary("prometheus")
     workdir = tmp_path / "prometheus"
     workdir.mkdir()
     prom = Prometheus(binary, workdir, run_dir / "metrics_targets.json")
@@ -186,9 +110,9 @@ def _probe_live_endpoints(proc: subprocess.Popen, run_dir: Path, log: Path) -> d
         if groups is not None:
             rank0 = next(g for g in groups if g["labels"]["rank"] == "0")["targets"][0]
             with contextlib.suppress(OSError):
-                step = _exposition_value(_get(f"http://{rank0}/metrics").decode(), "training_step")
+                step = _exposition_value(http_get(f"http://{rank0}/metrics").decode(), "training_step")
                 if step is not None and step >= PROBE_AT_STEP:
-                    return {g["labels"]["rank"]: _get(f"http://{g['targets'][0]}/metrics") for g in groups}
+                    return {g["labels"]["rank"]: http_get(f"http://{g['targets'][0]}/metrics") for g in groups}
         time.sleep(0.1)
     raise AssertionError(f"run did not reach step {PROBE_AT_STEP}: {log.read_text()[-3000:]}")
 
@@ -235,7 +159,7 @@ def _labels(series: dict) -> dict[str, str]:
 
 
 def test_prometheus_scrapes_every_documented_metric_with_documented_labels(prometheus, run_dir, tmp_path):
-    promtool = _binary("promtool")
+    promtool = find_binary("promtool")
     run = run_dir.name
     log = tmp_path / "train.log"
     proc = _start_training(run_dir, log)
@@ -266,7 +190,7 @@ def test_prometheus_scrapes_every_documented_metric_with_documented_labels(prome
     docs = documented()
     checked = 0
     for name, row in docs.items():
-        if _cuda_only(row):
+        if cuda_only(row):
             # CUDA-only rows (GPU memory) cannot exist on this CPU run: they must be absent, not zero
             assert prometheus.query(f'last_over_time({{__name__=~"{name}.*", run="{run}"}}[5m])', at) == [], name
             continue
@@ -304,7 +228,7 @@ def test_prometheus_scrapes_every_documented_metric_with_documented_labels(prome
 
     # ---- nothing was renamed to exported_* (the reason honor_labels is in the docs config)
     everything = prometheus.query(f'{{__name__=~"training_.*", run="{run}"}}[5m]', at)  # a range vector keeps names
-    assert {s["metric"]["__name__"] for s in everything} >= {n for n, row in docs.items() if not _cuda_only(row)} - {
+    assert {s["metric"]["__name__"] for s in everything} >= {n for n, row in docs.items() if not cuda_only(row)} - {
         n for n, row in docs.items() if row["type"] in ("histogram", "summary")}
     renamed = [s["metric"] for s in everything if any(k.startswith("exported_") for k in s["metric"])]
     assert renamed == [], renamed

@@ -357,18 +357,18 @@ def _curve_trace(tmp_path: Path, losses: list[float]) -> Path:
 
 
 def test_healthy_pretraining_curve_with_warmup_cooldown_and_spikes_gets_no_action(tmp_path):
-    from test_detectors import _pretraining
+    from tests.helpers.traces import pretraining
 
     for seed in (0, 1):
-        res = backtest(load_trace(_curve_trace(tmp_path, _pretraining(2500, seed))), default_rules())
+        res = backtest(load_trace(_curve_trace(tmp_path, pretraining(2500, seed))), default_rules())
         assert res.actions == [], res.actions
 
 
 def test_a_steep_climb_is_rolled_back_within_50_steps_to_before_its_start(tmp_path):
-    from test_detectors import _climb, _pretraining
+    from tests.helpers.traces import climb, pretraining
 
     onset = 1500  # 1-based step of the climb's first raised loss
-    res = backtest(load_trace(_curve_trace(tmp_path, _climb(_pretraining(2500, 5), onset - 1, 0.6, 100))), default_rules())
+    res = backtest(load_trace(_curve_trace(tmp_path, climb(pretraining(2500, 5), onset - 1, 0.6, 100))), default_rules())
     rb = [a for a in res.actions if a["kind"] == "rollback"]
     assert rb and onset <= rb[0]["step"] <= onset + 50 and rb[0]["to_step"] <= onset, res.actions
     assert "climbing since" in rb[0]["reason"]  # the climb test, not the slower level test
@@ -379,14 +379,13 @@ def test_a_slow_climb_is_caught_by_the_long_climb_test_and_rolled_back_to_before
     test cannot see it and the level test's bar (3 per-step sigmas above the run's best) is barely
     reached within 200 steps; the 144-step climb test catches it 150-180 steps in, rolled back to
     well before its start. With that test off, most of these are not rolled back within 200 steps."""
-    from test_detectors import _climb, _pretraining
-
     from sentinel.rules import parse_rules
+    from tests.helpers.traces import climb, pretraining
 
     onset, seeds, missed_without = 1500, (0, 2, 3, 4, 6), 0
     no_long = parse_rules("version: 1\nrules:\n  divergence:\n    climb_long_sigmas: 0\n")
     for seed in seeds:
-        trace = _curve_trace(tmp_path, _climb(_pretraining(2500, seed), onset - 1, 0.2, 200)[:onset + 200])
+        trace = _curve_trace(tmp_path, climb(pretraining(2500, seed), onset - 1, 0.2, 200)[:onset + 200])
         rb = [a for a in backtest(load_trace(trace), default_rules()).actions if a["kind"] == "rollback"]
         assert rb and onset <= rb[0]["step"] <= onset + 200 and rb[0]["to_step"] <= onset, (seed, rb)
         assert "over the last 144 steps" in rb[0]["reason"], rb[0]["reason"]
@@ -398,14 +397,13 @@ def test_a_small_jump_in_the_fast_early_descent_is_rolled_back_within_50_steps(t
     """+0.3 nats at step 130, where the loss still falls ~0.005 nats a step: the jump test credits
     the window after with half the run's recent descent and rolls back within 50 steps on every
     seed; with the credit off (``jump_detrend: 0``) most of these are late or missed."""
-    from test_detectors import _pretraining
-
     from sentinel.rules import parse_rules
+    from tests.helpers.traces import pretraining
 
     onset, credited, plain = 130, [], 0
     no_credit = parse_rules("version: 1\nrules:\n  divergence:\n    jump_detrend: 0\n")
     for seed in range(8):
-        xs = [x + (0.3 if i >= onset - 1 else 0.0) for i, x in enumerate(_pretraining(600, seed))]
+        xs = [x + (0.3 if i >= onset - 1 else 0.0) for i, x in enumerate(pretraining(600, seed))]
         trace = load_trace(_curve_trace(tmp_path, xs))
         for rules in (default_rules(), no_credit):
             rb = [a for a in backtest(trace, rules).actions if a["kind"] == "rollback"]
@@ -424,11 +422,11 @@ def test_a_large_jump_in_the_first_hundred_steps_is_rolled_back_to_the_initial_s
     ``min_history + level_window`` losses on (74), so it compares the window after the jump with a
     clean window before it and rolls back to step 0 within 50 steps (7 of 8 seeds; with its first
     verdict at step 98, as before, the window before already held the jump: 0 of 8)."""
-    from test_detectors import _pretraining
+    from tests.helpers.traces import pretraining
 
     onset, timely = 62, 0
     for seed in range(8):
-        xs = [x + (0.7 if i >= onset - 1 else 0.0) for i, x in enumerate(_pretraining(600, seed))]
+        xs = [x + (0.7 if i >= onset - 1 else 0.0) for i, x in enumerate(pretraining(600, seed))]
         rb = [a for a in backtest(load_trace(_curve_trace(tmp_path, xs)), default_rules()).actions if a["kind"] == "rollback"]
         timely += bool(rb) and onset <= rb[0]["step"] <= onset + 50 and rb[0]["to_step"] == 0
     assert timely >= 6, timely
@@ -438,14 +436,13 @@ def test_a_jump_right_after_the_warmup_is_rolled_back_by_the_early_descent_test(
     """+0.7 nats at step 52, where the level and jump tests are still warming up: the early-descent
     jump test (two lines, read at the onset) rolls back to step 0 within 50 steps on 7 of 8 seeds
     (measured; one more with it off, by the level test)."""
-    from test_detectors import _early
-
     from sentinel.rules import parse_rules
+    from tests.helpers.traces import early_steps
 
     onset, with_it, without = 52, [], 0
     off = parse_rules("version: 1\nrules:\n  divergence:\n    early_jump_sigmas: 0\n")
     for seed in range(8):
-        trace = load_trace(_curve_trace(tmp_path, [x + (0.7 if i >= onset - 1 else 0.0) for i, x in enumerate(_early(seed, 600))]))
+        trace = load_trace(_curve_trace(tmp_path, [x + (0.7 if i >= onset - 1 else 0.0) for i, x in enumerate(early_steps(seed, 600))]))
         for rules in (default_rules(), off):
             rb = [a for a in backtest(trace, rules).actions if a["kind"] == "rollback"]
             timely = bool(rb) and onset <= rb[0]["step"] <= onset + 50 and rb[0]["to_step"] == 0
@@ -761,9 +758,9 @@ def test_a_log_whose_steps_go_back_is_read_as_a_restart_not_as_damage(tmp_path):
     climb test rolled back on it (to a checkpoint after the step it was ordered at). Now: a resume
     from step 300 on a new timeline, no action, every step judged; damage after the restart is
     still rolled back to before its onset."""
-    from test_detectors import _pretraining
+    from tests.helpers.traces import pretraining
 
-    xs = _pretraining(2500, 0)
+    xs = pretraining(2500, 0)
     for reached, back_to in ((700, 300), (400, 200), (1500, 1100), (900, 0)):
         res = backtest(load_trace(_steps_trace(tmp_path, _restarted(xs, reached, back_to))), default_rules())
         assert res.actions == [], (reached, back_to, res.actions)
@@ -779,9 +776,9 @@ def test_a_rolled_back_loss_only_log_is_judged_again_once_its_steps_go_back(tmp_
     """Damage the first attempt suffered is rolled back and the records after it are not judged;
     when the log shows the run restarted from an earlier step (steps going back), judging goes
     on there, and a repeated line is skipped and counted."""
-    from test_detectors import _pretraining
+    from tests.helpers.traces import pretraining
 
-    xs = _pretraining(2500, 1)
+    xs = pretraining(2500, 1)
     onset = 1200
     hurt = [x + (0.6 if 1199 <= i < 1400 else 0.0) for i, x in enumerate(xs)]  # the first attempt's damage
     pts = [(i + 1, x) for i, x in enumerate(hurt[:1400])] + [(i + 1, x) for i, x in enumerate(xs) if i >= 1100]
@@ -801,9 +798,9 @@ def test_a_log_clock_that_starts_again_does_not_turn_old_rollbacks_into_recent_o
     no rate limit applies: three rollbacks. Read with the log's own clock, the third rollback's time
     is just after the second's and the first's, and the hourly limit (2) would escalate it to a
     human instead."""
-    from test_detectors import _pretraining
+    from tests.helpers.traces import pretraining
 
-    xs = _pretraining(4000, 2)
+    xs = pretraining(4000, 2)
     pts, start = [], 0
     for onset in (1200, 2400, 3600):  # each attempt: from the restart point to just after its damage
         hurt = [x + 0.6 for x in xs[onset - 1:onset + 60]]
@@ -992,9 +989,9 @@ def test_a_directory_judges_its_json_files_that_hold_steps_and_passes_over_the_o
 
 
 def _jump_at(onset: int, seed: int = 2, n: int = 1500, amp: float = 0.6) -> list[tuple[int, float]]:
-    from test_detectors import _pretraining
+    from tests.helpers.traces import pretraining
 
-    return [(i + 1, x + (amp if i >= onset - 1 else 0.0)) for i, x in enumerate(_pretraining(n, seed))]
+    return [(i + 1, x + (amp if i >= onset - 1 else 0.0)) for i, x in enumerate(pretraining(n, seed))]
 
 
 def _live_actions(path: Path) -> list[tuple]:

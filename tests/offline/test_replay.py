@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from offline_helpers import PY, make_run
 
 from sentinel.cli import main as cli
 from sentinel.client.steplog import authoritative
+from tests.helpers.offline import PY, make_run
 
 GARBAGE_STEP = 14
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from offline_helpers import PY, make_run
 
 from sentinel.cli import main as cli
 from sentinel.client.steplog import read
 from sentinel.protocol import StepRecord
+from tests.helpers.offline import PY, make_run
 
 BAD_STEP = 12  # its batch carries the garbage samples on timeline 0
 AFTER_FORK = 17  # replayed on timeline 0: checkpoint 15 (timeline 1's) is newer than 10 but not its state

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from offline_helpers import PY, make_run
 
 from sentinel.cli import main as cli
 from sentinel.client.steplog import authoritative
+from tests.helpers.offline import PY, make_run
 from trainer.checkpoint import CheckpointError, sha256_file, verify
 
 C = 10  # the checkpoint under test (the run has 10 and 20)

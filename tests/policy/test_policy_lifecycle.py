@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import random
 
-from test_policy import IDS_PER_STEP, RUN, Clock, damage, noise, policy, rec, replay_restored, warm
-
 from sentinel.policy import SKIP_LATER_MAX_STEPS, Action, RunPolicy
 from sentinel.protocol import CheckpointInfo, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet
+from tests.helpers.policy import IDS_PER_STEP, RUN, Clock, damage, noise, policy, rec, replay_restored, warm
 
 
 def ckpt(step: int, timeline: int = 0, **kw) -> CheckpointInfo:

@@ -97,10 +97,9 @@ def test_a_restarted_daemon_refills_sample_history_without_the_abandoned_steps(e
     (``RunWatcher._restore_samples``). It passed on only the step records, so the timeline marker
     that abandoned steps 301-314 was dropped and their sample ids came back into a later skip
     list. With the marker, the refilled history is the uninterrupted policy's."""
-    from test_daemon import SECRET, make_daemon, step_rec
-
     from sentinel import bus
     from sentinel.protocol import Keys
+    from tests.helpers.daemon import SECRET, make_daemon, step_rec
 
     r, run = bus.connect(embedded_bus.url), unique_run
     k = Keys(run)

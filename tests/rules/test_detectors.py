@@ -14,6 +14,7 @@ from sentinel import detectors as d
 from sentinel.protocol import StepRecord
 from sentinel.rules import RuleEngine, RuleSet, default_rules
 from sentinel.rules.loss import LossEval
+from tests.helpers.traces import climb, early_steps, pretraining
 
 
 def rec(step: int, loss: float, **kw) -> StepRecord:
@@ -192,7 +193,7 @@ def test_spike_floor_shortcut_gives_the_same_verdicts(z_spike):
     """A value whose excess is under the elevated bar in noise-floor units is NORMAL without the
     window's order statistics; verdicts and the baseline (read by the divergence finding) equal
     the full path's, with spikes, a noise floor and cap that move, and a rewind."""
-    xs = _pretraining(4000, 11, sigma=0.05)
+    xs = pretraining(4000, 11, sigma=0.05)
     kw = dict(z_spike=z_spike, ratio_spike=1.08, z_elevated=3.0, ratio_elevated=1.02, recent=32)
     fast, full = d.SpikeDetector(**kw), _NoFloorShortcut(**kw)
     flagged = 0
@@ -398,29 +399,10 @@ def test_trend_detectors_rewind_and_state_round_trip(make, queues):
     assert sh3.state_dict()["window"] == [p for p in st["window"] if p[0] <= 197] != []
 
 
-def _pretraining(n: int, seed: int, sigma: float = 0.1) -> list[float]:
-    """A healthy run as the modded-nanogpt curves look: a fast descent from ~11 nats, Student-t noise
-    (white: their step-to-step autocorrelation is ~0), recovered spikes, and an lr cooldown over the
-    last third that makes the loss fall faster."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(1, n + 1, dtype=float)
-    x = 3.2 + 7.7 * (1 + t / 8) ** -0.6
-    c0 = 2 * n // 3
-    x[c0:] -= 0.15 * ((t[c0:] - c0) / (n - c0)) ** 1.5
-    x += rng.standard_t(6, n) * sigma / math.sqrt(6 / 4)
-    for s in rng.integers(150, n - 10, 20):  # spikes of 1-5 steps that recover
-        x[s:s + int(rng.integers(1, 6))] += rng.uniform(0.3, 2.5)
-    return [float(v) for v in x]
-
-
-def _climb(xs: list[float], onset: int, amp: float, length: float) -> list[float]:
-    return [x + (amp * min(i - onset + 1, length) / length if i >= onset else 0.0) for i, x in enumerate(xs)]
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_climb_trend_quiet_on_healthy_descent_warmup_cooldown_and_spikes(seed):
     ct = d.ClimbTrend()
-    xs = _pretraining(3000, seed)
+    xs = pretraining(3000, seed)
     noise = d.diff_sigma(xs[1000:1100])
     assert not any(ct.update(i, x, noise) for i, x in enumerate(xs))
 
@@ -429,7 +411,7 @@ def test_climb_trend_quiet_on_healthy_descent_warmup_cooldown_and_spikes(seed):
 def test_climb_trend_catches_a_steep_climb_within_50_steps_with_the_onset_before_it(amp, length):
     for seed in range(4):
         ct = d.ClimbTrend()
-        xs = _climb(_pretraining(2500, 10 + seed), 1500, amp, length)
+        xs = climb(pretraining(2500, 10 + seed), 1500, amp, length)
         first = next((i for i, x in enumerate(xs) if ct.update(i, x, 0.1)), None)
         assert first is not None and 1500 <= first <= 1550, (seed, first)
         # the onset is a window before the matched window's first step: at or before the damage,
@@ -441,7 +423,7 @@ def test_climb_trend_leaves_a_slow_climb_to_the_level_test():
     """0.3 nats over 200 steps is 0.0015/step: z ~2.5 by 50 steps, inside what healthy runs reach
     (docs/benchmarks.md), so the climb test does not claim it that early."""
     ct = d.ClimbTrend()
-    xs = _climb(_pretraining(2500, 20), 1500, 0.3, 200)
+    xs = climb(pretraining(2500, 20), 1500, 0.3, 200)
     assert not any(ct.update(i, x, 0.1) for i, x in enumerate(xs[:1550]))
 
 
@@ -494,7 +476,7 @@ def test_climb_trend_fed_in_batches_judges_as_one_loss_at_a_time(credit):
     onset and state must be those of feeding each loss alone, spikes (held at the loss before, also
     across a batch's first loss), a climb, a rewind and a state round trip included."""
     rng = np.random.default_rng(7)
-    xs = _climb(_pretraining(2400, 30), 1700, 0.8, 120)
+    xs = climb(pretraining(2400, 30), 1700, 0.8, 120)
     spikes = set(int(s) for s in rng.integers(300, 2400, 40)) | {400, 401, 404, 405}  # 404: a batch's first loss
     one, many = d.ClimbTrend(credit=credit), d.ClimbTrend(credit=credit)
     n_true, round_trip, st, xb, sb = 0, False, [], [], []
@@ -555,7 +537,7 @@ def test_climb_trend_calibration_on_demand_gives_the_same_verdicts(sigmas):
     t = np.arange(5000, dtype=float)
     rng = np.random.default_rng(9)
     wavy = 3.3 + rng.normal(0, 0.1, t.size) + 0.05 * np.sin(2 * np.pi * t / 400) + 0.04 * np.sin(2 * np.pi * t / 170 + 1)
-    xs = _climb([float(x) for x in wavy], 3500, 0.6, 150)
+    xs = climb([float(x) for x in wavy], 3500, 0.6, 150)
     lazy, eager = d.ClimbTrend(sigmas=sigmas), _EagerCalibration(sigmas=sigmas)
     fired = 0
     for i, x in enumerate(xs):
@@ -580,7 +562,7 @@ class _ExactClimb(d.ClimbTrend):
 
 def test_climb_trend_running_sums_give_the_exact_verdicts_through_rewinds():
     fast, exact = d.ClimbTrend(), _ExactClimb()
-    xs = _climb(_pretraining(3000, 7), 1500, 0.3, 200)
+    xs = climb(pretraining(3000, 7), 1500, 0.3, 200)
     for i, x in enumerate(xs):
         assert fast.update(i, x, 0.1) == exact.update(i, x, 0.1), i
         if fast.z:
@@ -604,7 +586,7 @@ def test_climb_trend_descent_credit_running_sums_match_a_fresh_fit():
     """The descent credit's fit lives on running sums (added as losses enter the fit span, removed
     as they leave): the same verdicts and z as recomputing them at every verdict, through a rewind
     (into the fit span's older part), a restart and a state round trip."""
-    xs = _climb(_pretraining(3000, 3), 1500, 0.3, 60)
+    xs = climb(pretraining(3000, 3), 1500, 0.3, 60)
     flags = _spike_flags(xs)
     fast, fresh = d.ClimbTrend(credit=0.5), _FreshFit(credit=0.5)
     credited = 0
@@ -633,7 +615,7 @@ def test_climb_trend_descent_credit_catches_early_climbs_and_leaves_healthy_runs
     """In the early descent (onset at step 450) a flat baseline subtracts the healthy fall from a
     0.006-nat/step climb; half the fitted descent gives it back (the spike flags hold spikes, as
     the loss rule's do: the fit must describe its span). The healthy runs (the power law of
-    ``_pretraining`` is not the credit's own step^-0.5), quiet ones and the same runs logged as an
+    ``pretraining`` is not the credit's own step^-0.5), quiet ones and the same runs logged as an
     EMA stay without a verdict."""
     def first(ct, xs):
         noise, flags = d.diff_sigma(xs[300:400]), _spike_flags(xs, d.diff_sigma(xs[300:400]))
@@ -641,14 +623,14 @@ def test_climb_trend_descent_credit_catches_early_climbs_and_leaves_healthy_runs
 
     timely = {0.0: 0, 0.5: 0}
     for seed in range(12):  # measured: 0 and 7 of 12
-        xs = _climb(_pretraining(1500, 40 + seed), 450, 0.3, 50)
+        xs = climb(pretraining(1500, 40 + seed), 450, 0.3, 50)
         for credit in timely:
             f = first(d.ClimbTrend(credit=credit), xs)
             assert f is None or f >= 450, (seed, credit, f)
             timely[credit] += f is not None and f <= 500
     assert timely[0.0] <= 2 and timely[0.5] >= 5, timely
     for seed in range(6):
-        raw, quiet = _pretraining(3000, seed), _pretraining(3000, seed, sigma=0.03)
+        raw, quiet = pretraining(3000, seed), pretraining(3000, seed, sigma=0.03)
         for xs in (raw, quiet, _ema(raw, 0.3), _ema(raw, 0.1)):
             assert first(d.ClimbTrend(credit=0.5), xs) is None, seed
 
@@ -661,11 +643,6 @@ def _ema(xs: list[float], a: float) -> list[float]:
     return out
 
 
-def _early(seed: int, n: int = 400, sigma: float = 0.1) -> list[float]:
-    """The first ``n`` steps of a ``_pretraining`` run (its recovered spikes as sparse as in 3000 steps)."""
-    return _pretraining(3000, seed, sigma)[:n]
-
-
 def _jump_verdict(dj: d.DescentJump, xs: list[float]) -> int | None:
     """The first run step (1-based) with a verdict."""
     return next((i + 1 for i, x in enumerate(xs) if dj.update(i + 1, x, 0.1)), None)
@@ -676,7 +653,7 @@ def test_descent_jump_quiet_on_healthy_early_descents_raw_quiet_and_smoothed(see
     """The first steps' plunge, a convex descent, recovered spikes, a quiet run and the same run
     logged as an EMA or a running mean: no verdict (its bends cancel around the onset; smoothing
     turns the test off)."""
-    noisy, quiet = _early(seed), _early(seed, sigma=0.03)
+    noisy, quiet = early_steps(seed), early_steps(seed, sigma=0.03)
     for xs in (noisy, quiet, _ema(noisy, 0.3), _ema(noisy, 0.1), [statistics.fmean(noisy[max(0, i - 19):i + 1]) for i in range(400)]):
         assert _jump_verdict(d.DescentJump(), xs) is None
 
@@ -691,7 +668,7 @@ def test_descent_jump_catches_a_jump_in_the_early_descent_with_its_onset(onset):
     caught = 0
     for seed in range(8):
         dj = d.DescentJump()
-        xs = [x + (0.8 if i + 1 >= onset else 0.0) for i, x in enumerate(_early(20 + seed))]
+        xs = [x + (0.8 if i + 1 >= onset else 0.0) for i, x in enumerate(early_steps(20 + seed))]
         first = _jump_verdict(dj, xs)
         assert first is None or first > onset + 4, (seed, first)
         if first is not None and first <= onset + dj.post + 4:
@@ -702,15 +679,15 @@ def test_descent_jump_catches_a_jump_in_the_early_descent_with_its_onset(onset):
 
 def test_descent_jump_judges_only_its_range_of_onsets():
     for onset in (40, 300):  # the pre window would reach into the plunge; past ``until``
-        xs = [x + (1.0 if i + 1 >= onset else 0.0) for i, x in enumerate(_early(3, 500))]
+        xs = [x + (1.0 if i + 1 >= onset else 0.0) for i, x in enumerate(early_steps(3, 500))]
         assert _jump_verdict(d.DescentJump(), xs) is None
 
 
 def test_descent_jump_ignores_spikes_a_bump_and_a_jump_too_small_for_the_level():
-    base = _early(7)
+    base = early_steps(7)
     spiky = [x + (2.5 if i % 9 == 0 and i > 60 else 0.0) for i, x in enumerate(base)]  # a spike every 9th step
     bump = [x + (0.8 if 120 <= i < 128 else 0.0) for i, x in enumerate(base)]  # 8 steps up, then back
-    quiet = _early(7, sigma=0.01)
+    quiet = early_steps(7, sigma=0.01)
     small = [x + (0.15 if i >= 150 else 0.0) for i, x in enumerate(quiet)]  # 15 sigmas, but 3 % of the level
     for xs in (spiky, bump, small):
         assert _jump_verdict(d.DescentJump(), xs) is None
@@ -720,14 +697,14 @@ def test_descent_jump_ignores_spikes_a_bump_and_a_jump_too_small_for_the_level()
 
 def test_descent_jump_is_off_for_a_smoothed_log_and_counts_it():
     dj = d.DescentJump()
-    xs = _ema([x + (0.8 if i >= 100 else 0.0) for i, x in enumerate(_early(1, 300))], 0.2)
+    xs = _ema([x + (0.8 if i >= 100 else 0.0) for i, x in enumerate(early_steps(1, 300))], 0.2)
     assert _jump_verdict(dj, xs) is None and dj._gated > 0
 
 
 def test_loss_rule_rolls_back_a_jump_in_the_early_descent():
     """Through the rule engine: a divergence finding from the early test, its onset at the jump,
     and a config that turns it off."""
-    xs = [x + (0.8 if i + 1 >= 60 else 0.0) for i, x in enumerate(_early(6, 300))]
+    xs = [x + (0.8 if i + 1 >= 60 else 0.0) for i, x in enumerate(early_steps(6, 300))]
     found = [f for f in run(RuleEngine(default_rules()), [rec(i + 1, x) for i, x in enumerate(xs)]) if f.rule == "divergence"]
     assert found and 60 < found[0].step <= 90 and 48 <= found[0].onset_step <= 60
     assert "against its early descent" in found[0].detail
@@ -918,7 +895,7 @@ def test_engine_state_dict_round_trip_between_level_verdicts(cut):
 
 
 def test_level_shift_fed_in_batches_gives_the_per_step_verdicts():
-    xs = _climb(_pretraining(2000, 3), 1200, 0.4, 150)
+    xs = climb(pretraining(2000, 3), 1200, 0.4, 150)
     one, many = d.LevelShift(), d.LevelShift()
     got = []
     for i in range(0, len(xs), 4):
@@ -1182,7 +1159,7 @@ def test_one_absurd_loss_in_warmup_neither_blinds_the_spike_test_nor_the_climb_t
     were never flagged. It also entered the climb test's running sums, whose float cancellation
     when it left made their z garbage until the next resync. Now it is a spike (from the third
     loss on) or resets the level (the very first loss), and the run is judged as without it."""
-    xs = _pretraining(2500, 40)
+    xs = pretraining(2500, 40)
     bad = list(xs)
     bad[at] = 1e30
     ref, got = RuleEngine(default_rules()), RuleEngine(default_rules())

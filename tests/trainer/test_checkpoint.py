@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import (  # noqa: F401  (fixtures)
+
+from tests.helpers.trainer import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     REPO,
     assert_same_trajectory,
@@ -28,7 +29,6 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     refs,
     run_trainer,
 )
-
 from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
 
 COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from trainer_helpers import (  # noqa: F401  (fixtures)
+
+from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord, authoritative_steps, parse_step_line
+from tests.helpers.trainer import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     assert_one_line_error,
     assert_same_trajectory,
@@ -25,8 +27,6 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     session_root,
     trajectory,
 )
-
-from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord, authoritative_steps, parse_step_line
 
 COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
 REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # shared with test_checkpoint (session cache)
@@ -193,7 +193,7 @@ def test_bad_flags(tmp_path, args, expect):
     argv = ["--run-dir", str(tmp_path / "run"), *args] if args else []
     import subprocess
 
-    from trainer_helpers import PYTHON, REPO, trainer_env
+    from tests.helpers.trainer import PYTHON, REPO, trainer_env
     p = subprocess.run([PYTHON, "-m", "trainer", *argv], env=trainer_env(), cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert_one_line_error(p, contains=expect)

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_helpers import dataset, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys, TimelineRecord
+from tests.helpers.trainer import dataset, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.slow
 

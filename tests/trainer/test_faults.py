@@ -1,7 +1,7 @@
 """Chaos: the trainer, its storage and its inputs under faults a failing disk or a careless (or hostile)
 hand produces (issue 9, items 5-7 and 9). Every case runs the real trainer or CLI.
 
-* Disk full for real: a small tmpfs in a private user + mount namespace (``tests/chaos_diskfull.py``),
+* Disk full for real: a small tmpfs in a private user + mount namespace (``tests/helpers/diskfull.py``),
   and the per-file size limit (RLIMIT_FSIZE, EFBIG), and /dev/full under the step log writer.
 * Checkpoints that pass their checksums but are malformed: fuzzed train_state.json / manifest fields,
   re-signed (the fixed cases are in test_checkpoint.py).
@@ -32,10 +32,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import skip_or_fail
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from trainer_helpers import (  # noqa: F401  (fixtures)
+
+from tests.helpers.services import skip_or_fail
+from tests.helpers.trainer import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     PYTHON,
     REPO,
@@ -48,7 +49,6 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     trainer_cmd,
     trainer_env,
 )
-
 from trainer.checkpoint import list_checkpoints, verify
 
 LONG = os.environ.get("SENTINEL_CHAOS_LONG", "").strip() not in ("", "0")
@@ -109,7 +109,7 @@ def _diskfull(tmp_path: Path, size: str, *args: str, fill_at: int = 0, free_afte
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
         skip_or_fail("user + mount namespaces (unshare -rm) are not available")
     out = tmp_path / "run"
-    cmd = ["unshare", "-rm", PYTHON, str(REPO / "tests" / "chaos_diskfull.py"), "--size", size, "--out", str(out)]
+    cmd = ["unshare", "-rm", PYTHON, str(REPO / "tests" / "helpers" / "diskfull.py"), "--size", size, "--out", str(out)]
     if fill_at:
         cmd += ["--fill-at", str(fill_at), "--free-after", str(free_after)]
     subprocess.run([*cmd, "--", *args], env=trainer_env(), cwd=REPO, check=True, timeout=400)

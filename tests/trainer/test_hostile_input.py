@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
-from trainer_helpers import (  # noqa: F401  (fixtures)
+
+from tests.helpers.trainer import (  # noqa: F401  (fixtures)
     assert_one_line_error,
     copy_run,
     dataset,

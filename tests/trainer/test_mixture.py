@@ -13,15 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
-from trainer_helpers import (
-    BASE_ARGS,
-    assert_same_trajectory,
-    copy_run,
-    records,
-    reference_run,
-    run_and_kill,
-    run_trainer,
-)
 
 from sentinel.backtest import backtest, load_trace
 from sentinel.client.metrics import TIMELINE_EVENTS, TrainerMetrics
@@ -35,6 +26,15 @@ from sentinel.protocol import (
     parse_step_line,
 )
 from sentinel.rules import default_rules
+from tests.helpers.trainer import (
+    BASE_ARGS,
+    assert_same_trajectory,
+    copy_run,
+    records,
+    reference_run,
+    run_and_kill,
+    run_trainer,
+)
 from trainer.data import (
     DataError,
     MixtureSampler,
@@ -46,7 +46,7 @@ from trainer.data import (
 )
 from trainer.data.sources import PYTHON_DOC_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

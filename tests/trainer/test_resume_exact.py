@@ -14,7 +14,8 @@ import json
 import random
 
 import pytest
-from trainer_helpers import (  # noqa: F401  (fixtures)
+
+from tests.helpers.trainer import (  # noqa: F401  (fixtures)
     BASE_ARGS,
     assert_one_line_error,
     assert_same_trajectory,
@@ -27,7 +28,6 @@ from trainer_helpers import (  # noqa: F401  (fixtures)
     run_trainer,
     trajectory,
 )
-
 from trainer.checkpoint import list_checkpoints, verify
 
 N2 = 24  # 2N steps, single rank

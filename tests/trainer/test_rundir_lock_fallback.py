@@ -21,7 +21,7 @@ import pytest
 
 from trainer import rundir_lock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent("""
     import errno, fcntl, sys

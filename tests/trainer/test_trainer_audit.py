@@ -15,7 +15,8 @@ import math
 import os
 
 import pytest
-from trainer_helpers import copy_run, dataset, run_trainer  # noqa: F401  (dataset is a fixture)
+
+from tests.helpers.trainer import copy_run, dataset, run_trainer  # noqa: F401  (dataset is a fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
