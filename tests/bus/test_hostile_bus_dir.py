@@ -1,4 +1,4 @@
-"""The embedded-bus audit of 2026-11-28 (hostile, stale or malformed files in RUN_DIR/bus/), replayed.
+"""Hostile, stale or malformed files in RUN_DIR/bus/, the embedded bus's own directory.
 
 Before: a stale ``server.pid`` naming any process with "redis" in its command line (the trainer's
 own ``--redis-url embedded``, a bystander, another run's bus) was taken for the run's bus:

@@ -1,4 +1,4 @@
-"""The control-bus audit of 2026-11-25: each attack it found, replayed against real Redis.
+"""Hostile and lost entries on the control bus, replayed against real Redis.
 
 Someone with write access to the bus but not the run's secret (or a buggy writer that has it)
 must not be able to stop a run, blind the sentinel or make it forget what it knows:

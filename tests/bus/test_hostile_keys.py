@@ -419,3 +419,38 @@ def test_a_stream_key_of_the_wrong_type_does_not_stop_the_daemon(key, embedded_b
     assert sample(d, "sentinel_steps_processed_total", run=run) == NAN_STEP
     stream = key.split("-")[0]
     assert sample(d, "sentinel_records_rejected_total", run=run, stream=stream, reason="wrong_type") >= 1
+
+
+# ------------------------------------------------------------------ the CLI's views and discovery
+
+
+def test_one_runs_key_of_the_wrong_type_costs_that_run_not_the_listing(embedded_bus):
+    """A steps, acks, events or heartbeat key of the wrong Redis type (anyone with bus access can
+    LPUSH) took status and pages down for every run (WRONGTYPE, exit 2). Now the run shows what
+    can be read, the skip is counted, and an unreadable heartbeat is no proof of life."""
+    r = bus.connect(embedded_bus.url)
+    good, bad = "good-run", "wt-run"
+    r.sadd(Keys.RUNS, good, bad)
+    for key in ("steps", "acks", "events", "heartbeat"):
+        r.lpush(getattr(Keys(bad), key), "x")
+    out = CliRunner().invoke(main, ["status", "--redis-url", embedded_bus.url, "--json"])
+    assert out.exit_code == 0, out.output[-1500:]
+    rows = {row["run"]: row for row in json.loads(out.stdout)["runs"]}
+    assert set(rows) == {good, bad}
+    assert rows[bad]["state"] == "stale" and rows[bad]["rejected_bus_entries"] == 2, rows[bad]  # steps, acks
+    out = CliRunner().invoke(main, ["pages", "--redis-url", embedded_bus.url, "--json"])
+    assert out.exit_code == 0, out.output[-1500:]
+    runs = {p["run"]: p for p in json.loads(out.stdout)["runs"]}
+    assert runs[bad]["rejected_bus_entries"] == 1 and runs[good]["pages"] == []
+
+
+def test_a_hostile_run_id_on_the_registry_is_left_out(embedded_bus):
+    """A run id with terminal escapes (or 5000 characters) registered by anyone with bus access
+    reached the daemon's log lines raw; ``Keys`` now refuses control characters and overlong ids,
+    so discovery leaves them out."""
+    r = bus.connect(embedded_bus.url)
+    r.sadd(Keys.RUNS, "ok-run", "evil\x1b[31mred", "x" * 5000)
+    assert bus.list_runs(r) == ["ok-run"]
+    for bad in ("evil\x1b[31mred", "x" * 5000, "tab\there"):
+        with pytest.raises(ValueError):
+            Keys(bad)

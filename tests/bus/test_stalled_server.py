@@ -1,4 +1,4 @@
-"""The stall audit of 2026-11-28: the Redis server stops answering mid-run (SIGSTOP, later SIGCONT).
+"""A bus whose Redis server stops answering mid-run (SIGSTOP, later SIGCONT).
 
 The trainer's steps, the daemon and the CLI's views rode it out (measured, not replayed here: the
 step time and CPU of both sides unchanged, every record delivered once the server went on). Two

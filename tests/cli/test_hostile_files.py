@@ -12,6 +12,7 @@ instead of stalling the suite.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -24,6 +25,7 @@ from click.testing import CliRunner
 
 from sentinel.cli import main
 from sentinel.protocol import StepRecord
+from tests.helpers.cli import one_line_error
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TIMEOUT = 60  # seconds; every case here answers in about one
@@ -37,18 +39,6 @@ def sentinel(*args, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
 
 def cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(res, *contains: str) -> str:
-    """The one ``error: ...`` line of a failed command (subprocess or CliRunner result), exit 2."""
-    code = res.returncode if isinstance(res, subprocess.CompletedProcess) else res.exit_code
-    err = res.stderr
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err[-3000:])
-    assert "Traceback" not in err
-    for c in contains:
-        assert c in lines[0], lines[0]
-    return lines[0]
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -317,3 +307,22 @@ def test_a_reversed_skiplist_range_is_one_line_for_every_reader(run_dir, tmp_pat
     one_line_error(cli("skip-list", run_dir), "skiplist.json", "lo <= hi")
     one_line_error(cli("skip-list", run_dir, "--json"), "skiplist.json", "lo <= hi")
     one_line_error(cli("report", run_dir, "--out", tmp_path / "r.png"), "skiplist.json", "lo <= hi")
+
+
+@pytest.mark.slow  # decompresses up to the cap (~5 s)
+def test_backtest_refuses_a_decompressed_bomb_and_short_columns(tmp_path):
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wb") as f:
+        for _ in range(64):
+            f.write(b"\n" * (1 << 24))  # 1 GiB of newlines in ~1 MiB
+    one_line_error(cli("backtest", str(bomb)), "blank lines in a row")
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"step": list(range(300)), "loss": [3.0] * 150}))
+    res = cli("backtest", str(short), "--json")
+    out = json.loads(res.stdout)
+    t = out["traces"][0] if "traces" in out else out
+    assert t["actions"] == [] and t["records"] == 150 and t["rejected_lines"] == 150, t
+    assert "column 'loss' has only 150 values" in res.stderr
+    boolean = tmp_path / "bool.jsonl"
+    boolean.write_text("".join(json.dumps({"step": True, "loss": 3.0}) + "\n" for _ in range(50)))
+    one_line_error(cli("backtest", str(boolean)), "a boolean is not a step number")

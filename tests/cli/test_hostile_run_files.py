@@ -32,6 +32,7 @@ from click.testing import CliRunner
 
 from sentinel.cli import main
 from sentinel.protocol import Incident
+from tests.helpers.cli import cli, cli_json, one_line_error
 
 DEEP = 50_000
 LONG = os.environ.get("SENTINEL_CHAOS_LONG", "").strip() not in ("", "0")  # every hostile variant, not one per kind
@@ -490,3 +491,59 @@ def test_the_daemon_watches_a_run_dir_whose_config_is_hostile(embedded_bus):
         out += rest
     assert "Traceback" not in out, out[-2000:]
     assert p.returncode == 0, out[-2000:]
+
+
+# ------------------------------------------------------------------ the views on a copy of the shared 30-step run (base_run)
+
+
+def test_a_fifo_as_the_runs_bus_url_does_not_wedge_the_views(run_copy):
+    (run_copy / "bus").mkdir(exist_ok=True)
+    url = run_copy / "bus" / "url"
+    url.unlink(missing_ok=True)
+    os.mkfifo(url)
+    for view in ("status", "checkpoints", "pages", "incidents", "skip-list"):
+        res = cli(view, str(run_copy))
+        assert res.exit_code == 0, (view, res.output, res.stderr)
+        assert "FIFO" in res.output + res.stderr or view == "skip-list", view
+
+
+def test_unreadable_steps_logs_and_bad_side_files_are_said_not_hidden(run_copy):
+    d = str(run_copy)
+    (run_copy / "steps.jsonl").rename(run_copy / "steps.bak")
+    os.mkfifo(run_copy / "steps.jsonl")
+    res = cli("status", d)
+    assert res.exit_code == 0 and "steps.jsonl is a FIFO" in res.stderr
+    (run_copy / "steps.jsonl").unlink()
+    (run_copy / "steps.bak").rename(run_copy / "steps.jsonl")
+    (run_copy / "pending_rollback.json").write_text('{"to_step": -1, "ranges": []}')
+    for view in ("status", "checkpoints", "skip-list"):
+        res = cli(view, d)
+        assert res.exit_code == 0 and "pending_rollback.json is malformed" in res.stderr, (view, res.stderr)
+    (run_copy / "pending_rollback.json").unlink()
+    # a manifest the trainer's schema refuses is not checksum_ok here, and no rollback target
+    m = run_copy / "checkpoints" / "step-00000020" / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["step"] = -5
+    m.write_text(json.dumps(doc))
+    rows = {c["step"]: c for c in cli_json("checkpoints", d)["checkpoints"]}
+    assert rows[20]["verified"] == "corrupt" and "manifest step" in rows[20]["problem"]
+    one_line_error(cli("rollback", d, "--to-step", "20", "--yes"), "corrupt")
+    doc["step"] = 30
+    m.write_text(json.dumps(doc))
+    rows = {c["step"]: c for c in cli_json("checkpoints", d)["checkpoints"]}
+    assert "not the step of its directory" in rows[20]["problem"]
+    one_line_error(cli("rollback", d, "--before-step", "99999999999999999999", "--dry-run"), "past the run's last step")
+
+
+def test_pages_limit_zero_shows_all_a_report_names_no_none_and_a_fifo_checkpoint_file_is_no_regular_file(run_copy):
+    """`pages --limit 0` shows all, as `incidents --limit 0` does (it was an error); `report` no
+    longer says "from none"; a checkpoint file that is a FIFO is "no regular file", not "missing"."""
+    d = str(run_copy)
+    assert cli("pages", d, "--limit", "0").exit_code == 0
+    res = cli("report", d, "--out", str(run_copy / "r.png"))
+    assert res.exit_code == 0 and "from none" not in res.stdout
+    f = run_copy / "checkpoints" / "step-00000020" / "optim.pt"
+    f.unlink()
+    os.mkfifo(f)
+    rows = {c["step"]: c for c in cli_json("checkpoints", d)["checkpoints"]}
+    assert rows[20]["verified"] == "corrupt" and rows[20]["problem"] == "optim.pt is no regular file"

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from sentinel.cli import main
 from sentinel.protocol import Incident, MarkerRecord, StepRecord, TimelineRecord
 from sentinel.report import gather, render
+from tests.helpers.cli import one_line_error
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -93,11 +94,6 @@ def cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-def one_line_error(res, contains: str) -> None:
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and contains in lines[0], res.output
-
-
 def test_report_command_on_a_real_run(real_run, tmp_path):
     import shutil
 
@@ -158,3 +154,11 @@ def test_gather_reads_the_log_once_and_settles_abandoned_steps_as_the_whole_log_
         want = [(r.timeline, final.get(r.step) is not r, r.step, r.loss) for r in recs if isinstance(r, StepRecord)]
         assert got == want
         assert data.guard_skips == [(s, r.loss, "skipped") for s, r in final.items() if r.skipped]
+
+
+def test_an_incident_id_never_takes_a_report_outside_the_run_dir(tmp_path):
+    from sentinel.cli.report_cmd import default_path
+
+    for iid in ("../../../../pwned", "..", "/etc/x", "a/b"):
+        p = default_path(tmp_path / "run", iid)
+        assert p.parent == tmp_path / "run" / "reports" and "/" not in p.name and p.name.startswith("incident-"), p

@@ -1,4 +1,4 @@
-"""Chaos suite for the control plane (issue 9 items 1-4, 8, 9; issue 10 item 1), on real buses.
+"""Faults and attacks on the control plane (the bus between trainer and sentinel), on real buses.
 
 Each test replays one attack or fault from the issue against real parts (embedded valkey, the
 real trainer, the real daemon) and checks the outcome the issue asks for: rejected, counted by
@@ -73,7 +73,7 @@ def _kill_bus(run_dir: Path) -> int:
 # ------------------------------------------------------------------ item 3: the daemon's step reader
 
 
-def test_issue_records_are_rejected_by_reason_acked_and_never_reread(embedded_bus, unique_run):
+def test_hostile_records_are_rejected_by_reason_acked_and_never_reread(embedded_bus, unique_run):
     """The six records that crashed the daemon, and the nine it processed as real, against a live daemon."""
     r = bus.connect(embedded_bus.url)
     raw = bus.connect(embedded_bus.url, decode=False)

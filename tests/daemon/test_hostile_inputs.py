@@ -1,4 +1,4 @@
-"""The daemon audit of 2026-11-27: what one bad input did to ``sentinel run``, replayed.
+"""Hostile inputs to ``sentinel run``: what one bad input (a run's poll, a saved state, a page, an address) did.
 
 Before: one exception in one run's poll (a corrupt saved state, a page that failed in an
 unforeseen way, any bug) dropped the step batch of *every* run the daemon watched, for good (the

@@ -37,7 +37,7 @@ def sentinel_proc(*args: str, timeout: float = 120, env_extra: dict | None = Non
 
 @pytest.fixture(scope="module")
 def base_run(refs) -> Path:
-    """One 30-step run for the session (test_cli_audit and test_cli_audit3 import this fixture too):
+    """One 30-step run for the session (the CLI and offline tests share it through conftest):
     ``refs`` trains it once; the tests read it, or a copy (``run_copy``)."""
     return refs("--max-steps", "30", "--ckpt-every", "10", "--keep-last", "10", "--eval-every", "10")
 
@@ -51,3 +51,15 @@ def step_records(run_dir: Path) -> dict[int, StepRecord]:
     from sentinel.rundir import effective_steps, read_records
 
     return {r.step: r for r in effective_steps(read_records(run_dir))}
+
+
+def one_line_error(res, *contains: str, rc: int = 2) -> str:
+    """The one ``error: ...`` line of a failed command (subprocess or CliRunner result), exit 2."""
+    code = res.returncode if isinstance(res, subprocess.CompletedProcess) else res.exit_code
+    err = res.stderr
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == rc and len(lines) == 1 and lines[0].startswith("error: "), (code, err[-3000:])
+    assert "Traceback" not in err + (res.stdout or "")
+    for c in contains:
+        assert c in lines[0], lines[0]
+    return lines[0]

@@ -14,6 +14,7 @@ from sentinel.backtest import backtest, load_trace
 from sentinel.cli.backtest_cmd import backtest as backtest_cmd
 from sentinel.protocol import StepRecord, TimelineRecord
 from sentinel.rules import default_rules
+from tests.helpers.cli import cli
 
 
 def loss_only_trace(tmp_path: Path, spikes=(400,), n: int = 600, shift_from: int | None = None) -> Path:
@@ -1172,3 +1173,19 @@ def test_findings_past_the_kept_ones_are_counted_not_held(tmp_path, monkeypatch)
     r = CliRunner().invoke(backtest_cmd, [str(p)])
     assert r.exit_code == 0, r.output
     assert f"and {res.fired_count - 2} more findings" in " ".join(r.output.split())
+
+
+# ------------------------------------------------------------------ a run directory (the shared 30-step run)
+
+
+def test_backtest_of_a_run_directory_judges_its_step_log(run_copy):
+    (run_copy / "directives.jsonl").write_text('{"id": "x", "kind": "pause"}\n')
+    (run_copy / "incidents.jsonl").write_text('{"id": "run-t0-s5", "rule": "loss_spike"}\n')
+    res = cli("backtest", str(run_copy), "--json")
+    assert res.exit_code == 0, (res.exit_code, res.stderr)
+    out = json.loads(res.stdout)
+    assert "traces" not in out and out["records"] == 30, list(out)
+    assert out["source"]["run_settings"] == ["checkpoint every 10 steps (config.yaml)"]
+    res = cli("backtest", str(run_copy), str(run_copy), "--json")
+    assert res.exit_code == 0, res.stderr
+    assert [t["trace"] for t in json.loads(res.stdout)["traces"]] == [str(run_copy / "steps.jsonl")] * 2

@@ -257,3 +257,51 @@ def test_replay_two_ranks_bad_input_is_one_line(ddp_run):
     r = invoke("replay-batch", ddp_run, "--step", "3")
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit)
     assert r.output.strip().splitlines() == [r.output.strip()] and "no valid checkpoint at or before step 2" in r.output
+
+
+# ------------------------------------------------------------------ on a copy of the shared 30-step run (base_run)
+
+
+@pytest.mark.slow
+def test_one_torn_line_does_not_stop_replay_and_verify(run_copy):
+    log = run_copy / "steps.jsonl"
+    lines = log.read_bytes().splitlines(keepends=True)
+    i = next(k for k, ln in enumerate(lines) if b'"step":25,' in ln)
+    lines[i] = lines[i][:60] + b"\n"  # torn in the middle of the file
+    log.write_bytes(b"".join(lines))
+    res = invoke("replay-batch", str(run_copy), "--step", "15", "--json")
+    assert res.exit_code == 0 and "skipped 1 unreadable line" in res.stderr, (res.stdout[-500:], res.stderr)
+    assert json.loads(res.stdout)["step"] == 15
+    res = invoke("verify-resume", str(run_copy), "--from-step", "10", "--steps", "2", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["equivalent"] is True, res.stdout[-800:]
+
+
+@pytest.mark.slow
+def test_a_skip_list_that_cannot_be_written_does_not_cost_the_replays_verdict(run_copy, monkeypatch):
+    """A read-only run dir (the audit mounted one): before, the replay's verdict and culprits were
+    lost behind `error: Read-only file system: .../.skiplist.json.tmp-15192`."""
+    import errno
+
+    import sentinel.offline.replay as replay_mod
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, "Read-only file system", str(run_copy / ".skiplist.json.tmp-1"))
+
+    import sentinel.cli.replay_cmd as replay_cmd
+
+    real = replay_cmd._in_process
+
+    def with_a_culprit(*a, **k):  # the shared run is healthy: its steps have none (a normal batch)
+        res = real(*a, **k)
+        res["culprits"] = [{"id": 123, "loss": 9.0, "grad_norm": None, "score": 9.0, "source": None, "shard": 0,
+                            "offset": 0, "text": "x"}]
+        return res
+
+    monkeypatch.setattr(replay_cmd, "_in_process", with_a_culprit)
+    monkeypatch.setattr(replay_mod, "add_to_skiplist", read_only)
+    res = invoke("replay-batch", str(run_copy), "--step", "15", "--skip-culprits", "--json")
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.stdout[-1500:], res.stderr)
+    out = json.loads(res.stdout)
+    assert out["culprits"] and out["skip"]["status"] == "failed"
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: could not add the culprits to the skip list: Read-only file system"], res.stderr

@@ -19,7 +19,9 @@ from click.testing import CliRunner
 
 from sentinel.cli import main as cli
 from sentinel.client.steplog import authoritative
+from tests.helpers.cli import sentinel_proc, step_records
 from tests.helpers.offline import PY, make_run
+from tests.helpers.trainer import run_trainer
 from trainer.checkpoint import CheckpointError, sha256_file, verify
 
 C = 10  # the checkpoint under test (the run has 10 and 20)
@@ -288,3 +290,54 @@ def test_two_ranks_tampered_cursor_is_caught(ddp_run, tmp_path):
     r = invoke("verify-resume", run, "--from-step", "5", "--steps", "2", "--json")
     assert r.exit_code == 1, r.output
     assert json.loads(r.stdout)["first_divergence"]["component"] == "data_cursor"
+
+
+# ------------------------------------------------------------------ on a copy of the shared 30-step run (base_run), and the two-rank run
+
+
+@pytest.mark.slow
+def test_a_train_state_that_breaks_its_schema_is_named_as_such(run_copy):
+    import hashlib
+
+    ck = run_copy / "checkpoints" / "step-00000020"
+    ts = json.loads((ck / "train_state.json").read_text())
+    del ts["run"]
+    (ck / "train_state.json").write_text(json.dumps(ts))
+    m = json.loads((ck / "manifest.json").read_text())
+    m["files"]["train_state.json"] = hashlib.sha256((ck / "train_state.json").read_bytes()).hexdigest()
+    (ck / "manifest.json").write_text(json.dumps(m))
+    res = invoke("verify-resume", str(run_copy), "--from-step", "20", "--steps", "2", "--json")
+    first = json.loads(res.stdout)["first_divergence"]
+    assert res.exit_code == 1 and first["component"] == "train_state", first
+
+
+def test_verify_resume_stops_where_a_rollback_grew_the_skip_list(run_copy, dataset):
+    """A rollback to checkpoint 10 that skips one sample of step 14: the log's steps 14 on trained
+    without it, so a plain resume from 10 matches steps 11-13 only. Before: `NOT equivalent ...
+    data_cursor`, exit 1, checkpoint 10 marked failed."""
+    skip = sorted(step_records(run_copy)[14].sample_ids)[0]
+    p = sentinel_proc("rollback", str(run_copy), "--to-step", "10", "--skip", f"{skip}:{skip + 1}", "--yes", "--json")
+    assert p.returncode == 0, p.stderr
+    run_trainer(run_copy, data_dir=dataset, check=True)  # takes the pending rollback, trains 11-30 again
+    # in a process of its own with the trainer's environment: on CPU a bitwise resume needs the run's intra-op
+    # thread count (the trainer ran with OMP_NUM_THREADS=1; this pytest process has one thread per core)
+    res = sentinel_proc("verify-resume", str(run_copy), "--from-step", "10", "--steps", "8", "--json", timeout=300)
+    assert res.returncode == 0, (res.returncode, res.stdout[-1500:], res.stderr)
+    out = json.loads(res.stdout)
+    assert out["ok"] and out["steps"] == 3 and [r["step"] for r in out["rows"]] == [11, 12, 13]
+    assert any("from step 14 on, the log did not train samples" in n for n in out["notes"]), out["notes"]
+    assert "from step 14 on" in res.stderr
+    verified = json.loads((run_copy / "checkpoints" / "verified.json").read_text())
+    assert verified["10"]["verified"] == "resume_verified", verified
+
+
+@pytest.mark.slow
+def test_verify_resume_on_two_ranks_shows_the_workers_notes(tmp_path_factory, tmp_path):
+    """The workers' stderr goes to their log file: their notes must be echoed, as replay-batch's
+    warnings are. Before: 4 steps asked, 2 verified, nothing said."""
+    # test_verify_resume's two-rank run (built once per session); verify-resume writes into a copy
+    run = shutil.copytree(make_run(tmp_path_factory, "ddp2", ranks=2, steps=12, every=5), tmp_path / "ddp2")
+    p = subprocess.run([PY, "-m", "sentinel", "verify-resume", str(run), "--from-step", "10", "--steps", "4"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "note: the log has only 2 step(s) after checkpoint 10; verifying 2" in p.stderr, p.stderr

@@ -1,5 +1,5 @@
-"""Chaos: the trainer, its storage and its inputs under faults a failing disk or a careless (or hostile)
-hand produces (issue 9, items 5-7 and 9). Every case runs the real trainer or CLI.
+"""Faults: the trainer, its storage and its inputs under faults a failing disk or a careless (or hostile)
+hand produces. Every case runs the real trainer or CLI.
 
 * Disk full for real: a small tmpfs in a private user + mount namespace (``tests/helpers/diskfull.py``),
   and the per-file size limit (RLIMIT_FSIZE, EFBIG), and /dev/full under the step log writer.
