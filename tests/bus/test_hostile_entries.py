@@ -11,7 +11,7 @@ must not be able to stop a run, blind the sentinel or make it forget what it kno
 3. a replayed start/resume/rollback record must not reset the detectors, and replayed steps
    after it must not be judged again;
 4. one signed record with an absurd step or time must not refuse every genuine step after it;
-5. (the registry flood: tests/test_chaos_bus.py, test_hostile_run_registry_members...)
+5. (the registry flood: tests/daemon/test_control_plane_faults.py, test_hostile_run_registry_members...)
 6. a bus that lost its data gets the run's registration, checkpoints and skip list back;
 7. a directives key of another Redis type is counted by the trainer and replaced by the CLI;
 8. a flood of junk directives is not a flood of acks, events and log lines, and cannot push a

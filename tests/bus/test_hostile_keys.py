@@ -9,7 +9,7 @@ Redis type (WRONGTYPE). Then, against a real Redis (embedded valkey):
 
 * every on-call command that reads the key (click's CliRunner, ``--redis-url``): never a
   traceback; exit 0 showing the good entries, or exit 2 with one ``error:`` line;
-* the daemon (``Daemon.iterate``, as tests/test_daemon drives it): no exception, and it still
+* the daemon (``Daemon.iterate``, as tests/daemon/test_daemon drives it): no exception, and it still
   judges the steps and sends its rollback;
 * the trainer's bus client, which reads the checkpoints hash back for retention: the step records
   behind it still arrive.

@@ -47,7 +47,7 @@ def _until(cond, what: str, timeout: float = 60.0) -> None:
 def test_records_a_stalled_bus_never_took_are_counted_in_one_warning_at_close(redis_server, unique_run, caplog):
     r = bus.connect(redis_server.url)
     steps = Keys(unique_run).steps
-    log = logging.getLogger("test_stall_audit.bus_client")
+    log = logging.getLogger("test_stalled_server.bus_client")
     client = BusClient(redis_server.url, unique_run, SECRET, logger=log, io_timeout_s=0.5)
     for s in range(1, 6):
         client.publish_step(_step(unique_run, s))

@@ -1,6 +1,6 @@
 """sentinel.client.ControlLoop, the one directive state machine, on its own (no bus, no torch).
 
-Its run against the real daemon is tests/test_own_loop.py; our trainer's, tests/test_sentinel_e2e.py.
+Its run against the real daemon is tests/client/test_own_loop.py; our trainer's, tests/e2e/test_sentinel_e2e.py.
 Here: what each directive does to the host and to the run dir, once per id, and the relaunch path a
 framework that cannot restore mid-run takes (pending_rollback.json, consumed by the next begin)."""
 

@@ -1,6 +1,6 @@
 """`sentinel export DIR`: the dashboards' JSON, the alert rule files, a PrometheusRule and dashboard
 ConfigMaps, from the installed packages; `--check` finds a stale or missing file. The installed
-wheel's copy is checked by tests/test_packaging.py."""
+wheel's copy is checked by tests/deploy/test_packaging.py."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ rules:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    """The Shakespeare corpus, prepared once (the same dir trainer_helpers uses, so a session shares it)."""
+    """The Shakespeare corpus, prepared once (the same dir tests/helpers/trainer.py uses, so a session shares it)."""
     from trainer.data import ensure_prepared
 
     root = tmp_path_factory.getbasetemp() / "trainer-acceptance"

@@ -1,4 +1,4 @@
-"""Shared helpers for the trainer acceptance tests (test_resume_exact, test_checkpoint, test_trainer_cli).
+"""Shared helpers for the trainer acceptance tests (tests/trainer/, and every test that needs a trained run).
 
 Everything runs the real trainer in subprocesses (``python -m trainer`` or ``torchrun``), on CPU,
 against one prepared Shakespeare dataset shared by the whole pytest session.

@@ -8,7 +8,7 @@ compares 4 steps with the step log: loss, grad norm, guard verdict, batch finger
 parameter digest (``==``: a digest has no tolerance).
 
 Needs a CUDA device: skipped on CPU-only machines (CI), run on a GPU machine with
-``pytest tests/test_cuda_resume.py``.
+``pytest tests/trainer/test_cuda_resume.py``.
 """
 
 from __future__ import annotations

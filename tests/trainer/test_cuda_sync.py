@@ -6,7 +6,7 @@ steps (allocator, cuBLAS handles, pinned-memory pool, the first lagged readback)
 it: telemetry and the step log must come from the one-step-lagged pinned copies.
 
 Needs a CUDA device: on CPU-only machines there is no device queue to sync with, so it is skipped.
-Run it on a GPU machine with ``pytest tests/test_cuda_sync.py``.
+Run it on a GPU machine with ``pytest tests/trainer/test_cuda_sync.py``.
 """
 
 from __future__ import annotations

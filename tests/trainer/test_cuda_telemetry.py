@@ -4,7 +4,7 @@ Telemetry reads each step's values one step late (no host-device sync), so the h
 queueing a step to reading it back spans about two steps when the GPU is the bottleneck. Measured
 on an H100 before the fix: gpt2-124m's ``step_seconds`` 0.458 s against 0.233 s between steps, and
 ``training_tokens_per_second`` (tokens over summed step seconds) half the true rate. Skipped on
-CPU-only machines; run on a GPU machine with ``pytest tests/test_cuda_telemetry.py``.
+CPU-only machines; run on a GPU machine with ``pytest tests/trainer/test_cuda_telemetry.py``.
 """
 
 from __future__ import annotations
