@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Directive, Incident, Keys
-from tests.helpers.trainer import BASE_ARGS, REPO, dataset, kill_all, last_step, trainer_cmd, trainer_env  # noqa: F401
+from tests.helpers.trainer import BASE_ARGS, REPO, kill_all, last_step, trainer_cmd, trainer_env
 
 
 def cli(*args: str):

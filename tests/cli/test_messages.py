@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Keys
-from tests.helpers.trainer import REPO, assert_one_line_error, dataset, trainer_env  # noqa: F401  (fixtures)
+from tests.helpers.trainer import REPO, assert_one_line_error, trainer_env
 
 
 def cli(*args: str):

@@ -18,7 +18,7 @@ import pytest
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys
-from tests.helpers.trainer import dataset, descendants, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401
+from tests.helpers.trainer import descendants, kill_all, read_steps, trainer_cmd, trainer_env, wait_for
 
 _wait, _steps = wait_for, read_steps
 

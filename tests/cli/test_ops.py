@@ -20,12 +20,10 @@ from sentinel import bus
 from sentinel.cli import main
 from sentinel.protocol import Ack, CheckpointInfo, Directive, Incident, Keys, StepRecord, TimelineRecord
 from tests.helpers.cli import SENTINEL, cli, cli_json, sentinel_proc, step_records
-from tests.helpers.trainer import (  # noqa: F401  (fixtures)
+from tests.helpers.trainer import (
     BASE_ARGS,
     REPO,
     assert_one_line_error,
-    copy_run,
-    dataset,
     kill_all,
     records,
     run_trainer,

@@ -25,7 +25,7 @@ import pytest
 from sentinel.client import steplog as steplog_mod
 from sentinel.client.steplog import StepLog, read
 from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord
-from tests.helpers.trainer import BASE_ARGS, dataset, run_trainer  # noqa: F401  (fixture)
+from tests.helpers.trainer import BASE_ARGS, run_trainer
 
 
 def _step(n: int, timeline: int = 0) -> StepRecord:

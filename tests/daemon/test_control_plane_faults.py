@@ -47,7 +47,7 @@ from tests.helpers.daemon import (
     sample,
     step_rec,
 )
-from tests.helpers.trainer import dataset, trainer_cmd, trainer_env  # noqa: F401  (dataset is a fixture)
+from tests.helpers.trainer import trainer_cmd, trainer_env
 
 pytestmark = pytest.mark.timeout(600)
 LONG = os.environ.get("SENTINEL_CHAOS_LONG") == "1"

@@ -18,15 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.trainer import (  # noqa: F401  (fixtures)
+from tests.helpers.trainer import (
     BASE_ARGS,
     REPO,
     assert_same_trajectory,
     checkpoint_steps,
     copy_run,
-    dataset,
     records,
-    refs,
     run_trainer,
 )
 from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify

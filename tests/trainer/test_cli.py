@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 
 from sentinel.protocol import MarkerRecord, StepRecord, TimelineRecord, authoritative_steps, parse_step_line
-from tests.helpers.trainer import (  # noqa: F401  (fixtures)
+from tests.helpers.trainer import (
     BASE_ARGS,
     assert_one_line_error,
     assert_same_trajectory,
     copy_run,
-    dataset,
     records,
-    refs,
     run_trainer,
     session_root,
     trajectory,

@@ -20,7 +20,7 @@ import pytest
 
 from sentinel import bus
 from sentinel.protocol import Directive, Keys, TimelineRecord
-from tests.helpers.trainer import dataset, kill_all, read_steps, trainer_cmd, trainer_env, wait_for  # noqa: F401  (dataset is a fixture)
+from tests.helpers.trainer import kill_all, read_steps, trainer_cmd, trainer_env, wait_for
 
 pytestmark = pytest.mark.slow
 

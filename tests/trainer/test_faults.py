@@ -36,15 +36,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.services import skip_or_fail
-from tests.helpers.trainer import (  # noqa: F401  (fixtures)
+from tests.helpers.trainer import (
     BASE_ARGS,
     PYTHON,
     REPO,
     assert_one_line_error,
     assert_same_trajectory,
     copy_run,
-    dataset,
-    refs,
     run_trainer,
     trainer_cmd,
     trainer_env,

@@ -24,14 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.trainer import (  # noqa: F401  (fixtures)
-    assert_one_line_error,
-    copy_run,
-    dataset,
-    records,
-    refs,
-    run_trainer,
-)
+from tests.helpers.trainer import assert_one_line_error, copy_run, records, run_trainer
 
 BASE = ("--max-steps", "4", "--ckpt-every", "2")
 

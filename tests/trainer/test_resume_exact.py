@@ -15,15 +15,13 @@ import random
 
 import pytest
 
-from tests.helpers.trainer import (  # noqa: F401  (fixtures)
+from tests.helpers.trainer import (
     BASE_ARGS,
     assert_one_line_error,
     assert_same_trajectory,
     checkpoint_steps,
     copy_run,
-    dataset,
     records,
-    refs,
     run_and_kill,
     run_trainer,
     trajectory,
