@@ -31,8 +31,6 @@ from tests.helpers.trainer import (
     trainer_env,
 )
 
-# ------------------------------------------------------------------ a finished single-rank run, shared
-
 
 # ------------------------------------------------------------------ architecture
 def test_commands_do_not_import_torch(base_run):

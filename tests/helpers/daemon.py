@@ -17,8 +17,6 @@ from sentinel.protocol import (
 from sentinel.rules import parse_rules
 
 SECRET = b"test-secret-0123456789abcdef"
-
-
 RULES = """\
 version: 1
 policy:
@@ -34,14 +32,8 @@ rules:
 
 
 NAN_STEP = 45  # the step whose loss is NaN
-
-
 CKPTS = (10, 20, 30, 40)  # checkpoints the "trainer" registered; rollback target = newest <= 45 - 20 = 20
-
-
 TARGET = 20
-
-
 PER_STEP = 8  # samples per step: step s trains ids [s*8, s*8+8)
 
 

@@ -33,14 +33,8 @@ def check_export(out: Path) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
 DEPLOY = ROOT / "deploy"
-
-
 K8S = DEPLOY / "k8s"
-
-
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

@@ -9,8 +9,6 @@ from sentinel.protocol import CheckpointInfo, StepRecord, TimelineRecord
 from sentinel.rules import RuleSet, default_rules
 
 RUN = "run1"
-
-
 IDS_PER_STEP = 4
 
 

@@ -13,19 +13,13 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers.bus import poll as poll
+from tests.helpers.bus import poll
 from tests.helpers.metrics import DOCS
 from tests.helpers.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
 ALERTS = ROOT / "alerts"
-
-
 FAST_FOR = "2s"
-
-
 UNDER_TEST = {"SentinelDown", "TrainingRankDown"}
 
 

@@ -11,11 +11,7 @@ from pathlib import Path
 from sentinel.client import BusClient, CheckpointInfo, ControlLoop, RestoreFailed, StepLog, StepRecord
 
 PER_STEP = 8  # samples per step
-
-
 POISON = range(1200, 1208)  # the samples of step 150 on the first pass
-
-
 CKPT_EVERY = 25
 
 

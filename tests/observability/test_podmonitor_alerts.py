@@ -30,7 +30,6 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from tests.helpers.bus import poll as poll
 from tests.helpers.deploy import K8S, kustomize, one_object
 from tests.helpers.prometheus import ALERTS, Prom, fast_rules
 from tests.helpers.services import find_binary, free_port, start_logged, stop_process, wait_http_ready
