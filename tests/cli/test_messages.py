@@ -10,23 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from sentinel import bus
-from sentinel.cli import main
 from sentinel.protocol import Keys
+from tests.helpers.cli import cli, one_line_error
 from tests.helpers.trainer import REPO, assert_one_line_error, trainer_env
-
-
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def one_line(res, rc: int = 2) -> str:
-    assert "Traceback" not in res.output, res.output
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.exit_code == rc and len(lines) == 1 and lines[0].startswith("error: "), (res.exit_code, res.stderr)
-    return lines[0]
 
 
 def trainer(run_dir: Path, *args: str, data: Path) -> subprocess.CompletedProcess:
@@ -82,7 +70,7 @@ def test_approve_a_malformed_incident_names_run_incident_and_entry(embedded_bus)
     bus.register_run(r, "run", {"run_dir": str(embedded_bus.run_dir)})
     k = Keys("run")
     r.hset(k.incidents, "run-t0-s101", '{"id": "run-t0-s101", "state": "awaiting_approval"}')  # no run, rule, steps
-    line = one_line(cli("approve", "run-t0-s101", "--run", str(embedded_bus.run_dir)))
+    line = one_line_error(cli("approve", "run-t0-s101", "--run", str(embedded_bus.run_dir)))
     assert "run run:" in line and "incident run-t0-s101" in line and "malformed" in line and "Incident." in line
     assert r.xlen(k.approvals) == 0  # nothing approved
 
@@ -91,9 +79,9 @@ def test_approve_a_malformed_incident_names_run_incident_and_entry(embedded_bus)
 def test_run_on_a_regular_file_says_not_a_directory(tmp_path):
     f = tmp_path / "steps.jsonl"
     f.write_text("{}\n")
-    line = one_line(cli("run", str(f)))
+    line = one_line_error(cli("run", str(f)))
     assert line == f"error: not a directory: {f}"
-    assert "not found" in one_line(cli("run", str(tmp_path / "nope")))
+    assert "not found" in one_line_error(cli("run", str(tmp_path / "nope")))
 
 
 # ------------------------------------------------------------------ an unknown run id on a bus of hostile ids
@@ -103,11 +91,11 @@ def test_unknown_run_id_error_is_capped(redis_server):
     # characters that reorder or hide text on a terminal (U+202E: right-to-left override)
     hostile = ["a" * 256, "b\u202eevil"] + [f"run-{i:03d}-" + "z" * 240 for i in range(40)]
     r.sadd(Keys.RUNS, *hostile)
-    line = one_line(cli("status", "nosuchrun", "--redis-url", redis_server.url))
+    line = one_line_error(cli("status", "nosuchrun", "--redis-url", redis_server.url))
     assert "not known" in line and "and 32 more" in line
     assert len(line) < 1000, len(line)
     assert "\u202e" not in line and "\\u202e" in line  # escaped, not sent to the terminal
     assert "a" * 65 not in line and "z" * 65 not in line  # each id cut short
     # the id asked for is cut short too
-    line = one_line(cli("status", "y" * 5000, "--redis-url", redis_server.url))
+    line = one_line_error(cli("status", "y" * 5000, "--redis-url", redis_server.url))
     assert len(line) < 1000 and "y" * 65 not in line
