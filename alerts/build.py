@@ -8,7 +8,7 @@
 Authors edit ``alerts/src/*.yaml`` (plain Prometheus rule files without ``runbook_url``). The
 builder adds ``runbook_url: <RUNBOOK_BASE>/docs/runbooks/<AlertName>.md`` to every alert (the
 kubernetes-mixin ``add-runbook-links`` pattern), refuses an alert that sets its own, and writes the
-generated file with a do-not-edit header. ``tests/test_alerts.py`` checks the generated files are
+generated file with a do-not-edit header. ``tests/observability/test_alerts.py`` checks the generated files are
 current and that every alert has its runbook.
 """
 

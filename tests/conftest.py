@@ -1,15 +1,20 @@
-"""Shared test fixtures: real Redis/valkey servers, no mocks.
+"""The fixtures every component's tests share: real Redis/valkey servers, trained runs, no mocks.
 
 * ``embedded_bus``  - the run's embedded valkey (``sentinel.embedded``), stopped at teardown.
 * ``redis_server``  - Debian's ``/usr/bin/redis-server`` on a free port, no persistence.
 * ``redis_factory`` - start more Debian servers with extra args (AUTH, ACL users, TLS).
 * ``redis_url``     - parametrised over both kinds of server: ``params=["embedded", "debian"]``.
 * ``unique_run``    - a unique, valid run id per test, so tests never share keys.
-* ``require_binary(name)`` - a missing binary fails the test under CI (CI=true), skips otherwise.
+* ``dataset``, ``refs``  - the prepared corpus and the session's cache of trained runs (tests/helpers/trainer.py).
+* ``base_run``, ``run_copy`` - the finished 30-step run the CLI and offline tests read, and a copy of it
+  (tests/helpers/cli.py).
+
+Plain functions and classes (``require_binary``, ``free_port``, ``make_daemon`` ...) live in tests/helpers/;
+no test module imports another.
 
 Tiers (docs/testing.md): a test that starts a service (a Redis/valkey server, Prometheus, Alertmanager)
 or another process (a trainer, torchrun, ``python -m sentinel``) is marked ``slow`` here at collection,
-from its fixtures and its own source (and the module functions it calls), so ``-m "not slow"``
+from its fixtures and its own source (and the functions of its module or of tests/helpers it calls), so ``-m "not slow"``
 (``make check``) is the in-process tier.
 """
 
@@ -20,21 +25,19 @@ import functools
 import inspect
 import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from trainer_helpers import dataset, refs  # noqa: F401  (session fixtures every module sees: one dataset, one cache of runs)
 
-DEBIAN_REDIS = "/usr/bin/redis-server"
+from tests.helpers.cli import base_run, run_copy  # noqa: F401  (the 30-step run the CLI and offline tests share)
+from tests.helpers.services import DEBIAN_REDIS, RedisProc, free_port, require_binary
+from tests.helpers.trainer import dataset, refs  # noqa: F401  (session fixtures every module sees: one dataset, one cache of runs)
+
 TESTS = Path(__file__).resolve().parent
 
 # what starts a service or a process, in the source of a test, its fixtures or the module functions it calls
@@ -54,11 +57,11 @@ def _source(obj) -> str:
 
 
 def _ours(obj) -> bool:
-    """A function or class defined in tests/ (this module's, or imported from a helper or another test module)."""
+    """A function or class defined under tests/ (the test module's own, or imported from tests/helpers)."""
     if not (inspect.isfunction(obj) or inspect.isclass(obj)):
         return False
     mod = sys.modules.get(getattr(obj, "__module__", "") or "")
-    return Path(getattr(mod, "__file__", None) or "/").resolve().parent == TESTS
+    return TESTS in Path(getattr(mod, "__file__", None) or "/").resolve().parents
 
 
 @functools.cache
@@ -96,92 +99,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("slow") is None and _starts_processes(item):
             item.add_marker(pytest.mark.slow)
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def skip_or_fail(reason: str) -> None:
-    """A missing prerequisite fails under CI (so CI can't go green by skipping) and skips locally."""
-    if in_ci():
-        pytest.fail(f"{reason} (required under CI)")
-    pytest.skip(reason)
-
-
-def require_binary(name: str) -> str:
-    """Path of executable ``name`` (a bare name on PATH or an absolute path), else skip/fail."""
-    path = name if os.path.isabs(name) else shutil.which(name)
-    if not path or not os.access(path, os.X_OK):
-        skip_or_fail(f"binary {name!r} not found")
-    return path
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before listening on {port}")
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.02)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
-
-
-@dataclass
-class RedisProc:
-    """A foreground Debian redis-server we own: ``stop()`` and ``start()`` again on the same port."""
-
-    binary: str
-    workdir: Path
-    port: int
-    args: list[str] = field(default_factory=list)
-    listen_port: int | None = None  # the port to wait on (the TLS port when --port 0)
-    scheme: str = "redis"
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.listen_port or self.port}/0"
-
-    @property
-    def log(self) -> Path:
-        return self.workdir / "redis.log"
-
-    def start(self) -> RedisProc:
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.workdir), "--logfile", str(self.log), *self.args]  # fmt: skip
-        self.proc = subprocess.Popen(argv, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            wait_port(self.listen_port or self.port, proc=self.proc)
-        except RuntimeError as e:
-            self.stop()
-            raise RuntimeError(f"{e}: {self.log_tail()}") from None
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(10)
-            if self.proc.stderr:
-                self.proc.stderr.close()
-        self.proc = None
-
-    def log_tail(self, n: int = 5) -> str:
-        text = ""
-        with contextlib.suppress(OSError):
-            text = self.log.read_text(errors="replace")
-        return " | ".join(text.strip().splitlines()[-n:])
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
     python -m sentinel.cli.docgen > docs/cli.md
 
 Every ``sentinel`` command (and subcommand) as its ``--help`` prints it at 100 columns, exit
-statuses included, then ``python -m trainer --help``. tests/test_cli_help.py fails when the
+statuses included, then ``python -m trainer --help``. tests/cli/test_help.py fails when the
 committed file differs from this output, so the reference never drifts from the code.
 """
 

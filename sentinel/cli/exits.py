@@ -1,5 +1,5 @@
 """Every command's exit statuses, in one table: shown as the "Exit status" section of its --help
-(and so in docs/cli.md). Scripts and CI rely on them; tests/test_cli_help.py checks each command has one.
+(and so in docs/cli.md). Scripts and CI rely on them; tests/cli/test_help.py checks each command has one.
 
 The conventions, as in most Unix tools: 0 done; 1 the command ran but the outcome is "no" (the
 trainer refused or never acknowledged, a check failed, a run needs attention); 2 an error (bad

@@ -8,7 +8,7 @@
 
 The manifests carry no namespace (`kubectl apply -n NS -f DIR/manifests/`). The kustomize tree's
 copies (deploy/k8s/base/monitoring/manifests/) are this command's output, kept current by
-`sentinel export --only manifests --check deploy/k8s/base/monitoring` (tests/test_deploy.py).
+`sentinel export --only manifests --check deploy/k8s/base/monitoring` (tests/deploy/test_deploy.py).
 """
 
 from __future__ import annotations

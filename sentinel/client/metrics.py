@@ -7,7 +7,7 @@ Why this shape:
   that differ per rank (its own loss, step time, phase times, memory, heartbeat, ...) are
   *per-rank*, exported by every rank and labelled ``run`` and ``rank``. Summing or averaging a
   global metric over ranks is therefore never possible by accident. docs/metrics.md lists which is
-  which; tests/test_metrics.py keeps the two in step.
+  which; tests/client/test_metrics.py keeps the two in step.
 * **Cheap on the hot path.** Every labelled child is resolved once in ``__init__``; ``on_step`` is a
   handful of locked float stores and a 20-element sum. Nothing here touches the GPU: values arrive
   as host floats (the trainer copies them one step late, non-blocking). CUDA memory is read by

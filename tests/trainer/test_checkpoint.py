@@ -1,0 +1,428 @@
+"""Acceptance: checkpoint layout, retention, corruption fallback, weights_only loading, disk-full safety, async.
+
+All through the real trainer CLI (subprocesses), plus a few direct calls into ``trainer.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.trainer import (
+    BASE_ARGS,
+    REPO,
+    assert_same_trajectory,
+    checkpoint_steps,
+    copy_run,
+    records,
+    run_trainer,
+)
+from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
+
+COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
+REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # checkpoints at 4, 8, 12
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _check_layout(ck: Path, step: int, world_size: int, *, dcp: bool = False) -> dict:
+    assert re.fullmatch(r"step-\d{8}", ck.name) and int(ck.name[5:]) == step
+    man = json.loads((ck / "manifest.json").read_text())
+    assert man["step"] == step and man["world_size"] == world_size and man["format"] == 1
+    on_disk = {p.relative_to(ck).as_posix() for p in ck.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(man["files"]) == on_disk, "manifest must list every file, and only those"
+    for name, digest in man["files"].items():
+        assert _sha(ck / name) == digest, f"{name}: sha256 mismatch"
+    assert man["bytes"] == sum((ck / n).stat().st_size for n in man["files"])
+    expect = {"train_state.json", *(f"rng-rank{r}.pt" for r in range(world_size))}
+    expect |= set() if dcp else {"model.pt", "optim.pt"}
+    assert expect <= on_disk, f"missing {expect - on_disk}"
+    ts = json.loads((ck / "train_state.json").read_text())
+    assert ts["step"] == step and ts["world_size"] == world_size and ts["grad_accum_pos"] == 0
+    for key in ("tokens", "timeline", "sampler", "skiplist", "guard", "scheduler", "dataset_fingerprint"):
+        assert key in ts, key
+    assert [3, 40] in ts["skiplist"]
+    for r in range(world_size):  # RNG state is plain tensors: loadable with weights_only
+        st = torch.load(ck / f"rng-rank{r}.pt", weights_only=True)
+        assert isinstance(st["torch"], torch.Tensor)
+    return man
+
+
+def test_layout_single_rank(refs):
+    run = refs(*REF12)
+    cks = list_checkpoints(run / "checkpoints")
+    assert [s for s, _ in cks] == [12, 8, 4]
+    for step, path in cks:
+        _check_layout(path, step, 1)
+        assert verify(path)["step"] == step
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    sd = load_torch(cks[0][1] / "model.pt")
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+
+
+@pytest.mark.slow
+def test_layout_two_ranks(refs):
+    """2-rank DDP: one rng-rank{r}.pt per rank, model/optim once (same reference run as test_resume_exact)."""
+    run = refs("--max-steps", "16", "--ckpt-every", "2", *COMMON, nproc=2)
+    cks = list_checkpoints(run / "checkpoints")
+    assert [s for s, _ in cks] == [16, 14, 12]  # default keep_last 3
+    for step, path in cks:
+        _check_layout(path, step, 2)
+    r0 = torch.load(cks[0][1] / "rng-rank0.pt", weights_only=True)["torch"]
+    r1 = torch.load(cks[0][1] / "rng-rank1.pt", weights_only=True)["torch"]
+    assert not torch.equal(r0, r1), "each rank has its own RNG stream"
+
+
+def test_retention_keep_last_and_every(tmp_path, dataset):
+    run = tmp_path / "run"
+    run_trainer(run, *BASE_ARGS, "--data", str(dataset), "--max-steps", "20", "--ckpt-every", "1",
+                "--keep-last", "3", "--keep-every", "5", data_dir=dataset, check=True)
+    assert checkpoint_steps(run) == [5, 10, 15, 18, 19, 20]
+    for _step, path in list_checkpoints(run / "checkpoints"):
+        verify(path)
+
+
+def test_initial_checkpoint_is_a_rollback_target_that_replays_bitwise(tmp_path, dataset, refs):
+    """A fresh start saves the initial state (step 0) too, so damage before the first periodic save
+    can be rolled back instead of only paged. Rolling back to it and training again reproduces the
+    run that never stopped, bit for bit; ``checkpoint.initial=false`` opts out."""
+    args = ["--max-steps", "8", "--ckpt-every", "4", *COMMON]
+    ref = refs(*args)
+    assert checkpoint_steps(ref) == [0, 4, 8]
+    _check_layout(ref / "checkpoints" / "step-00000000", 0, 1)
+    run = copy_run(ref, tmp_path / "run")
+    p = subprocess.run([sys.executable, "-m", "sentinel", "rollback", str(run), "--to-step", "0", "--yes",
+                        "--reason", "drill", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["plan"]["steps_lost"] == 8
+    run_trainer(run, data_dir=dataset, check=True)
+    marks = [r for r in records(run) if getattr(r, "kind", "step") == "rollback"]
+    assert len(marks) == 1 and marks[0].from_step == 0
+    assert_same_trajectory(ref, run, 8, "rolled back to the initial checkpoint")
+
+    off = tmp_path / "off"
+    run_trainer(off, *BASE_ARGS, "--data", str(dataset), *args, "--set", "checkpoint.initial=false",
+                data_dir=dataset, check=True)
+    assert checkpoint_steps(off) == [4, 8]
+    assert_same_trajectory(ref, off, 8, "saving the initial state changes nothing in training")
+
+
+def test_async_checkpoints_valid_and_retained(tmp_path, dataset, refs):
+    """--async-ckpt: every kept checkpoint verifies and holds the same state as a synchronous save."""
+    run = tmp_path / "run"
+    run_trainer(run, *BASE_ARGS, "--data", str(dataset), *REF12, "--async-ckpt", "--keep-last", "2",
+                "--keep-every", "8", data_dir=dataset, check=True)
+    # the async run's trajectory is the synchronous one; its checkpoints hold the same tensors
+    ref = refs(*REF12)
+    assert_same_trajectory(ref, run, 12)
+    assert checkpoint_steps(run) == [8, 12]
+    for step, path in list_checkpoints(run / "checkpoints"):
+        _check_layout(path, step, 1)
+        for name in ("model.pt", "optim.pt"):
+            a = load_torch(path / name)
+            b = load_torch(ref / "checkpoints" / path.name / name)
+            assert repr(_flat(a)) == repr(_flat(b)), f"{path.name}/{name} differs from the synchronous save"
+
+
+def _flat(obj):
+    if isinstance(obj, torch.Tensor):
+        return (str(obj.dtype), tuple(obj.shape), hashlib.sha256(obj.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+    if isinstance(obj, dict):
+        return {k: _flat(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_flat(v) for v in obj]
+    return obj
+
+
+def _flip_byte(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def _truncate(p: Path) -> None:
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size // 2)
+
+
+CORRUPTIONS = {
+    "flip-model": (lambda ck: _flip_byte(ck / "model.pt"), "model.pt"),
+    "truncate-optim": (lambda ck: _truncate(ck / "optim.pt"), "optim.pt"),
+    "delete-manifest": (lambda ck: (ck / "manifest.json").unlink(), "manifest"),
+    "flip-rng": (lambda ck: _flip_byte(ck / "rng-rank0.pt"), "rng-rank0.pt"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_corrupt_newest_checkpoint_falls_back_and_stays_exact(tmp_path, dataset, refs, kind):
+    ref = refs(*REF12)
+    run = copy_run(ref, tmp_path / "run")
+    corrupt, what = CORRUPTIONS[kind]
+    corrupt(run / "checkpoints" / "step-00000012")
+    with pytest.raises(CheckpointError):
+        verify(run / "checkpoints" / "step-00000012")
+    p = run_trainer(run, data_dir=dataset, check=True)
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out
+    warn = [ln for ln in out.splitlines() if "step-00000012" in ln]
+    assert len(warn) == 1, f"the corrupt checkpoint must be reported in exactly one line:\n{out}"
+    assert what in warn[0] and "falling back" in warn[0], warn[0]
+    assert "resumed from checkpoint step 8" in out
+    marks = [r for r in records(run) if getattr(r, "kind", "") == "resume"]
+    assert [m.from_step for m in marks] == [8]
+    assert_same_trajectory(ref, run, 12)  # steps 9..12 re-run from step 8, bitwise as before
+    verify(run / "checkpoints" / "step-00000012")  # re-saved (the corrupt dir swapped out)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith((".tmp", ".trash"))]
+
+
+class _Evil:
+    """Unpickling this runs ``touch MARKER`` — unless the loader refuses arbitrary globals."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_uses_weights_only_after_verify():
+    """Every torch.load in the trainer passes weights_only=True; load_torch is the only loader used on checkpoints."""
+    srcs = {p: p.read_text() for p in (REPO / "trainer").rglob("*.py")}
+    calls = [(p, m) for p, s in srcs.items() for m in re.finditer(r"torch\.load\(([^)]*)\)", s)]
+    assert calls
+    for p, m in calls:
+        assert "weights_only=True" in m.group(1), f"{p}: torch.load without weights_only=True: {m.group(0)}"
+    loader = srcs[REPO / "trainer" / "checkpointing.py"]  # where the trainer reads its checkpoints back
+    assert "load_torch(" in loader and "torch.load(" not in loader
+
+
+def test_load_torch_refuses_pickled_object(tmp_path):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "model.pt"
+    torch.save({"w": _Evil(marker)}, evil)
+    with pytest.raises((CheckpointError, Exception)) as ei:
+        load_torch(evil)
+    assert not marker.exists(), "weights_only must not execute pickled code"
+    assert isinstance(ei.value, CheckpointError), f"expected a one-line CheckpointError, got {ei.value!r}"
+
+
+def test_planted_pickle_with_matching_manifest_is_refused(tmp_path, dataset, refs):
+    """A malicious model.pt whose sha256 IS in the manifest passes verification but not weights_only:
+    no code runs, the checkpoint is reported in one line and the run falls back to the previous one."""
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    ck = run / "checkpoints" / "step-00000012"
+    marker = tmp_path / "PWNED"
+    torch.save({"w": _Evil(marker)}, ck / "model.pt")
+    _resign(ck)
+    verify(ck)  # the checksum matches: only weights_only stands between the file and code execution
+    p = run_trainer(run, data_dir=dataset, check=True)
+    assert not marker.exists(), "pickled code ran while loading a checkpoint"
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out, out[-3000:]
+    warn = [ln for ln in out.splitlines() if "step-00000012" in ln]
+    assert len(warn) == 1 and warn[0].startswith("warning: ") and "weights_only" in warn[0], out
+    assert "resumed from checkpoint step 8" in out
+
+
+def _resign(ck: Path) -> None:
+    """Re-sign the manifest after tampering: what an attacker with write access (or a buggy writer) does."""
+    man = json.loads((ck / "manifest.json").read_text())
+    man["files"] = {n: _sha(ck / n) for n in man["files"] if (ck / n).is_file()}
+    (ck / "manifest.json").write_text(json.dumps(man))
+
+
+def _edit_json(name: str, edit):
+    def apply(ck: Path) -> None:
+        doc = json.loads((ck / name).read_text())
+        edit(doc)
+        (ck / name).write_text(json.dumps(doc))
+    return apply
+
+
+def _drop_from_manifest(name: str):
+    return _edit_json("manifest.json", lambda m: m["files"].pop(name))
+
+
+def _torch_file(name: str, make):
+    def apply(ck: Path) -> None:
+        torch.save(make(ck), ck / name)
+    return apply
+
+
+def _reshaped_model(ck: Path) -> dict:
+    sd = torch.load(ck / "model.pt", weights_only=True)
+    k = next(iter(sd))
+    sd[k] = torch.zeros(3, 3)
+    return sd
+
+
+# case -> (tamper (the manifest is re-signed afterwards), what the one warning line names)
+SIGNED_MALFORMED = {
+    "model-dropped-from-manifest": (_drop_from_manifest("model.pt"), "model.pt is not in the manifest"),
+    "rng-dropped-from-manifest": (_drop_from_manifest("rng-rank0.pt"), "rng-rank0.pt is not in the manifest"),
+    "optim-deleted-and-unlisted": (lambda ck: ((ck / "optim.pt").unlink(), _drop_from_manifest("optim.pt")(ck)), "optim.pt"),
+    "negative-step": (_edit_json("train_state.json", lambda t: t.update(step=-5)), "step"),
+    "step-not-the-dir": (_edit_json("train_state.json", lambda t: (t.update(step=11), t["scheduler"].update(step=11))), "says step 11"),
+    "step-as-string": (_edit_json("train_state.json", lambda t: t.update(step="12")), "step"),
+    "cursor-past-epoch": (_edit_json("train_state.json", lambda t: t["sampler"].update(position=10**12)), "cursor position"),
+    "skip-range-overflow": (_edit_json("train_state.json", lambda t: t["skiplist"].append([1, 10**23])), "skiplist"),
+    "world-size-mismatch": (_edit_json("train_state.json", lambda t: t.update(world_size=2)), "world_size"),
+    "accum-mid-step": (_edit_json("train_state.json", lambda t: t.update(grad_accum_pos=1)), "grad_accum_pos"),
+    "guard-history-short": (_edit_json("train_state.json", lambda t: t["guard"].update(loss=[0.0])), "guard"),
+    "missing-field": (_edit_json("train_state.json", lambda t: t.pop("sampler")), "sampler"),
+    "nested-json": (lambda ck: (ck / "train_state.json").write_text("[" * 100_000 + "]" * 100_000), "train_state.json is unreadable"),
+    "manifest-path-escape": (_edit_json("manifest.json", lambda m: m["files"].update({"../escape": "0" * 64})), "unsafe file name"),
+    "manifest-step-mismatch": (_edit_json("manifest.json", lambda m: m.update(step=4)), "manifest names step 4"),
+    "model-wrong-shape": (_torch_file("model.pt", _reshaped_model), "model.pt"),
+    "optim-empty": (_torch_file("optim.pt", lambda ck: {}), "optim.pt is not an optimizer state dict"),
+    "rng-garbage": (_torch_file("rng-rank0.pt", lambda ck: {"python": torch.zeros(3)}), "not a valid RNG state"),
+    "model-not-torch": (lambda ck: (ck / "model.pt").write_bytes(b"not a zip"), "model.pt refused by torch.load"),
+    "optim-truncated-zip": (lambda ck: (ck / "optim.pt").write_bytes((ck / "optim.pt").read_bytes()[:4096]), "optim.pt is not a readable torch file"),
+}
+
+
+def _tampered(src: Path, dst: Path, case: str) -> Path:
+    run = copy_run(src, dst)
+    ck = run / "checkpoints" / "step-00000012"
+    SIGNED_MALFORMED[case][0](ck)
+    if case not in ("manifest-path-escape", "manifest-step-mismatch"):
+        _resign(ck)
+    return run
+
+
+@pytest.mark.parametrize("case", sorted(SIGNED_MALFORMED))
+def test_signed_but_malformed_checkpoint_is_rejected_in_one_line(tmp_path, dataset, refs, case, monkeypatch):
+    """Checksum-valid but malformed: rejected with one reason (in process: fast), never a traceback."""
+    import trainer.checkpointing as checkpointing_mod
+    import trainer.train as train_mod
+    from trainer.config import load_yaml, resolve
+    from trainer.dist import DistEnv
+
+    run = _tampered(refs(*REF12), tmp_path / "run", case)
+    cfg = resolve(preset=None, config_file=None, saved=load_yaml(run / "config.yaml"), overrides={"data.dir": str(dataset)})
+    tr = train_mod.Trainer(cfg, run, DistEnv(0, 0, 1, torch.device("cpu")), offline=True)
+    logged: list[str] = []
+    monkeypatch.setattr(checkpointing_mod, "_log", lambda env, msg: logged.append(msg))
+    assert tr.load_checkpoint() == 8
+    assert len(logged) == 1 and "step-00000012" in logged[0] and "falling back" in logged[0], logged
+    assert SIGNED_MALFORMED[case][1] in logged[0], logged[0]
+    with pytest.raises(CheckpointError):
+        tr.load_checkpoint(12)
+
+
+@pytest.mark.parametrize("case", ["model-dropped-from-manifest", "negative-step", "model-wrong-shape"])
+def test_signed_but_malformed_checkpoint_falls_back_exactly(tmp_path, dataset, refs, case):
+    """End to end: the trainer resumes from step 8 and re-runs 9..12 bitwise as before."""
+    ref = refs(*REF12)
+    run = _tampered(ref, tmp_path / "run", case)
+    p = run_trainer(run, data_dir=dataset, check=True)
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out
+    assert len([ln for ln in out.splitlines() if "step-00000012" in ln and "falling back" in ln]) == 1, out
+    assert "resumed from checkpoint step 8" in out
+    assert_same_trajectory(ref, run, 12)
+
+
+def _limit_file_size(limit: int):
+    def pre():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return pre
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_checkpoint_write_never_damages_previous(tmp_path, dataset, mode):
+    """Disk full, simulated with RLIMIT_FSIZE: model.pt/optim.pt (~0.5/1 MB) fail with EFBIG while the
+    step log and small files still write. Training goes on, each failed save is one line, and the
+    previous checkpoints still verify; a later normal restart resumes from them."""
+    run = tmp_path / "run"
+    extra = ["--async-ckpt"] if mode == "async" else []
+    run_trainer(run, *BASE_ARGS, "--data", str(dataset), "--max-steps", "8", "--ckpt-every", "4", *extra,
+                data_dir=dataset, check=True)
+    before = {s: verify(p) for s, p in list_checkpoints(run / "checkpoints")}
+    assert sorted(before) == [0, 4, 8]  # the initial state, then every 4 steps
+    digests = {s: {n: _sha(run / "checkpoints" / f"step-{s:08d}" / n) for n in m["files"]} for s, m in before.items()}
+
+    p = run_trainer(run, "--max-steps", "16", data_dir=dataset, preexec_fn=_limit_file_size(200_000))
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out, out[-4000:]
+    # saves at 12 and 16 fail: at 16 the newest valid checkpoint (8) is 8 steps old, past the bound
+    # (the 4-step interval), so the run stops with one line and a non-zero exit: never a silent rc 0
+    assert p.returncode == 2, f"rc {p.returncode}: {out[-3000:]}"
+    errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+    assert len(errors) >= 2, "each failed checkpoint write must be reported"
+    for ln in errors:
+        assert ln.startswith(("error: ", "warning: ")) and "File too large" in ln, ln
+    final = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(final) == 1 and "newest valid checkpoint is step 8" in final[0], p.stderr
+    assert max(_steps(run)) == 16  # every step record written (the step log is small enough)
+    # the previous checkpoints are intact, byte for byte, and nothing half-written is left
+    assert checkpoint_steps(run) == [0, 4, 8]
+    for s, m in before.items():
+        ck = run / "checkpoints" / f"step-{s:08d}"
+        assert verify(ck)["files"] == m["files"]
+        assert {n: _sha(ck / n) for n in m["files"]} == digests[s]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    if mode == "sync":  # and a normal restart resumes from the newest one
+        p = run_trainer(run, data_dir=dataset, check=True)
+        assert "resumed from checkpoint step 8" in p.stdout
+
+
+def _steps(run):
+    from sentinel.client.steplog import authoritative
+
+    return authoritative(run / "steps.jsonl")
+
+
+def test_a_loaded_optimizer_counts_its_steps_on_the_parameters_device():
+    """torch leaves a loaded ``step`` on the CPU; SkipStepAdamW counts steps with a device tensor, so
+    its load puts them on the parameters' device (the first step after a resume on CUDA failed
+    before). Parameters on the meta device stand in for a GPU here: without the fix ``step`` stays
+    on the CPU while the moments move."""
+    from trainer.optim import SkipStepAdamW
+
+    src = torch.nn.Parameter(torch.randn(4, 3))
+    src.grad = torch.randn(4, 3)
+    opt = SkipStepAdamW([src], weight_decay=0.1)
+    opt.step(1e-3, torch.ones(()))
+    saved = opt.state_dict()
+    assert saved["state"][0]["step"].device.type == "cpu"
+
+    dst = torch.nn.Parameter(torch.empty(4, 3, device="meta"))
+    loaded = SkipStepAdamW([dst], weight_decay=0.1)
+    loaded.load_state_dict(saved)
+    st = loaded.state[dst]
+    assert st["exp_avg"].device.type == "meta" and st["step"].device.type == "meta"
+
+    again = SkipStepAdamW([src], weight_decay=0.1)  # on the CPU: the same values, bit for bit
+    again.load_state_dict(saved)
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(again.state[src][k], opt.state[src][k])
+
+
+def test_deterministic_mode_turns_off_the_fused_attention_kernels_on_cuda_only(numerics_flags):
+    """Their backward does not repeat (measured on an H100: docs/benchmarks.md, "On an H100"); the
+    switches are global flags, so this runs without a GPU. On CPU the kernels stay as they are."""
+    from trainer.determinism import make_deterministic
+
+    b = torch.backends.cuda
+    for enable in (b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_cudnn_sdp):
+        enable(True)
+    make_deterministic("cpu")
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled() and b.cudnn_sdp_enabled()
+    make_deterministic("cuda")
+    assert not (b.flash_sdp_enabled() or b.mem_efficient_sdp_enabled() or b.cudnn_sdp_enabled())
+    assert b.math_sdp_enabled()
