@@ -6,6 +6,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
+# xdist workers for `make test` (0: one process, no xdist)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test setup setup-system clean
 
@@ -39,7 +41,7 @@ demo: setup
 	$(BIN)/sentinel demo
 
 test: setup setup-system
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

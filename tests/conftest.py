@@ -96,9 +96,17 @@ def _starts_processes(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    # under xdist (`make test`: -n 2 --dist loadgroup) a module's tests stay on one worker, so that its
+    # module-scoped fixtures (a trained story, a started service) are built once; a module whose tests are
+    # independent and mostly wait (XDIST_SPREAD = True) has its tests spread over the workers instead
+    grouped = bool(getattr(config.option, "numprocesses", None)) and config.getoption("dist", "no") == "loadgroup"
     for item in items:
         if item.get_closest_marker("slow") is None and _starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        module = getattr(item, "module", None)
+        if grouped and module is not None and not getattr(module, "XDIST_SPREAD", False) \
+                and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ from transformers import TrainerCallback
 from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
 from sentinel.client.session import EMBEDDED, RunSession, prepare
-from sentinel.integrations.torch_data import SkipAwareDataset, strip_sample_ids
+from sentinel.integrations.torch_data import SAMPLE_ID, SkipAwareDataset
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 
@@ -224,8 +224,7 @@ class SentinelCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ per step
     def _reset_step(self) -> None:
-        self._loss_sum: torch.Tensor | None = None
-        self._micro = 0
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (detached)
         self._scaled = False  # the model normalised its loss over the whole step (num_items_in_batch)
         self._ids: list[int] = []
         self._tokens = 0
@@ -237,26 +236,26 @@ class SentinelCallback(TrainerCallback):
         if model is None or self._hooks:
             return
 
-        def count(module, args, kwargs):
+        def before(module, args, kwargs):  # one pre-hook: take the ids out of the batch, count the tokens
+            ids = kwargs.pop(SAMPLE_ID, None)
             if module.training:
+                if ids is not None:
+                    self._ids.extend(ids.tolist() if torch.is_tensor(ids) else [int(i) for i in ids])
                 x = kwargs.get("input_ids")
                 if x is not None:
-                    self._tokens += int(x.numel())
-                self._scaled = self._scaled or kwargs.get("num_items_in_batch") is not None
+                    self._tokens += x.numel()
+                if not self._scaled and kwargs.get("num_items_in_batch") is not None:
+                    self._scaled = True
+            return args, kwargs
 
-        def loss_of(module, args, kwargs, output):
-            if not module.training:
-                return
-            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-            if loss is not None:
-                loss = loss.detach().float()
-                self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-                self._micro += 1
-            return
+        def after(module, args, kwargs, output):  # the loss as the model returned it (a NaN stays a NaN)
+            if module.training:
+                loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+                if loss is not None:
+                    self._losses.append(loss.detach())
 
-        self._hooks = [strip_sample_ids(model, lambda ids: self._ids.extend(ids)),
-                       model.register_forward_pre_hook(count, with_kwargs=True),
-                       model.register_forward_hook(loss_of, with_kwargs=True)]
+        self._hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+                       model.register_forward_hook(after, with_kwargs=True)]
         t = self._trainer
         if t is not None and callable(getattr(t, "_get_grad_norm", None)) and "_get_grad_norm" not in vars(t):
             original = t._get_grad_norm
@@ -269,12 +268,13 @@ class SentinelCallback(TrainerCallback):
 
     def _step_values(self, args) -> tuple[tuple[float, float, list[float] | None], list[int], int]:
         """((loss, max rank loss, rank losses), the global batch's sample ids, its tokens) of this step."""
-        if self._loss_sum is None:
+        losses = self._losses
+        if not losses:
             local = float("nan")
-        else:
-            local = float(self._loss_sum.item())
+        else:  # one sync: a single micro-batch's loss as it is, else their sum in one op
+            local = float(losses[0]) if len(losses) == 1 else float(torch.stack(losses).float().sum())
             if not self._scaled:
-                local /= max(1, self._micro)  # per-micro-batch means: their mean
+                local /= len(losses)  # per-micro-batch means: their mean
         if not self._distributed:
             return (local, local, None), self._ids, self._tokens
         world = torch.distributed.get_world_size()

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from sentinel.client import BusClient
+from sentinel.client import BusClient, RestoreFailed
 from tests.helpers.toy_loop import POISON, ToyLoop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -39,6 +39,7 @@ from sentinel.protocol import Directive, Keys, StepRecord
 from tests.helpers.toy_loop import POISON, ToyLoop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+XDIST_SPREAD = True  # each case is its own bus and sentinels, and mostly waits: spread over the xdist workers
 
 TRIALS = int(os.environ.get("SENTINEL_CHAOS_TRIALS", "1"))
 STEPS = 300

@@ -68,13 +68,9 @@ rules:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    """The Shakespeare corpus, prepared once (the same dir tests/helpers/trainer.py uses, so a session shares it)."""
-    from trainer.data import ensure_prepared
-
-    root = tmp_path_factory.getbasetemp() / "trainer-acceptance"
-    root.mkdir(parents=True, exist_ok=True)
-    return ensure_prepared(root / "shakespeare-byte")
+def data_dir(dataset) -> Path:
+    """The session's prepared Shakespeare corpus (tests/helpers/trainer.py)."""
+    return dataset
 
 
 @pytest.fixture

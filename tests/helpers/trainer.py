@@ -14,6 +14,8 @@ against one prepared Shakespeare dataset shared by the whole pytest session.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -56,9 +58,28 @@ def trainer_env(data_dir: Path | None = None) -> dict[str, str]:
     return env
 
 
+def shared_base(factory: pytest.TempPathFactory) -> Path:
+    """The base temp dir of this pytest session, shared by its xdist workers too (each worker's own base
+    temp dir is a child of it): what is cached there is built once a session, not once a worker."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def exclusive(path: Path):
+    """An exclusive lock beside ``path`` for the block: a second worker building the same thing waits for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def session_root(factory: pytest.TempPathFactory) -> Path:
-    """A dir shared by every module of this pytest session (the base temp dir)."""
-    root = factory.getbasetemp() / "trainer-acceptance"
+    """A dir shared by every module (and every xdist worker) of this pytest session."""
+    root = shared_base(factory) / "trainer-acceptance"
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -68,7 +89,9 @@ def dataset(tmp_path_factory) -> Path:
     """The default Shakespeare corpus, prepared once per session (idempotent across modules)."""
     from trainer.data import ensure_prepared
 
-    return ensure_prepared(session_root(tmp_path_factory) / "shakespeare-byte")
+    path = session_root(tmp_path_factory) / "shakespeare-byte"
+    with exclusive(path):
+        return ensure_prepared(path)
 
 
 @pytest.fixture(scope="session")
@@ -105,10 +128,12 @@ def reference_run(root: Path, data_dir: Path, args: list[str], *, nproc: int = 1
     run_dir = root / f"ref-{nproc}r-{key}"
     if (run_dir / ".complete").is_file():
         return run_dir
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run_trainer(run_dir, *BASE_ARGS, "--data", str(data_dir), *args, nproc=nproc, data_dir=data_dir, check=True)
-    (run_dir / ".complete").write_text(json.dumps(args))
+    with exclusive(run_dir):  # another xdist worker may be training the same run: wait for it
+        if (run_dir / ".complete").is_file():
+            return run_dir
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_trainer(run_dir, *BASE_ARGS, "--data", str(data_dir), *args, nproc=nproc, data_dir=data_dir, check=True)
+        (run_dir / ".complete").write_text(json.dumps(args))
     return run_dir
 
 
