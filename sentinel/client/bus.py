@@ -53,6 +53,7 @@ _CONN_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationE
 RECONNECT_EVERY_S = 5.0  # how often an unreachable bus may be restarted (``reconnect``)
 
 
+HB_STEP_GAP_S = 0.5  # a heartbeat for a new step at most this often (the same step: every _hb_every)
 MAC_ON_SEND = "mac-on-send"  # a queued record's MAC slot: the I/O thread computes it as it sends the record
 
 class BusClient(DirectiveIntake):
@@ -251,10 +252,16 @@ class BusClient(DirectiveIntake):
             return self._pending_locked()
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait (up to ``timeout``) until everything queued is written. For shutdown and tests."""
+        """Wait (up to ``timeout``) until everything queued is written, the heartbeat of the newest step
+        included. For shutdown and tests."""
         deadline = time.monotonic() + timeout
         while True:
-            if self.pending == 0:
+            with self._lock:
+                n = self._pending_locked()
+                if self._step is not None and self._hb_step != self._step:
+                    n += 1
+                    self._hb_step = None  # the next iteration refreshes it, whatever its rate limit
+            if n == 0:
                 return True
             if time.monotonic() >= deadline or not self._thread.is_alive():
                 return False
@@ -445,7 +452,10 @@ class BusClient(DirectiveIntake):
             now = time.time()
             with self._lock:
                 step, step_time, paused = self._step, self._step_time, self._paused
-            hb = step is not None and (step != self._hb_step or now - self._hb_sent >= self._hb_every)
+            # a new step refreshes the heartbeat at most every HB_STEP_GAP_S (not at every iteration: one SET
+            # less per round trip); a forced refresh (pause / resume: _hb_step None) goes out at once
+            hb = step is not None and (self._hb_step is None or now - self._hb_sent >= (
+                min(HB_STEP_GAP_S, self._hb_every) if step != self._hb_step else self._hb_every))
             if hb:
                 beat = {"step": step, "time": step_time, "sent": now, "pid": os.getpid(), "paused": paused}
                 pipe.set(k.heartbeat, json.dumps(beat), px=self._hb_ttl_ms)
@@ -486,8 +496,11 @@ class BusClient(DirectiveIntake):
         if read_dirs:
             self._take_directives(r, results[-1])
         with self._lock:
-            if self._telemetry or self._control:
-                self._wake.set()  # a backlog larger than one batch: go again at once
+            if self._control or len(self._telemetry) >= self._max_batch:
+                # acks waiting, or a full batch of records: go again at once. Not for the record or two the
+                # loop published while this round trip was in flight: they wait for the next poll interval
+                # (going again for them made 3x the round trips of a fast loop, each with its fixed cost)
+                self._wake.set()
 
     def _registered(self, added, info: dict[str, str], info_sent: bool) -> None:
         """The SADD's reply: 1 when the registry did not hold the run. After the first time that

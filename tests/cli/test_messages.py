@@ -81,7 +81,9 @@ def test_run_on_a_regular_file_says_not_a_directory(tmp_path):
     f.write_text("{}\n")
     line = one_line_error(cli("run", str(f)))
     assert line == f"error: not a directory: {f}"
-    assert "not found" in one_line_error(cli("run", str(tmp_path / "nope")))
+    # a missing run dir is created (the sentinel may start first); one under a missing parent is a typo
+    assert "does not exist either" in one_line_error(cli("run", str(tmp_path / "typo" / "nope")))
+    assert not (tmp_path / "typo").exists()
 
 
 # ------------------------------------------------------------------ an unknown run id on a bus of hostile ids
