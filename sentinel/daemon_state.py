@@ -90,11 +90,14 @@ class StateMixin:
         self.policy.restore_samples(recent)
 
     def _save_state(self) -> None:
+        self.r.set(self.keys.policy, self._state_json())
+
+    def _state_json(self) -> str:
         st = {"policy": self.policy.state_dict(include_samples=False), "last_id": self.last_id, "acks_id": self.acks_id,
               "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen),
               "gate": self.gate.state_dict(), "sent": list(self._sent.items())[-SENT_SAVED:], "saved": time.time(),
               "decisions": dict(list(self._decisions.items())[-SENT_SAVED:]), "pages": self.pager.state_dict()}
-        self.r.set(self.keys.policy, json.dumps(st))
+        return json.dumps(st)
 
     def _fresh_policy(self) -> None:
         """Start the run's policy afresh; the checkpoints on the bus are fed to it again at the next
