@@ -1,8 +1,12 @@
 """The sentinel daemon: every step of every watched run goes through the rules; actions go out signed.
 
-Loop body (one iteration): renew leases → refresh checkpoints → read step records (own pending
-entries first, then entries a dead consumer left behind via XAUTOCLAIM, then new ones) → feed the
-policy → execute its actions → read acks and approvals → clock tick → persist policy state → XACK.
+Loop body (one iteration, one round trip per phase whatever the number of runs): renew leases
+(every third of the lease) → read every led run's new step records (one XREADGROUP) → the side
+reads of the runs to poll (one pipeline: ``prefetch``) → per run: refresh checkpoints, its records
+(own pending entries first after a new term, then those a dead consumer left behind via
+XAUTOCLAIM, then the new ones) through the gate and the policy, its actions executed, acks and
+approvals, the clock tick → every run's state save and XACK (one pipeline; with
+``Options.state_save_s``, a state moved by step records alone is saved at most that often).
 
 Exactly-once effects over at-least-once delivery:
 - every action carries a deterministic idempotency key; ``HSETNX applied key`` gates the XADD of its

@@ -3,9 +3,11 @@
 One JSON string on the bus (``Keys.policy``): the policy's state, the stream positions read, the
 step gate, the directives sent (id -> stream entry: only their acks are verdicts), the rollback
 entries of open incidents (``RunPolicy.on_step``'s ``predates_rollback``) and the open pages. It is
-written after every poll that changed something, and before every directive or page is sent (the
-decision first: a leader that dies after it leaves it to its successor). Every field is checked
-before any is taken: a half-loaded state is worse than none.
+written after every poll that changed something (when only step records did, at most every
+``Options.state_save_s``: the entries judged since stay pending, and a successor judges them again),
+and always before a directive or page is sent (the decision first: a leader that dies after it
+leaves it to its successor). Every field is checked before any is taken: a half-loaded state is
+worse than none.
 """
 
 from __future__ import annotations
