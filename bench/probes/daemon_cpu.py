@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import shutil
 import sys
 import tempfile
 import time
@@ -42,7 +43,8 @@ def main() -> int:
     from sentinel.metrics import SentinelMetrics
     from sentinel.rules import default_rules
 
-    proc, url = start_redis(Path(tempfile.mkdtemp(prefix="daemon-cpu-")))
+    work = Path(tempfile.mkdtemp(prefix="daemon-cpu-"))
+    proc, url = start_redis(work)
     try:
         secret, n = b"probe-secret-0123456789abcdef", args.runs
         r = bus.connect(url)
@@ -83,6 +85,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
