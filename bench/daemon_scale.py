@@ -19,6 +19,8 @@ After ``--warmup`` seconds (the daemon's first reads, lease, consumer groups) it
 - ``verdict_p50_ms`` / ``p99``: from each record's XADD (its stream id, Redis's clock, millisecond
   resolution) to the rules' verdict on it, from the daemon's own histogram
   ``sentinel_verdict_latency_seconds`` (the difference of two scrapes, interpolated within a bucket).
+- ``redis_calls_per_record``: commands the daemon sent Redis in the window (``INFO commandstats``,
+  the publisher's XADDs left out) per record published; ``redis_calls`` has them by command.
 - ``keeps_up``: the daemon judged at least 97 % of what was published in the window, and the
   backlog left when publishing stops drains within 2 s plus one second per 1,000 records.
 
@@ -79,6 +81,18 @@ def quantile(before: dict[float, float], after: dict[float, float], q: float) ->
             return lo + (e - lo) * ((rank - prev) / (c - prev) if c > prev else 1.0)
         lo, prev = e, c
     return edges[-2]
+
+
+def hiredis_available() -> bool:
+    """Whether redis-py parses replies with hiredis here (and so in the daemon: the same interpreter)."""
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return bool(HIREDIS_AVAILABLE)
+
+
+def command_calls(r) -> dict[str, int]:
+    """Redis's per-command call counts (``INFO commandstats``)."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -167,6 +181,7 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
             now = time.time()
             if snap0 is None and now >= t_measure:
                 snap0 = (now, proc_cpu_seconds(daemon.pid), *scrape(port), i)
+                calls0 = command_calls(r)
             j = i
             while j < len(records) and records[j][0] <= now:
                 j += 1
@@ -179,8 +194,12 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
             time.sleep(0.005)
         now = time.time()
         snap1 = (now, proc_cpu_seconds(daemon.pid), *scrape(port), i)
+        calls1 = command_calls(r)
         rss, peak = proc_mem_mib(daemon.pid)
         published_in_window = snap1[4] - snap0[4]
+        calls = {c: n - calls0.get(c, 0) for c, n in calls1.items() if c != "info" and n - calls0.get(c, 0) > 0}
+        calls["xadd"] = calls.get("xadd", 0) - published_in_window  # the publisher's; the daemon's own events stay
+        calls = {c: n for c, n in sorted(calls.items(), key=lambda x: -x[1]) if n > 0}
         judged = snap1[3] - snap0[3]
         # ---- the backlog at the end: how long until the daemon has judged everything
         drain_deadline = time.monotonic() + 2.0 + len(records) / 1000.0
@@ -199,6 +218,7 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
             "runs": n, "records_per_s": published_in_window / wall, "judged_per_s": judged / wall,
             "cpu_cores": cpu, "cpu_per_run_ms_per_s": 1000 * cpu / n, "rss_mib": rss, "peak_rss_mib": peak,
             "verdict_p50_ms": None if p50 is None else 1000 * p50, "verdict_p99_ms": None if p99 is None else 1000 * p99,
+            "redis_calls_per_record": sum(calls.values()) / max(1, published_in_window), "redis_calls": calls,
             "keeps_up": keeps_up, "drain_seconds": time.monotonic() - t_stop if drained else None,
             "target_met": keeps_up and cpu <= 1.0 and p99 is not None and 1000 * p99 <= P99_TARGET_MS,
             "window_seconds": wall, "build_seconds": build_s, "load_avg_1m": os.getloadavg()[0],
@@ -258,19 +278,21 @@ def main() -> int:
            "target_met": any(r["runs"] >= 300 and r["target_met"] for r in results),
            "rate_per_run": args.rate, "ids_per_step": args.ids_per_step, "window_seconds": args.seconds,
            "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(), "python": platform.python_version(),
-           "redis": version}
+           "redis": version, "hiredis": hiredis_available()}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"`sentinel run` watching N runs at {args.rate:g} steps/s each ({args.ids_per_step} ids/step), {args.seconds:g} s "
-          f"window, redis-server {version}, {out['cpus']} CPUs")
-    print("| runs | records/s | daemon CPU (cores) | CPU per run | RSS | verdict p50 | verdict p99 | keeps up | load |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          f"window, redis-server {version}, hiredis {'yes' if out['hiredis'] else 'no'}, {out['cpus']} CPUs")
+    print("| runs | records/s | daemon CPU (cores) | CPU per run | RSS | Redis calls per record | verdict p50 | verdict p99 | keeps up "
+          "| load |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in results:
         def ms(v):
             return "n/a" if v is None else f"{v:.1f} ms"
         print(f"| {r['runs']} | {r['records_per_s']:.0f} | {r['cpu_cores']:.3f} | {r['cpu_per_run_ms_per_s']:.2f} ms/s | "
-              f"{r['rss_mib']:.0f} MiB | {ms(r['verdict_p50_ms'])} | {ms(r['verdict_p99_ms'])} | {'yes' if r['keeps_up'] else 'no'} | "
+              f"{r['rss_mib']:.0f} MiB | {r['redis_calls_per_record']:.2f} | "
+              f"{ms(r['verdict_p50_ms'])} | {ms(r['verdict_p99_ms'])} | {'yes' if r['keeps_up'] else 'no'} | "
               f"{r['load_avg_1m']:.1f} |")
     return 0
 

@@ -1,8 +1,12 @@
 """The sentinel daemon: every step of every watched run goes through the rules; actions go out signed.
 
-Loop body (one iteration): renew leases → refresh checkpoints → read step records (own pending
-entries first, then entries a dead consumer left behind via XAUTOCLAIM, then new ones) → feed the
-policy → execute its actions → read acks and approvals → clock tick → persist policy state → XACK.
+Loop body (one iteration, one round trip per phase whatever the number of runs): renew leases
+(every third of the lease) → read every led run's new step records (one XREADGROUP) → the side
+reads of the runs to poll (one pipeline: ``prefetch``) → per run: refresh checkpoints, its records
+(own pending entries first after a new term, then those a dead consumer left behind via
+XAUTOCLAIM, then the new ones) through the gate and the policy, its actions executed, acks and
+approvals, the clock tick → every run's state save and XACK (one pipeline; with
+``Options.state_save_s``, a state moved by step records alone is saved at most that often).
 
 Exactly-once effects over at-least-once delivery:
 - every action carries a deterministic idempotency key; ``HSETNX applied key`` gates the XADD of its
@@ -19,6 +23,7 @@ heartbeat), ``daemon_actions`` (directives, pages, events, incidents), ``daemon_
 
 from __future__ import annotations
 
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,6 +41,7 @@ from sentinel.daemon_options import (  # noqa: F401 - the daemon's public names,
     DIRECTIVE_TTL_S,
     DISCOVER_PER_PASS,
     LIVE_PROBE,
+    POLL_IDLE_S,
     Options,
     _id_seconds,
     _stream_id_tuple,
@@ -83,6 +89,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self._delivered = 0  # entries delivered to us by ">" reads since then
         self._next_overload_check = 0.0
         self.prefetched: dict[str, object] = {}  # this iteration's side reads (sentinel/prefetch.py)
+        self._next_run_dir_lookup = 0.0  # when prefetch next asks for the run dir the trainer registered
         self._trimmed_unlogged = 0
         self._replaying = False
         self.behind = False
@@ -102,6 +109,9 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self._event_keys: OrderedDict[str, None] = OrderedDict()  # keys of the events on the bus (exactly once)
         self.replayed_events = 0  # events a replay derived again that were on the bus already: not re-published
         self.last_read = time.time()  # when a step entry was last read (or the watcher made): Daemon._retire_idle
+        self.last_poll = 0.0  # when this run was last polled (Daemon.iterate: idle runs every POLL_IDLE_S)
+        self._unacked: list[str] = []  # step entries judged, waiting for the state save that covers them
+        self._next_save = 0.0  # monotonic: when only step records moved the state, save no earlier (opts.state_save_s)
         self.ensure_steps()
 
     def ensure_steps(self) -> None:
@@ -121,6 +131,9 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             "leader", Verdict(None, "no_lease", "the leader key held no lease (no TTL, or not a string); taken over")))
         if got and not self.leader:
             self.log(f"[{self.run}] leader lease acquired by {me} (lease {self.opts.lease_ms / 1000:g} s)")
+            self._unacked = []  # judged in an earlier term and not saved: they are pending, read again below
+            # the runs' saves spread over the period, not all due in one iteration
+            self._next_save = time.monotonic() + self.opts.state_save_s * random.random()
             self._load_state()
             head = bus.raw(self.r).xrevrange(self.keys.steps, count=1)
             self._history_until = head[0][0].decode() if head else "0-0"
@@ -137,6 +150,8 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
     def release(self) -> None:
         if self.leader:
             self._save_state()
+            bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *self._unacked)
+            self._unacked = []
             self.lease.release()
             self.leader = False
             self.m.leader.labels(self.run).set(0)
@@ -144,23 +159,25 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
     # ------------------------------------------------------------------ persistence
 
     # ------------------------------------------------------------------ one iteration
-    def poll(self, entries: list[bus.Entry]) -> int:
+    def poll(self, entries: list[bus.Entry], pipe=None) -> int:
         """Process step entries already read for this run (plus recovery reads); returns how many.
 
         Phases: ``_gather`` (recovery reads, each entry once, in order) → ``_judge`` (each record
         through the gate and the policy; actions sent as they are decided) → ``_react`` (acks,
-        approvals, the clock, events, pages) → ``_commit`` (save the state, XACK)."""
+        approvals, the clock, events, pages) → ``_commit`` (save the state, XACK: queued on
+        ``pipe`` when given, which the daemon sends for all its runs at once, else sent now)."""
         if not self.leader:
             return 0
-        marks = (self.last_id, self.acks_id, self.approvals_id, len(self.checkpoints_seen))
+        self.last_poll = time.monotonic()
+        marks = (self.acks_id, self.approvals_id, len(self.checkpoints_seen))  # moved: saved at once
         self._refresh_checkpoints()
         done = self._judge(self._gather(entries))
         if done:
             self.last_read = time.time()
-        if done and self._run_dir is None:  # the trainer registers its run dir with its first steps
-            self._mirror_dir()
+        if done and self._run_dir is None and (self.run in self.opts.run_dirs or "info" in self.prefetched):
+            self._mirror_dir()  # the trainer registers its run dir with its first steps (looked up every 2 s: prefetch)
         n_events = self._react()
-        self._commit(done, n_events or marks != (self.last_id, self.acks_id, self.approvals_id, len(self.checkpoints_seen)))
+        self._commit(done, bool(n_events) or marks != (self.acks_id, self.approvals_id, len(self.checkpoints_seen)), pipe)
         return len(done)
 
     def _gather(self, entries: list[bus.Entry]) -> list[bus.Entry]:
@@ -217,7 +234,9 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             self._end_replay()
         self._execute(self.policy.end_batch(), None)  # the follow-up skip, once its window closed: one directive
         if future:  # the trainer could add no record after it: remove it (the trainer would too, on its next XADD)
-            bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
+            self._save_state()  # what is acknowledged here, a saved state covers
+            bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *self._unacked, *done)
+            self._unacked = []
             n = bus.repair_stream_ids(self.r, self.keys.steps)
             self.log(f"[{self.run}] the steps stream held entries stamped more than a day ahead: removed {max(n, 0)}")
             done = []
@@ -233,14 +252,25 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self.pager.tick(time.time(), self._incident_open)
         return n_events
 
-    def _commit(self, done: list[str], changed: bool) -> None:
-        """Save the state, then acknowledge the entries it covers. An idle poll (nothing read,
+    def _commit(self, done: list[str], changed: bool, pipe=None) -> None:
+        """Save the state, then acknowledge the entries it covers (in this order, on one connection:
+        no entry is acknowledged that a saved state does not cover). An idle poll (nothing read,
         nothing decided) leaves the state as it was; serialising it costs O(sample history x batch
-        size), and idle polls come every 100 ms: saved only when something changed."""
-        if done or changed:
-            self._save_state()
-        if done:
-            bus.ack(self.r, self.keys.steps, STEP_CONSUMER_GROUP, *done)
+        size): saved only when something changed, and when only step records did, at most every
+        ``opts.state_save_s`` (what is judged meanwhile stays pending: a successor judges it again)."""
+        self._unacked += done
+        now = time.monotonic()
+        if changed or (self._unacked and now >= self._next_save):
+            # jittered: runs that fell due together (after a stall) drift apart again, not saving in one iteration for good
+            self._next_save = now + self.opts.state_save_s * (0.75 + 0.5 * random.random())
+            out = pipe if pipe is not None else bus.raw(self.r).pipeline(transaction=False)
+            out.set(self.keys.policy, self._state_json())
+            if self._unacked:
+                out.xack(self.keys.steps, STEP_CONSUMER_GROUP, *self._unacked)
+                self._unacked = []
+            if pipe is None:
+                with bus.bus_errors(self.r):
+                    out.execute()
         self.m.incidents_open.labels(self.run).set(
             sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
 
@@ -414,13 +444,16 @@ class Daemon:
             self.log(f"run {run}: no step record for {self.opts.idle_s / 3600:.0f} h and no heartbeat: no longer watched")
 
     def iterate(self, block_ms: int = 100) -> int:
+        """One pass: leases, one XREADGROUP over every led run's stream, one pipeline of side reads
+        for the runs to poll (those with new entries, and the others every ``POLL_IDLE_S``), every
+        run judged, then one pipeline of their state saves and XACKs. No run's verdict waits for
+        another run's round trips: a round trip per phase, whatever the number of runs."""
         now = time.time()
         if now - self._last_discovery > 2.0 or not self.watchers:
             self._discover()
             self._last_discovery = now
         if now - self._last_lease > self.opts.lease_ms / 3000.0:
-            for w in self.watchers.values():
-                w.renew_lease()
+            self._renew_leases(list(self.watchers.values()))
             self._last_lease = self._last_probe = now
         else:  # standbys try more often: a lapsed lease (or a dead holder's) is taken at once
             standby = [w for w in self.watchers.values() if not w.leader]
@@ -433,9 +466,6 @@ class Daemon:
             time.sleep(block_ms / 1000.0)
             return 0
         by_stream = {w.keys.steps: w for w in led}
-        prefetch(self.r, led, now)
-        for w in led:
-            w.check_overload(now)
         try:
             entries = bus.read_group(self.r, list(by_stream), STEP_CONSUMER_GROUP, self.opts.consumer,
                                      count=self.opts.batch, block_ms=block_ms)
@@ -448,19 +478,49 @@ class Daemon:
         grouped: dict[str, list[bus.Entry]] = {s: [] for s in by_stream}
         for e in entries:
             grouped[e.stream].append(e)
+        mono, now = time.monotonic(), time.time()
+        todo = []
         for s, w in by_stream.items():
             w.behind = len(grouped[s]) >= self.opts.batch  # a full batch: more is waiting
             w._delivered += len(grouped[s])
+            if grouped[s] or not entries or not w._recovered or mono - w.last_poll >= POLL_IDLE_S:
+                todo.append(w)
+        prefetch(self.r, todo, now)
+        for w in todo:
+            w.check_overload(now)
         done = 0
-        for s, w in by_stream.items():  # one run's failure must not cost the others their batch
+        pipe = bus.raw(self.r).pipeline(transaction=False)  # every run's state save and XACK: one round trip
+        for w in todo:  # one run's failure must not cost the others their batch
             try:
-                done += w.poll(grouped[s])
+                done += w.poll(grouped[w.keys.steps], pipe)
                 w.internal_errors = 0
             except (bus.BusError, redis.RedisError):
                 raise  # the bus's own failure: the caller backs off and every watcher reads its pending entries again
             except Exception as e:  # noqa: BLE001 - a bug or a state no check foresaw, in this run only
                 w.internal_error(e)
+        if len(pipe):
+            with bus.bus_errors(self.r):
+                pipe.execute()
         return done
+
+    def _renew_leases(self, watchers: list[RunWatcher]) -> None:
+        """Every lease: those this daemon holds renewed in one round trip (``Lease.queue_keep``);
+        one found lost, and the others' (standby), through ``RunWatcher.renew_lease``."""
+        held = [w for w in watchers if w.leader]
+        kept: list = []
+        if held:
+            pipe = bus.raw(self.r).pipeline(transaction=False)
+            for w in held:
+                w.lease.queue_keep(pipe)
+            with bus.bus_errors(self.r):
+                kept = pipe.execute(raise_on_error=False)
+        for w, reply in zip(held, kept):
+            if reply != 1:
+                w.renew_lease()
+        asked = {id(w) for w in held}
+        for w in watchers:
+            if not w.leader and id(w) not in asked:
+                w.renew_lease()
 
     def run_forever(self) -> None:
         backoff = 0.5

@@ -40,6 +40,17 @@ end
 return 0
 """
 
+# keep a lease this consumer holds, and its holder key, in one call (pipelined for all the runs a
+# daemon leads: ``Lease.queue_keep``); 0 when it is not ours any more (``acquire_or_renew`` then)
+_KEEP = """
+if redis.call('TYPE', KEYS[1])['ok'] == 'string' and redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
 STANDBY_PROBE_S = 0.25  # a sentinel without the lease tries to take it this often (per run; see standby_probe_s)
 STANDBY_PROBES_PER_S = 200  # ... but all of a daemon's standby runs together at most this often
 
@@ -150,13 +161,21 @@ class Lease:
         if got:
             if self.since is None:
                 self.since = time.time()
-            info = {"consumer": self.me, "pid": os.getpid(), "since": self.since, "lease_s": self.ttl_ms / 1000.0,
-                    **self._machine}
-            self.r.set(holder_key(self.key), json.dumps(info), px=self.ttl_ms)
+            self.r.set(holder_key(self.key), self._holder_json(), px=self.ttl_ms)
             self._seen = None
         else:
             self.since = None
         return got
+
+    def _holder_json(self) -> str:
+        return json.dumps({"consumer": self.me, "pid": os.getpid(), "since": self.since, "lease_s": self.ttl_ms / 1000.0,
+                           **self._machine})
+
+    def queue_keep(self, pipe) -> None:
+        """Queue the renewal of a lease this consumer holds (and of its holder key) on ``pipe``: a
+        daemon renews all its runs' leases in one round trip. A reply other than 1 means the lease
+        is not ours any more: ``acquire_or_renew`` then says what happened."""
+        pipe.eval(_KEEP, 2, self.key, holder_key(self.key), self.me, self.ttl_ms, self._holder_json())
 
     def _take_from_dead(self) -> bool:
         """The holder is a process of this machine that is gone: end its lease now (compare-and-delete)."""

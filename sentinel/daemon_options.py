@@ -20,6 +20,7 @@ LIVE_PROBE = 16  # newest steps entries looked at for one the trainer signed
 SENT_KEPT = 1024  # directives this sentinel sent, remembered (id -> stream entry) to tell their acks apart
 EVENT_KEYS_KEPT = 4096  # keys of the newest events on the bus, remembered to publish each event once
 SENT_SAVED = 256  # ... and how many of them the persisted state carries to a successor
+POLL_IDLE_S = 0.1  # a run with no new step record is still polled (acks, approvals, the clock) this often
 
 
 def _is_file(p: Path) -> bool:
@@ -88,3 +89,8 @@ class Options:
     # run id -> its run directory, where incidents and pages are mirrored (else the dir the trainer
     # registered on the bus, when it exists on this machine)
     run_dirs: dict[str, Path] = field(default_factory=dict)
+    # a run's state save and the XACK of what it covers, when only step records moved it: at most
+    # this often (0: every poll). Unacknowledged entries are delivered again after a crash or a
+    # failover and judged again from the saved state; an event, an ack, an approval or a checkpoint
+    # saves at the end of the poll, and every directive and page is preceded by a save of its own
+    state_save_s: float = 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 
 import redis
@@ -119,7 +120,8 @@ class ReadsMixin:
         """
         if now < self._next_overload_check and not self.behind:
             return
-        self._next_overload_check = now + 1.0
+        # about once a second, at a phase of its own: a fleet's checks do not all fall in one iteration
+        self._next_overload_check = now + 0.5 + random.random()
 
         def text_keys(d: dict) -> dict:
             return {(k.decode() if isinstance(k, bytes) else k): v for k, v in d.items()}
@@ -129,14 +131,16 @@ class ReadsMixin:
             for reply in pre:
                 if isinstance(reply, Exception):
                     raise reply
-            info = text_keys(pre[0] if pre[0] is not None else bus.raw(self.r).xinfo_stream(self.keys.steps))
             groups = [text_keys(g) for g in (pre[1] if pre[1] is not None else bus.raw(self.r).xinfo_groups(self.keys.steps))]
+            info = None
+            if self._entries_read is None:  # the stream's counters are needed at the first check only
+                info = text_keys(pre[0] if pre[0] is not None else bus.raw(self.r).xinfo_stream(self.keys.steps))
         except redis.ResponseError:
             return  # no stream yet, or a server without these fields
         group = next((g for g in groups if g.get("name") in (STEP_CONSUMER_GROUP, STEP_CONSUMER_GROUP.encode())), None)
         if group is not None and group.get("entries-read") is None and group.get("last-delivered-id") in ("0-0", b"0-0"):
             group["entries-read"] = 0  # a group that has read nothing yet reports no position
-        if group is None or group.get("entries-read") is None or info.get("entries-added") is None:
+        if group is None or group.get("entries-read") is None or (info is not None and info.get("entries-added") is None):
             self._entries_read = None  # unknown position (an old server, or XDEL): start over
             return
         if group.get("lag") is not None:

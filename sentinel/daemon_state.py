@@ -3,9 +3,11 @@
 One JSON string on the bus (``Keys.policy``): the policy's state, the stream positions read, the
 step gate, the directives sent (id -> stream entry: only their acks are verdicts), the rollback
 entries of open incidents (``RunPolicy.on_step``'s ``predates_rollback``) and the open pages. It is
-written after every poll that changed something, and before every directive or page is sent (the
-decision first: a leader that dies after it leaves it to its successor). Every field is checked
-before any is taken: a half-loaded state is worse than none.
+written after every poll that changed something (when only step records did, at most every
+``Options.state_save_s``: the entries judged since stay pending, and a successor judges them again),
+and always before a directive or page is sent (the decision first: a leader that dies after it
+leaves it to its successor). Every field is checked before any is taken: a half-loaded state is
+worse than none.
 """
 
 from __future__ import annotations
@@ -90,11 +92,14 @@ class StateMixin:
         self.policy.restore_samples(recent)
 
     def _save_state(self) -> None:
+        self.r.set(self.keys.policy, self._state_json())
+
+    def _state_json(self) -> str:
         st = {"policy": self.policy.state_dict(include_samples=False), "last_id": self.last_id, "acks_id": self.acks_id,
               "approvals_id": self.approvals_id, "checkpoints_seen": sorted(self.checkpoints_seen),
               "gate": self.gate.state_dict(), "sent": list(self._sent.items())[-SENT_SAVED:], "saved": time.time(),
               "decisions": dict(list(self._decisions.items())[-SENT_SAVED:]), "pages": self.pager.state_dict()}
-        self.r.set(self.keys.policy, json.dumps(st))
+        return json.dumps(st)
 
     def _fresh_policy(self) -> None:
         """Start the run's policy afresh; the checkpoints on the bus are fed to it again at the next

@@ -56,7 +56,7 @@ from typing import Any
 from sentinel.policy_episode import EpisodeMixin
 from sentinel.policy_lineage import LineageMixin
 from sentinel.policy_recovery import RecoveryMixin
-from sentinel.policy_state import PolicyStateMixin
+from sentinel.policy_state import PolicyStateMixin, pack_ids, unpack_ids
 from sentinel.policy_types import (  # noqa: F401 - the policy's public names
     DIRECTIVE_KINDS,
     MAX_EVIDENCE,
@@ -111,7 +111,7 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
         self._ep: Episode = {}  # the open episode (policy_types.Episode)
         self._pending: dict[str, dict] = {}  # incident id -> action awaiting approval
         self._checkpoints: dict[int, CheckpointInfo] = {}
-        self._samples: deque[tuple[int, list[int]]] = deque(maxlen=self.cfg.sample_history_steps)
+        self._samples: deque[tuple[int, bytes]] = deque(maxlen=self.cfg.sample_history_steps)  # (step, pack_ids(ids))
         self._samples_in_order = True  # their steps never decrease (see _sample_ids_between)
         self._rollback_log: list[list[float]] = []  # [time, steps trained] of each rollback really sent
         self._last_fire: dict[str, list] = {}  # rule -> [step, time]
@@ -218,7 +218,7 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
             sm = self._samples
             if sm and rec.step < sm[-1][0]:
                 self._samples_in_order = False  # a record out of order: scan the history whole from now on
-            sm.append((rec.step, rec.sample_ids))
+            sm.append((rec.step, pack_ids(rec.sample_ids)))
             if self._state in ("rollback", "awaiting_approval"):
                 later = self._skip_later(rec)
         findings = self.engine.evaluate(rec)
@@ -423,14 +423,14 @@ class RunPolicy(LineageMixin, EpisodeMixin, RecoveryMixin, PolicyStateMixin):
         whole history (2048 steps x the batch; ~1 ms a read). A history that ever came out of
         order is scanned whole, as before."""
         if not self._samples_in_order:
-            return [i for s, ids in self._samples if lo <= s <= hi for i in ids]
+            return [i for s, ids in self._samples if lo <= s <= hi for i in unpack_ids(ids)]
         picked = []
         for s, ids in reversed(self._samples):
             if s < lo:
                 break
             if s <= hi:
                 picked.append(ids)
-        return [i for ids in reversed(picked) for i in ids]
+        return [i for ids in reversed(picked) for i in unpack_ids(ids)]
 
     def _set_state(self, state: str, inc: Incident) -> None:
         inc.state = state

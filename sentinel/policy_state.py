@@ -4,6 +4,7 @@ input too (a bus key anyone with write access can set): every field is checked o
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Any, get_args
 
 from sentinel.policy_types import SPIKE_PATTERNS
@@ -18,6 +19,20 @@ from sentinel.protocol import (
 )
 
 
+def pack_ids(ids) -> bytes:
+    """A step's sample ids as the history keeps them: 8 bytes an id (a list of ints takes about
+    36), in an object the garbage collector does not track (2048 steps a run, each a list, made
+    every gen-2 collection of a daemon watching 300 runs walk over a million containers: pauses of
+    a tenth of a second and more, growing with the history; bench/daemon_scale.py)."""
+    return array("q", ids).tobytes()
+
+
+def unpack_ids(blob: bytes) -> array:
+    out = array("q")
+    out.frombytes(blob)
+    return out
+
+
 class PolicyStateMixin:
     def restore_samples(self, records) -> None:
         """Rebuild the sample-id history from step-stream records (oldest first), so ``state_dict``
@@ -29,7 +44,7 @@ class PolicyStateMixin:
                 while self._samples and self._samples[-1][0] > r.from_step:
                     self._samples.pop()
             elif isinstance(r, StepRecord) and r.sample_ids:
-                self._samples.append((r.step, r.sample_ids))
+                self._samples.append((r.step, pack_ids(r.sample_ids)))
         self._samples_in_order = _in_order(self._samples)
 
     def state_dict(self, include_samples: bool = True) -> dict[str, Any]:
@@ -49,7 +64,7 @@ class PolicyStateMixin:
             "episode": self._ep,
             "pending": self._pending,
             "checkpoints": [c.model_dump(mode="json") for c in self._checkpoints.values()],
-            "samples": [[s, [list(r) for r in ids_to_ranges(ids)]] for s, ids in self._samples] if include_samples else None,
+            "samples": [[s, [list(r) for r in ids_to_ranges(unpack_ids(ids))]] for s, ids in self._samples] if include_samples else None,
             "rollback_log": self._rollback_log,
             "steps_seen": self.steps_seen,
             "episodes": list(self._episodes),
@@ -108,7 +123,7 @@ class PolicyStateMixin:
             budget -= n
             if budget < 0:  # the daemon saves none (they are read back from the stream): a hostile list
                 raise ValueError(f"samples hold more than {self.cfg.sample_history_steps * MAX_SAVED_IDS_PER_STEP} ids")
-            self._samples.append((_bounded_int(s, "samples step"), [i for lo, hi in ranges for i in range(lo, hi)]))
+            self._samples.append((_bounded_int(s, "samples step"), pack_ids(i for lo, hi in ranges for i in range(lo, hi))))
         self._samples_in_order = _in_order(self._samples)
         self._rollback_log = [[float(t), float(n)] for t, n in d.get("rollback_log", [])]
         self.steps_seen = _bounded_int(d.get("steps_seen", 0), "steps_seen")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 from pathlib import Path
@@ -10,6 +11,11 @@ import click
 
 from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, not_empty, redis_url_option
 from sentinel.logs import ENV_FORMAT, LOG_FORMATS, configure, daemon_log
+
+# a run's state saved (and its step entries acknowledged) at most every 2 s when only step records
+# moved it: at 10 steps/s per run, a save per step would cost a fleet of 300 runs more than the
+# rules do (docs/benchmarks/daemon-scale.md); a successor judges the unacknowledged ones again
+STATE_SAVE_S = 2.0
 
 
 def _check_alertmanager_url(url: str) -> None:
@@ -124,7 +130,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     except RulesError as e:
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
-                   alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs,
+                   alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs, state_save_s=STATE_SAVE_S,
                    run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer
@@ -163,6 +169,14 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
             + (f", runs: {', '.join(ids)}" if ids else ", all registered runs") + f"; lease {lease_ms / 1000:g} s")
     if not alertmanager_url:
         log(NO_ALERTMANAGER_WARNING)
+    # what exists now (modules, classes, the rules: some 56,000 objects) lives as long as the
+    # process: frozen out of the collector's sight, a full collection walks only the runs' own
+    # objects (about 150 a run); and a young generation of 20,000 (not 700) lets a step's
+    # temporaries die before they are walked at all. A fleet of 300 runs paused 50-200 ms in
+    # gen-2 collections before (docs/benchmarks/daemon-scale.md)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
     fleet.run_forever()
     log("stopped")
 

@@ -41,7 +41,9 @@ def record_range_error(rec: object) -> str | None:
         checks += [_bad_int("step", rec.step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
                    _bad_int("tokens", rec.tokens, 0, MAX_COUNT), _bad_int("batch_tokens", rec.batch_tokens, 0, MAX_COUNT),
                    _bad_int("world_size", rec.world_size, 1, 1 << 24)]
-        checks += [_bad_int("sample_ids", i, 0, MAX_COUNT) for i in rec.sample_ids if not 0 <= i <= MAX_COUNT][:1]
+        ids = rec.sample_ids
+        if ids and (min(ids) < 0 or max(ids) > MAX_COUNT):  # min/max in C: a step carries the batch's ids
+            checks += [_bad_int("sample_ids", i, 0, MAX_COUNT) for i in ids if not 0 <= i <= MAX_COUNT][:1]
         for name in ("loss", "loss_max_rank", "grad_norm", "lr", "time", "step_seconds", "tokens_per_second", "mfu",
                      "val_loss", "val_ppl", "checkpoint_age_seconds", "effective_token_ratio"):
             x = getattr(rec, name)

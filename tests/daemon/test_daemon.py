@@ -287,6 +287,43 @@ def test_new_leader_claims_what_the_dead_leader_left_pending(redis_url, unique_r
     assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 0
 
 
+def test_a_deferred_state_save_loses_nothing_and_sends_nothing_twice(redis_url, unique_run):
+    """``state_save_s`` (``sentinel run``: 2 s): step records alone do not save the state, and
+    their entries stay pending until a save covers them. A leader that dies then leaves them to
+    its successor, which judges them again from the saved state; the decision to roll back is
+    still saved before its directive goes out (one directive, from either leader); a warm stop
+    saves and acknowledges everything."""
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    a = make_daemon(r, run, "a", state_save_s=3600.0)
+    pump(a, until=lambda: a.watchers[run].leader)
+    register_checkpoints(r, run)
+    pump(a, until=lambda: len(a.watchers[run].checkpoints_seen) == len(CKPTS))  # a checkpoint saves at once
+    saved = json.loads(r.get(k.policy))
+    publish_steps(r, run, range(1, 31))
+    pump(a, until=lambda: sample(a, "sentinel_steps_processed_total", run=run) == 30)
+    assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 30  # judged, not yet covered by a save
+    assert json.loads(r.get(k.policy))["last_id"] == saved["last_id"] == "0-0"
+    # a dies without a word; its lease lapses: b judges the 30 steps again, then the NaN
+    r.delete(k.leader)
+    b = make_daemon(r, run, "b", state_save_s=3600.0)
+    publish_steps(r, run, range(31, NAN_STEP + 1), nan_at=NAN_STEP)
+    pump(b, until=lambda: r.xlen(k.directives) > 0)
+    assert sample(b, "sentinel_steps_processed_total", run=run) == NAN_STEP
+    assert json.loads(r.get(k.policy))["policy"]["state"] == "rollback"  # saved before the directive
+    (dv,) = directives(r, run)
+    assert dv.to_step == TARGET
+    # the saves before the directive and at the event covered everything judged by then
+    assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 0
+    publish_steps(r, run, range(NAN_STEP + 1, NAN_STEP + 6))
+    pump(b, until=lambda: sample(b, "sentinel_steps_processed_total", run=run) == NAN_STEP + 5)
+    b.watchers[run].release()  # warm stop
+    assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 0
+    last = r.xrevrange(k.steps, count=1)[0][0]
+    assert json.loads(r.get(k.policy))["last_id"] == (last.decode() if isinstance(last, bytes) else last)
+    assert len(directives(r, run)) == 1 and not a.watchers[run]._sent  # a never sent anything
+
+
 def test_recovered_spikes_are_annotated_and_their_pattern_is_a_metric(redis_url, unique_run):
     """Spikes that recover send nothing; they are counted as recovered episodes, and a fixed
     interval between them shows as sentinel_spike_pattern{pattern="periodic"} = 1."""
