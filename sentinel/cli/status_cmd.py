@@ -228,7 +228,8 @@ def state_text(r: dict) -> str:
     if st == "stopped" and step_age is not None:
         return f"stopped (step {fmt_duration(step_age)} ago)"
     if st == "finished":
-        return f"finished ({r['max_steps']} steps)"
+        n = r.get("max_steps") or r.get("step")  # planned steps, else the run_end marker's last step
+        return f"finished ({n} steps)" if n is not None else "finished"
     return st
 
 
