@@ -6,7 +6,8 @@
 One process, one tiny GPT (the model of ``docs/integrate.md`` (Lightning): 2 layers, d_model 64, seq 64,
 batch 8, random init) on the locally prepared Shakespeare tokens, CPU, one torch thread. Each segment is a
 fresh ``lightning.Trainer`` fit of ``--steps`` steps from the same initial weights and the same data
-stream (a ``SkipAwareDataset``, in both arms, so the data path is identical); no checkpoints, no
+stream (a ``SkipAwareDataset``, in both arms, so the data path is identical); gradient norm clipping at
+1.0 in both arms as LLM pretraining does (``--clip 0``: none, and the callback computes the norm); no checkpoints, no
 validation, no logger, no progress bar. Arm "on" adds ``SentinelCallback(run_dir=..., dataset=...)`` with
 its embedded bus (started once, before the first segment, as ``sentinel run`` would see it); arm "off"
 adds nothing. Segments run in quads on/off/off/on (ABBA), so a drift of the machine hits both arms alike.
@@ -48,7 +49,7 @@ MODELS = {  # (n_layer, d_model, seq_len): "tiny" is the docs' model; "small" a 
 }
 
 
-def build(steps: int, model: str = "tiny"):
+def build(steps: int, model: str = "tiny", clip: float | None = 1.0):
     """(make_fit(on: bool) -> per-step intervals, close) over one shared model init and data set."""
     import lightning as L
     import torch
@@ -103,7 +104,7 @@ def build(steps: int, model: str = "tiny"):
         data = SkipAwareDataset(Windows(), seed=0)
         timer = Timer()
         cbs = [timer] + ([SentinelCallback(run_dir=run_dir, dataset=data, log=lambda m: None)] if on else [])
-        trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=cbs, logger=False,
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=cbs, logger=False, gradient_clip_val=clip,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
         trainer.fit(model, DataLoader(data, batch_size=8))
         wall = [b[0] - a[0] for a, b in zip(timer.t, timer.t[1:])]
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=120, help="steps per segment")
     ap.add_argument("--warmup", type=int, default=20, help="first steps of a segment not timed")
     ap.add_argument("--quads", type=int, default=5, help="ABBA quads (on/off/off/on); >= 5 for a median")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="gradient_clip_val in both arms (norm clipping, as LLM pretraining does; the callback then takes "
+                         "Lightning's own norm); 0: no clipping (the callback computes the norm itself)")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
                     help="tiny: 2 layers, d_model 64, seq 64 (the docs' model); small: 2 layers, d_model 128, seq 128")
     ap.add_argument("--json", action="store_true", help="print JSON")
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    fit, run_dir = build(args.steps, args.model)
+    fit, run_dir = build(args.steps, args.model, args.clip or None)
     quads = []
     try:
         fit(True)  # warm everything once (imports, allocator, the bus connection)
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         r = sorted(q[key] for q in quads)
         return {"min": r[0], "median": statistics.median(r), "max": r[-1]}
 
-    res = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "quads": quads, "ratio": summary("ratio"),
+    res = {"model": args.model, "clip": args.clip or None, "steps": args.steps, "warmup": args.warmup, "quads": quads, "ratio": summary("ratio"),
            "ratio_median_interval": summary("ratio_median_interval"), "ratio_cpu": summary("ratio_cpu"),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads 1"}
     if args.json:

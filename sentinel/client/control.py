@@ -125,6 +125,9 @@ class ControlLoop:
     metrics: Any = None  # sentinel.client.metrics.TrainerMetrics, or None
     log: Callable[[str], None] = print
     skip: SkipList | None = None  # default: RUN_DIR/skiplist.json
+    # called before the loop writes steps.jsonl or reads it back (a marker, a directive applied): a host that
+    # batches its step records (RunSession) writes what it holds first, so the file stays in step order
+    before_write: Callable[[], None] | None = None
     timeline: int = 0
     paused: bool = False
     stop_requested: bool = False
@@ -142,6 +145,7 @@ class ControlLoop:
     # ------------------------------------------------------------------ start
     def next_timeline(self) -> int:
         """Above every timeline in steps.jsonl (the same on every rank)."""
+        self._written()
         last = self.steplog.last_timeline() if self.is_main and self.steplog else -1
         return int(self._share(last)) + 1
 
@@ -217,6 +221,7 @@ class ControlLoop:
 
     def apply(self, d: Directive, step: int) -> Applied:
         """Apply one verified directive at ``step``; log it, ack it, and say how it went."""
+        self._written()  # the steps it may abandon (skip_after) are in steps.jsonl before anything changes
         if d.id in self.applied:
             self._ack(d, step, "duplicate", "already applied")
             return Applied(d.kind, d.id, "duplicate", "already applied")
@@ -300,6 +305,7 @@ class ControlLoop:
         """A timeline marker (start / resume / rollback) in steps.jsonl and on the bus (rank 0)."""
         if not self.is_main:
             return
+        self._written()
         # the reason and id come from a plan file or a directive: any text, maybe not UTF-8 (steplog.clean_text)
         rec = TimelineRecord(kind=kind, run=self.run, from_step=from_step, timeline=self.timeline,
                              time=time.time(), reason=clean_text(reason), directive_id=clean_text(directive_id),
@@ -312,11 +318,16 @@ class ControlLoop:
         once the heartbeat goes quiet. Not for a crash. Call it before closing the bus."""
         if not self.is_main:
             return
+        self._written()
         rec = MarkerRecord(run=self.run, step=int(step), timeline=self.timeline, marker="run_end",
                            detail=clean_text(detail), time=time.time())
         if self.metrics:
             self.metrics.on_timeline_event("run_end")
         write_and_publish(rec, self.steplog, self.bus)
+
+    def _written(self) -> None:
+        if self.before_write is not None:
+            self.before_write()
 
     def _ack(self, d: Directive, step: int, status: str, detail: str | None) -> None:
         if self.is_main and self.bus:

@@ -120,6 +120,9 @@ def stop_bus(run_dir: str | os.PathLike) -> bool:
     return stop_embedded(run_dir)
 
 
+HOLD_S = 0.1  # log_step's records are written at most this long after their step (a batch)...
+HOLD_MAX = 64  # ...or once this many are held
+
 class RunSession:
     """Everything a training loop in RUN_DIR needs to be watched and steered (see the module docstring)."""
 
@@ -148,6 +151,8 @@ class RunSession:
         self._last_ckpt: float | None = None
         self._last_time: float | None = None
         self._last_written: StepRecord | None = None
+        self._held: list[tuple] = []  # step records not yet written (see log_step)
+        self._held_since = 0.0
         if self.is_main:
             self.steplog = StepLog(self.run_dir / "steps.jsonl", log=self._log)
             self._connect(redis_url, model)
@@ -155,7 +160,7 @@ class RunSession:
         self.skip = SkipList.load(self.run_dir / "skiplist.json")
         self.control = ControlLoop(self.run_dir, self.run, host=host, bus=self.bus, steplog=self.steplog,
                                    is_main=self.is_main, broadcast=broadcast, metrics=self.metrics, log=self._log,
-                                   skip=self.skip)
+                                   skip=self.skip, before_write=self.write_held)
 
     # ------------------------------------------------------------------ setup
     def _run_id(self, run: str | None) -> str:
@@ -225,20 +230,39 @@ class RunSession:
                                  loaded_tokens=int(batch_tokens or 0), useful_tokens=int(batch_tokens or 0), mfu=None)
         if not self.is_main:
             return
-        ids = [int(i) for i in sample_ids]
+        # the loop's thread only keeps the values: the records are built, written (one write) and queued for
+        # the bus in a batch, at most HOLD_S (0.1 s, the bus client's own send interval) or HOLD_MAX records
+        # later, and before anything else is written (a marker, a directive applied, an eval, a checkpoint,
+        # close). Built one after another, they cost a fraction of what one built between two training
+        # steps does (bench/callback_overhead.py). A process killed outright loses at most those 0.1 s.
+        self._held.append((int(step), self.control.timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total,
+                           batch_tokens, list(sample_ids), now, step_time_s, self._last_ckpt))
+        if len(self._held) >= HOLD_MAX or now - self._held_since >= HOLD_S:
+            self.write_held()
+
+    def write_held(self) -> None:
+        """Build, write and queue for the bus the step records :meth:`log_step` holds (rank 0)."""
+        held, self._held = self._held, []
+        self._held_since = time.time()
+        if not held:
+            return
         from sentinel.protocol import finite_or_none
 
-        rec = StepRecord(
-            run=self.run, step=int(step), timeline=self.control.timeline, loss=float(loss),
-            loss_max_rank=float(loss if loss_max_rank is None else loss_max_rank), rank_losses=rank_losses,
-            grad_norm=float(grad_norm) if grad_norm is not None else 0.0, lr=float(lr or 0.0), tokens=total,
-            batch_tokens=int(batch_tokens or 0), batch_fingerprint=batch_fingerprint(ids), sample_ids=ids, time=now,
-            step_seconds=finite_or_none(step_time_s),
-            tokens_per_second=(batch_tokens / step_time_s) if batch_tokens and step_time_s else None,
-            checkpoint_age_seconds=(now - self._last_ckpt) if self._last_ckpt else None, world_size=self.world_size,
-        )
-        self._last_written = rec
-        write_and_publish(rec, self.steplog, self.bus)
+        for (step, timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total, batch_tokens, sample_ids, now,
+             step_time_s, last_ckpt) in held:
+            ids = [int(i) for i in sample_ids]
+            rec = StepRecord(
+                run=self.run, step=step, timeline=timeline, loss=float(loss),
+                loss_max_rank=float(loss if loss_max_rank is None else loss_max_rank), rank_losses=rank_losses,
+                grad_norm=float(grad_norm) if grad_norm is not None else 0.0, lr=float(lr or 0.0), tokens=total,
+                batch_tokens=int(batch_tokens or 0), batch_fingerprint=batch_fingerprint(ids), sample_ids=ids, time=now,
+                step_seconds=finite_or_none(step_time_s),
+                tokens_per_second=(batch_tokens / step_time_s) if batch_tokens and step_time_s else None,
+                checkpoint_age_seconds=(now - last_ckpt) if last_ckpt else None, world_size=self.world_size,
+            )
+            self._last_written = rec
+            write_and_publish(rec, self.steplog, self.bus, flush=False)
+        self.steplog.flush()
 
     def log_eval(self, step: int, *, val_loss: float) -> None:
         """A validation pass at ``step``: the step's record again with ``val_loss`` / ``val_ppl`` (the last
@@ -247,6 +271,7 @@ class RunSession:
             self.metrics.on_validation(val_loss)
         if not self.is_main:
             return
+        self.write_held()
         last = self._last_written
         if last is None or last.step != step:
             return
@@ -261,6 +286,7 @@ class RunSession:
         ``CheckpointInfo`` on the bus: from now on a rollback may go there. Rank 0 only (others return)."""
         if not self.is_main:
             return
+        self.write_held()  # the steps up to the checkpoint are in steps.jsonl before a rollback may go there
         info = checkpoint_info(self.run, step, path, world_size=self.world_size, timeline=self.control.timeline,
                                tokens=self._tokens, framework=self.framework)
         with contextlib.suppress(OSError):
@@ -307,6 +333,8 @@ class RunSession:
         started it and nobody else is connected (a ``sentinel run`` still watching keeps it)."""
         if self._closed:
             return
+        if self.is_main:
+            self.write_held()
         self._closed = True
         if self.steplog:
             self.steplog.close()

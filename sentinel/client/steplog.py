@@ -43,11 +43,12 @@ _LINE_CAP = MAX_RECORD_BYTES + 1  # bytes of one line held in memory; a longer l
 
 
 
-def write_and_publish(rec, steplog: StepLog | None, bus) -> None:
-    """``rec`` to ``steps.jsonl`` and onto the bus (a ``BusClient``, or None), rendered to JSON once."""
+def write_and_publish(rec, steplog: StepLog | None, bus, *, flush: bool = True) -> None:
+    """``rec`` to ``steps.jsonl`` and onto the bus (a ``BusClient``, or None), rendered to JSON once;
+    ``flush=False``: the step log keeps the line for its next flush (a batch)."""
     text = render(rec)
     if steplog is not None:
-        steplog.write(rec, text)
+        steplog.write(rec, text, flush=flush)
     if bus is not None:
         bus.publish_step(rec, text)  # on the bus within the client's poll interval (0.1 s), batched
 
@@ -250,15 +251,17 @@ class StepLog:
     def buffered(self) -> int:
         return len(self._pending)
 
-    def write(self, rec: StepRecord | TimelineRecord, text: str | None = None) -> None:
-        """Append ``rec`` (``text``: its ``render``, when the caller has it already)."""
+    def write(self, rec: StepRecord | TimelineRecord, text: str | None = None, *, flush: bool = True) -> None:
+        """Append ``rec`` (``text``: its ``render``, when the caller has it already); ``flush=False``: leave
+        it buffered for the next :meth:`flush` (a batch of records, one write)."""
         if isinstance(rec, StepRecord) and rec.sample_ids:  # what a rollback's skip_after names (recent_ids)
             self._recent.append((rec.timeline, rec.step, rec.sample_ids))
         self._pending.append(((render(rec) if text is None else text) + "\n").encode())
         if len(self._pending) > self.max_buffered:
             self._pending.popleft()
             self.lost += 1
-        self.flush()
+        if flush:
+            self.flush()
 
     def recent_ids(self, timeline: int, after_step: int) -> list[int]:
         """The sample ids of the steps after ``after_step`` on ``timeline`` written lately (the last
@@ -268,21 +271,30 @@ class StepLog:
 
     def flush(self) -> bool:
         """Write every buffered record; False (and the records kept) while the disk refuses."""
+        # a batch (RunSession writes a fast loop's records in batches): one write. While the disk refuses,
+        # one line at a time, so that as much lands as the disk takes
+        if len(self._pending) > 1 and self._failing_since is None and self._write(b"".join(self._pending)):
+            self._pending.clear()
         while self._pending:
-            line = self._pending[0]
-            try:
-                n = os.write(self._fd, line)
-                if n != len(line):  # a short write: the disk filled up inside this record
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            except OSError as e:
-                self._failed(e)
+            if not self._write(self._pending[0]):
                 return False
-            self._size += n
             self._pending.popleft()
         if self._failing_since is not None:
             self.log(f"warning: steps.jsonl writable again after {self.write_failures - self._failing_since} failed "
                      f"write(s); {self.lost} record(s) lost in all")
             self._failing_since = None
+        return True
+
+    def _write(self, blob: bytes) -> bool:
+        """One write of whole records; on failure the file is cut back to its last whole record."""
+        try:
+            n = os.write(self._fd, blob)
+            if n != len(blob):  # a short write: the disk filled up inside a record
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            self._failed(e)
+            return False
+        self._size += n
         return True
 
     def _failed(self, e: OSError) -> None:
