@@ -285,6 +285,7 @@ class Trainer:
             self.guard.rebaseline()
         factor, reason = self.guard.check(loss, grad_norm)
         if apply:  # lr stays a Python float: uploading it as a tensor would be a host->device sync
+            self.ckpt.fence()  # an async save's thread must have copied the weights and moments first
             self.opt.step(lr_value, factor)
         self.opt.zero_grad(set_to_none=True)
         return loss, gathered, grad_norm, factor, reason
