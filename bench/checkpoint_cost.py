@@ -11,18 +11,27 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     fsyncs, atomic rename), against a raw sequential write of the same number of bytes into one file
     of the same directory, plus fsync of the file and the directory. Ratio = raw seconds / save
     seconds (= save throughput / raw throughput). Retention pruning is kept out of both arms (the
-    bench deletes old checkpoints between pairs).
+    bench deletes old checkpoints between pairs). A third arm, interleaved with the two (a b c, c b a,
+    ...), is the floor: the same files' bytes, prebuilt, through the commit protocol alone (a new
+    directory, every file and the directory fsynced concurrently, the rename, the parent fsynced),
+    nothing serialised or hashed; ``floor_ratio_median`` = raw seconds / floor seconds is the most any
+    checkpoint that commits a directory atomically can reach on this disk.
 ``async_stall_vs_sync`` (target <= 0.10)
-    How long ``save_checkpoint()`` blocks the training loop with ``checkpoint.async_save`` (the CPU
-    snapshot and the hand-off to the writer thread), against a sync save of the same state. Also
-    ``async_snapshot_bytes``: the host memory the snapshot holds while the write runs (every model
-    and optimizer tensor once), and ``async_rss_growth_bytes``, the resident-set growth seen across
-    the call (the allocator may reuse memory freed by the previous snapshot: often 0).
+    How long an async save (``checkpoint.async_save``) blocks the training loop, against a sync save
+    of the same state: ``save_checkpoint()`` itself (host-side state, the hand-off to the writer
+    thread), plus the wait at the next training step's optimizer step (``Checkpointer.fence``) for
+    the writer thread's copy of the weights and moments; the bench trains that step for real
+    (``Trainer.train_step``). Also ``async_snapshot_bytes``: the host memory the copy holds while the
+    write runs (every model and optimizer tensor once), and the copy's own seconds on its thread.
 ``load_vs_raw`` (target >= 0.7)
     ``Trainer.load_checkpoint(step)`` (manifest, sha256 of every file, ``torch.load(weights_only)``,
     shape checks, restore) against a raw sequential read of the same files. Before each arm the
     files are dropped from the page cache (``posix_fadvise(DONTNEED)``; they are clean, having been
-    fsynced), so both read the disk, as a restart on another day would.
+    fsynced), so both read the disk, as a restart on another day would. Also measured in each pair,
+    in memory: sha256 of every byte, and ``torch.load(weights_only=True)`` of the files this rank
+    restores. The unpickler holds the GIL, so no other core can share that time:
+    ``ceiling_ratio_median`` = raw read seconds / deserialisation seconds bounds ``load_vs_raw``
+    from above, however reading and hashing are overlapped.
 ``rollback_vs_resume`` (target <= 0.5)
     A live ``python -m trainer`` on a real bus (Debian ``redis-server``) gets a signed ``rollback``
     directive (the one ``sentinel rollback RUN --to-step N`` sends). Numerator: from the directive

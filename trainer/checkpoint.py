@@ -6,14 +6,19 @@ FSDP2), ``train_state.json``, ``rng-rank{r}.pt`` for every rank, and ``manifest.
 matches, so a crash (or SIGKILL) at any moment leaves either the old set of valid checkpoints or the
 old set plus one new complete one.
 
-Write protocol: every rank writes its files into ``.tmp-step-N``; rank 0 then checksums everything,
-writes the manifest, makes every file and directory durable, and renames the directory into place
-(then fsyncs its parent). Nothing outside ``step-N`` directories is ever loaded, so the rename is the
-commit point: everything in ``.tmp-step-N`` is fsynced before it. The fsyncs run concurrently (the
-file system commits them together: one journal round trip for all the files, not one per file),
-and the sha256 of each file is computed while they run (bench/checkpoint_cost.py measured 7
-sequential fsyncs as two thirds of a small checkpoint's save). Loading verifies checksums *before*
+Write protocol: every rank writes its files into ``.tmp-step-N``, each file's sha256 computed from
+the bytes as they are written (``trainer.checkpoint_io``: no read-back) and its writeback started
+early; rank 0 then writes the manifest, makes every file and directory durable, and renames the
+directory into place (then fsyncs its parent). Nothing outside ``step-N`` directories is ever loaded,
+so the rename is the commit point: everything in ``.tmp-step-N`` is fsynced before it. The fsyncs,
+the manifest's included, run concurrently (the file system commits them together: one journal round
+trip for all the files, not one per file; bench/checkpoint_cost.py measured 7 sequential fsyncs as
+two thirds of a small checkpoint's save). Loading verifies checksums *before*
 ``torch.load(weights_only=True)`` ever touches a file.
+
+Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
+first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the
+training loop blocks only for the hand-off, and the copy overlaps the next step's forward pass.
 """
 
 from __future__ import annotations
