@@ -6,15 +6,15 @@ FSDP2), ``train_state.json``, ``rng-rank{r}.pt`` for every rank, and ``manifest.
 matches, so a crash (or SIGKILL) at any moment leaves either the old set of valid checkpoints or the
 old set plus one new complete one.
 
-Write protocol: every rank writes its files into ``.tmp-step-N``, each file's sha256 computed from
-the bytes as they are written (``trainer.checkpoint_io``: no read-back) and its writeback started
-early; rank 0 then writes the manifest, makes every file and directory durable, and renames the
-directory into place (then fsyncs its parent). Nothing outside ``step-N`` directories is ever loaded,
-so the rename is the commit point: everything in ``.tmp-step-N`` is fsynced before it. The fsyncs,
-the manifest's included, run concurrently (the file system commits them together: one journal round
-trip for all the files, not one per file; bench/checkpoint_cost.py measured 7 sequential fsyncs as
-two thirds of a small checkpoint's save). Loading verifies checksums *before*
-``torch.load(weights_only=True)`` ever touches a file.
+Write protocol: every rank writes its files into ``.tmp-step-N.K`` (K: the process's save count),
+each file's sha256 computed from the bytes as they are written (``trainer.checkpoint_io``: no
+read-back) and its writeback started early; rank 0 then writes the manifest, makes every file and
+directory durable, and renames the directory into place (then fsyncs its parent). Nothing outside
+``step-N`` directories is ever loaded, so the rename is the commit point: everything in the
+temporary directory is fsynced before it. The fsyncs, the manifest's included, run concurrently (the
+file system commits them together: one journal round trip for all the files, not one per file;
+bench/checkpoint_cost.py measured 7 sequential fsyncs as two thirds of a small checkpoint's save).
+Loading verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a file.
 
 Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
 first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the
@@ -305,6 +305,7 @@ class Checkpointer:
         self.keep_last, self.keep_every = keep_last, keep_every
         self.barrier, self.all_ok, self.log = barrier, all_ok, log
         self._async: threading.Thread | None = None
+        self._saves = 0
         self._async_error: BaseException | None = None
         # set once an async save's background thread has copied the state it writes: until then the
         # trainer must not change a parameter or an optimizer moment (``fence``, before the optimizer step)
@@ -395,11 +396,13 @@ class Checkpointer:
         """
         self.wait()
         t0 = time.time()
-        tmp = self.root / f".tmp-{step_dir_name(step)}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.barrier()
+        # a name no earlier save of this process used (saves are collective: every rank counts them
+        # alike), so no rank meets another attempt's files in it, and none waits for rank 0 to clear
+        # and make it (a barrier: most of a 2-rank async save's stall). Leftovers of earlier
+        # processes are gone before the first save (``clean_partial``, then a barrier).
+        self._saves += 1
+        tmp = self.root / f".tmp-{step_dir_name(step)}.{self._saves}"
+        tmp.mkdir(parents=True, exist_ok=True)
 
         if async_save and dcp_async_writer is not None:
             written = self._write_files(tmp, shared, per_rank)  # small files: written now
