@@ -436,7 +436,8 @@ class Checkpointer:
                 try:
                     try:  # the copy runs here (torch copies release the GIL) while the next step's forward runs
                         t_copy = time.perf_counter()
-                        shared, per_rank = host_copy(shared), host_copy(per_rank)
+                        shared = host_copy(shared) if self.rank == 0 else {}  # only rank 0 writes them
+                        per_rank = host_copy(per_rank)
                         self.snapshot_seconds = time.perf_counter() - t_copy
                     finally:
                         self._snapshot_taken.set()
