@@ -11,18 +11,27 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     fsyncs, atomic rename), against a raw sequential write of the same number of bytes into one file
     of the same directory, plus fsync of the file and the directory. Ratio = raw seconds / save
     seconds (= save throughput / raw throughput). Retention pruning is kept out of both arms (the
-    bench deletes old checkpoints between pairs).
+    bench deletes old checkpoints between pairs). A third arm, interleaved with the two (a b c, c b a,
+    ...), is the floor: the same files' bytes, prebuilt, through the commit protocol alone (a new
+    directory, every file and the directory fsynced concurrently, the rename, the parent fsynced),
+    nothing serialised or hashed; ``floor_ratio_median`` = raw seconds / floor seconds is the most any
+    checkpoint that commits a directory atomically can reach on this disk.
 ``async_stall_vs_sync`` (target <= 0.10)
-    How long ``save_checkpoint()`` blocks the training loop with ``checkpoint.async_save`` (the CPU
-    snapshot and the hand-off to the writer thread), against a sync save of the same state. Also
-    ``async_snapshot_bytes``: the host memory the snapshot holds while the write runs (every model
-    and optimizer tensor once), and ``async_rss_growth_bytes``, the resident-set growth seen across
-    the call (the allocator may reuse memory freed by the previous snapshot: often 0).
+    How long an async save (``checkpoint.async_save``) blocks the training loop, against a sync save
+    of the same state: ``save_checkpoint()`` itself (host-side state, the hand-off to the writer
+    thread), plus the wait at the next training step's optimizer step (``Checkpointer.fence``) for
+    the writer thread's copy of the weights and moments; the bench trains that step for real
+    (``Trainer.train_step``). Also ``async_snapshot_bytes``: the host memory the copy holds while the
+    write runs (every model and optimizer tensor once), and the copy's own seconds on its thread.
 ``load_vs_raw`` (target >= 0.7)
     ``Trainer.load_checkpoint(step)`` (manifest, sha256 of every file, ``torch.load(weights_only)``,
     shape checks, restore) against a raw sequential read of the same files. Before each arm the
     files are dropped from the page cache (``posix_fadvise(DONTNEED)``; they are clean, having been
-    fsynced), so both read the disk, as a restart on another day would.
+    fsynced), so both read the disk, as a restart on another day would. Also measured in each pair,
+    in memory: sha256 of every byte, and ``torch.load(weights_only=True)`` of the files this rank
+    restores. The unpickler holds the GIL, so no other core can share that time:
+    ``ceiling_ratio_median`` = raw read seconds / deserialisation seconds bounds ``load_vs_raw``
+    from above, however reading and hashing are overlapped.
 ``rollback_vs_resume`` (target <= 0.5)
     A live ``python -m trainer`` on a real bus (Debian ``redis-server``) gets a signed ``rollback``
     directive (the one ``sentinel rollback RUN --to-step N`` sends). Numerator: from the directive
@@ -42,6 +51,8 @@ rollback). On a shared machine a neighbour's burst hits single samples: the medi
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
 import platform
@@ -52,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from redis_server import start_redis  # bench/redis_server.py
@@ -73,9 +85,12 @@ def summarise(a: list[float], b: list[float], ratio: list[float], **extra) -> di
             "a_seconds_median": statistics.median(a), "b_seconds_median": statistics.median(b), **extra}
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ============================================================================ worker (in the trainer's process)
@@ -104,6 +119,7 @@ def worker(args) -> int:
 
 
 def measure(t, env, reps: int) -> dict:
+    import torch
     root = t.ckpt.root
     rank0 = env.is_main
 
@@ -143,41 +159,81 @@ def measure(t, env, reps: int) -> dict:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            dfd = os.open(root, os.O_RDONLY)
-            os.fsync(dfd)
-            os.close(dfd)
+            fsync_path(root)
 
-    # ---- save_vs_raw
-    a, b, ratio = [], [], []
+    # the floor: the same files' bytes (random, prebuilt) through the commit protocol alone (a new
+    # directory, every file and the directory fsynced, the rename, the parent fsynced), with nothing
+    # serialised or hashed: no checkpoint that commits a directory atomically can be faster
+    layout = {p.name: os.urandom(p.stat().st_size) for p in newest().iterdir()}
+    floor_n = 0
+
+    def floor_commit():
+        nonlocal floor_n
+        if rank0:
+            floor_n += 1
+            tmp, final = root / f".floor-{floor_n}", root / f"floor-{floor_n}"
+            tmp.mkdir()
+            for name, data in layout.items():
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+            with ThreadPoolExecutor(max_workers=len(layout) + 1) as pool:  # as trainer/checkpoint.py does
+                for f in [pool.submit(fsync_path, tmp / n) for n in layout] + [pool.submit(fsync_path, tmp)]:
+                    f.result()
+            tmp.rename(final)
+            fsync_path(root)
+
+    # ---- save_vs_raw (three arms: a B c, c B a, ...)
+    a, b, c, ratio, floor = [], [], [], [], []
     save()  # warm-up (allocator, first-touch of the snapshot path)
     prune()
-    for first, second in abba(reps):
+    for i in range(reps):
         secs = {}
-        for arm in (first, second):
-            secs[arm] = timed(save if arm == "a" else raw_write)
+        for arm in ("a", "b", "c") if i % 2 == 0 else ("c", "b", "a"):
+            secs[arm] = timed({"a": save, "b": raw_write, "c": floor_commit}[arm])
             prune()
             if rank0:
                 raw_path.unlink(missing_ok=True)
+                for p in root.glob("floor-*"):
+                    shutil.rmtree(p)
         a.append(secs["a"])
         b.append(secs["b"])
+        c.append(secs["c"])
         ratio.append(secs["b"] / secs["a"])
+        floor.append(secs["b"] / secs["c"])
     nbytes = int(json.loads((newest() / "manifest.json").read_text())["bytes"])
-    out = {"save_vs_raw": summarise(a, b, ratio, bytes=nbytes, arms="a = save_checkpoint (sync), b = raw write + fsync",
+    out = {"save_vs_raw": summarise(a, b, ratio, bytes=nbytes, arms="a = save_checkpoint (sync), b = raw write + fsync, "
+                                    "c = the commit protocol alone on the same files' bytes (floor)",
                                     save_mb_per_s=nbytes / statistics.median(a) / 1e6,
-                                    raw_mb_per_s=nbytes / statistics.median(b) / 1e6)}
+                                    raw_mb_per_s=nbytes / statistics.median(b) / 1e6,
+                                    floor_seconds_median=statistics.median(c), floor_files=len(layout),
+                                    floor_ratio_median=statistics.median(floor),
+                                    floor_ratios=[round(r, 4) for r in floor])}
 
     # ---- async_stall_vs_sync
-    a, b, ratio, extra = [], [], [], []
+    def train_one():  # the step after the save: its optimizer step waits at the fence for the snapshot
+        ids, _, micro, micro_ids = t.next_batch()
+        t.train_step(micro, micro_ids, t.lr_for(t.state.step, ids))
+
+    a, b, ratio, in_save, fence, copy = [], [], [], [], [], []
+    train_one()  # warm-up
     for first, second in abba(reps):
         secs = {}
         for arm in (first, second):
             if arm == "a":
                 secs[arm] = timed(save)
             else:
-                before = rss_bytes()
-                secs[arm] = timed(lambda: save(async_save=True))
-                extra.append(rss_bytes() - before)  # the snapshot, alive while the writer thread runs
+                blocked = timed(lambda: save(async_save=True))
+                train_one()
+                in_save.append(blocked)
+                fence.append(t.ckpt.fence_wait_seconds)
+                secs[arm] = blocked + t.ckpt.fence_wait_seconds
                 t.ckpt.wait()
+                copy.append(t.ckpt.snapshot_seconds)
             prune()
         a.append(secs["a"])
         b.append(secs["b"])
@@ -186,9 +242,11 @@ def measure(t, env, reps: int) -> dict:
     # what the async save's CPU snapshot holds while the writer runs: every model and optimizer tensor once
     tensors = [*t.raw_model.state_dict().values(),
                *(v for st in t.opt.state_dict()["state"].values() for v in st.values() if hasattr(v, "nbytes"))]
-    out["async_stall_vs_sync"] = summarise(a, b, ratio, bytes=nbytes, arms="a = sync save, b = async save's blocking part",
-                                           async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
-                                           async_rss_growth_bytes=int(statistics.median(extra)))
+    out["async_stall_vs_sync"] = summarise(
+        a, b, ratio, bytes=nbytes, arms="a = sync save; b = what an async save blocks: save_checkpoint() plus the wait at the "
+        "next step's optimizer step for the background copy (fence)", async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
+        blocked_in_save_seconds_median=statistics.median(in_save), fence_wait_seconds_median=statistics.median(fence),
+        background_copy_seconds_median=statistics.median(copy))
 
     # ---- load_vs_raw
     step = t.state.step
@@ -212,6 +270,18 @@ def measure(t, env, reps: int) -> dict:
     def load():
         assert t.load_checkpoint(step) == step
 
+    # the parts no loader can skip, in memory (no disk): sha256 of every byte, and torch.load(weights_only)
+    # of the files this rank restores. The unpickler holds the GIL, so no other core shares its time:
+    # raw read / deserialisation bounds load_vs_raw from above, whatever the reading and hashing overlap
+    blobs = {p.name: p.read_bytes() for p in files}
+    mine = [n for n in ("model.pt", "optim.pt", f"rng-rank{env.rank}.pt") if n in blobs]
+    hashed, deser, ceiling = [], [], []
+
+    def in_memory(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
     load()  # warm-up
     for first, second in abba(reps):
         secs = {}
@@ -221,8 +291,14 @@ def measure(t, env, reps: int) -> dict:
         a.append(secs["a"])
         b.append(secs["b"])
         ratio.append(secs["b"] / secs["a"])
+        deser.append(in_memory(lambda: [torch.load(io.BytesIO(blobs[n]), map_location="cpu", weights_only=True) for n in mine]))
+        hashed.append(in_memory(lambda: [hashlib.sha256(x).digest() for x in blobs.values()]))
+        ceiling.append(secs["b"] / deser[-1])
     out["load_vs_raw"] = summarise(a, b, ratio, bytes=sum(p.stat().st_size for p in files),
-                                   arms="a = load_checkpoint (verify + load + restore), b = raw read of the same files")
+                                   arms="a = load_checkpoint (verify + load + restore), b = raw read of the same files",
+                                   sha256_in_memory_seconds_median=statistics.median(hashed),
+                                   deserialise_in_memory_seconds_median=statistics.median(deser),
+                                   ceiling_ratio_median=statistics.median(ceiling), ceiling_ratios=[round(r, 4) for r in ceiling])
     return out
 
 

@@ -6,14 +6,19 @@ FSDP2), ``train_state.json``, ``rng-rank{r}.pt`` for every rank, and ``manifest.
 matches, so a crash (or SIGKILL) at any moment leaves either the old set of valid checkpoints or the
 old set plus one new complete one.
 
-Write protocol: every rank writes its files into ``.tmp-step-N``; rank 0 then checksums everything,
-writes the manifest, makes every file and directory durable, and renames the directory into place
-(then fsyncs its parent). Nothing outside ``step-N`` directories is ever loaded, so the rename is the
-commit point: everything in ``.tmp-step-N`` is fsynced before it. The fsyncs run concurrently (the
-file system commits them together: one journal round trip for all the files, not one per file),
-and the sha256 of each file is computed while they run (bench/checkpoint_cost.py measured 7
-sequential fsyncs as two thirds of a small checkpoint's save). Loading verifies checksums *before*
-``torch.load(weights_only=True)`` ever touches a file.
+Write protocol: every rank writes its files into ``.tmp-step-N.K`` (K: the process's save count),
+each file's sha256 computed from the bytes as they are written (``trainer.checkpoint_io``: no
+read-back) and its writeback started early; rank 0 then writes the manifest, makes every file and
+directory durable, and renames the directory into place (then fsyncs its parent). Nothing outside
+``step-N`` directories is ever loaded, so the rename is the commit point: everything in the
+temporary directory is fsynced before it. The fsyncs, the manifest's included, run concurrently (the
+file system commits them together: one journal round trip for all the files, not one per file;
+bench/checkpoint_cost.py measured 7 sequential fsyncs as two thirds of a small checkpoint's save).
+Loading verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a file.
+
+Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
+first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the
+training loop blocks only for the hand-off, and the copy overlaps the next step's forward pass.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,7 @@ from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
 from sentinel.contract.rundir import checkpoint_dir_name
+from trainer.checkpoint_io import HashedFile
 
 _CRC_LOCK = threading.Lock()
 
@@ -59,12 +65,19 @@ class CheckpointError(Exception):
 step_dir_name = checkpoint_dir_name
 
 
-def _write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
+def _write_new(path: Path, fill: Callable[[HashedFile], None], *, sync: bool, hasher: Executor | None) -> str:
+    """Create ``path`` (it must not exist), let ``fill`` write it, return its sha256. ``sync``: fsync
+    it too (a checkpoint's files are fsynced together when the checkpoint is finalised instead)."""
+    f = HashedFile(path, hasher)
+    try:
+        fill(f)
         if sync:
-            os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fd)
+    except BaseException:
+        f.abort()
+        raise
+    return f.close()
 
 
 @contextlib.contextmanager
@@ -82,14 +95,8 @@ def _no_zip_crc():
             cfg.compute_crc32 = old
 
 
-def write_torch(path: Path, obj: Any, *, sync: bool = True) -> None:
-    """``torch.save`` to ``path``; ``sync``: fsync it too (a checkpoint's files are fsynced together
-    when the checkpoint is finalised instead).
-
-    Without the zip format's per-record CRC-32: the manifest's sha256, checked before any load,
-    covers every byte already, and the CRC cost a third of the serialisation time of a 39 MB
-    checkpoint (bench/checkpoint_cost.py). ``torch.load`` reads such files as any other."""
-    with open(path, "wb") as f, _no_zip_crc():
+def _torch_save(obj: Any, f: HashedFile) -> None:
+    with _no_zip_crc():
         try:
             torch.save(obj, f)
         except RuntimeError as e:
@@ -99,13 +106,21 @@ def write_torch(path: Path, obj: Any, *, sync: bool = True) -> None:
             while cause is not None and not isinstance(cause, OSError):
                 cause = cause.__context__
             raise cause or OSError(errno.EIO, f"torch.save failed: {str(e).splitlines()[0]}") from None
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
 
 
-def write_json(path: Path, obj: Any, *, sync: bool = True) -> None:
-    _write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode(), sync=sync)
+def write_torch(path: Path, obj: Any, *, sync: bool = True, hasher: Executor | None = None) -> str:
+    """``torch.save`` into a new file ``path``; return the file's sha256 (computed from the bytes as
+    they are written: ``trainer.checkpoint_io``).
+
+    Without the zip format's per-record CRC-32: the manifest's sha256, checked before any load,
+    covers every byte already, and the CRC cost a third of the serialisation time of a 39 MB
+    checkpoint (bench/checkpoint_cost.py). ``torch.load`` reads such files as any other."""
+    return _write_new(path, lambda f: _torch_save(obj, f), sync=sync, hasher=hasher)
+
+
+def write_json(path: Path, obj: Any, *, sync: bool = True) -> str:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    return _write_new(path, lambda f: f.write(data), sync=sync, hasher=None)
 
 
 @dataclass
@@ -198,6 +213,17 @@ def load_torch(path: Path) -> Any:
         raise CheckpointError(f"{path.parent.name}: {path.name} is not a readable torch file") from None
 
 
+def host_copy(obj):
+    """``obj`` with every tensor replaced by a host copy of it (containers rebuilt, the rest shared)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [host_copy(v) for v in obj]
+    return obj
+
+
 def check_tensors(saved: Any, reference: dict[str, torch.Tensor], what: str) -> None:
     """``saved`` must be a state dict with exactly ``reference``'s keys, shapes and dtypes, so that
     ``load_state_dict`` cannot fail halfway (it copies tensor by tensor and raises at the end)."""
@@ -279,7 +305,14 @@ class Checkpointer:
         self.keep_last, self.keep_every = keep_last, keep_every
         self.barrier, self.all_ok, self.log = barrier, all_ok, log
         self._async: threading.Thread | None = None
+        self._saves = 0
         self._async_error: BaseException | None = None
+        # set once an async save's background thread has copied the state it writes: until then the
+        # trainer must not change a parameter or an optimizer moment (``fence``, before the optimizer step)
+        self._snapshot_taken = threading.Event()
+        self._snapshot_taken.set()
+        self.fence_wait_seconds = 0.0  # how long the last ``fence`` blocked (bench/checkpoint_cost.py)
+        self.snapshot_seconds = 0.0  # how long the last async save's host copy took, on its thread
         self.last_error: str | None = None  # why the last failed save failed (one line, for the exit message)
         self._make_root()
 
@@ -322,6 +355,13 @@ class Checkpointer:
         return ValidCheckpoint(step, path, verify(path))
 
     # ------------------------------------------------------------------ saving
+    def fence(self) -> None:
+        """Block until a pending async save holds its own copy of the state (before anything changes a
+        parameter or an optimizer moment in place: the optimizer step). At once if there is none."""
+        t0 = time.perf_counter()
+        self._snapshot_taken.wait()
+        self.fence_wait_seconds = time.perf_counter() - t0
+
     def wait(self) -> None:
         """Block until a pending async save has finished (before the next save, a load, or exit)."""
         if self._async is not None:
@@ -350,19 +390,23 @@ class Checkpointer:
         ``per_rank``: this rank's files; ``dcp_writer(dir)``: collective FSDP2 writer;
         ``dcp_async_writer(dir)``: its async form (stages to CPU, returns a Future that completes
         once every rank has written — DCP's coordinator gathers them on its own process group).
-        With ``async_save`` the caller must have snapshotted tensors to CPU already; the write, the
-        manifest and the rename happen on a background thread and the step continues.
+        With ``async_save`` the tensors in ``shared``/``per_rank`` may be the live ones: a background
+        thread copies them to host memory first (``fence`` waits for that copy, so the caller calls it
+        before changing any of them), then writes, checksums and renames while training goes on.
         """
         self.wait()
         t0 = time.time()
-        tmp = self.root / f".tmp-{step_dir_name(step)}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.barrier()
+        # a name no earlier save of this process used (saves are collective: every rank counts them
+        # alike), so no rank meets another attempt's files in it, and none waits for rank 0 to clear
+        # and make it (a barrier: most of a 2-rank async save's stall). Leftovers of earlier
+        # processes are gone before the first save (``clean_partial``, then a barrier).
+        self._saves += 1
+        tmp = self.root / f".tmp-{step_dir_name(step)}.{self._saves}"
+        tmp.mkdir(parents=True, exist_ok=True)
 
         if async_save and dcp_async_writer is not None:
-            ok = self._write_files(tmp, shared, per_rank)  # small files: written now
+            written = self._write_files(tmp, shared, per_rank)  # small files: written now
+            ok = written is not None
             fut = dcp_async_writer(tmp / "dcp") if ok else None  # the step waits only for the CPU staging
 
             def dcp_job():
@@ -372,7 +416,7 @@ class Checkpointer:
                     self._async_error, done_ok = e, False
                 info = None
                 if self.rank == 0:
-                    info = self._finalize(tmp, step, meta) if done_ok else None
+                    info = self._finalize(tmp, step, meta, written) if done_ok else None
                     if info is None:
                         shutil.rmtree(tmp, ignore_errors=True)
                     if on_done:
@@ -383,12 +427,24 @@ class Checkpointer:
             return
 
         if async_save and dcp_writer is None:
+            self._snapshot_taken.clear()
+            go = threading.Event()
+
             def job():
+                nonlocal shared, per_rank
+                go.wait()  # let the caller return first: else it waits for the GIL (a switch interval, 5 ms)
                 try:
-                    ok = self._write_files(tmp, shared, per_rank)
-                    (tmp / f".done-rank{self.rank}").write_text("ok" if ok else "fail")
+                    try:  # the copy runs here (torch copies release the GIL) while the next step's forward runs
+                        t_copy = time.perf_counter()
+                        shared = host_copy(shared) if self.rank == 0 else {}  # only rank 0 writes them
+                        per_rank = host_copy(per_rank)
+                        self.snapshot_seconds = time.perf_counter() - t_copy
+                    finally:
+                        self._snapshot_taken.set()
+                    written = self._write_files(tmp, shared, per_rank)
+                    (tmp / f".done-rank{self.rank}").write_text("fail" if written is None else "ok")
                     if self.rank == 0:
-                        info = self._finalize_when_ranks_done(tmp, step, meta)
+                        info = self._finalize_when_ranks_done(tmp, step, meta, written or {})
                         if on_done:
                             on_done(info is not None, time.time() - t0, info[1] if info else 0, info[0] if info else None)
                 except BaseException as e:  # surfaced by wait()
@@ -398,9 +454,11 @@ class Checkpointer:
 
             self._async = threading.Thread(target=job, name=f"ckpt-{step}", daemon=True)
             self._async.start()
+            go.set()
             return
 
-        ok = self._write_files(tmp, shared, per_rank)
+        written = self._write_files(tmp, shared, per_rank)
+        ok = written is not None
         if ok and dcp_writer is not None:
             try:
                 dcp_writer(tmp / "dcp")
@@ -417,7 +475,7 @@ class Checkpointer:
         if self.rank == 0:
             if ok:
                 try:
-                    result = self._finalize(tmp, step, meta)
+                    result = self._finalize(tmp, step, meta, written)
                 except OSError as e:
                     self.last_error = e.strerror or str(e)
                     self.log(f"error: checkpoint step {step} could not be finalized: {self.last_error}")
@@ -427,20 +485,25 @@ class Checkpointer:
                 on_done(result is not None, time.time() - t0, result[1] if result else 0, result[0] if result else None)
         self.barrier()
 
-    def _write_files(self, tmp: Path, shared: dict, per_rank: dict) -> bool:
+    def _write_files(self, tmp: Path, shared: dict, per_rank: dict) -> dict[str, str] | None:
+        """Write this rank's files (not fsynced: rank 0's ``_finalize`` makes them durable, all
+        together); return their sha256 by name, or None when a write failed (said in one line)."""
         files = dict(per_rank)
         if self.rank == 0:
             files.update(shared)
+        digests = {}
         try:
-            for name, obj in files.items():  # made durable by rank 0's _finalize, all together
-                (write_json if name.endswith(".json") else write_torch)(tmp / name, obj, sync=False)
-            return True
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-sha256") as hasher:
+                for name, obj in files.items():
+                    digests[name] = (write_json(tmp / name, obj, sync=False) if name.endswith(".json")
+                                     else write_torch(tmp / name, obj, sync=False, hasher=hasher))
+            return digests
         except OSError as e:  # disk full, quota, EFBIG: the previous checkpoints are untouched
             self.last_error = e.strerror or str(e)
             self.log(f"error: checkpoint write failed on rank {self.rank}: {self.last_error}")
-            return False
+            return None
 
-    def _finalize_when_ranks_done(self, tmp: Path, step: int, meta: dict, timeout: float = 600.0):
+    def _finalize_when_ranks_done(self, tmp: Path, step: int, meta: dict, written: dict[str, str], timeout: float = 600.0):
         deadline = time.time() + timeout
         while time.time() < deadline:
             marks = [tmp / f".done-rank{r}" for r in range(self.world_size)]
@@ -448,7 +511,7 @@ class Checkpointer:
                 if all(m.read_text() == "ok" for m in marks):
                     for m in marks:
                         m.unlink()
-                    return self._finalize(tmp, step, meta)
+                    return self._finalize(tmp, step, meta, written)
                 break
             time.sleep(0.05)
         own = tmp / f".done-rank{self.rank}"
@@ -457,23 +520,25 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         return None
 
-    def _finalize(self, tmp: Path, step: int, meta: dict) -> tuple[Path, int]:
-        paths = sorted(p for p in tmp.rglob("*") if p.is_file())
+    def _finalize(self, tmp: Path, step: int, meta: dict, written: dict[str, str]) -> tuple[Path, int]:
+        """Manifest, fsync of everything in ``tmp``, rename (the commit point), fsync of the parent.
+        ``written``: the sha256 of the files this rank wrote, computed as they were written; the
+        others (other ranks' files, DCP shards) are hashed here."""
+        rel = {p: p.relative_to(tmp).as_posix() for p in sorted(p for p in tmp.rglob("*") if p.is_file())}
         dirs = [tmp, *[p for p in tmp.rglob("*") if p.is_dir()]]
-        # every rank's files are flushed at once (fsync releases the GIL; concurrent fsyncs share
-        # journal commits) while their checksums are computed (hashlib releases it too)
-        with ThreadPoolExecutor(max_workers=min(16, len(paths) + 2)) as pool:
-            synced = [pool.submit(_fsync, p) for p in paths]
-            digests = [pool.submit(sha256_file, p) for p in paths]
-            files = {p.relative_to(tmp).as_posix(): d.result() for p, d in zip(paths, digests)}
-            for f in synced:
-                f.result()  # an EIO from the disk surfaces here, before anything is renamed
-            total = sum(p.stat().st_size for p in paths)
+        # every file and directory is fsynced at once (fsync releases the GIL; concurrent fsyncs share
+        # journal commits), the manifest included when it can be written first (every digest known)
+        with ThreadPoolExecutor(max_workers=min(16, len(rel) + len(dirs) + 1)) as pool:
+            hashing = {r: pool.submit(sha256_file, p) for p, r in rel.items() if r not in written}
+            synced = [pool.submit(_fsync, p) for p in rel] if hashing else []  # large ones (DCP shards) overlap
+            files = {r: written[r] if r in written else hashing[r].result() for r in rel.values()}
+            total = sum(p.stat().st_size for p in rel)
             manifest = {"format": FORMAT_VERSION, "step": step, "files": files, "bytes": total,
                         "world_size": self.world_size, "created": time.time(), **meta}
             write_json(tmp / MANIFEST, manifest, sync=False)
-            for f in [pool.submit(_fsync, tmp / MANIFEST), *[pool.submit(_fsync, d) for d in dirs]]:
-                f.result()
+            synced += [pool.submit(_fsync, p) for p in [*([] if hashing else rel), tmp / MANIFEST, *dirs]]
+            for f in synced:
+                f.result()  # an EIO from the disk surfaces here, before anything is renamed
         # the commit point: the step directory appears, complete and durable, or not at all
         final = self.root / step_dir_name(step)
         if final.exists():  # re-saving a step after a rollback: swap, never delete first

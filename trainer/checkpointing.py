@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from sentinel.protocol import SKIP_REMOVED, CheckpointInfo
@@ -116,10 +115,9 @@ class TrainerCheckpoints:
                 dcp_async_writer = lambda d: dcp_async_save(  # noqa: E731
                     {"model": msd, "optim": osd}, checkpoint_id=str(d), process_group=group)
         else:
+            # async: the live tensors; the save's thread copies them before the optimizer step may change
+            # them (Trainer._one_step calls ckpt.fence() first), then writes while training goes on
             msd, osd = tr.raw_model.state_dict(), tr.opt.state_dict()
-            if async_save:  # snapshot to CPU now; the background thread writes while training goes on
-                msd = {k: v.detach().to("cpu", copy=True) for k, v in msd.items()}
-                osd = _cpu_copy(osd)
             shared["model.pt"] = msd
             shared["optim.pt"] = osd
         step = tr.state.step
@@ -295,12 +293,3 @@ class TrainerCheckpoints:
         return (f"checkpoint saves are failing ({err}): {newest}, {age_steps} steps and {age_s:.0f} s old "
                 f"(bound {limit}); stopped at step {tr.state.step}: fix the storage and restart to resume")
 
-
-def _cpu_copy(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu_copy(v) for v in obj]
-    return obj

@@ -285,6 +285,7 @@ class Trainer:
             self.guard.rebaseline()
         factor, reason = self.guard.check(loss, grad_norm)
         if apply:  # lr stays a Python float: uploading it as a tensor would be a host->device sync
+            self.ckpt.fence()  # an async save's thread must have copied the weights and moments first
             self.opt.step(lr_value, factor)
         self.opt.zero_grad(set_to_none=True)
         return loss, gathered, grad_norm, factor, reason
@@ -366,8 +367,7 @@ class Trainer:
         self._flush_readback()
         self.ckpt.wait()
         self.checkpoints.check_age(final=True)
-        # a watching sentinel stops expecting steps (no "hung" page); `why` is set when the loop stopped early
-        self.control.end(self.state.step, "completed" if self.state.step >= cfg.max_steps else f"stopped: {why}")
+        self.control.end(self.state.step, "completed" if self.state.step >= cfg.max_steps else f"stopped: {why}")  # no "hung" page
         self._close_io()  # a collective (the lost-record count): before the barrier, so that no rank
         env.barrier()  # tears its process group down while another is still inside a collective
 

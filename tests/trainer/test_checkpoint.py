@@ -426,3 +426,37 @@ def test_deterministic_mode_turns_off_the_fused_attention_kernels_on_cuda_only(n
     make_deterministic("cuda")
     assert not (b.flash_sdp_enabled() or b.mem_efficient_sdp_enabled() or b.cudnn_sdp_enabled())
     assert b.math_sdp_enabled()
+
+
+def _direct_checkpointer(run_dir: Path):
+    from trainer.checkpoint import Checkpointer
+
+    return Checkpointer(run_dir, rank=0, world_size=1, keep_last=10, keep_every=0, barrier=lambda: None,
+                        all_ok=lambda ok: ok, log=lambda m: None)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, async_save):
+    """The manifest's sha256 (computed from the bytes as they were written) matches the files on disk,
+    for tensors large enough to be hashed on the other thread and for small writes gathered together.
+    An async save is handed the live tensors: once ``fence()`` returns, changing them in place (what the
+    optimizer step does) must not reach the checkpoint."""
+    ck = _direct_checkpointer(tmp_path)
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it
+    small = {f"w{i}": torch.full((7,), float(i)) for i in range(50)}  # many small records
+    expect = {"big": big.clone(), **{k: v.clone() for k, v in small.items()}}
+    ck.save(5, shared={"model.pt": {"big": big, **small}, "train_state.json": {"step": 5}},
+            per_rank={"rng-rank0.pt": {"torch": torch.get_rng_state()}}, meta={"run": "t"}, async_save=async_save)
+    ck.fence()
+    big.add_(1.0)  # the optimizer step, right after the fence
+    for v in small.values():
+        v.mul_(-1.0)
+    ck.wait()
+    path = tmp_path / "checkpoints" / "step-00000005"
+    man = json.loads((path / "manifest.json").read_text())
+    assert set(man["files"]) == {"model.pt", "train_state.json", "rng-rank0.pt"}
+    for name, digest in man["files"].items():
+        assert _sha(path / name) == digest, name
+    saved = load_torch(path / "model.pt")
+    assert saved.keys() == expect.keys() and all(torch.equal(saved[k], expect[k]) for k in expect)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))

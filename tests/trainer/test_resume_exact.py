@@ -107,7 +107,8 @@ def test_single_rank_kill_inside_checkpoint_write(tmp_path, dataset, refs):
             break
     assert landed is not None, "no kill landed inside a checkpoint write in 4 attempts"
     newest = max(s for s, _ in list_checkpoints(landed / "checkpoints"))
-    assert int(kill.tmp_dirs[0].rsplit("-", 1)[1]) > newest  # the interrupted write is newer than any valid one
+    step = int(kill.tmp_dirs[0].removeprefix(".tmp-step-").split(".")[0])  # .tmp-step-NNNNNNNN.K (K: the save count)
+    assert step > newest  # the interrupted write is newer than any valid one
     p = _resume(landed, dataset=dataset)
     assert "Traceback" not in p.stderr
     assert_same_trajectory(ref, landed, N2, f"killed at {kill.at_step} in {kill.tmp_dirs}")
