@@ -313,7 +313,7 @@ class SentinelCallback(Callback):
         # With norm clipping on, Lightning computes it anyway (clip_grad_norm_ returns it): taken from there
         # (_capture_clip_norm), it costs nothing. Otherwise one fused norm over the grads here.
         if self.grad_norm and not (self._clip_captured and trainer.gradient_clip_val
-                                   and trainer.gradient_clip_algorithm == "norm"):
+                                   and trainer.gradient_clip_algorithm in (None, "norm")):  # None: norm
             self._gnorm = _total_norm(self._grads(pl_module))
         self._lr = optimizer.param_groups[0]["lr"]
 

@@ -201,7 +201,7 @@ def story(workdir):
             "poison": Drilled.poison}
 
 
-@pytest.mark.parametrize("clip", [None, "norm", "value"])
+@pytest.mark.parametrize("clip", [None, "norm", "default", "value"])
 def test_the_grad_norm_is_the_pre_clip_norm_and_norm_clipping_gives_it_for_free(workdir, clip, monkeypatch):
     """The step record's grad norm is the norm before clipping, whatever the clipping: with norm clipping it is
     the one Lightning's own ``clip_grad_norm_`` returns (no second norm computed), otherwise the callback's."""
@@ -231,12 +231,12 @@ def test_the_grad_norm_is_the_pre_clip_norm_and_norm_clipping_gives_it_for_free(
     cb = SentinelCallback(run_dir=run_dir, dataset=data, initial_checkpoint=False, log=lambda m: None)
     trainer = L.Trainer(max_steps=4, accelerator="cpu", callbacks=[Reference(), cb], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip and 1e-4,
-                        gradient_clip_algorithm=clip)
+                        gradient_clip_algorithm=None if clip == "default" else clip)  # default: Lightning's, norm
     trainer.fit(ns["TinyGPT"](data.dataset.tokens.vocab_size), DataLoader(data, batch_size=8))
     got = {r["step"]: r["grad_norm"] for r in steps(run_dir) if r.get("kind") == "step"}
     assert sorted(got) == [1, 2, 3, 4] and all(v > 1e-3 for v in seen.values())  # far above the clip: it clipped
     assert got == pytest.approx(seen, rel=1e-5)
-    assert len(norms) == (0 if clip == "norm" else 4)  # with norm clipping, Lightning's own norm: none computed
+    assert len(norms) == (0 if clip in ("norm", "default") else 4)  # with norm clipping, Lightning's own norm: none computed
 
 
 def test_the_docs_script_trains_and_leaves_a_run_dir_the_sentinel_reads(story):
