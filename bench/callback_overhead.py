@@ -6,8 +6,9 @@
 One process, one torch thread, a tiny GPT-2 (2 layers, d=64, byte vocabulary, 8 x 64 tokens a step) on
 CPU: the smallest step a real run has, so the callback's fixed cost weighs the most. Each trial is a fresh
 ``Trainer`` of ``--steps`` steps; "on" adds ``SentinelCallback`` (the run's embedded bus, steps.jsonl, the
-control loop polled every step) with ``SkipAwareDataset`` + ``SampleIdCollator``, "off" trains on the plain
-dataset. The step time is the median gap between consecutive ``on_step_end`` calls after a warm-up (the
+control loop polled every step); both arms train on the same ``SkipAwareDataset`` + ``SampleIdCollator``
+stream ("off" drops the ids in its collator, "on" has the callback's hook take them out), so the figure is
+the callback's. The step time is the median gap between consecutive ``on_step_end`` calls after a warm-up (the
 callback's own work lies in that gap). Trials run A B B A per round; the figure is the median over the
 pairs of off/on (1.0: free; the target is >= 0.99). On a shared machine the pairs scatter by more than the
 callback costs, so the callback's own time in ``on_step_end`` (its bus, step log and directive work) is
@@ -61,9 +62,11 @@ def _trainer(out_dir: Path, steps: int, on: bool, tokens: torch.Tensor):
     args = TrainingArguments(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3,
                              save_strategy="no", logging_steps=100_000, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
     clock = Clock()
+    from sentinel.integrations.torch_data import SAMPLE_ID, SampleIdCollator, SkipAwareDataset
+
+    data = SkipAwareDataset(Windows(), seed=0)  # both arms: the same data path (the skip-aware stream, its ids)
     if on:
         from sentinel.integrations.hf import SentinelCallback
-        from sentinel.integrations.torch_data import SampleIdCollator, SkipAwareDataset
 
         class Timed(SentinelCallback):  # the callback's own per-step work, timed where it runs
             def on_step_end(self, *a, **kw):
@@ -72,10 +75,13 @@ def _trainer(out_dir: Path, steps: int, on: bool, tokens: torch.Tensor):
                 clock.own.append(time.perf_counter() - t0)
                 return out
 
-        t = Trainer(model=model, args=args, train_dataset=SkipAwareDataset(Windows(), seed=0), data_collator=SampleIdCollator(),
+        t = Trainer(model=model, args=args, train_dataset=data, data_collator=SampleIdCollator(),
                     callbacks=[Timed(run_dir=out_dir, log=lambda m: None), clock])
     else:
-        t = Trainer(model=model, args=args, train_dataset=Windows(), callbacks=[clock])
+        collate = SampleIdCollator()  # the ids collated as in "on", then dropped (no callback strips them)
+        args.remove_unused_columns = False
+        t = Trainer(model=model, args=args, train_dataset=data, callbacks=[clock],
+                    data_collator=lambda rows: {k: v for k, v in collate(rows).items() if k != SAMPLE_ID})
     return t, clock
 
 
