@@ -348,6 +348,9 @@ def test_a_flushall_mid_run_costs_neither_the_judging_nor_the_rollback_targets(r
         pump(d, until=lambda: r.exists(k.directives) and r.xlen(k.directives) > 0, timeout=20)
         assert sample(d, "sentinel_steps_processed_total", run=run) == NAN_STEP
         assert [(x.kind, x.to_step) for x in directives(r, run)] == [("rollback", TARGET)]
+        deadline = time.monotonic() + 10  # registered again at the client's next heartbeat
+        while run not in bus.list_runs(r) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert run in bus.list_runs(r)
     finally:
         c.close()

@@ -289,7 +289,8 @@ def test_a_guarded_run_is_rolled_back_past_the_poison_and_ends_healthy(story):
 
 def test_status_showed_live_steps_and_report_draws_the_run(story):
     [row] = story["status"][0]["runs"]
-    assert row["step"] >= 95 and row["state"] == "live", row  # read at step 100 (records go out every 0.1 s)
+    # read at step 100: a fast loop's records reach the bus within 0.2 s (held 0.1 s, sent every 0.1 s)
+    assert row["step"] >= 85 and row["state"] == "live", row
     d = story["runs"]["hf-guarded"]
     out = sentinel("report", d, "--out", story["base"] / "guarded.png").stdout
     assert str(story["base"] / "guarded.png") in out and "1 rollback(s)" in out, out

@@ -344,6 +344,18 @@ def _concrete(expr: str, run: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def _step_or_none(entry):
+    """A step stream entry's ``StepRecord``, or None (a marker, or an entry that is no record)."""
+    from sentinel import bus
+    from sentinel.protocol import SchemaError, StepRecord
+
+    try:
+        rec = bus.decode(entry)
+    except SchemaError:
+        return None
+    return rec if isinstance(rec, StepRecord) else None
+
+
 def test_every_panel_query_returns_data(tmp_path):
     from sentinel.drill import DEMO_RULES, ensure_mixture_prepared
     from sentinel.embedded import PID_FILE, bus_dir, ensure_embedded, stop_embedded
@@ -400,8 +412,16 @@ def test_every_panel_query_returns_data(tmp_path):
         # Evaluate at a moment while everything is live: after the run ends its series go stale.
         at = None
         deadline = time.monotonic() + 120
+        held = False
         while at is None and time.monotonic() < deadline:
             assert trainer.poll() is None, f"trainer exited early ({trainer.returncode}): {train_log.read_text()[-3000:]}"
+            if not held:  # rolled back and near the end: pause it, so that its series stay live however slow the
+                # scrapes are on a busy machine (the run ending first made the readiness query never true)
+                newest = [_step_or_none(e) for e in r.xrevrange(keys.steps, count=20)]  # the malformed one: None
+                if any(x is not None and x.timeline >= 1 and x.step >= STEPS - 60 for x in newest):
+                    bus.publish(r, keys.directives, Directive(run=run, kind="pause", reason="test: hold near the end")
+                                .signed(secret))
+                    held = True
             # evaluated at an explicit time, and every panel later at that same time: a later "now - 1 s"
             # could fall before the scrape that made the condition true (found on an idle machine)
             t_q = time.time()

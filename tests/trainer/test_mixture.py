@@ -379,7 +379,8 @@ def mix_ref(mix_dir, tmp_path_factory) -> Path:
 
 
 def _markers(run_dir: Path) -> set[tuple[str, int]]:
-    return {(r.marker, r.step) for r in records(run_dir) if isinstance(r, MarkerRecord)}
+    """The run's changes of training conditions (the run_end marker says it finished: not a change)."""
+    return {(r.marker, r.step) for r in records(run_dir) if isinstance(r, MarkerRecord) and r.marker != "run_end"}
 
 
 def test_step_records_carry_source_loss_slice_val_and_probe(mix_ref, mix_dir):
@@ -442,8 +443,10 @@ def test_mixture_weight_change_on_resume_is_a_marker(mix_ref, mix_dir, tmp_path)
                     data_dir=mix_dir, check=True)
     assert "Traceback" not in p.stderr, p.stdout
     late = [r for r in records(run) if isinstance(r, MarkerRecord) and r.step >= MIX_STEPS]
-    assert [(r.marker, r.step) for r in late] == [("mixture_change", MIX_STEPS)]
-    assert "gamma 0.125->0.333" in late[0].detail  # 2 / (1 + 1 * 3 + 2): the reweight drill still applies
+    # the first launch's end, the change at the resumed step, the second launch's end
+    assert [(r.marker, r.step) for r in late] == [("run_end", MIX_STEPS), ("mixture_change", MIX_STEPS),
+                                                  ("run_end", MIX_STEPS + 4)]
+    assert "gamma 0.125->0.333" in late[1].detail  # 2 / (1 + 1 * 3 + 2): the reweight drill still applies
 
 
 def _fit_in_process(run_dir: Path, overrides: dict):
