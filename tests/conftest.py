@@ -96,27 +96,17 @@ def _starts_processes(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    # under xdist (`make test`: -n 2 --dist loadgroup) the tests of a module that use one of its module- or
-    # class-scoped fixtures (a trained story, a started service) stay on one worker, so that the fixture is
-    # built once; every other test goes to whichever worker is free (session caches are shared: see
-    # tests/helpers/trainer.py). XDIST_SPREAD = True in a module spreads even those.
+    # under xdist (`make test`: -n 2 --dist loadgroup) a module's tests stay on one worker, so that its
+    # module-scoped fixtures (a trained story, a started service) are built once; a module whose tests are
+    # independent and mostly wait (XDIST_SPREAD = True) has its tests spread over the workers instead
     grouped = bool(getattr(config.option, "numprocesses", None)) and config.getoption("dist", "no") == "loadgroup"
     for item in items:
         if item.get_closest_marker("slow") is None and _starts_processes(item):
             item.add_marker(pytest.mark.slow)
         module = getattr(item, "module", None)
         if grouped and module is not None and not getattr(module, "XDIST_SPREAD", False) \
-                and item.get_closest_marker("xdist_group") is None and _uses_shared_fixture(item):
+                and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(module.__name__))
-
-
-def _uses_shared_fixture(item) -> bool:
-    """Does the test use a fixture that lives longer than the test but not the session (module, class)?"""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return True
-    return any(str(getattr(fd, "scope", "function")) in ("module", "class", "package")
-               for defs in info.name2fixturedefs.values() for fd in defs)
 
 
 @pytest.fixture
