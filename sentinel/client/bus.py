@@ -351,10 +351,9 @@ class BusClient(DirectiveIntake):
                     self._log_limited("io", "control bus I/O error: %s", _short(e))
                 self._stop.wait(0.5)
                 continue
-            if not self.connected:
-                if backoff > 0.5:
-                    self._log.info("control bus %s reachable again", self._url)
-                self.connected = True
+            if backoff > 0.5:  # there were failures since the last round trip that worked
+                self._log.info("control bus %s reachable again", self._url)
+            self.connected = True
             backoff = 0.5
 
     def _maybe_restart_bus(self) -> None:
@@ -473,6 +472,7 @@ class BusClient(DirectiveIntake):
         except BaseException:
             self._requeue(batch, ckpts, skip)
             raise
+        self.connected = True  # before the records count as written: flush() returning True implies it
         with self._lock:
             self._inflight = 0
         failed = [(item, res) for item, res in zip(batch, results[: len(batch)]) if isinstance(res, Exception)]
