@@ -49,19 +49,6 @@ rules:
 """
 
 
-@pytest.fixture(scope="module")
-def data_dir(dataset) -> Path:
-    """The session's prepared Shakespeare corpus (tests/helpers/trainer.py)."""
-    return dataset
-
-
-@pytest.fixture
-def procs():
-    ps = Procs()
-    yield ps
-    ps.kill_all()
-
-
 @pytest.fixture
 def run_dir(tmp_path, procs) -> Path:
     """The run's directory; at teardown its processes die first, then its embedded bus is stopped."""

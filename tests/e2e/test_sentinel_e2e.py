@@ -67,19 +67,6 @@ rules:
 # ------------------------------------------------------------------ helpers
 
 
-@pytest.fixture(scope="module")
-def data_dir(dataset) -> Path:
-    """The session's prepared Shakespeare corpus (tests/helpers/trainer.py)."""
-    return dataset
-
-
-@pytest.fixture
-def procs():
-    ps = Procs()
-    yield ps
-    ps.kill_all()
-
-
 def fault_sample(data_dir: Path, step: int, ranks: int = 1, preset: str = "tiny", seed: int = 1337) -> int:
     from trainer.config import PRESETS
 
