@@ -12,8 +12,8 @@ survives a checkpoint.
   Hugging Face ``Trainer`` on ``resume_from_checkpoint``) lands on the same sample too: the stream is a
   function of the seed and the skip list, and a rollback only ever adds ids from after the checkpoint.
 - :class:`SampleIdCollator` builds batches with any collator and carries the batch's ids along as a
-  ``sample_id`` tensor; :func:`strip_sample_ids` removes them from a model's inputs before its ``forward``
-  (a forward pre-hook) and hands them to whoever records the step (``sentinel.integrations.hf`` does both).
+  ``sample_id`` tensor; the Hugging Face callback's forward pre-hook takes them out of the model's inputs
+  before its ``forward`` and records them with the step.
 """
 
 from __future__ import annotations
@@ -124,16 +124,3 @@ class SampleIdCollator:
         batch = self.inner([{k: v for k, v in f.items() if k != SAMPLE_ID} for f in features])
         batch[SAMPLE_ID] = torch.tensor(ids, dtype=torch.int64)
         return batch
-
-
-def strip_sample_ids(model: torch.nn.Module, record: Callable[[list[int]], None]):
-    """A forward pre-hook on ``model`` that removes ``sample_id`` from its keyword inputs and, in training
-    mode, passes the ids to ``record``. Returns the hook's handle (``.remove()`` it when done)."""
-
-    def hook(module, args, kwargs):
-        ids = kwargs.pop(SAMPLE_ID, None)
-        if ids is not None and module.training:
-            record(ids.tolist() if torch.is_tensor(ids) else [int(i) for i in ids])
-        return args, kwargs
-
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
