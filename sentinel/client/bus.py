@@ -185,6 +185,11 @@ class BusClient(DirectiveIntake):
         # round trip. Waking it per step made it compete with the training loop for the GIL at every step
         # (0.34 ms a step on a tiny CPU model: bench/callback_overhead.py)
 
+    def send_soon(self) -> None:
+        """Wake the I/O thread: what is queued goes out now, not at the next poll interval (for a batch of
+        records queued at a moment the loop leaves the GIL free, ``sentinel.client.held_steps``)."""
+        self._wake.set()
+
     def publish_event(self, ev) -> None:
         """Queue an ``Event`` (droppable telemetry, like steps)."""
         data = ev.to_json()

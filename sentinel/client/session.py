@@ -50,6 +50,7 @@ from sentinel.client.checkpoints import (
     unlink_missing,
 )
 from sentinel.client.control import Applied, ControlHost, ControlLoop
+from sentinel.client.held_steps import HeldSteps
 from sentinel.client.skiplist import SkipList
 from sentinel.client.steplog import StepLog, clean_text, write_and_publish
 from sentinel.contract.ranges import batch_fingerprint
@@ -120,9 +121,6 @@ def stop_bus(run_dir: str | os.PathLike) -> bool:
     return stop_embedded(run_dir)
 
 
-HOLD_S = 0.1  # log_step's records are written at most this long after their step (a batch)...
-HOLD_MAX = 64  # ...or once this many are held
-
 class RunSession:
     """Everything a training loop in RUN_DIR needs to be watched and steered (see the module docstring)."""
 
@@ -151,8 +149,7 @@ class RunSession:
         self._last_ckpt: float | None = None
         self._last_time: float | None = None
         self._last_written: StepRecord | None = None
-        self._held: list[tuple] = []  # step records not yet written (see log_step)
-        self._held_since = 0.0
+        self._held = HeldSteps(self._write_steps, self._send_soon)  # step records not yet written (log_step)
         if self.is_main:
             self.steplog = StepLog(self.run_dir / "steps.jsonl", log=self._log)
             self._connect(redis_url, model)
@@ -230,22 +227,23 @@ class RunSession:
                                  loaded_tokens=int(batch_tokens or 0), useful_tokens=int(batch_tokens or 0), mfu=None)
         if not self.is_main:
             return
-        # the loop's thread only keeps the values: the records are built, written (one write) and queued for
-        # the bus in a batch, at most HOLD_S (0.1 s, the bus client's own send interval) or HOLD_MAX records
-        # later, and before anything else is written (a marker, a directive applied, an eval, a checkpoint,
-        # close). Built one after another, they cost a fraction of what one built between two training
-        # steps does (bench/callback_overhead.py). A process killed outright loses at most those 0.1 s.
-        self._held.append((int(step), self.control.timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total,
-                           batch_tokens, list(sample_ids), now, step_time_s, self._last_ckpt))
-        if len(self._held) >= HOLD_MAX or now - self._held_since >= HOLD_S:
-            self.write_held()
+        # the loop's thread only keeps the values: the records are built, written (one write) and queued for the
+        # bus in a batch, off the loop's time when the integration kicks (sentinel.client.held_steps)
+        self._held.add((int(step), self.control.timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total,
+                        batch_tokens, list(sample_ids), now, step_time_s, self._last_ckpt), now)
+
+    def kick(self) -> None:
+        """The loop is about to run a while without the GIL (a backward pass): the held step records are
+        built and sent now on a writer thread, off the loop's time (see ``sentinel.client.held_steps``)."""
+        if self.is_main:
+            self._held.kick()
 
     def write_held(self) -> None:
-        """Build, write and queue for the bus the step records :meth:`log_step` holds (rank 0)."""
-        held, self._held = self._held, []
-        self._held_since = time.time()
-        if not held:
-            return
+        """Write and queue for the bus every step record :meth:`log_step` holds, now (rank 0)."""
+        if self.is_main:
+            self._held.drain()
+
+    def _write_steps(self, held: list[tuple]) -> None:
         from sentinel.protocol import finite_or_none
 
         for (step, timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total, batch_tokens, sample_ids, now,
@@ -263,6 +261,10 @@ class RunSession:
             self._last_written = rec
             write_and_publish(rec, self.steplog, self.bus, flush=False)
         self.steplog.flush()
+
+    def _send_soon(self) -> None:
+        if self.bus is not None:
+            self.bus.send_soon()
 
     def log_eval(self, step: int, *, val_loss: float) -> None:
         """A validation pass at ``step``: the step's record again with ``val_loss`` / ``val_ppl`` (the last
@@ -334,7 +336,7 @@ class RunSession:
         if self._closed:
             return
         if self.is_main:
-            self.write_held()
+            self._held.close()
         self._closed = True
         if self.steplog:
             self.steplog.close()

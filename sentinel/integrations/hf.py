@@ -253,6 +253,8 @@ class SentinelCallback(TrainerCallback):
                 loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
                 if loss is not None:
                     self._losses.append(loss.detach())
+                if self.session is not None:  # backward comes next, without the GIL: held records go out now
+                    self.session.kick()
 
         self._hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
                        model.register_forward_hook(after, with_kwargs=True)]

@@ -308,6 +308,10 @@ class SentinelCallback(Callback):
             self.session = None
 
     # ------------------------------------------------------------------ per step
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self.session is not None:  # autograd runs without the GIL: the held step records go out meanwhile
+            self.session.kick()
+
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         # the grad norm before clipping; under DDP the grads are already averaged (the same on every rank).
         # With norm clipping on, Lightning computes it anyway (clip_grad_norm_ returns it): taken from there

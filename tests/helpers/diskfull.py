@@ -73,7 +73,8 @@ def main() -> int:
     finally:
         a.out.mkdir(parents=True, exist_ok=True)
         shutil.copytree(mnt, a.out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("filler"))
-        subprocess.run(["umount", str(mnt)], check=False)
+        if subprocess.run(["umount", str(mnt)], check=False).returncode == 0:
+            mnt.rmdir()  # the empty mount point (one per run: /tmp filled up with them)
         (a.out / "driver.json").write_text(json.dumps(info))
     return 0
 
