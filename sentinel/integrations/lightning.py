@@ -102,7 +102,7 @@ def position_after(dataset: Any, ids: Sequence[int]) -> dict:
 def _loss_of(outputs: Any) -> torch.Tensor | None:
     if isinstance(outputs, Mapping):
         outputs = outputs.get("loss")
-    return outputs.detach() if torch.is_tensor(outputs) else None
+    return outputs if torch.is_tensor(outputs) else None  # read with float(): no detach needed
 
 
 def _rng_state() -> dict:
@@ -351,7 +351,7 @@ class SentinelCallback(Callback):
         if loss is not None:
             self._loss_sum += float(loss)
             self._micro += 1
-        self._ids.extend(int(i) for i in self.sample_ids(batch))
+        self._ids.extend(self.sample_ids(batch))  # made ints when the record is built (off the loop's time)
         self._tok += int(self.tokens(batch))
         step = trainer.global_step
         if step == self._step_logged:  # gradient accumulation: not an optimizer step yet
