@@ -65,7 +65,7 @@ class TrainerCheckpoints:
         meta = {k: ts[k] for k in ("run", "timeline", "tokens", "dataset_fingerprint")}
         dcp_writer = dcp_async_writer = None
         async_save = tr.cfg.checkpoint.async_save
-        if "model_optimizer" in self.state.states:  # FSDP2: DCP writes this rank's shards
+        if self.state.sharded:  # FSDP2: DCP writes this rank's shards
             sharded = self.state.states["model_optimizer"].state_dict()
             from torch.distributed.checkpoint import save as dcp_save
 

@@ -56,7 +56,7 @@ class Piece:
         """Refuse ``sd`` (of checkpoint directory ``ckpt``) in one line if it cannot be loaded whole."""
 
 
-class ModelState(Piece):
+class ModelPiece(Piece):
     file = "model.pt"
 
     def state_dict(self) -> dict:
@@ -69,7 +69,7 @@ class ModelState(Piece):
         self.tr.raw_model.load_state_dict(sd)
 
 
-class OptimizerState(Piece):
+class OptimizerPiece(Piece):
     file = "optim.pt"
 
     def state_dict(self) -> dict:
@@ -82,7 +82,7 @@ class OptimizerState(Piece):
         self.tr.opt.load_state_dict(sd)
 
 
-class ShardedModelOptimizerState(Piece):
+class ShardedModelOptimizerPiece(Piece):
     """FSDP2: model and optimizer as one DCP state (``dcp/``, keys ``model`` and ``optim``). Each rank
     holds its shards; DCP checks them against ``dcp/.metadata`` as it reads them, so there is no
     ``check`` of its own, and the reading is the checkpointer's (``dcp.load`` into ``state_dict()``)."""
@@ -101,7 +101,7 @@ class ShardedModelOptimizerState(Piece):
         set_state_dict(self.tr.model, self.tr.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
-class RngState(Piece):
+class RngPiece(Piece):
     """This rank's generators (ranks draw distinct dropout streams, so each keeps its own file)."""
 
     per_rank = True
@@ -120,7 +120,7 @@ class RngState(Piece):
         rng.restore(sd)
 
 
-class RunState(Piece):
+class RunPiece(Piece):
     """Where the state comes from. Checked on load, never applied: the run id follows the run dir,
     the ControlLoop starts a new timeline, and the drills are the config's."""
 
@@ -154,7 +154,7 @@ def _seq_len_refused(tr, ckpt: str, was: str) -> TrainingError:
                          "data.seq_len_schedule, or start a new run dir")
 
 
-class CountersState(Piece):
+class CountersPiece(Piece):
     """Step, tokens, grad-accum position, and the conditions the last step trained under (mixture
     weights, sequence length), so a resumed run marks a change of them as a fresh one would."""
 
@@ -178,7 +178,7 @@ class CountersState(Piece):
         tr.seq_now = sd.get("train_seq_len") or (sd.get("seq_len") if sd["step"] else None)
 
 
-class SamplerState(Piece):
+class SamplerPiece(Piece):
     keys = ("sampler",)
 
     def state_dict(self) -> dict:
@@ -193,7 +193,7 @@ class SamplerState(Piece):
         self.tr.sampler.load_state_dict(sd["sampler"])
 
 
-class GuardState(Piece):
+class GuardPiece(Piece):
     keys = ("guard",)
 
     def state_dict(self) -> dict:
@@ -208,7 +208,7 @@ class GuardState(Piece):
         self.tr.guard.load_state_dict(sd["guard"])
 
 
-class SkipListState(Piece):
+class SkipListPiece(Piece):
     """The skip list only grows: loading adds the checkpoint's ranges to the live ones."""
 
     keys = ("skiplist",)
@@ -220,7 +220,7 @@ class SkipListState(Piece):
         self.tr.skip.add([tuple(r) for r in sd["skiplist"]])
 
 
-class SchedulerState(Piece):
+class SchedulerPiece(Piece):
     """Warmup + cosine, a pure function of the step (``trainer.optim.lr_at``): saved for the tools,
     nothing to load (the counters bring the step back; the schema ties the two together)."""
 
@@ -239,13 +239,13 @@ class CheckpointState:
 
     def __init__(self, tr) -> None:
         self.sharded = tr.cfg.parallelism == "fsdp" and tr.env.distributed  # how this trainer saves
-        self._tensors = {"model": ModelState(tr), "optimizer": OptimizerState(tr),
-                         "model_optimizer": ShardedModelOptimizerState(tr)}
+        self._tensors = {"model": ModelPiece(tr), "optimizer": OptimizerPiece(tr),
+                         "model_optimizer": ShardedModelOptimizerPiece(tr)}
         # loaded in this order: the tensors first (under FSDP2, DCP reads its shards only when loading,
         # the one load that can still fail: then nothing else has been touched)
-        self._rest = {"rng": RngState(tr), "run": RunState(tr), "counters": CountersState(tr),
-                      "sampler": SamplerState(tr), "guard": GuardState(tr), "skiplist": SkipListState(tr),
-                      "scheduler": SchedulerState(tr)}
+        self._rest = {"rng": RngPiece(tr), "run": RunPiece(tr), "counters": CountersPiece(tr),
+                      "sampler": SamplerPiece(tr), "guard": GuardPiece(tr), "skiplist": SkipListPiece(tr),
+                      "scheduler": SchedulerPiece(tr)}
         self.states = self.layout(self.sharded)
 
     def layout(self, sharded: bool) -> dict[str, Piece]:
