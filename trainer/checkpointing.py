@@ -2,9 +2,10 @@
 newest valid one may fall behind before the run stops.
 
 S_t = (params, optimizer moments + step counts, scheduler step, RNG of every rank, data cursor,
-grad-accumulation position, skip list, guard statistics, tokens seen). ``trainer/checkpoint.py`` writes and
-verifies the files (atomic step dirs, a manifest of sha256 written last); this module decides what goes in
-them and puts it back, on every rank alike.
+grad-accumulation position, skip list, guard statistics, tokens seen), as the named pieces of
+``trainer/state.py`` (each with ``state_dict`` / ``load_state_dict`` / ``check``). ``trainer/checkpoint.py``
+writes and verifies the files (atomic step dirs, a manifest of sha256 written last); this module writes
+the pieces into them, checks every piece of a checkpoint, then loads them all, on every rank alike.
 """
 
 from __future__ import annotations
@@ -12,19 +13,14 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from sentinel.protocol import SKIP_REMOVED, CheckpointInfo
-from trainer import rng
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
-    check_optimizer_state,
-    check_rng,
-    check_tensors,
     list_checkpoints,
     load_torch,
     manifest_digest,
@@ -33,15 +29,7 @@ from trainer.checkpoint import (
     verify,
 )
 from trainer.errors import TrainingError
-
-
-@dataclass
-class TrainState:
-    """The host-side counters of S_t."""
-
-    step: int = 0  # optimizer steps completed
-    tokens: int = 0  # tokens trained (global, excluding skipped steps)
-    accum_pos: int = 0  # micro-batches of the current step already done (0 at every step boundary)
+from trainer.state import DCP_DIR, TRAIN_STATE, CheckpointState
 
 
 def _log(env, msg: str) -> None:
@@ -54,6 +42,7 @@ class TrainerCheckpoints:
 
     def __init__(self, tr) -> None:
         self.tr = tr
+        self.state = CheckpointState(tr)  # S_t by name: what a checkpoint holds (trainer/state.py)
         env, c = tr.env, tr.cfg.checkpoint
         self.ckpt = Checkpointer(
             tr.run_dir, rank=env.rank, world_size=env.world_size, keep_last=c.keep_last, keep_every=c.keep_every,
@@ -68,58 +57,29 @@ class TrainerCheckpoints:
         self.unloadable: list[str] = []  # why each checkpoint the last load passed over failed
         self.removals_applied = False  # skiplist.removed.json was applied: deleted at the next checkpoint
 
-    def train_state(self) -> dict:
-        tr = self.tr
-        return {
-            "run": tr.run_id,
-            "step": tr.state.step,
-            "tokens": tr.state.tokens,
-            "timeline": tr.control.timeline,
-            "grad_accum_pos": tr.state.accum_pos,
-            "sampler": tr.sampler.state_dict(),
-            "skiplist": [list(r) for r in tr.skip.ranges],
-            "guard": tr.guard.state_dict(),
-            "scheduler": {"kind": "warmup_cosine", "step": tr.state.step, "max_steps": tr.cfg.max_steps},
-            "world_size": tr.env.world_size,
-            "dataset_fingerprint": tr.ds.fingerprint,
-            "faults": [f.model_dump() for f in tr.cfg.faults],
-            "source_faults": [f.model_dump() for f in tr.cfg.source_faults],
-            "mixture_weights": tr.weights_now,
-            "seq_len": tr.cfg.model.seq_len,
-            "train_seq_len": tr.seq_now,
-            "last_checkpoint_time": time.time(),
-        }
-
     def save(self) -> None:
         tr = self.tr
-        cfg, env = tr.cfg, tr.env
         tr._flush_readback()
-        meta = {"run": tr.run_id, "timeline": tr.control.timeline, "tokens": tr.state.tokens,
-                "dataset_fingerprint": tr.ds.fingerprint}
-        per_rank = {f"rng-rank{env.rank}.pt": rng.capture()}
-        shared: dict = {"train_state.json": self.train_state()}
+        shared, per_rank = self.state.files()
+        ts = shared[TRAIN_STATE]
+        meta = {k: ts[k] for k in ("run", "timeline", "tokens", "dataset_fingerprint")}
         dcp_writer = dcp_async_writer = None
-        async_save = cfg.checkpoint.async_save
-        if cfg.parallelism == "fsdp" and env.distributed:
+        async_save = tr.cfg.checkpoint.async_save
+        if self.state.sharded:  # FSDP2: DCP writes this rank's shards
+            sharded = self.state.states["model_optimizer"].state_dict()
             from torch.distributed.checkpoint import save as dcp_save
-            from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            msd, osd = get_state_dict(tr.model, tr.opt)
-            dcp_writer = lambda d: dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(d))  # noqa: E731
+            dcp_writer = lambda d: dcp_save(sharded, checkpoint_id=str(d))  # noqa: E731
             if async_save:
                 from torch.distributed.checkpoint import async_save as dcp_async_save
 
                 if self._group is None:  # DCP's background collectives get their own gloo group
                     self._group = dist.new_group(backend="gloo")
                 group = self._group
-                dcp_async_writer = lambda d: dcp_async_save(  # noqa: E731
-                    {"model": msd, "optim": osd}, checkpoint_id=str(d), process_group=group)
-        else:
-            # async: the live tensors; the save's thread copies them before the optimizer step may change
-            # them (Trainer._one_step calls ckpt.fence() first), then writes while training goes on
-            msd, osd = tr.raw_model.state_dict(), tr.opt.state_dict()
-            shared["model.pt"] = msd
-            shared["optim.pt"] = osd
+                dcp_async_writer = lambda d: dcp_async_save(sharded, checkpoint_id=str(d), process_group=group)  # noqa: E731
+        # async without DCP: ``shared`` holds the live tensors; the save's thread copies them before the
+        # optimizer step may change them (Trainer._one_step calls ckpt.fence() first), then writes while
+        # training goes on
         step = tr.state.step
         self.ckpt.save(step, shared=shared, per_rank=per_rank, meta=meta, dcp_writer=dcp_writer,
                        dcp_async_writer=dcp_async_writer, async_save=async_save, on_done=self._on_done(step))
@@ -186,74 +146,45 @@ class TrainerCheckpoints:
         return None
 
     def _read(self, step: int, path: Path) -> dict:
-        """Everything this rank needs from one checkpoint, verified and checked, nothing applied yet."""
-        tr = self.tr
-        env = tr.env
+        """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet. The
+        pieces in ``train_state.json`` first: an incompatible run is refused before a big file is read."""
         manifest = verify(path)
         ts = read_train_state(path, step)
-        if ts["dataset_fingerprint"] != tr.ds.fingerprint:
-            raise TrainingError(
-                f"dataset fingerprint mismatch: checkpoint {path.name} was trained on {ts['dataset_fingerprint']}, "
-                f"this data is {tr.ds.fingerprint} ({tr.data_dir})"
-            )
-        if ts["world_size"] != env.world_size:
-            raise TrainingError(
-                f"checkpoint {path.name} was written by {ts['world_size']} ranks, this run has {env.world_size}; "
-                "exact resume needs the same world size"
-            )
-        seq = tr.cfg.model.seq_len
-        if ts.get("seq_len", seq) != seq or ts["sampler"]["num_samples"] != tr.sampler.num_samples:
-            # not a bad checkpoint to fall back from: every checkpoint of the run would fail the same way
-            was = f"seq_len {ts['seq_len']}" if "seq_len" in ts else f"{ts['sampler']['num_samples']} samples"
-            raise TrainingError(f"checkpoint {path.name} was trained at {was}, this run has seq_len {seq} "
-                                f"({tr.sampler.num_samples} samples): a run cannot change model.seq_len (the position "
-                                "table and every sample id depend on it); train shorter sequences first with "
-                                "data.seq_len_schedule, or start a new run dir")
-        if ts["guard"]["window"] != tr.cfg.guard.window:
-            raise TrainingError(f"checkpoint {path.name} has a guard window of {ts['guard']['window']}, "
-                                f"this run {tr.cfg.guard.window}; cannot resume exactly")
-        out = {"ts": ts, "path": path, "manifest": manifest}
-        rng_state = load_torch(path / f"rng-rank{env.rank}.pt")
-        check_rng(rng_state, f"{path.name}: rng-rank{env.rank}.pt")
-        out["rng"] = rng_state
-        if not (path / "dcp").is_dir():
-            out["model"] = load_torch(path / "model.pt")
-            check_tensors(out["model"], tr.raw_model.state_dict(), f"{path.name}: model.pt")
-            out["optim"] = load_torch(path / "optim.pt")
-            check_optimizer_state(out["optim"], tr.opt, f"{path.name}: optim.pt")
-        return out
+        pieces = self.state.layout(sharded=(path / DCP_DIR).is_dir())
+        read: dict = {}
+        for name, piece in pieces.items():
+            if piece.file == TRAIN_STATE:
+                read[name] = {k: ts[k] for k in piece.keys}
+                piece.check(read[name], path.name)
+        for name, piece in pieces.items():
+            if piece.file not in (TRAIN_STATE, DCP_DIR):  # DCP reads its shards when loading
+                read[name] = load_torch(path / piece.file)
+                piece.check(read[name], path.name)
+        return {"path": path, "manifest": manifest, "pieces": [(n, p, read.get(n)) for n, p in pieces.items()]}
 
     def _restore(self, ck: dict, *, restore_skiplist: bool) -> None:
-        tr = self.tr
-        ts, path = ck["ts"], ck["path"]
-        if "model" in ck:
-            tr.raw_model.load_state_dict(ck["model"])
-            tr.opt.load_state_dict(ck["optim"])
-        else:
-            from torch.distributed.checkpoint import load as dcp_load
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-            msd, osd = get_state_dict(tr.model, tr.opt)
-            sd = {"model": msd, "optim": osd}
-            try:  # DCP validates its shards against .metadata itself; a failure is one line, not a traceback
-                dcp_load(sd, checkpoint_id=str(path / "dcp"))
-                set_state_dict(tr.model, tr.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-            except Exception as e:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise CheckpointError(f"{path.name}: sharded state (dcp/) could not be loaded: {first[:300]}") from None
-        rng.restore(ck["rng"])
-        tr.sampler.load_state_dict(ts["sampler"])
-        # the weights the checkpointed step trained with: a different config makes a mixture_change marker
-        tr.weights_now = ts.get("mixture_weights")
-        # likewise the length it trained at (checkpoints from before schedules: model.seq_len); the
-        # initial state (step 0) trained nothing, and must come back as a fresh start has it
-        tr.seq_now = ts.get("train_seq_len") or (ts.get("seq_len") if ts["step"] else None)
-        tr.guard.load_state_dict(ts["guard"])
-        if restore_skiplist:
-            tr.skip.add([tuple(r) for r in ts["skiplist"]])
-        tr.state = TrainState(step=ts["step"], tokens=ts["tokens"], accum_pos=ts["grad_accum_pos"])
+        path = ck["path"]
+        for name, piece, sd in ck["pieces"]:  # in the layout's order: the tensors first
+            if name == "skiplist" and not restore_skiplist:
+                continue
+            if piece.file == DCP_DIR:
+                self._load_sharded(piece, path)
+            else:
+                piece.load_state_dict(sd)
         self.last_time = ck["manifest"].get("created")
-        self.good, self.failed = (tr.state.step, time.time()), 0
+        self.good, self.failed = (self.tr.state.step, time.time()), 0
+
+    @staticmethod
+    def _load_sharded(piece, path: Path) -> None:
+        from torch.distributed.checkpoint import load as dcp_load
+
+        sd = piece.state_dict()  # this rank's shards, filled in place
+        try:  # DCP validates its shards against .metadata itself; a failure is one line, not a traceback
+            dcp_load(sd, checkpoint_id=str(path / DCP_DIR))
+            piece.load_state_dict(sd)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"{path.name}: sharded state (dcp/) could not be loaded: {first[:300]}") from None
 
     def check_age(self, *, final: bool = False) -> None:
         """Stop the run (the same one-line error on every rank) when checkpoint saves keep failing and the

@@ -6,7 +6,7 @@ FSDP2:               torchrun --nproc-per-node 2 -m trainer --preset tiny --run-
 
 State at a step boundary, S_t = (params, optimizer moments + step counts, scheduler step, RNG of
 every rank, data cursor, grad-accumulation position, skip list, guard statistics, tokens seen), is
-exactly what a checkpoint holds (``trainer/checkpointing.py``; ``TrainState`` is its host-side part).
+exactly what a checkpoint holds: the named pieces of ``trainer/state.py`` (``TrainState``: the counters).
 
 Reading order: ``Trainer.__init__`` (build), ``fit`` (the loop), ``_one_step``, ``train_step``. What is
 not training lives beside it: ``resume.py`` (how a run starts), ``checkpointing.py`` (S_t in and out),
@@ -31,7 +31,7 @@ from sentinel.contract.rundir import STEPS
 from trainer import build, resume, rundir_lock, seqlen
 from trainer import faults as drills
 from trainer.checkpoint import CheckpointError
-from trainer.checkpointing import TrainerCheckpoints, TrainState
+from trainer.checkpointing import TrainerCheckpoints
 from trainer.config import TrainConfig, dump
 from trainer.data import DataError, MixtureSampler, SkipList, TokenDataset, ensure_prepared, sampler_for
 from trainer.dist import DistEnv
@@ -41,6 +41,7 @@ from trainer.optim import lr_at
 from trainer.phases import PhaseClock
 from trainer.readback import StepReadback
 from trainer.slices import MixtureWeights, SliceEval, describe_change, lr_phase_markers, source_onehot
+from trainer.state import TrainState
 from trainer.telemetry.digest import param_digest_tensor
 from trainer.telemetry.emit import StepEmitter, StepOutput
 
@@ -156,10 +157,6 @@ class Trainer:
 
     def load_checkpoint(self, step: int | None = None, *, restore_skiplist: bool = True) -> int | None:
         return self.checkpoints.load(step, restore_skiplist=restore_skiplist)
-
-    def train_state(self) -> dict:
-        """The host-side state a checkpoint holds (train_state.json): the offline tools' view of it."""
-        return self.checkpoints.train_state()
 
     # ================================================================== control (the ControlHost side)
     def restore_checkpoint(self, step: int) -> None:

@@ -86,18 +86,13 @@ def canonical_digest(obj) -> str:
 
 
 def _components_now(tr) -> dict:
-    """The loaded state, component by component, as the trainer would save it."""
-    from trainer import rng
-
-    out = {}
-    if tr.env.is_main and not (tr.cfg.parallelism == "fsdp" and tr.env.distributed):
-        out["model.pt"] = tr.raw_model.state_dict()
-        out["optim.pt"] = tr.opt.state_dict()
-    if tr.env.is_main:
-        ts = tr.train_state()
-        out["train_state.json"] = {k: v for k, v in ts.items() if k not in VOLATILE_TRAIN_STATE}
-    out[f"rng-rank{tr.env.rank}.pt"] = rng.capture()
-    return out
+    """The loaded state, file by file, as the trainer would save it (its checkpoint pieces,
+    ``trainer/state.py``); FSDP2 shards are not compared (DCP checks its own)."""
+    shared, per_rank = tr.checkpoints.state.files()
+    out = dict(shared) if tr.env.is_main else {}
+    if "train_state.json" in out:
+        out["train_state.json"] = {k: v for k, v in out["train_state.json"].items() if k not in VOLATILE_TRAIN_STATE}
+    return {**out, **per_rank}
 
 
 def round_trip(tr, ck_path: Path) -> dict:

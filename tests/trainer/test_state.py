@@ -1,0 +1,145 @@
+"""The checkpoint state's named pieces (trainer/state.py), in process: every piece round-trips
+(``state_dict`` -> ``load_state_dict`` of another trainer gives the same state), the pieces together
+are exactly train_state.json and the checkpoint's files, and each piece's ``check`` refuses its hostile
+input in one line without touching the live state. Two offline tiny trainers, no run, no subprocess."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from sentinel.contract.checkpoints import TrainStateFile
+from trainer.checkpoint import CheckpointError
+from trainer.errors import TrainingError
+from trainer.state import TRAIN_STATE
+
+
+def _trainer(dataset, run_dir):
+    from trainer.config import resolve
+    from trainer.dist import DistEnv
+    from trainer.train import Trainer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = resolve(preset="tiny", overrides={"data.dir": str(dataset)})
+    return Trainer(cfg, run_dir, DistEnv(0, 0, 1, torch.device("cpu")), offline=True)
+
+
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory, dataset):
+    """(a, b): ``a`` one real step and a skip range ahead of a fresh ``b`` in every piece."""
+    root = tmp_path_factory.mktemp("state")
+    a, b = _trainer(dataset, root / "a"), _trainer(dataset, root / "b")
+    ids, _, micro, micro_ids = a.next_batch()
+    a.train_step(micro, micro_ids, a.lr_for(0, ids))
+    a.state.step, a.state.tokens = 1, len(ids) * a.cfg.model.seq_len
+    a.seq_now = a.cfg.model.seq_len
+    a.skip.add([(5, 9)])
+    return a, b
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    return x == y
+
+
+@pytest.mark.parametrize("name", ["model", "optimizer", "rng", "counters", "sampler", "guard", "skiplist"])
+def test_each_piece_round_trips_into_another_trainer(trainers, name):
+    a, b = trainers
+    sa, sb = a.checkpoints.state.states[name], b.checkpoints.state.states[name]
+    saved = copy.deepcopy(sa.state_dict())
+    if name == "rng":  # the generators are the process's: move them on, then bring them back
+        random.random(), np.random.rand(), torch.rand(3)
+    else:
+        assert not _same(saved, sb.state_dict()), f"{name}: the fixture left both trainers alike"
+    sb.check(saved, "step-00000001")
+    sb.load_state_dict(copy.deepcopy(saved))
+    assert _same(saved, sb.state_dict()), name
+
+
+@pytest.mark.parametrize("name", ["run", "scheduler"])
+def test_the_pieces_saved_for_the_record_load_nothing(trainers, name):
+    """The run's identity and the LR schedule's position (a function of the step) are checked and
+    saved, never applied: the run id follows the run dir, the counters bring the step back."""
+    a, b = trainers
+    saved, before = a.checkpoints.state.states[name].state_dict(), b.checkpoints.state.states[name].state_dict()
+    b.checkpoints.state.states[name].check(saved, "step-00000001")
+    b.checkpoints.state.states[name].load_state_dict(saved)
+    after = b.checkpoints.state.states[name].state_dict()
+    for sd in (before, after):
+        sd.pop("last_checkpoint_time", None)
+    assert _same(before, after)
+
+
+def test_the_pieces_are_exactly_train_state_json_and_the_checkpoint_files(trainers):
+    a, _ = trainers
+    st = a.checkpoints.state
+    owned = [k for p in st.states.values() for k in p.keys]
+    assert len(owned) == len(set(owned)), "a train_state.json key owned by two pieces"
+    assert set(owned) == set(TrainStateFile.model_fields)
+    ts = TrainStateFile.model_validate(st.train_state())  # what a save writes passes the loader's schema
+    assert ts.step == ts.scheduler.step == a.state.step == 1 and ts.skiplist == [[5, 9]]
+    shared, per_rank = st.files()
+    assert sorted(shared) == ["model.pt", "optim.pt", TRAIN_STATE] and list(per_rank) == ["rng-rank0.pt"]
+    assert list(st.layout(sharded=True))[0] == "model_optimizer" and "model" not in st.layout(sharded=True)
+
+
+def _model_reshaped(sd):
+    k = next(iter(sd))
+    return {**sd, k: torch.zeros(3, 3)}
+
+
+def _opt_moment_reshaped(sd):
+    sd = copy.deepcopy(sd)
+    st = next(iter(sd["state"].values()))
+    st["exp_avg"] = torch.zeros(7)
+    return sd
+
+
+def _train_state(key, **change):
+    return lambda sd: {**sd, key: {**sd[key], **change}}
+
+
+# piece -> (corrupt its good state_dict, error type, what the one line says)
+HOSTILE = {
+    "model-not-a-dict": ("model", lambda sd: [1, 2], CheckpointError, "model.pt is not a state dict"),
+    "model-entry-missing": ("model", lambda sd: dict(list(sd.items())[1:]), CheckpointError, "model.pt lacks entry"),
+    "model-entry-unknown": ("model", lambda sd: {**sd, "extra.weight": torch.zeros(1)}, CheckpointError, "has an unknown entry 'extra.weight'"),
+    "model-wrong-shape": ("model", _model_reshaped, CheckpointError, "is (3, 3) torch.float32, expected"),
+    "optim-empty": ("optimizer", lambda sd: {}, CheckpointError, "optim.pt is not an optimizer state dict"),
+    "optim-group-lost": ("optimizer", lambda sd: {**sd, "param_groups": sd["param_groups"][:-1]}, CheckpointError, "parameter groups, expected"),
+    "optim-moment-reshaped": ("optimizer", _opt_moment_reshaped, CheckpointError, "exp_avg does not match the parameter's shape"),
+    "rng-garbage": ("rng", lambda sd: {"python": torch.zeros(3)}, CheckpointError, "rng-rank0.pt is not a valid RNG state"),
+    "rng-numpy-keys-out-of-range": ("rng", lambda sd: {**sd, "numpy": {**sd["numpy"], "keys": sd["numpy"]["keys"] - 2**40}},
+                                    CheckpointError, "not a valid RNG state"),
+    "rng-torch-state-truncated": ("rng", lambda sd: {**sd, "torch": sd["torch"][:10]}, CheckpointError, "not a valid RNG state"),
+    "other-dataset": ("run", lambda sd: {**sd, "dataset_fingerprint": "0" * 16}, TrainingError, "dataset fingerprint mismatch"),
+    "other-world-size": ("run", lambda sd: {**sd, "world_size": 2}, TrainingError, "was written by 2 ranks, this run has 1"),
+    "other-seq-len": ("counters", lambda sd: {**sd, "seq_len": 32}, TrainingError, "was trained at seq_len 32"),
+    "other-sample-count": ("sampler", _train_state("sampler", num_samples=7), TrainingError, "was trained at 7 samples"),
+    "other-guard-window": ("guard", _train_state("guard", window=3), TrainingError, "has a guard window of 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_each_piece_refuses_its_hostile_state_in_one_line_and_touches_nothing(trainers, case):
+    a, _ = trainers
+    name, corrupt, err, says = HOSTILE[case]
+    piece = a.checkpoints.state.states[name]
+    before = copy.deepcopy(piece.state_dict())
+    with pytest.raises(err) as e:
+        piece.check(corrupt(copy.deepcopy(before)), "step-00000012")
+    msg = str(e.value)
+    assert says in msg and "\n" not in msg and "step-00000012" in msg, msg
+    now = piece.state_dict()
+    if name == "run":
+        before.pop("last_checkpoint_time"), now.pop("last_checkpoint_time")
+    assert _same(before, now), f"{case}: check changed the live state"

@@ -1,0 +1,271 @@
+"""S_t, the trainer's checkpoint state, as named pieces: each has ``state_dict()`` and
+``load_state_dict(sd)`` (the shape of torchtitan's ``Stateful``), and ``check(sd, ckpt)``, which refuses
+in one line what ``load_state_dict`` could not take whole, touching nothing. A checkpoint is checked
+piece by piece before any piece is loaded, so a bad one is passed over with the live state intact.
+
+A ``check`` raises ``CheckpointError`` for a bad checkpoint (the loader falls back to an older one) and
+``TrainingError`` for an incompatible run (every checkpoint would fail alike, so the start stops).
+
+The pieces, their files and what each check refuses: docs/architecture.md ("Checkpoint state").
+``trainer/checkpointing.py`` writes the pieces to those files and reads them back; the files and
+the keys of ``train_state.json`` are the checkpoint format, unchanged by how the pieces split them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainer import rng
+from trainer.checkpoint import check_optimizer_state, check_rng, check_tensors
+from trainer.errors import TrainingError
+
+TRAIN_STATE = "train_state.json"
+DCP_DIR = "dcp"  # FSDP2's shards: a directory that DCP reads and writes itself
+
+
+@dataclass
+class TrainState:
+    """The host-side counters of S_t."""
+
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0  # tokens trained (global, excluding skipped steps)
+    accum_pos: int = 0  # micro-batches of the current step already done (0 at every step boundary)
+
+
+class Piece:
+    """One named part of S_t, over the trainer ``tr`` (read late: a rollback or a replay tool may
+    swap ``tr.state`` or ``tr.skip``). ``file``: where a checkpoint keeps it; a piece stored in
+    ``train_state.json`` owns the top-level ``keys`` its ``state_dict`` returns."""
+
+    file = TRAIN_STATE
+    keys: tuple[str, ...] = ()
+    per_rank = False  # every rank writes its own file (else rank 0 writes the one copy)
+
+    def __init__(self, tr) -> None:
+        self.tr = tr
+
+    def state_dict(self) -> Any:
+        raise NotImplementedError
+
+    def load_state_dict(self, sd: Any) -> None:
+        raise NotImplementedError
+
+    def check(self, sd: Any, ckpt: str) -> None:
+        """Refuse ``sd`` (of checkpoint directory ``ckpt``) in one line if it cannot be loaded whole."""
+
+
+class ModelPiece(Piece):
+    file = "model.pt"
+
+    def state_dict(self) -> dict:
+        return self.tr.raw_model.state_dict()  # the live tensors: an async save copies them itself
+
+    def check(self, sd, ckpt: str) -> None:
+        check_tensors(sd, self.tr.raw_model.state_dict(), f"{ckpt}: {self.file}")
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tr.raw_model.load_state_dict(sd)
+
+
+class OptimizerPiece(Piece):
+    file = "optim.pt"
+
+    def state_dict(self) -> dict:
+        return self.tr.opt.state_dict()
+
+    def check(self, sd, ckpt: str) -> None:
+        check_optimizer_state(sd, self.tr.opt, f"{ckpt}: {self.file}")
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tr.opt.load_state_dict(sd)
+
+
+class ShardedModelOptimizerPiece(Piece):
+    """FSDP2: model and optimizer as one DCP state (``dcp/``, keys ``model`` and ``optim``). Each rank
+    holds its shards; DCP checks them against ``dcp/.metadata`` as it reads them, so there is no
+    ``check`` of its own, and the reading is the checkpointer's (``dcp.load`` into ``state_dict()``)."""
+
+    file = DCP_DIR
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.tr.model, self.tr.opt)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.tr.model, self.tr.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+class RngPiece(Piece):
+    """This rank's generators (ranks draw distinct dropout streams, so each keeps its own file)."""
+
+    per_rank = True
+
+    @property
+    def file(self) -> str:
+        return f"rng-rank{self.tr.env.rank}.pt"
+
+    def state_dict(self) -> dict:
+        return rng.capture()
+
+    def check(self, sd, ckpt: str) -> None:
+        check_rng(sd, f"{ckpt}: {self.file}")  # a dry run on throwaway generators
+
+    def load_state_dict(self, sd: dict) -> None:
+        rng.restore(sd)
+
+
+class RunPiece(Piece):
+    """Where the state comes from. Checked on load, never applied: the run id follows the run dir,
+    the ControlLoop starts a new timeline, and the drills are the config's."""
+
+    keys = ("run", "timeline", "world_size", "dataset_fingerprint", "faults", "source_faults", "last_checkpoint_time")
+
+    def state_dict(self) -> dict:
+        tr = self.tr
+        return {"run": tr.run_id, "timeline": tr.control.timeline, "world_size": tr.env.world_size,
+                "dataset_fingerprint": tr.ds.fingerprint, "faults": [f.model_dump() for f in tr.cfg.faults],
+                "source_faults": [f.model_dump() for f in tr.cfg.source_faults], "last_checkpoint_time": time.time()}
+
+    def check(self, sd: dict, ckpt: str) -> None:
+        tr = self.tr
+        if sd["dataset_fingerprint"] != tr.ds.fingerprint:
+            raise TrainingError(f"dataset fingerprint mismatch: checkpoint {ckpt} was trained on {sd['dataset_fingerprint']}, "
+                                f"this data is {tr.ds.fingerprint} ({tr.data_dir})")
+        if sd["world_size"] != tr.env.world_size:
+            raise TrainingError(f"checkpoint {ckpt} was written by {sd['world_size']} ranks, this run has "
+                                f"{tr.env.world_size}; exact resume needs the same world size")
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _seq_len_refused(tr, ckpt: str, was: str) -> TrainingError:
+    # not a bad checkpoint to fall back from: every checkpoint of the run would fail the same way
+    seq = tr.cfg.model.seq_len
+    return TrainingError(f"checkpoint {ckpt} was trained at {was}, this run has seq_len {seq} "
+                         f"({tr.sampler.num_samples} samples): a run cannot change model.seq_len (the position "
+                         "table and every sample id depend on it); train shorter sequences first with "
+                         "data.seq_len_schedule, or start a new run dir")
+
+
+class CountersPiece(Piece):
+    """Step, tokens, grad-accum position, and the conditions the last step trained under (mixture
+    weights, sequence length), so a resumed run marks a change of them as a fresh one would."""
+
+    keys = ("step", "tokens", "grad_accum_pos", "mixture_weights", "seq_len", "train_seq_len")
+
+    def state_dict(self) -> dict:
+        tr = self.tr
+        return {"step": tr.state.step, "tokens": tr.state.tokens, "grad_accum_pos": tr.state.accum_pos,
+                "mixture_weights": tr.weights_now, "seq_len": tr.cfg.model.seq_len, "train_seq_len": tr.seq_now}
+
+    def check(self, sd: dict, ckpt: str) -> None:
+        if sd.get("seq_len", self.tr.cfg.model.seq_len) != self.tr.cfg.model.seq_len:
+            raise _seq_len_refused(self.tr, ckpt, f"seq_len {sd['seq_len']}")
+
+    def load_state_dict(self, sd: dict) -> None:
+        tr = self.tr
+        tr.state = TrainState(step=sd["step"], tokens=sd["tokens"], accum_pos=sd["grad_accum_pos"])
+        tr.weights_now = sd.get("mixture_weights")
+        # the length the step trained at (checkpoints from before schedules: model.seq_len); the
+        # initial state (step 0) trained nothing, and comes back as a fresh start has it
+        tr.seq_now = sd.get("train_seq_len") or (sd.get("seq_len") if sd["step"] else None)
+
+
+class SamplerPiece(Piece):
+    keys = ("sampler",)
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.tr.sampler.state_dict()}
+
+    def check(self, sd: dict, ckpt: str) -> None:
+        n = sd["sampler"]["num_samples"]
+        if n != self.tr.sampler.num_samples:
+            raise _seq_len_refused(self.tr, ckpt, f"{n} samples")
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tr.sampler.load_state_dict(sd["sampler"])
+
+
+class GuardPiece(Piece):
+    keys = ("guard",)
+
+    def state_dict(self) -> dict:
+        return {"guard": self.tr.guard.state_dict()}
+
+    def check(self, sd: dict, ckpt: str) -> None:
+        window, want = sd["guard"]["window"], self.tr.cfg.guard.window
+        if window != want:
+            raise TrainingError(f"checkpoint {ckpt} has a guard window of {window}, this run {want}; cannot resume exactly")
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tr.guard.load_state_dict(sd["guard"])
+
+
+class SkipListPiece(Piece):
+    """The skip list only grows: loading adds the checkpoint's ranges to the live ones."""
+
+    keys = ("skiplist",)
+
+    def state_dict(self) -> dict:
+        return {"skiplist": [list(r) for r in self.tr.skip.ranges]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tr.skip.add([tuple(r) for r in sd["skiplist"]])
+
+
+class SchedulerPiece(Piece):
+    """Warmup + cosine, a pure function of the step (``trainer.optim.lr_at``): saved for the tools,
+    nothing to load (the counters bring the step back; the schema ties the two together)."""
+
+    keys = ("scheduler",)
+
+    def state_dict(self) -> dict:
+        return {"scheduler": {"kind": "warmup_cosine", "step": self.tr.state.step, "max_steps": self.tr.cfg.max_steps}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+class CheckpointState:
+    """The trainer's pieces by name (``states``, torchtitan's shape). ``layout(sharded)`` is what one
+    checkpoint holds: ``model`` + ``optimizer`` files, or the FSDP2 ``model_optimizer`` shards."""
+
+    def __init__(self, tr) -> None:
+        self.sharded = tr.cfg.parallelism == "fsdp" and tr.env.distributed  # how this trainer saves
+        self._tensors = {"model": ModelPiece(tr), "optimizer": OptimizerPiece(tr),
+                         "model_optimizer": ShardedModelOptimizerPiece(tr)}
+        # loaded in this order: the tensors first (under FSDP2, DCP reads its shards only when loading,
+        # the one load that can still fail: then nothing else has been touched)
+        self._rest = {"rng": RngPiece(tr), "run": RunPiece(tr), "counters": CountersPiece(tr),
+                      "sampler": SamplerPiece(tr), "guard": GuardPiece(tr), "skiplist": SkipListPiece(tr),
+                      "scheduler": SchedulerPiece(tr)}
+        self.states = self.layout(self.sharded)
+
+    def layout(self, sharded: bool) -> dict[str, Piece]:
+        names = ("model_optimizer",) if sharded else ("model", "optimizer")
+        return {**{n: self._tensors[n] for n in names}, **self._rest}
+
+    def train_state(self) -> dict:
+        """``train_state.json``: the keys of every piece stored there."""
+        out: dict = {}
+        for piece in self.states.values():
+            if piece.file == TRAIN_STATE:
+                out.update(piece.state_dict())
+        return out
+
+    def files(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a save writes, by file name: (rank 0's files, this rank's own files); the tensors are the
+        live ones. Not the FSDP2 shards (``states["model_optimizer"]``): DCP writes those itself."""
+        shared: dict[str, Any] = {TRAIN_STATE: self.train_state()}
+        per_rank: dict[str, Any] = {}
+        for piece in self.states.values():
+            if piece.file not in (TRAIN_STATE, DCP_DIR):
+                (per_rank if piece.per_rank else shared)[piece.file] = piece.state_dict()
+        return shared, per_rank
