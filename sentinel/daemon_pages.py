@@ -52,9 +52,20 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def post_alerts(url: str, alerts: list[dict], deadline_s: float = DEADLINE_S) -> BaseException | bool | None:
-    """POST ``alerts`` to ``url``'s /api/v2/alerts within ``deadline_s``: None when accepted, the
-    exception when it failed, False when no answer came in time."""
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        """Not followed: urllib would re-send a POST as a GET with no alert in it (and count that as
+        delivered), carrying the basic-auth header to wherever the Location points. An HTTPError."""
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def post_alerts(url: str, alerts: list[dict], deadline_s: float | None = None) -> BaseException | bool | None:
+    """POST ``alerts`` to ``url``'s /api/v2/alerts within ``deadline_s`` (``DEADLINE_S``): None when
+    accepted (a 2xx), the exception when it failed (a redirect too), False when no answer came in time."""
+    deadline_s = DEADLINE_S if deadline_s is None else deadline_s
     base, headers = basic_auth(url)
     req = urllib.request.Request(base.rstrip("/") + "/api/v2/alerts", data=json.dumps(alerts).encode(),
                                  headers={"Content-Type": "application/json", **headers}, method="POST")
@@ -62,7 +73,8 @@ def post_alerts(url: str, alerts: list[dict], deadline_s: float = DEADLINE_S) ->
 
     def post() -> None:
         try:
-            urllib.request.urlopen(req, timeout=3).close()
+            # each socket read within 3 s of the 5: a silent server is a timeout, a trickling one the deadline
+            _OPENER.open(req, timeout=0.6 * deadline_s).close()
             outcome.append(None)
         except Exception as e:  # noqa: BLE001 - down, refused, not HTTP (BadStatusLine), a host idna refuses
             outcome.append(e)

@@ -6,12 +6,15 @@ descriptor limit the accept loop spins at 100 % CPU while Prometheus's scrapes t
 ports are bound on 0.0.0.0 in the deployments, so any host that reaches them could do it. Here a
 connection must send its request within ``TIMEOUT_S``, at most ``MAX_CONNECTIONS`` are served at
 once (the rest are closed at once, a scraper retries), and an address that cannot be served on (a
-host name IDNA refuses, a port past 65535) is an ``OSError`` like any other bind failure.
+host name IDNA refuses, a port past 65535) is an ``OSError`` like any other bind failure. A client
+that timed out, reset or left costs nothing but its connection: no traceback on stderr (socketserver
+prints one per failed request, so any host could fill the daemon's log with them).
 """
 
 from __future__ import annotations
 
 import errno
+import sys
 import threading
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -32,6 +35,10 @@ class _Handler(WSGIRequestHandler):
 
 class _Server(ThreadingWSGIServer):
     daemon_threads = True
+    # the listen backlog (socketserver's default is 5): past it the kernel drops a connection's SYN and
+    # the client waits a second to retry, so a burst of connections (closed at once past the cap)
+    # would make the next scrape wait for seconds
+    request_queue_size = 128
 
     def __init__(self, *args: Any, **kw: Any):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -52,6 +59,15 @@ class _Server(ThreadingWSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        """A request that failed: the client's doing (timed out, reset, gone) says nothing; anything
+        else one line on stderr, never socketserver's traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            return
+        print(f"metrics endpoint: a request from {client_address[0]} failed "
+              f"({type(exc).__name__}: {' '.join(str(exc).split())[:160]})", file=sys.stderr)
 
 
 def serve(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:

@@ -37,6 +37,7 @@ import pytest
 from tests.helpers.cli import base_run, run_copy  # noqa: F401  (the 30-step run the CLI and offline tests share)
 from tests.helpers.services import DEBIAN_REDIS, RedisProc, free_port, require_binary
 from tests.helpers.trainer import dataset, refs  # noqa: F401  (session fixtures every module sees: one dataset, one cache of runs)
+from tests.helpers.xdist_modules import module_scheduler, spreads
 
 TESTS = Path(__file__).resolve().parent
 
@@ -96,17 +97,21 @@ def _starts_processes(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    # under xdist (`make test`: -n 2 --dist loadgroup) a module's tests stay on one worker, so that its
-    # module-scoped fixtures (a trained story, a started service) are built once; a module whose tests are
-    # independent and mostly wait (XDIST_SPREAD = True) has its tests spread over the workers instead
-    grouped = bool(getattr(config.option, "numprocesses", None)) and config.getoption("dist", "no") == "loadgroup"
     for item in items:
         if item.get_closest_marker("slow") is None and _starts_processes(item):
             item.add_marker(pytest.mark.slow)
-        module = getattr(item, "module", None)
-        if grouped and module is not None and not getattr(module, "XDIST_SPREAD", False) \
-                and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module.__name__))
+    # under `make test` (xdist sets ``loadgroup`` on its workers) the units of a module that spreads
+    # its tests go last (tests/helpers/xdist_modules.py); the order is the same on every worker
+    if getattr(config.option, "loadgroup", False):
+        items.sort(key=lambda item: spreads(Path(str(item.path))))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: one work unit per test module (tests/helpers/xdist_modules.py)."""
+    if config.getvalue("dist") == "loadgroup":
+        return module_scheduler(config, log)
+    return None
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ Judged, per trial:
 - exactly one rollback directive, at most one ``skip-samples`` directive per incident;
 - the skip applied within 10 steps of the rollback by a standby, and, in every mode, before the
   restored run trains any of its samples again (a restarted sentinel first starts a process: about
-  1 s of imports on a loaded 2-core machine, 15 of these steps, plus the 0.5 s before the restart);
+  1 s of imports on a loaded 2-core machine, about 30 of these steps, plus the 0.5 s before the restart);
 - no ``rollback_not_applied`` for the rollback the loop applied;
 - every event on the bus once (each carries an idempotency key; no key twice), one ``incident``
   and one ``action rollback`` event, and ``sentinel incidents`` shows one rollback, the incident
@@ -42,8 +42,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 XDIST_SPREAD = True  # each case is its own bus and sentinels, and mostly waits: spread over the xdist workers
 
 TRIALS = int(os.environ.get("SENTINEL_CHAOS_TRIALS", "1"))
-STEPS = 300
-STEP_S = 0.06  # a step of the loop (~15 steps/s with its bus work); the sentinel reads as the steps come
+STEP_S = 0.03  # a step of the loop (~30 steps/s with its bus work); the sentinel reads as the steps come
+# the loop trains on until the successor closed the incident (the restored branch past the bad region)
+# and this many steps past that and past the last directive it applied: what a successor acting twice
+# would send comes within them
+TAIL_STEPS = 40
 POISON_STEP = min(POISON) // 8 + 1  # the step that trains on the poison (8 samples a step)
 MOMENTS = ("open", "sent", "acked", "verifying")
 
@@ -69,6 +72,11 @@ def _steps(r, k: Keys) -> list[StepRecord]:
         if isinstance(rec, StepRecord):
             out.append(rec)
     return out
+
+
+def _closed(r, k: Keys) -> bool:
+    """The incident is closed: its verification saw the restored run past the bad region."""
+    return any(e.get("kind") == "incident_closed" and (e.get("step") or 0) > POISON_STEP for e in _events(r, k))
 
 
 def _leader_pid(r, k: Keys) -> int | None:
@@ -133,8 +141,9 @@ def _trial(url: str, run: str, secret: Path, logs: Path, moment: str, mode: str)
             time.sleep(1.0)
         loop.save_checkpoint()
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and (loop.step < STEPS or not any(
-                a["kind"] == "rollback" for a in loop.applied) or loop.step < loop.applied[-1]["step"] + 100):
+        closed_at = None  # the loop's step when it saw the incident closed
+        while time.monotonic() < deadline and (closed_at is None or loop.step < closed_at + TAIL_STEPS
+                                               or loop.step < loop.applied[-1]["step"] + TAIL_STEPS):
             loop.train_step()
             if killed_at is None and moment in ("open", "sent", "verifying") and _moment_reached(moment, r, k, loop, []):
                 killed_at = _kill(r, k, loop, fig)
@@ -148,13 +157,11 @@ def _trial(url: str, run: str, secret: Path, logs: Path, moment: str, mode: str)
             if mode == "restart" and killed_at is not None and restart_at is None and time.monotonic() - killed_at >= 0.5:
                 restart_at = time.monotonic()
                 sentinels.start()
+            if closed_at is None and any(a["kind"] == "rollback" for a in loop.applied) and _closed(r, k):
+                closed_at = loop.step
             time.sleep(STEP_S)
         client.flush()
-        # the incident's verification closes it a few steps past the bad region: wait for it
-        t1 = time.monotonic()
-        while time.monotonic() - t1 < 30 and not any(e.get("kind") == "incident_closed" and (e.get("step") or 0) > POISON_STEP
-                                                     for e in _events(r, k)):
-            time.sleep(0.2)
+        fig["closed_at_step"] = closed_at
         incidents = json.loads(subprocess.run([sys.executable, "-m", "sentinel", "incidents", run, "--redis-url", url, "--json"],
                                               capture_output=True, text=True, timeout=60, check=True).stdout)
     finally:

@@ -1,6 +1,6 @@
 """Real services for the tests: free ports, binaries that must exist under CI, a Debian redis-server we own,
-and the small process helpers the Prometheus / Alertmanager tests share. No pytest fixtures here (those are
-in tests/conftest.py)."""
+the small process helpers the Prometheus / Alertmanager tests share, and ``talker``: a TCP server that
+answers whatever it is sent with what a test says. No pytest fixtures here (those are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -167,3 +167,51 @@ def wait_http_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float 
             return
         time.sleep(0.1)
     raise AssertionError(f"{url} not ready after {timeout}s: {log.read_text()[-2000:]}")
+
+
+def talker(first: bytes | None, then: bytes = b"", *, pause: float = 0.0, got: list[bytes] | None = None,
+           sent: list[int] | None = None) -> tuple[int, threading.Event]:
+    """A TCP server on 127.0.0.1 that reads a connection's first bytes (into ``got``), answers ``first``
+    (None: nothing, until stopped), then sends ``then`` for ever, ``pause`` seconds apart, until
+    stopped; ``sent`` gets the bytes each connection got out. (Its port, the event that stops it.)"""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def one(c: socket.socket) -> None:
+        n = 0
+        if sent is not None:
+            sent.append(0)
+        try:
+            data = c.recv(65536)
+            if got is not None:
+                got.append(data)
+            if first is None:
+                stop.wait()
+                return
+            c.sendall(first)
+            while then and not stop.is_set():
+                c.sendall(then)
+                n += len(then)
+                if pause:
+                    stop.wait(pause)
+                if sent is not None:
+                    sent[-1] = max(sent[-1], n)
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            threading.Thread(target=one, args=(c,), daemon=True).start()
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], stop

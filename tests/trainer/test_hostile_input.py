@@ -3,7 +3,9 @@ and never a lost checkpoint or step record.
 
 Flag checks run ``trainer.__main__.main`` in process (they stop before the trainer is built, so
 they are fast and must leave no run dir behind); everything that needs a run dir runs the real
-trainer in a subprocess on a copy of one tiny cached run (4 steps, checkpoints 0, 2, 4).
+trainer in a subprocess, on a copy of a tiny cached run where it can (4 steps, checkpoints 0, 2, 4;
+or the 12-step one, checkpoints every 4). A data dir's own errors are read in process from
+``TokenDataset.open``, and one of them end to end.
 
 Among them, what a start must survive: a FIFO at ``directives.cursor`` (it hung the start for good)
 or a link to /dev/zero there (read until the memory ran out); a ``directives.jsonl`` line cut mid
@@ -282,18 +284,16 @@ def test_a_model_too_large_for_the_machine_is_one_line_before_anything_is_built(
     assert not (tmp_path / "run").exists(), "refused before the run dir was made"
 
 
-def test_a_damaged_directives_log_does_not_stop_a_start(tmp_path, dataset):
-    run = tmp_path / "run"
-    run_trainer(run, "--preset", "tiny", "--max-steps", "3", "--data", str(dataset), data_dir=dataset, check=True)
+def test_a_damaged_directives_log_does_not_stop_a_start(run, dataset):
     with open(run / "directives.jsonl", "ab") as f:
         f.write(b'{"id": "ok-1", "kind": "pause"}\n')
         f.write(b"\xff\xfe torn mid character\n")
         f.write(b"[1, 2]\n")
         f.write(b'{"id": [1]}\n')
-    p = run_trainer(run, "--max-steps", "5", data_dir=dataset)
+    p = run_trainer(run, "--max-steps", "6", data_dir=dataset)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in steps if r.get("kind", "step") == "step") == 5
+    assert max(r["step"] for r in steps if r.get("kind", "step") == "step") == 6
 
 
 def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, dataset, refs):
@@ -318,8 +318,13 @@ def test_a_run_dir_whose_checkpoints_are_gone_is_not_started_over(tmp_path, data
 
 def test_a_data_dir_or_shard_that_is_no_regular_file_is_named_as_what_it_is(tmp_path, dataset):
     """Before: a data dir that is a file or a device, a ``meta.json`` FIFO and a shard replaced by a
-    directory were all called missing ("has no meta.json", "shard ... is missing")."""
+    directory were all called missing ("has no meta.json", "shard ... is missing"). What names each
+    is the dataset's own open (``TokenDataset.open``, in process); that the trainer turns its error
+    into one line and a non-zero exit is shown end to end once, on the FIFO (which must not hang it)."""
     import shutil
+
+    from trainer.data import DataError
+    from trainer.data.dataset import TokenDataset
 
     bad_meta = tmp_path / "fifo-meta"
     bad_meta.mkdir()
@@ -334,23 +339,23 @@ def test_a_data_dir_or_shard_that_is_no_regular_file_is_named_as_what_it_is(tmp_
              str(bad_meta): "meta.json is not a regular file (a FIFO)",
              str(bad_shard): f"{shard} is a directory",
              str(tmp_path / "nowhere"): "does not exist (run `python -m trainer.data prepare"}
-    for i, (data, said) in enumerate(cases.items()):
-        p = run_trainer(tmp_path / f"run{i}", "--preset", "tiny", "--max-steps", "2", "--data", data, data_dir=dataset)
-        last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1]
-        assert p.returncode != 0 and said in last and "Traceback" not in p.stderr, (data, p.stderr[-1500:])
+    for data, said in cases.items():
+        with pytest.raises(DataError) as e:
+            TokenDataset.open(data)
+        assert said in str(e.value) and "\n" not in str(e.value), (data, str(e.value))
+    p = run_trainer(tmp_path / "run", "--preset", "tiny", "--max-steps", "2", "--data", str(bad_meta), data_dir=dataset)
+    assert_one_line_error(p, rc=2, contains=cases[str(bad_meta)])
 
 
-def test_a_plain_file_where_the_newest_checkpoint_goes_is_named_when_passed_over(tmp_path, dataset):
-    """Before: a file ``checkpoints/step-00000008`` (a copy gone wrong) was skipped in silence and the
-    run resumed from step 4 with no word of it."""
+def test_a_plain_file_where_the_newest_checkpoint_goes_is_named_when_passed_over(tmp_path, dataset, refs):
+    """Before: a file ``checkpoints/step-00000012`` (a copy gone wrong) was skipped in silence and the
+    run resumed from step 8 with no word of it."""
     import shutil
 
-    run = tmp_path / "run"
-    run_trainer(run, "--preset", "tiny", "--max-steps", "8", "--ckpt-every", "4", "--data", str(dataset),
-                data_dir=dataset, check=True)
-    shutil.rmtree(run / "checkpoints" / "step-00000008")
-    (run / "checkpoints" / "step-00000008").write_bytes(b"not a checkpoint")
-    p = run_trainer(run, "--max-steps", "10", data_dir=dataset)
+    run = copy_run(refs("--max-steps", "12", "--ckpt-every", "4"), tmp_path / "run")  # the session's 12-step run
+    shutil.rmtree(run / "checkpoints" / "step-00000012")
+    (run / "checkpoints" / "step-00000012").write_bytes(b"not a checkpoint")
+    p = run_trainer(run, "--max-steps", "14", data_dir=dataset)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "step-00000008: is a file, not a directory (not a checkpoint); falling back" in p.stdout + p.stderr
-    assert "resumed from checkpoint step 4" in p.stdout + p.stderr
+    assert "step-00000012: is a file, not a directory (not a checkpoint); falling back" in p.stdout + p.stderr
+    assert "resumed from checkpoint step 8" in p.stdout + p.stderr
