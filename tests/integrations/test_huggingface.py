@@ -40,7 +40,7 @@ if not all(importlib.util.find_spec(m) for m in ("transformers", "accelerate")):
 
 import torch
 
-from sentinel.client.session import prepare
+from sentinel.client.session import prepare, stop_bus
 from sentinel.drill import DEMO_RULES as RULES  # the demo's short run: a short rollback margin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,8 +208,6 @@ def story(tmp_path_factory):
         except subprocess.TimeoutExpired:
             daemon.kill()
         log.close()
-        from sentinel.client.session import stop_bus
-
         for d in runs.values():
             with contextlib.suppress(Exception):
                 stop_bus(d)
@@ -300,8 +298,6 @@ def test_status_showed_live_steps_and_report_draws_the_run(story):
 def test_the_embedded_buses_stop_when_training_ends_and_the_views_read_the_files(story):
     # the daemon was connected during training: each bus was left for it, so stop them and read the files
     d = story["runs"]["hf-demo"]
-    from sentinel.client.session import stop_bus
-
     stop_bus(d)
     st = json.loads(sentinel("status", d, "--json").stdout)["runs"][0]
     assert st["step"] == 300 and st["state"] == "finished" and st["ended"]["detail"] == "completed", st
@@ -382,6 +378,9 @@ def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(
     evals = [r for r in steps_of(run_dir) if r.get("val_loss") is not None]
     assert [r["step"] for r in evals] == [8, 16][:len(evals)] and evals and evals[0]["val_ppl"] == pytest.approx(math.exp(evals[0]["val_loss"]))
     acks = [bus.decode(e) for e in bus.read_stream(r, Keys("ctl").acks, "0-0")]
+    r.close()
+    for d in (run_dir, tmp_path / "runs" / "hf-demo"):  # this test's connection (and the snippet's own) kept them up
+        stop_bus(d)
     assert sorted(a["kind"] if isinstance(a, dict) else a.kind for a in acks) == ["checkpoint-now", "pause", "resume", "stop"]
 
 
