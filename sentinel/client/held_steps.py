@@ -48,9 +48,6 @@ class HeldSteps:
         self._error: BaseException | None = None  # a kicked batch's failure, raised on the loop's thread
         self.kicked = False
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def add(self, item: tuple, now: float) -> None:
         """Hold one step's values (the loop's thread)."""
         if not self._held:
