@@ -96,6 +96,14 @@ def _starts_processes(item) -> bool:
     return any(STARTS_PROCESS.search(src) or (call and call.search(src)) for src in sources)
 
 
+def pytest_configure(config) -> None:
+    # a suite started in the background by a script (`make test &`) inherits SIGINT ignored, and so would every
+    # process a test starts: a `sentinel status --watch` would then stay up on Ctrl-C, as under nohup. The
+    # tests send SIGINT as a person's Ctrl-C does, so the suite takes SIGINT back (children get the default)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("slow") is None and _starts_processes(item):

@@ -125,7 +125,10 @@ def test_status_watch_exits_cleanly_on_ctrl_c(run_copy):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(2.5)
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=20)
+    try:
+        out, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
     assert p.returncode == 0, err
     assert "Traceback" not in err and "step" in out
 
