@@ -211,7 +211,12 @@ class RunSession:
                  rank_losses: list[float] | None = None) -> None:
         """One optimizer step done: a ``StepRecord`` to steps.jsonl and the bus, and the metrics (rank 0; other
         ranks only update their own metrics). ``tokens``: cumulative tokens trained (None: the running sum
-        of ``batch_tokens``); ``sample_ids``: the global ids of the step's batch (what a rollback skips)."""
+        of ``batch_tokens``); ``sample_ids``: the global ids of the step's batch (what a rollback skips).
+
+        ``loss``, ``loss_max_rank`` and ``grad_norm`` may be 0-dim tensors and ``sample_ids`` a tensor (or
+        anything with ``tolist()``): rank 0 reads them when it builds the record, on its writer thread, so the
+        loop's thread never waits for the device at a step (no ``.item()`` sync). With ``metrics_port`` set
+        they are read here, for the metrics."""
         now = time.time()
         if step_time_s is None and self._last_time is not None:
             step_time_s = now - self._last_time
@@ -220,6 +225,8 @@ class RunSession:
             self._tokens += int(batch_tokens)
         total = int(tokens) if tokens is not None else self._tokens
         if self.metrics:
+            loss = float(loss)
+            grad_norm = float(grad_norm) if grad_norm is not None else None
             self.metrics.on_step(step=step, loss=loss if self.is_main else None, rank_loss=loss,
                                  grad_norm=grad_norm if self.is_main else None, lr=lr, tokens_total=total,
                                  step_seconds=step_time_s or 0.0, phases={}, step_tokens=int(batch_tokens or 0),
@@ -230,7 +237,8 @@ class RunSession:
         # the loop's thread only keeps the values: the records are built, written (one write) and queued for the
         # bus in a batch, off the loop's time when the integration kicks (sentinel.client.held_steps)
         self._held.add((int(step), self.control.timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total,
-                        batch_tokens, list(sample_ids), now, step_time_s, self._last_ckpt), now)
+                        batch_tokens, sample_ids if hasattr(sample_ids, "tolist") else list(sample_ids), now,
+                        step_time_s, self._last_ckpt), now)
 
     def kick(self) -> None:
         """The loop is about to run a while without the GIL (a backward pass): the held step records are
@@ -248,7 +256,7 @@ class RunSession:
 
         for (step, timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total, batch_tokens, sample_ids, now,
              step_time_s, last_ckpt) in held:
-            ids = [int(i) for i in sample_ids]
+            ids = [int(i) for i in (sample_ids.tolist() if hasattr(sample_ids, "tolist") else sample_ids)]
             rec = StepRecord(
                 run=self.run, step=step, timeline=timeline, loss=float(loss),
                 loss_max_rank=float(loss if loss_max_rank is None else loss_max_rank), rank_losses=rank_losses,

@@ -43,7 +43,7 @@ from transformers import TrainerCallback
 from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
 from sentinel.client.session import EMBEDDED, RunSession, prepare
-from sentinel.integrations.torch_data import SAMPLE_ID, SkipAwareDataset
+from sentinel.integrations.torch_data import SAMPLE_ID, SkipAwareDataset, id_list
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 
@@ -174,9 +174,7 @@ class SentinelCallback(TrainerCallback):
         s = self.session
         step = int(state.global_step)
         loss, ids, tokens = self._step_values(args)
-        gn = self._grad_norm
-        if torch.is_tensor(gn):
-            gn = float(gn.item())
+        gn = self._grad_norm  # a tensor is read when the record is built, off the loop's thread (no device sync)
         tokens_total = int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None
         s.log_step(step, loss=loss[0], loss_max_rank=loss[1], rank_losses=loss[2], grad_norm=gn, lr=self._lr,
                    tokens=tokens_total, batch_tokens=tokens, sample_ids=ids,
@@ -226,7 +224,7 @@ class SentinelCallback(TrainerCallback):
     def _reset_step(self) -> None:
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (detached)
         self._scaled = False  # the model normalised its loss over the whole step (num_items_in_batch)
-        self._ids: list[int] = []
+        self._ids: list = []  # the micro-batches' sample ids (tensors as they came: read off the loop's thread)
         self._tokens = 0
         self._grad_norm = None
         self._lr = None
@@ -240,7 +238,7 @@ class SentinelCallback(TrainerCallback):
             ids = kwargs.pop(SAMPLE_ID, None)
             if module.training:
                 if ids is not None:
-                    self._ids.extend(ids.tolist() if torch.is_tensor(ids) else [int(i) for i in ids])
+                    self._ids.append(ids if torch.is_tensor(ids) else [int(i) for i in ids])
                 x = kwargs.get("input_ids")
                 if x is not None:
                     self._tokens += x.numel()
@@ -270,19 +268,20 @@ class SentinelCallback(TrainerCallback):
 
     def _step_values(self, args) -> tuple[tuple[float, float, list[float] | None], list[int], int]:
         """((loss, max rank loss, rank losses), the global batch's sample ids, its tokens) of this step."""
-        losses = self._losses
+        losses, chunks = self._losses, self._ids
         if not losses:
             local = float("nan")
-        else:  # one sync: a single micro-batch's loss as it is, else their sum in one op
-            local = float(losses[0]) if len(losses) == 1 else float(torch.stack(losses).float().sum())
-            if not self._scaled:
-                local /= len(losses)  # per-micro-batch means: their mean
+        else:  # tensors, read when the record is built: a single micro-batch's loss as it is, else one op
+            local = losses[0] if len(losses) == 1 else torch.stack(losses).float().sum()
+            if not self._scaled and len(losses) > 1:
+                local = local / len(losses)  # per-micro-batch means: their mean
         if not self._distributed:
-            return (local, local, None), self._ids, self._tokens
+            return (local, local, None), chunks[0] if len(chunks) == 1 else id_list(chunks), self._tokens
+        local, ids = float(local), id_list(chunks)
         world = torch.distributed.get_world_size()
         if self._scaled and getattr(args, "average_tokens_across_devices", False):
             local *= world  # normalised by the tokens of all ranks: this rank's own mean
-        parts = _gather((local, self._ids, self._tokens))
+        parts = _gather((local, ids, self._tokens))
         losses = [p[0] for p in parts]
         return ((sum(losses) / world, max(losses), losses), [i for p in parts for i in p[1]],
                 sum(p[2] for p in parts))

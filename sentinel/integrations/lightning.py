@@ -48,6 +48,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
+from sentinel.integrations.torch_data import epoch_order, id_list
 from sentinel.protocol import checkpoint_dir_name
 
 __all__ = ["SentinelCallback", "fit"]
@@ -55,13 +56,15 @@ __all__ = ["SentinelCallback", "fit"]
 
 
 def default_sample_ids(batch: Any) -> Sequence[int]:
-    """The global sample ids of a batch: a ``sample_id`` (or ``sample_ids``) entry of a dict batch."""
+    """The global sample ids of a batch: a ``sample_id`` (or ``sample_ids``) entry of a dict batch. A tensor is
+    returned as it is: it is read when the step record is built, off the loop's thread."""
     if isinstance(batch, Mapping):
         for key in ("sample_id", "sample_ids"):
             if key in batch:
                 ids = batch[key]
-                return ids.tolist() if torch.is_tensor(ids) else list(ids)
+                return ids if torch.is_tensor(ids) else list(ids)
     return []
+
 
 
 def default_tokens(batch: Any) -> int:
@@ -83,9 +86,9 @@ def position_after(dataset: Any, ids: Sequence[int]) -> dict:
     The loader draws ahead (Lightning's fetcher holds the next batch), so the dataset's own position is past
     data not trained yet; a checkpoint must resume right after what was. ``ids`` are found in the stream
     order of the dataset's epoch (or the one before, when the drawn-ahead batch crossed into a new epoch)."""
-    from sentinel.integrations.torch_data import epoch_order
-
     state = dataset.state_dict()
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
     if not len(ids):
         return state
     epoch, pos, n = state["epoch"], state["pos"], len(dataset.dataset)
@@ -204,10 +207,11 @@ class SentinelCallback(Callback):
         self.relaunch_checkpoint: str | None = None  # set by a rollback: fit() relaunches from it
         self.applied: list[tuple[int, str, str, str]] = []  # (step, kind, status, directive id), this process
         self._tokens_total = 0
-        self._last_ids: list[int] = []  # the sample ids of the last step trained (every rank's)
+        self._last_ids: Sequence[int] = []  # the sample ids of the last step trained (every rank's; maybe a tensor)
         self._step_logged: int | None = None
         self._params: list[torch.nn.Parameter] | None = None
         self._clip_captured = False  # the grad norm comes from Lightning's own norm clipping
+        self._norm_here = grad_norm  # the callback computes the norm (no norm clipping to take it from)
         self._rng_to_load: dict | None = None
         self._reset_step()
 
@@ -226,7 +230,9 @@ class SentinelCallback(Callback):
             print(f"[sentinel] {msg}", flush=True)
 
     def _reset_step(self) -> None:
-        self._loss_sum, self._micro, self._ids, self._tok = 0.0, 0, [], 0
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, read when the record is built
+        self._ids: list = []  # this step's micro-batches' sample ids (tensors or sequences)
+        self._tok = 0
         self._gnorm = self._lr = None
         self._t_last = None
 
@@ -282,6 +288,8 @@ class SentinelCallback(Callback):
             self._tokens_total = 0
         self._step_logged = None
         self._params = None
+        self._norm_here = self.grad_norm and not (self._clip_captured and trainer.gradient_clip_val and
+                                                  trainer.gradient_clip_algorithm in (None, "norm"))  # None: norm
         self.session.begin(step, checkpoint=Path(resumed).name if resumed and step else None, tokens=self._tokens_total)
         self._reset_step()
         self._t_last = time.perf_counter()
@@ -316,8 +324,7 @@ class SentinelCallback(Callback):
         # the grad norm before clipping; under DDP the grads are already averaged (the same on every rank).
         # With norm clipping on, Lightning computes it anyway (clip_grad_norm_ returns it): taken from there
         # (_capture_clip_norm), it costs nothing. Otherwise one fused norm over the grads here.
-        if self.grad_norm and not (self._clip_captured and trainer.gradient_clip_val
-                                   and trainer.gradient_clip_algorithm in (None, "norm")):  # None: norm
+        if self._norm_here:
             self._gnorm = _total_norm(self._grads(pl_module))
         self._lr = optimizer.param_groups[0]["lr"]
 
@@ -347,11 +354,11 @@ class SentinelCallback(Callback):
         self._clip_captured = True
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        # values are kept as they are (tensors): read when the record is built, off the loop's thread and time
         loss = _loss_of(outputs)
         if loss is not None:
-            self._loss_sum += float(loss)
-            self._micro += 1
-        self._ids.extend(self.sample_ids(batch))  # made ints when the record is built (off the loop's time)
+            self._losses.append(loss.detach() if loss.requires_grad else loss)
+        self._ids.append(self.sample_ids(batch))
         self._tok += int(self.tokens(batch))
         step = trainer.global_step
         if step == self._step_logged:  # gradient accumulation: not an optimizer step yet
@@ -362,22 +369,23 @@ class SentinelCallback(Callback):
 
     def _publish(self, step: int) -> None:
         now = time.perf_counter()
-        loss = self._loss_sum / max(self._micro, 1)
-        loss_max, ids, tok = loss, self._ids, self._tok
+        ls = self._losses  # one micro-batch: its loss tensor as it is; more: their mean (one op, no sync)
+        loss = ls[0] if len(ls) == 1 else torch.stack([x.float() for x in ls]).mean() if ls else 0.0
+        ids = self._ids[0] if len(self._ids) == 1 else id_list(self._ids)
+        loss_max, tok = loss, self._tok
         losses = None
         if self._world > 1:
-            losses, ids, tok = self._gather(loss, ids, tok)
+            losses, ids, tok = self._gather(float(loss), id_list([ids]), tok)
             loss, loss_max = sum(losses) / len(losses), max(losses)
         if self._gnorm is None and self.grad_norm:  # clipping on, but a custom configure_gradient_clipping
             # did not call the stock clip: the grads are still this step's (Lightning zeroes them next step)
             self._gnorm = _total_norm(self._grads(self._trainer.lightning_module))
-        gn = float(self._gnorm) if self._gnorm is not None else None
         self._tokens_total += tok
-        self.session.log_step(step, loss=loss, loss_max_rank=loss_max, rank_losses=losses, grad_norm=gn, lr=self._lr,
-                              tokens=self._tokens_total, batch_tokens=tok, sample_ids=ids,
+        self.session.log_step(step, loss=loss, loss_max_rank=loss_max, rank_losses=losses, grad_norm=self._gnorm,
+                              lr=self._lr, tokens=self._tokens_total, batch_tokens=tok, sample_ids=ids,
                               step_time_s=now - self._t_last if self._t_last else None)
         self._last_ids = ids
-        self._loss_sum, self._micro, self._ids, self._tok, self._gnorm = 0.0, 0, [], 0, None
+        self._losses, self._ids, self._tok, self._gnorm = [], [], 0, None
         self._t_last = now
 
     def _gather(self, loss: float, ids: list[int], tok: int) -> tuple[list[float], list[int], int]:
