@@ -58,6 +58,12 @@ def _short(e: BaseException) -> str:
 class DirectiveIntake:
     """The directive side of ``BusClient`` (a mixin: ``BusClient`` holds the state)."""
 
+    def has_news(self, rejected_seen: int | None = None) -> bool:
+        """Whether :meth:`poll_directives` has anything to do (or, with ``rejected_seen``, whether the rejected
+        count moved past it): a check the loop can afford at every step."""
+        return bool(self._inbox) or self._handed_upto is not None or (
+            rejected_seen is not None and self.rejected != rejected_seen)
+
     def poll_directives(self) -> list[Directive]:
         """Verified directives received since the last call, in stream order.
 

@@ -192,6 +192,8 @@ class ControlLoop:
     def poll(self, step: int) -> list[Applied]:
         """Read, apply and ack the directives that arrived (a collective when distributed)."""
         items: list[dict] = []
+        if self.broadcast is None and self.bus and not self.bus.has_news(self._rejected_seen if self.metrics else None):
+            return []  # the common case, at every step of a single process: nothing arrived
         if self.is_main and self.bus:
             # forged, unsigned and expired directives never get here: the bus client rejects, acks and counts them
             items = [d.model_dump(mode="json") for d in self.bus.poll_directives()]

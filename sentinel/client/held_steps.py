@@ -50,14 +50,16 @@ class HeldSteps:
 
     def add(self, item: tuple, now: float) -> None:
         """Hold one step's values (the loop's thread)."""
-        if not self._held:
+        held = self._held
+        if not held:
             self._since = now
-        self._held.append(item)
-        self._raise_error()  # a kicked batch failed: raised here, this step's values held all the same
+        held.append(item)
+        if self._error is not None:  # a kicked batch failed: raised here, this step's values held all the same
+            self._raise_error()
         if self.kicked:  # the writer takes them at the next kick; the loop only if kicks stopped coming
-            if len(self._held) >= 4 * HOLD_MAX or now - self._since >= STALE_S:
+            if now - self._since >= STALE_S or len(held) >= 4 * HOLD_MAX:
                 self.drain()
-        elif len(self._held) >= HOLD_MAX or now - self._since >= HOLD_S:
+        elif now - self._since >= HOLD_S or len(held) >= HOLD_MAX:
             self.drain()
 
     def kick(self) -> None:

@@ -236,9 +236,24 @@ class RunSession:
             return
         # the loop's thread only keeps the values: the records are built, written (one write) and queued for the
         # bus in a batch, off the loop's time when the integration kicks (sentinel.client.held_steps)
-        self._held.add((int(step), self.control.timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total,
-                        batch_tokens, sample_ids if hasattr(sample_ids, "tolist") else list(sample_ids), now,
-                        step_time_s, self._last_ckpt), now)
+        self._held.add((int(step), self.control.timeline, {
+            "loss": loss, "loss_max_rank": loss_max_rank, "rank_losses": rank_losses, "grad_norm": grad_norm, "lr": lr,
+            "tokens": total, "batch_tokens": batch_tokens, "step_time_s": step_time_s,
+            "sample_ids": sample_ids if hasattr(sample_ids, "tolist") else list(sample_ids)}, now, self._last_ckpt, None), now)
+
+    def log_step_later(self, step: int, values: Callable[[], dict]) -> None:
+        """:meth:`log_step`, with the step's values read when its record is built: ``values()`` returns
+        log_step's keyword arguments (``loss``, ``sample_ids``, ``batch_tokens``, ``tokens``...). On rank 0 it
+        runs on the writer thread, in step order, off the loop's time, so it must only read what it was given
+        (the step's outputs and batch) and what no later step changes. With metrics, or on another rank, it
+        runs now. The integrations use it: the loop's thread then only keeps references at a step."""
+        if self.metrics is not None or not self.is_main:
+            self.log_step(step, **values())
+            return
+        now = time.time()
+        dt = None if self._last_time is None else now - self._last_time
+        self._last_time = now
+        self._held.add((int(step), self.control.timeline, values, now, self._last_ckpt, dt), now)
 
     def kick(self) -> None:
         """The loop is about to run a while without the GIL (a backward pass): the held step records are
@@ -254,12 +269,22 @@ class RunSession:
     def _write_steps(self, held: list[tuple]) -> None:
         from sentinel.protocol import finite_or_none
 
-        for (step, timeline, loss, loss_max_rank, rank_losses, grad_norm, lr, total, batch_tokens, sample_ids, now,
-             step_time_s, last_ckpt) in held:
+        for step, timeline, v, now, last_ckpt, dt in held:
+            if callable(v):  # log_step_later: the values are read now
+                v = v()
+                if v.get("batch_tokens"):
+                    self._tokens += int(v["batch_tokens"])
+                if v.get("tokens") is None:
+                    v["tokens"] = self._tokens
+                if v.get("step_time_s") is None:
+                    v["step_time_s"] = dt
+            loss, loss_max_rank, grad_norm, lr = v["loss"], v.get("loss_max_rank"), v.get("grad_norm"), v.get("lr")
+            total, batch_tokens, step_time_s = v["tokens"], v.get("batch_tokens"), v["step_time_s"]
+            sample_ids = v.get("sample_ids", ())
             ids = [int(i) for i in (sample_ids.tolist() if hasattr(sample_ids, "tolist") else sample_ids)]
             rec = StepRecord(
                 run=self.run, step=step, timeline=timeline, loss=float(loss),
-                loss_max_rank=float(loss if loss_max_rank is None else loss_max_rank), rank_losses=rank_losses,
+                loss_max_rank=float(loss if loss_max_rank is None else loss_max_rank), rank_losses=v.get("rank_losses"),
                 grad_norm=float(grad_norm) if grad_norm is not None else 0.0, lr=float(lr or 0.0), tokens=total,
                 batch_tokens=int(batch_tokens or 0), batch_fingerprint=batch_fingerprint(ids), sample_ids=ids, time=now,
                 step_seconds=finite_or_none(step_time_s),

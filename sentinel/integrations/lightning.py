@@ -103,7 +103,7 @@ def position_after(dataset: Any, ids: Sequence[int]) -> dict:
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:
-    if isinstance(outputs, Mapping):
+    if type(outputs) is dict or isinstance(outputs, Mapping):  # the exact type first: an ABC check costs more
         outputs = outputs.get("loss")
     return outputs if torch.is_tensor(outputs) else None  # read with float(): no detach needed
 
@@ -185,7 +185,8 @@ class SentinelCallback(Callback):
         dataset: the train loader's ``sentinel.integrations.torch_data.SkipAwareDataset``: it is given the
             run's live skip list, and its position (after the last batch trained, not the batches the loader
             drew ahead) is saved in every Lightning checkpoint.
-        sample_ids: ``batch -> ids`` (default: a dict batch's ``sample_id``); tokens: ``batch -> int``.
+        sample_ids: ``batch -> ids`` (default: a dict batch's ``sample_id``); tokens: ``batch -> int``. In a
+            single process both run on the session's writer thread after the step (they must only read the batch).
         val_loss_key: the logged metric read after each validation (``self.log("val_loss", ...)``).
         initial_checkpoint: save the state of step 0 on a fresh start (damage before the first periodic
             checkpoint can then be rolled back, not only paged).
@@ -212,6 +213,7 @@ class SentinelCallback(Callback):
         self._params: list[torch.nn.Parameter] | None = None
         self._clip_captured = False  # the grad norm comes from Lightning's own norm clipping
         self._norm_here = grad_norm  # the callback computes the norm (no norm clipping to take it from)
+        self._solo_bus = None  # the bus client, when _control may skip a quiet step's poll (on_train_start)
         self._rng_to_load: dict | None = None
         self._reset_step()
 
@@ -230,9 +232,7 @@ class SentinelCallback(Callback):
             print(f"[sentinel] {msg}", flush=True)
 
     def _reset_step(self) -> None:
-        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, read when the record is built
-        self._ids: list = []  # this step's micro-batches' sample ids (tensors or sequences)
-        self._tok = 0
+        self._pend: list[tuple[Any, Any]] = []  # this step's micro-batches' (outputs, batch), read by _values
         self._gnorm = self._lr = None
         self._t_last = None
 
@@ -288,6 +288,8 @@ class SentinelCallback(Callback):
             self._tokens_total = 0
         self._step_logged = None
         self._params = None
+        s = self.session  # one process without metrics: _control's check of the bus is all a quiet step needs
+        self._solo_bus = s.bus if self._world == 1 and s.bus is not None and s.metrics is None else None
         self._norm_here = self.grad_norm and not (self._clip_captured and trainer.gradient_clip_val and
                                                   trainer.gradient_clip_algorithm in (None, "norm"))  # None: norm
         self.session.begin(step, checkpoint=Path(resumed).name if resumed and step else None, tokens=self._tokens_total)
@@ -354,12 +356,7 @@ class SentinelCallback(Callback):
         self._clip_captured = True
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        # values are kept as they are (tensors): read when the record is built, off the loop's thread and time
-        loss = _loss_of(outputs)
-        if loss is not None:
-            self._losses.append(loss.detach() if loss.requires_grad else loss)
-        self._ids.append(self.sample_ids(batch))
-        self._tok += int(self.tokens(batch))
+        self._pend.append((outputs, batch))  # read when the step's record is built (_values)
         step = trainer.global_step
         if step == self._step_logged:  # gradient accumulation: not an optimizer step yet
             return
@@ -368,25 +365,39 @@ class SentinelCallback(Callback):
         self._control(trainer, step)
 
     def _publish(self, step: int) -> None:
-        now = time.perf_counter()
-        ls = self._losses  # one micro-batch: its loss tensor as it is; more: their mean (one op, no sync)
-        loss = ls[0] if len(ls) == 1 else torch.stack([x.float() for x in ls]).mean() if ls else 0.0
-        ids = self._ids[0] if len(self._ids) == 1 else id_list(self._ids)
-        loss_max, tok = loss, self._tok
-        losses = None
-        if self._world > 1:
-            losses, ids, tok = self._gather(float(loss), id_list([ids]), tok)
-            loss, loss_max = sum(losses) / len(losses), max(losses)
-        if self._gnorm is None and self.grad_norm:  # clipping on, but a custom configure_gradient_clipping
+        pend, gnorm, lr = self._pend, self._gnorm, self._lr
+        if gnorm is None and self.grad_norm:  # clipping on, but a custom configure_gradient_clipping
             # did not call the stock clip: the grads are still this step's (Lightning zeroes them next step)
-            self._gnorm = _total_norm(self._grads(self._trainer.lightning_module))
+            gnorm = _total_norm(self._grads(self._trainer.lightning_module))
+        self._pend, self._gnorm = [], None
+        if self._world > 1:  # the values are gathered from every rank: a collective, now
+            now = time.perf_counter()
+            dt, self._t_last = (now - self._t_last if self._t_last else None), now
+            self.session.log_step(step, **self._values(pend, gnorm, lr, dt))
+        else:  # one process: the loop's thread only keeps the references; the writer thread reads them (the
+            # session times the step: from one log_step_later to the next)
+            self.session.log_step_later(step, lambda: self._values(pend, gnorm, lr, None))
+
+    def _values(self, pend: list[tuple[Any, Any]], gnorm, lr, dt: float | None) -> dict[str, Any]:
+        """``log_step``'s arguments for one optimizer step, from its micro-batches' ``(outputs, batch)``."""
+        losses, chunks, tok = [], [], 0
+        for outputs, batch in pend:
+            loss = _loss_of(outputs)
+            if loss is not None:
+                losses.append(loss.detach())
+            chunks.append(self.sample_ids(batch))
+            tok += int(self.tokens(batch))
+        # one micro-batch: its loss tensor as it is; more: their mean (one op, no sync)
+        loss = losses[0] if len(losses) == 1 else torch.stack([x.float() for x in losses]).mean() if losses else 0.0
+        ids = chunks[0] if len(chunks) == 1 else id_list(chunks)
+        loss_max, rank_losses = loss, None
+        if self._world > 1:
+            rank_losses, ids, tok = self._gather(float(loss), id_list([ids]), tok)
+            loss, loss_max = sum(rank_losses) / len(rank_losses), max(rank_losses)
         self._tokens_total += tok
-        self.session.log_step(step, loss=loss, loss_max_rank=loss_max, rank_losses=losses, grad_norm=self._gnorm,
-                              lr=self._lr, tokens=self._tokens_total, batch_tokens=tok, sample_ids=ids,
-                              step_time_s=now - self._t_last if self._t_last else None)
         self._last_ids = ids
-        self._losses, self._ids, self._tok, self._gnorm = [], [], 0, None
-        self._t_last = now
+        return {"loss": loss, "loss_max_rank": loss_max, "rank_losses": rank_losses, "grad_norm": gnorm, "lr": lr,
+                "tokens": self._tokens_total, "batch_tokens": tok, "sample_ids": ids, "step_time_s": dt}
 
     def _gather(self, loss: float, ids: list[int], tok: int) -> tuple[list[float], list[int], int]:
         """One all_gather: every rank's loss, tokens and sample ids (float64: ids are exact below 2**53)."""
@@ -403,11 +414,14 @@ class SentinelCallback(Callback):
 
     def _control(self, trainer: Trainer, step: int) -> None:
         ctl = self.session.control
+        if self._solo_bus is not None and not (self._solo_bus.has_news() or ctl.paused or ctl.stop_requested):
+            return  # one process, nothing arrived: the common case, at every step
         done = self.session.poll(step)
         if ctl.paused:
             self._say(f"paused at step {step}")
             done += self.session.hold_while_paused(step)
-        self.applied += [(step, a.kind, a.status, a.directive_id) for a in done]
+        if done:
+            self.applied += [(step, a.kind, a.status, a.directive_id) for a in done]
         if not ctl.stop_requested:
             return
         if ctl.relaunch_step is None:  # stop: checkpoint, then exit
@@ -459,6 +473,8 @@ class SentinelCallback(Callback):
 
     # ------------------------------------------------------------------ state in every Lightning checkpoint
     def state_dict(self) -> dict[str, Any]:
+        if self.session is not None:  # the held steps' values are read first: the tokens and ids trained so far
+            self.session.write_held()
         state = {"rng": _rng_state(), "tokens": self._tokens_total}
         if self.dataset is not None:
             state["data"] = position_after(self.dataset, self._last_ids)
