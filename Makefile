@@ -6,8 +6,9 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
-# xdist workers for `make test` (0: one process, no xdist)
-TEST_WORKERS ?= 2
+# xdist workers for `make test` (0: one process, no xdist). 3 on 2 cores: most tests wait on another process, and a
+# third worker fills that time (docs/testing.md: 9:57 against 11:19 with 2)
+TEST_WORKERS ?= 3
 
 .PHONY: demo test setup setup-system clean
 
