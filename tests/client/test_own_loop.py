@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from sentinel.client import BusClient, RestoreFailed
@@ -110,7 +111,14 @@ def test_the_sentinel_starts_first_and_pages_a_dead_run_but_not_one_that_ended(t
             s = RunSession(run_dir, host=Host(), log=lambda m: None)
             s.begin(0)
             for step in range(1, 6):
-                s.log_step(step, loss=3.0, grad_norm=1.0, lr=1e-3, batch_tokens=64, sample_ids=range(step * 8, step * 8 + 8))
+                ids = np.arange(step * 8, step * 8 + 8)
+                if step <= 2:  # plain values
+                    s.log_step(step, loss=3.0, grad_norm=1.0, lr=1e-3, batch_tokens=64, sample_ids=range(step * 8, step * 8 + 8))
+                elif step == 3:  # a 0-dim loss and an id array, as a tensor loop has them: read when the record is built
+                    s.log_step(step, loss=np.float32(3.0), grad_norm=np.float32(1.0), lr=1e-3, batch_tokens=64, sample_ids=ids)
+                else:  # the values themselves computed on the writer thread
+                    s.log_step_later(step, lambda ids=ids: {"loss": np.float32(3.0), "grad_norm": 1.0, "lr": 1e-3,
+                                                            "batch_tokens": 64, "sample_ids": ids})
                 s.poll(step)
             if run_dir is done:
                 s.end(5, "completed")
@@ -126,6 +134,9 @@ def test_the_sentinel_starts_first_and_pages_a_dead_run_but_not_one_that_ended(t
         for run_dir in (done, dead):
             stop_bus(run_dir)
     assert "created" in out and "the run has not started yet" in out, out[-3000:]
+    recs = [json.loads(ln) for ln in (done / "steps.jsonl").read_text().splitlines()]
+    recs = [(r["step"], r["loss"], r["grad_norm"], r["tokens"], r["sample_ids"]) for r in recs if r.get("kind") == "step"]
+    assert recs == [(n, 3.0, 1.0, 64 * n, list(range(n * 8, n * 8 + 8))) for n in range(1, 6)], recs
     pages = [json.loads(ln) for ln in (dead / "pages.jsonl").read_text().splitlines()]
     assert any("heartbeat" in json.dumps(p) for p in pages), pages
     assert not (done / "pages.jsonl").is_file() or "heartbeat" not in (done / "pages.jsonl").read_text()
