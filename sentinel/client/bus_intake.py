@@ -74,7 +74,7 @@ class DirectiveIntake:
         The caller handles what it got before it polls again: that is when the stream position
         covering them is persisted (``cursor_file``).
         """
-        if not self._inbox and self._handed_upto is None:  # the common case, at every step: nothing arrived
+        if not self.has_news():  # the common case, at every step: nothing arrived
             return []
         with self._lock:
             items = list(self._inbox)

@@ -53,7 +53,7 @@ from sentinel.client.control import Applied, ControlHost, ControlLoop
 from sentinel.client.held_steps import HeldSteps
 from sentinel.client.skiplist import SkipList
 from sentinel.client.steplog import StepLog, clean_text, write_and_publish
-from sentinel.contract.ranges import batch_fingerprint
+from sentinel.contract.ranges import batch_fingerprint, id_list
 from sentinel.protocol import Keys, StepRecord
 
 EMBEDDED = "embedded"
@@ -217,10 +217,9 @@ class RunSession:
         anything with ``tolist()``): rank 0 reads them when it builds the record, on its writer thread, so the
         loop's thread never waits for the device at a step (no ``.item()`` sync). With ``metrics_port`` set
         they are read here, for the metrics."""
-        now = time.time()
-        if step_time_s is None and self._last_time is not None:
-            step_time_s = now - self._last_time
-        self._last_time = now
+        now, dt = self._tick()
+        if step_time_s is None:
+            step_time_s = dt
         if batch_tokens:
             self._tokens += int(batch_tokens)
         total = int(tokens) if tokens is not None else self._tokens
@@ -250,10 +249,14 @@ class RunSession:
         if self.metrics is not None or not self.is_main:
             self.log_step(step, **values())
             return
-        now = time.time()
-        dt = None if self._last_time is None else now - self._last_time
-        self._last_time = now
+        now, dt = self._tick()
         self._held.add((int(step), self.control.timeline, values, now, self._last_ckpt, dt), now)
+
+    def _tick(self) -> tuple[float, float | None]:
+        """Now, and the seconds since the last step was logged (None for the first)."""
+        now, last = time.time(), self._last_time
+        self._last_time = now
+        return now, (None if last is None else now - last)
 
     def kick(self) -> None:
         """The loop is about to run a while without the GIL (a backward pass): the held step records are
@@ -280,8 +283,7 @@ class RunSession:
                     v["step_time_s"] = dt
             loss, loss_max_rank, grad_norm, lr = v["loss"], v.get("loss_max_rank"), v.get("grad_norm"), v.get("lr")
             total, batch_tokens, step_time_s = v["tokens"], v.get("batch_tokens"), v["step_time_s"]
-            sample_ids = v.get("sample_ids", ())
-            ids = [int(i) for i in (sample_ids.tolist() if hasattr(sample_ids, "tolist") else sample_ids)]
+            ids = id_list([v.get("sample_ids", ())])
             rec = StepRecord(
                 run=self.run, step=step, timeline=timeline, loss=float(loss),
                 loss_max_rank=float(loss if loss_max_rank is None else loss_max_rank), rank_losses=v.get("rank_losses"),

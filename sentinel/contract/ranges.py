@@ -14,7 +14,7 @@ from typing import Any
 
 from sentinel.contract.limits import MAX_SAMPLE_ID
 
-__all__ = ["MAX_SAMPLE_ID", "count", "fmt_ranges", "ids_to_ranges", "intersect_ranges", "merge_ranges", "parse_range",
+__all__ = ["MAX_SAMPLE_ID", "count", "fmt_ranges", "id_list", "ids_to_ranges", "intersect_ranges", "merge_ranges", "parse_range",
            "skip_ranges_error", "subtract_ranges", "valid_ranges"]
 
 
@@ -121,6 +121,12 @@ def valid_ranges(raw: Any, limit: int = 100_000) -> list[tuple[int, int]]:
         return []
     return [(lo, hi) for r in raw[:limit] if isinstance(r, (list, tuple)) and len(r) == 2
             for lo, hi in [r] if type(lo) is int and type(hi) is int and 0 <= lo < hi <= MAX_SAMPLE_ID]
+
+
+def id_list(chunks) -> list[int]:
+    """Sample ids as one list of ints, from chunks that are each a sequence of ints or anything with ``tolist()``
+    (a tensor, an array): the step's ids are kept as they came and read once, when the step record is built."""
+    return [int(i) for c in chunks for i in (c.tolist() if hasattr(c, "tolist") else c)]
 
 
 def batch_fingerprint(ids) -> str:

@@ -43,7 +43,8 @@ from transformers import TrainerCallback
 from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
 from sentinel.client.session import EMBEDDED, RunSession, prepare
-from sentinel.integrations.torch_data import SAMPLE_ID, SkipAwareDataset, id_list
+from sentinel.contract.ranges import id_list
+from sentinel.integrations.torch_data import SAMPLE_ID, SkipAwareDataset
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 

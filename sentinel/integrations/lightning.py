@@ -48,7 +48,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
-from sentinel.integrations.torch_data import epoch_order, id_list
+from sentinel.contract.ranges import id_list
+from sentinel.integrations.torch_data import epoch_order
 from sentinel.protocol import checkpoint_dir_name
 
 __all__ = ["SentinelCallback", "fit"]
@@ -64,7 +65,6 @@ def default_sample_ids(batch: Any) -> Sequence[int]:
                 ids = batch[key]
                 return ids if torch.is_tensor(ids) else list(ids)
     return []
-
 
 
 def default_tokens(batch: Any) -> int:
@@ -87,9 +87,8 @@ def position_after(dataset: Any, ids: Sequence[int]) -> dict:
     data not trained yet; a checkpoint must resume right after what was. ``ids`` are found in the stream
     order of the dataset's epoch (or the one before, when the drawn-ahead batch crossed into a new epoch)."""
     state = dataset.state_dict()
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if not len(ids):
+    ids = id_list([ids])
+    if not ids:
         return state
     epoch, pos, n = state["epoch"], state["pos"], len(dataset.dataset)
     for e in (epoch, epoch - 1):
@@ -105,7 +104,7 @@ def position_after(dataset: Any, ids: Sequence[int]) -> dict:
 def _loss_of(outputs: Any) -> torch.Tensor | None:
     if type(outputs) is dict or isinstance(outputs, Mapping):  # the exact type first: an ABC check costs more
         outputs = outputs.get("loss")
-    return outputs if torch.is_tensor(outputs) else None  # read with float(): no detach needed
+    return outputs if torch.is_tensor(outputs) else None
 
 
 def _rng_state() -> dict:
@@ -213,7 +212,6 @@ class SentinelCallback(Callback):
         self._params: list[torch.nn.Parameter] | None = None
         self._clip_captured = False  # the grad norm comes from Lightning's own norm clipping
         self._norm_here = grad_norm  # the callback computes the norm (no norm clipping to take it from)
-        self._solo_bus = None  # the bus client, when _control may skip a quiet step's poll (on_train_start)
         self._rng_to_load: dict | None = None
         self._reset_step()
 
@@ -288,8 +286,6 @@ class SentinelCallback(Callback):
             self._tokens_total = 0
         self._step_logged = None
         self._params = None
-        s = self.session  # one process without metrics: _control's check of the bus is all a quiet step needs
-        self._solo_bus = s.bus if self._world == 1 and s.bus is not None and s.metrics is None else None
         self._norm_here = self.grad_norm and not (self._clip_captured and trainer.gradient_clip_val and
                                                   trainer.gradient_clip_algorithm in (None, "norm"))  # None: norm
         self.session.begin(step, checkpoint=Path(resumed).name if resumed and step else None, tokens=self._tokens_total)
@@ -414,8 +410,6 @@ class SentinelCallback(Callback):
 
     def _control(self, trainer: Trainer, step: int) -> None:
         ctl = self.session.control
-        if self._solo_bus is not None and not (self._solo_bus.has_news() or ctl.paused or ctl.stop_requested):
-            return  # one process, nothing arrived: the common case, at every step
         done = self.session.poll(step)
         if ctl.paused:
             self._say(f"paused at step {step}")

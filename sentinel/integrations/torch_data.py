@@ -30,12 +30,6 @@ from sentinel.client.skiplist import SkipList
 SAMPLE_ID = "sample_id"
 
 
-def id_list(chunks: list) -> list[int]:
-    """The sample ids of a step's micro-batches (each a tensor, an array or a sequence of ints) as one list:
-    the integrations keep each batch's ids as they came and read them once, when the step record is built."""
-    return [int(i) for c in chunks for i in (c.tolist() if hasattr(c, "tolist") else c)]
-
-
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """The ids of one epoch in training order: a function of its arguments only."""
     if not shuffle:
