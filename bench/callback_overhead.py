@@ -1,7 +1,7 @@
 """The Hugging Face callback's cost per step: step time with ``SentinelCallback`` on / off (ABBA).
 
     python bench/callback_overhead.py [--steps 120] [--rounds 3] [--json]
-    python bench/callback_overhead.py --framework lightning [--steps 120] [--quads 5] [--json]
+    python bench/callback_overhead.py --framework lightning [--design blocks|fits] [--json]
 
 One process, one torch thread, a tiny GPT-2 (2 layers, d=64, byte vocabulary, 8 x 64 tokens a step) on
 CPU: the smallest step a real run has, so the callback's fixed cost weighs the most. Each trial is a fresh
@@ -98,20 +98,22 @@ def trial(out_dir: Path, steps: int, on: bool, tokens: torch.Tensor, own: list[f
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=120, help=f"steps per trial (the first {WARMUP} are warm-up)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"steps per trial (120; the first {WARMUP} are warm-up); lightning: see its options below")
     p.add_argument("--rounds", type=int, default=3, help="ABBA rounds (2 pairs each; the median is over the pairs)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--framework", choices=("hf", "lightning"), default="hf",
                    help="hf: the Hugging Face callback (this file); lightning: the Lightning callback "
-                        "(bench/callback_overhead_lightning.py, whose own options follow)")
+                        "(bench/callback_overhead_lightning.py: its own options follow this one; see its --help)")
     a, rest = p.parse_known_args(argv)
     if a.framework == "lightning":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from callback_overhead_lightning import main as lightning_main
 
-        return lightning_main([*rest, "--steps", str(a.steps), *(["--json"] if a.json else [])])
+        return lightning_main([*rest, *(["--steps", str(a.steps)] if a.steps else []), *(["--json"] if a.json else [])])
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
+    a.steps = a.steps or 120
     if a.steps <= WARMUP + 2 or a.rounds < 1:
         p.error(f"need --steps > {WARMUP + 2} and --rounds >= 1")
     import transformers

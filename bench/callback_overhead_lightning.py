@@ -1,29 +1,38 @@
-"""What does ``SentinelCallback`` cost a Lightning step? The same fit with and without it, ABBA.
+"""What does ``SentinelCallback`` cost a Lightning step? The same training with and without it, ABBA.
 
-    PYTHONPATH=. python bench/callback_overhead.py --framework lightning [--steps 120] [--warmup 20] [--quads 5] [--json]
+    PYTHONPATH=. python bench/callback_overhead.py --framework lightning [--design blocks|fits] [--json]
     PYTHONPATH=. python bench/callback_overhead_lightning.py [the same options]
 
 One process, one tiny GPT (the model of ``docs/integrate.md`` (Lightning): 2 layers, d_model 64, seq 64,
-batch 8, random init) on the locally prepared Shakespeare tokens, CPU, one torch thread. Each segment is a
-fresh ``lightning.Trainer`` fit of ``--steps`` steps from the same initial weights and the same data
-stream (a ``SkipAwareDataset``, in both arms, so the data path is identical); gradient norm clipping at
-1.0 in both arms as LLM pretraining does (``--clip 0``: none, and the callback computes the norm); no checkpoints, no
-validation, no logger, no progress bar. Arm "on" adds ``SentinelCallback(run_dir=..., dataset=...)`` with
-its embedded bus (started once, before the first segment, as ``sentinel run`` would see it); arm "off"
-adds nothing. Segments run in quads on/off/off/on (ABBA), so a drift of the machine hits both arms alike.
+batch 8, random init) on the locally prepared Shakespeare tokens, CPU, one torch thread, the same data
+stream in both arms (a ``SkipAwareDataset``); gradient norm clipping at 1.0 in both arms as LLM pretraining
+does (``--clip 0``: none, and the callback computes the norm); no checkpoints, no validation, no logger, no
+progress bar. "On" is ``SentinelCallback(run_dir=..., dataset=...)`` with its embedded bus (up before the
+first step, as ``sentinel run`` would see it). The step time is the interval between consecutive
+``on_train_batch_end`` calls of a timer callback present in both arms; per quad, ratio = off / on of the mean
+step (1.0: free; 0.99: the callback adds 1 % to a step), and the same for the process's CPU time
+(``time.process_time``: the training thread and the callback's writer and bus threads together).
 
-The step time of a segment is the mean interval between consecutive ``on_train_batch_end`` calls of a
-timer callback present in both arms, over the steps after ``--warmup`` (a fit's first steps pay
-allocator and cache warm-up, and the "on" arm's step 0 checkpoint); the median interval is reported
-too (robust to a neighbour's burst on a shared machine). Per quad: ratio = off / on (1.0: free; 0.99:
-the callback adds 1 % to a step). Reported: each quad's ratio, and min / median / max, for the wall
-time and for the process's CPU time per step (``time.process_time``: the training thread and the bus
-client's I/O thread together). On a shared machine the CPU-time ratio is the stable figure: a neighbour's
-burst moves the wall time of a segment by far more than the callback costs, but not its CPU time.
+Two designs:
 
-What "on" adds per step: the loss read back (``float``), the grad norm (one fused norm over the grads),
-the lr, the batch's ids and tokens, one ``StepRecord`` to ``steps.jsonl`` and onto the bus client's queue
-(its I/O thread does the Redis work), and a directive poll (a local queue read). Target: median >= 0.99.
+- ``--design blocks`` (the default, the figure in the docs): **one** fit of ``--steps`` steps (default 4000)
+  with the callback registered, switched on and off in blocks of ``--block`` steps (25) in the order
+  on/off/off/on (a quad). Both arms share the process, the model's memory and the machine's moment, so
+  what differs is the callback's per-step work: its hooks, its step records (built on its writer thread),
+  the bus client's round trips, the directive poll. The first step of each block (the switch) and the first
+  two blocks (warm-up) are not counted. "Off" leaves the callback registered with its three per-step hooks
+  returning at once: Lightning's dispatch of a callback's hooks is in both arms (``--design fits`` measures
+  its presence too: with the hooks emptied it came to 0.999).
+- ``--design fits``: each arm a fresh ``lightning.Trainer`` fit of ``--steps`` steps (default 150), quads of
+  fits on/off/off/on, the first ``--warmup`` steps of a fit not counted. It also counts what a fit pays once
+  (the step-0 checkpoint) and the callback's mere presence, but each fit lays the model out in memory anew,
+  and on a 2-core machine that moves a fit's step time by several percent: the median over 30 quads moves
+  by about 1 % run to run, as much as the whole cost.
+
+What "on" adds per step: references to the step's outputs and batch kept on the loop's thread, the lr, a
+directive poll (a local flag); on the writer thread, once per 0.25 s batch: the loss and grad norm read
+back, the batch's ids and tokens, one ``StepRecord`` a step to ``steps.jsonl`` and onto the bus client's
+queue; on the bus client's thread, a round trip every 0.25 s. Target: median >= 0.99.
 """
 
 from __future__ import annotations
@@ -49,8 +58,12 @@ MODELS = {  # (n_layer, d_model, seq_len): "tiny" is the docs' model; "small" a 
 }
 
 
-def build(steps: int, model: str = "tiny", clip: float | None = 1.0):
-    """(make_fit(on: bool) -> per-step intervals, close) over one shared model init and data set."""
+def build(steps: int, model: str = "tiny", clip: float | None = 1.0, block: int | None = None):
+    """(fit(on: bool) -> per-step (wall, CPU) intervals, run_dir) over one shared model init and data set.
+
+    ``block``: the callback is registered in every fit, and switched on and off every ``block`` steps
+    (on, off, off, on, ...): ``fit(True)`` then returns the intervals of the whole fit, each of a step
+    that ran in block ``index // block``."""
     import lightning as L
     import torch
     from lightning.pytorch import Callback
@@ -86,25 +99,44 @@ def build(steps: int, model: str = "tiny", clip: float | None = 1.0):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
-    class Timer(Callback):
-        def __init__(self):
+    class Switched(SentinelCallback):  # --design blocks: the per-step hooks return at once in "off" blocks
+        active = True
+
+        def on_before_backward(self, *args) -> None:
+            if self.active:
+                super().on_before_backward(*args)
+
+        def on_before_optimizer_step(self, *args) -> None:
+            if self.active:
+                super().on_before_optimizer_step(*args)
+
+        def on_train_batch_end(self, *args) -> None:
+            if self.active:
+                super().on_train_batch_end(*args)
+
+    class Timer(Callback):  # after the callback in the list: a switch takes effect from the next step on
+        def __init__(self, switched: Switched | None = None):
             self.t: list[tuple[float, float]] = []
+            self.switched = switched
 
         def on_train_batch_end(self, *args):
             self.t.append((time.perf_counter(), time.process_time()))
+            if self.switched is not None:
+                self.switched.active = (len(self.t) // block) % 4 in (0, 3)  # the next step's block: on off off on
 
     torch.manual_seed(0)
     init = TinyGPT().state_dict()
     tmp = Path(tempfile.mkdtemp(prefix="lightning-overhead-"))
     run_dir = prepare(tmp / "bench-run")  # the bus is up before the first segment, as for a watched run
 
-    def fit(on: bool) -> tuple[list[float], list[float]]:
+    def fit(on: bool, n: int | None = None) -> tuple[list[float], list[float]]:
         model = TinyGPT()
         model.load_state_dict(init)
         data = SkipAwareDataset(Windows(), seed=0)
-        timer = Timer()
-        cbs = [timer] + ([SentinelCallback(run_dir=run_dir, dataset=data, log=lambda m: None)] if on else [])
-        trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=cbs, logger=False, gradient_clip_val=clip,
+        cb = (Switched if block else SentinelCallback)(run_dir=run_dir, dataset=data, log=lambda m: None) if on else None
+        timer = Timer(cb if block else None)
+        cbs = ([cb] if on else []) + [timer]
+        trainer = L.Trainer(max_steps=n or steps, accelerator="cpu", devices=1, callbacks=cbs, logger=False, gradient_clip_val=clip,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
         trainer.fit(model, DataLoader(data, batch_size=8))
         wall = [b[0] - a[0] for a, b in zip(timer.t, timer.t[1:])]
@@ -116,9 +148,13 @@ def build(steps: int, model: str = "tiny", clip: float | None = 1.0):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120, help="steps per segment")
-    ap.add_argument("--warmup", type=int, default=20, help="first steps of a segment not timed")
-    ap.add_argument("--quads", type=int, default=5, help="ABBA quads (on/off/off/on); >= 5 for a median")
+    ap.add_argument("--design", choices=("blocks", "fits"), default="blocks",
+                    help="blocks: one fit, the callback switched on and off every --block steps; fits: a fresh fit per "
+                         "arm (see the module docstring)")
+    ap.add_argument("--steps", type=int, default=None, help="blocks: steps of the fit (4000); fits: steps per fit (150)")
+    ap.add_argument("--block", type=int, default=25, help="blocks: steps per block (a quad is 4 blocks)")
+    ap.add_argument("--warmup", type=int, default=20, help="fits: first steps of a fit not timed")
+    ap.add_argument("--quads", type=int, default=30, help="fits: ABBA quads of fits (on/off/off/on)")
     ap.add_argument("--clip", type=float, default=1.0,
                     help="gradient_clip_val in both arms (norm clipping, as LLM pretraining does; the callback then takes "
                          "Lightning's own norm); 0: no clipping (the callback computes the norm itself)")
@@ -126,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny: 2 layers, d_model 64, seq 64 (the docs' model); small: 2 layers, d_model 128, seq 128")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
-    if args.steps <= args.warmup + 2:
+    blocks = args.design == "blocks"
+    if args.steps is None:
+        args.steps = 4000 if blocks else 150
+    if blocks and (args.block < 3 or args.steps < 6 * 4 * args.block):
+        raise SystemExit(f"--design blocks needs --block >= 3 and --steps >= {6 * 4 * args.block} (6 quads)")
+    if not blocks and args.steps <= args.warmup + 2:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup} + 2")
     import logging
 
@@ -134,20 +175,33 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    fit, run_dir = build(args.steps, args.model, args.clip or None)
+    fit, run_dir = build(args.steps, args.model, args.clip or None, args.block if blocks else None)
     quads = []
+
+    def quad(on: list[tuple[float, float]], off: list[tuple[float, float]]) -> dict:
+        on_w, on_c, off_w, off_c = (statistics.fmean(x[k] for x in arm) for arm in (on, off) for k in (0, 1))
+        return {"on_ms": on_w * 1e3, "off_ms": off_w * 1e3, "ratio": off_w / on_w,
+                "ratio_median_interval": statistics.median(x[0] for x in off) / statistics.median(x[0] for x in on),
+                "on_cpu_ms": on_c * 1e3, "off_cpu_ms": off_c * 1e3, "ratio_cpu": off_c / on_c}
+
     try:
-        fit(True)  # warm everything once (imports, allocator, the bus connection)
-        for _ in range(args.quads):
-            seg: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
-            for on in (True, False, False, True):
-                wall, cpu = fit(on)
-                wall, cpu = wall[args.warmup:], cpu[args.warmup:]
-                seg[on].append((statistics.fmean(wall), statistics.median(wall), statistics.fmean(cpu)))
-            on, off = ([statistics.fmean(x[k] for x in seg[arm]) for k in range(3)] for arm in (True, False))
-            quads.append({"on_ms": on[0] * 1e3, "off_ms": off[0] * 1e3, "ratio": off[0] / on[0],
-                          "ratio_median_interval": off[1] / on[1], "on_cpu_ms": on[2] * 1e3, "off_cpu_ms": off[2] * 1e3,
-                          "ratio_cpu": off[2] / on[2]})
+        fit(True, 150)  # warm everything once (imports, allocator, the bus connection)
+        if blocks:
+            wall, cpu = fit(True)
+            arms: dict[int, dict[bool, list]] = {}
+            for k, (w, c) in enumerate(zip(wall, cpu)):
+                b = (k + 1) // args.block  # interval k is the step that ran after the switch at step k + 1's end
+                if b < 2 or (k + 1) % args.block == 0:  # warm-up blocks, and each block's first step (the switch)
+                    continue
+                arms.setdefault(b // 4, {True: [], False: []})[b % 4 in (0, 3)].append((w, c))
+            quads = [quad(a[True], a[False]) for a in arms.values() if len(a[True]) == len(a[False])]
+        else:
+            for _ in range(args.quads):
+                seg: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+                for on in (True, False, False, True):
+                    wall, cpu = fit(on)
+                    seg[on] += list(zip(wall[args.warmup:], cpu[args.warmup:]))
+                quads.append(quad(seg[True], seg[False]))
     finally:
         from sentinel.client.session import stop_bus
 
@@ -158,20 +212,26 @@ def main(argv: list[str] | None = None) -> int:
         r = sorted(q[key] for q in quads)
         return {"min": r[0], "median": statistics.median(r), "max": r[-1]}
 
-    res = {"model": args.model, "clip": args.clip or None, "steps": args.steps, "warmup": args.warmup, "quads": quads, "ratio": summary("ratio"),
+    pooled = {arm: [q[f"{arm}_ms"] for q in quads] for arm in ("on", "off")}  # equal steps per quad: mean of means
+    res = {"design": args.design, "ratio_pooled": statistics.fmean(pooled["off"]) / statistics.fmean(pooled["on"]),
+           "model": args.model, "clip": args.clip or None, "steps": args.steps,
+           **({"block": args.block} if blocks else {"warmup": args.warmup}), "quads": quads, "ratio": summary("ratio"),
            "ratio_median_interval": summary("ratio_median_interval"), "ratio_cpu": summary("ratio_cpu"),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads 1"}
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
-    for i, q in enumerate(quads):
+    for i, q in enumerate(quads if len(quads) <= 40 else []):
         print(f"quad {i}: wall on {q['on_ms']:.2f} / off {q['off_ms']:.2f} ms/step (ratio {q['ratio']:.4f}, "
               f"median-interval {q['ratio_median_interval']:.4f}); CPU on {q['on_cpu_ms']:.2f} / off "
               f"{q['off_cpu_ms']:.2f} ms/step (ratio {q['ratio_cpu']:.4f})")
     for key, what in (("ratio", "wall, mean step"), ("ratio_median_interval", "wall, median step"),
                       ("ratio_cpu", "process CPU time per step")):
         r = res[key]
-        print(f"on/off ratio ({what}): median {r['median']:.4f} (min {r['min']:.4f}, max {r['max']:.4f})  [target >= 0.99]")
+        print(f"on/off ratio ({what}): median {r['median']:.4f} of {len(quads)} quads (min {r['min']:.4f}, max {r['max']:.4f})"
+              "  [target >= 0.99]")
+    print(f"on/off ratio (wall, all counted steps pooled): {res['ratio_pooled']:.4f}; step time on "
+          f"{statistics.fmean(pooled['on']):.3f} ms, off {statistics.fmean(pooled['off']):.3f} ms")
     return 0
 
 

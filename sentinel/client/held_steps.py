@@ -26,7 +26,9 @@ from collections.abc import Callable
 
 HOLD_S = 0.1  # not kicked: the loop writes its held records at most this long after their step...
 HOLD_MAX = 64  # ...or once this many are held
-KICK_DUE_S = 0.08  # kicked: a batch is due this long after its first record (before the bus's own 0.1 s send)
+KICK_DUE_S = 0.25  # kicked: a batch is due this long after its first record. A batch pays a fixed cost (the
+# writer's caches are cold: the loop's thread evicted them): on the tiny model's 8 ms step the writer spent
+# 62 us a record in batches of 0.08 s, 28 us in batches of 0.25 s (docs/integrate.md, Cost)
 STALE_S = 1.0  # kicked: what the kicks leave held this long is written by the loop's thread after all
 
 
@@ -64,6 +66,7 @@ class HeldSteps:
 
     def kick(self) -> None:
         """The loop is about to run without the GIL for a while: write a due batch now, on the writer thread."""
+        self.kicked = True  # the loop kicks: its own thread leaves the batches to the writer (STALE_S, not HOLD_S)
         if not self._held or (len(self._held) < HOLD_MAX and time.time() - self._since < KICK_DUE_S):
             return
         if self._thread is None:
@@ -71,7 +74,6 @@ class HeldSteps:
                 return
             self._thread = threading.Thread(target=self._run, name="sentinel-steps", daemon=True)
             self._thread.start()
-        self.kicked = True
         self._wake.set()
 
     def drain(self) -> None:

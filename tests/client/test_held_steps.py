@@ -58,9 +58,11 @@ def test_a_kick_writes_the_due_batch_on_the_writer_thread_and_wakes_the_bus():
     held = HeldSteps(sink.write, sink.after_kick)
     now = time.time()
     _add(held, range(5), now)
-    held.kick()  # not due yet (KICK_DUE_S): nothing happens, no thread
-    assert held._thread is None and not held.kicked
-    _add(held, range(5, 8), now)
+    held.kick()  # not due yet (KICK_DUE_S): no thread yet, but the loop's thread now leaves batches to kicks
+    assert held._thread is None and held.kicked
+    held.add((5,), now + HOLD_S)  # HOLD_S after the first: no longer written on the loop's thread
+    assert sink.batches == []
+    _add(held, range(6, 8), now)
     held._since = now - KICK_DUE_S  # the held batch's first record is now older than KICK_DUE_S
     held.kick()
     assert sink.written.wait(5), "the writer thread wrote the batch"

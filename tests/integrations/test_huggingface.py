@@ -287,8 +287,8 @@ def test_a_guarded_run_is_rolled_back_past_the_poison_and_ends_healthy(story):
 
 def test_status_showed_live_steps_and_report_draws_the_run(story):
     [row] = story["status"][0]["runs"]
-    # read at step 100: a fast loop's records reach the bus within 0.2 s (held 0.1 s, sent every 0.1 s)
-    assert row["step"] >= 85 and row["state"] == "live", row
+    # read at step 100: a fast loop's records reach the bus within ~0.3 s (held up to 0.25 s, then sent at once)
+    assert row["step"] >= 80 and row["state"] == "live", row
     d = story["runs"]["hf-guarded"]
     out = sentinel("report", d, "--out", story["base"] / "guarded.png").stdout
     assert str(story["base"] / "guarded.png") in out and "1 rollback(s)" in out, out
@@ -342,17 +342,25 @@ def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(
 
     paused_at: list[float] = []
 
-    class Operator(TrainerCallback):  # what an operator does while the run trains
+    applied_log = run_dir / "directives.jsonl"
+    sent_at: dict[str, int] = {}
+
+    class Operator(TrainerCallback):  # what an operator does while the run trains: each next one once the last is applied
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 5:
+            done = [json.loads(x)["kind"] for x in applied_log.read_text().splitlines()] if applied_log.exists() else []
+            step = state.global_step
+            if step == 5:
                 send("pause")
                 threading.Timer(1.5, send, ("resume",)).start()
                 paused_at.append(time.monotonic())
-            elif state.global_step == 10:
+                sent_at["pause"] = step
+            elif "resume" in done and "checkpoint-now" not in sent_at:
                 paused_at.append(time.monotonic())
                 send("checkpoint-now")
-            elif state.global_step == 15:
+                sent_at["checkpoint-now"] = step
+            elif "checkpoint-now" in done and "stop" not in sent_at:
                 send("stop")
+                sent_at["stop"] = step
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -368,10 +376,10 @@ def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(
     assert [(d["kind"], d["status"]) for d in done] == [("pause", "applied"), ("resume", "applied"),
                                                         ("checkpoint-now", "applied"), ("stop", "applied")]
     assert paused_at[1] - paused_at[0] >= 1.4  # held at the step boundary until the resume came
-    # the step boundary each was applied at: after it was sent, within a few of the bus client's 0.1 s reads
-    # (a loaded 2-core machine stretches that to several of these ~30 ms steps)
+    # the step boundary each was applied at: after it was sent, within a few of the bus client's 0.25 s reads
+    # (a loaded 2-core machine stretches that to many of these ~30 ms steps)
     at = {d["kind"]: d["step"] for d in done}
-    assert 10 < at["checkpoint-now"] <= at["stop"] < 60 and at["stop"] > 15, at
+    assert all(sent_at[k] < at[k] <= sent_at[k] + 40 for k in sent_at), (sent_at, at)
     assert (run_dir / f"checkpoint-{at['checkpoint-now']}").is_dir()  # saved at the step it was applied
     assert trainer.state.global_step == at["stop"]  # the stop ends training at that step boundary
     assert (run_dir / f"checkpoint-{at['stop']}").is_dir()  # and saves first
