@@ -14,7 +14,7 @@ thread only keeps the step's values (:meth:`HeldSteps.add`), and they become rec
 :meth:`HeldSteps.drain` writes everything held at once: the session calls it before anything else reaches
 the step log (a marker, a directive applied, an eval, a checkpoint, close), so records stay in step order,
 and a rollback's ``skip_after`` finds the ids of every step trained. A process killed outright loses at
-most the records of the last ``HOLD_S`` (``STALE_S`` when kicks stopped coming).
+most the records of the last ``HOLD_S`` (``KICK_DUE_S`` when kicked, ``STALE_S`` when kicks stopped coming).
 """
 
 from __future__ import annotations
