@@ -321,7 +321,7 @@ def test_the_own_loop_snippet_runs_verbatim_and_a_second_run_continues_the_timel
     assert other_clients(bus.resolve_url(tmp_path / "runs" / "own-loop")) == -1  # stopped at close: nobody else attached
 
 
-def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(tmp_path, monkeypatch):
+def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(tmp_path, monkeypatch, request):
     """Signed directives, as `sentinel pause/resume/checkpoint-now/stop` send them, reach a live HF run."""
     import threading
 
@@ -335,6 +335,8 @@ def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(
     exec(compile(snippet("Hugging Face Transformers").rsplit("\ntrain(trainer)", 1)[0], "docs/integrate.md", "exec"), ns)
     run_dir = tmp_path / "runs" / "ctl"
     prepare(run_dir)
+    for d in (run_dir, tmp_path / "runs" / "hf-demo"):  # this test's connection (and the snippet's own) keep them up
+        request.addfinalizer(lambda d=d: stop_bus(d))  # also when an assertion fails
     r, secret = bus.connect(bus.resolve_url(run_dir)), bus.load_secret(run_dir)
 
     def send(kind: str) -> None:
@@ -387,8 +389,6 @@ def test_pause_resume_checkpoint_now_and_stop_are_honoured_in_process_with_acks(
     assert [r["step"] for r in evals] == [8, 16][:len(evals)] and evals and evals[0]["val_ppl"] == pytest.approx(math.exp(evals[0]["val_loss"]))
     acks = [bus.decode(e) for e in bus.read_stream(r, Keys("ctl").acks, "0-0")]
     r.close()
-    for d in (run_dir, tmp_path / "runs" / "hf-demo"):  # this test's connection (and the snippet's own) kept them up
-        stop_bus(d)
     assert sorted(a["kind"] if isinstance(a, dict) else a.kind for a in acks) == ["checkpoint-now", "pause", "resume", "stop"]
 
 
