@@ -19,8 +19,10 @@ Two designs:
   with the callback registered, switched on and off in blocks of ``--block`` steps (25) in the order
   on/off/off/on (a quad). Both arms share the process, the model's memory and the machine's moment, so
   what differs is the callback's per-step work: its hooks, its step records (built on its writer thread),
-  the bus client's round trips, the directive poll. The first step of each block (the switch) and the first
-  two blocks (warm-up) are not counted. "Off" leaves the callback registered with its three per-step hooks
+  the bus client's round trips, the directive poll. Not counted: the first two blocks (warm-up), and the
+  first 2 steps of each run of "off" blocks, where work the "on" steps started may still run (a batch's
+  round trip). The first "on" step after "off" ones is counted: it kicks the batch of step records held
+  since the last "on" block, as a continuous run would every 0.25 s. "Off" leaves the callback registered with its three per-step hooks
   returning at once: Lightning's dispatch of a callback's hooks is in both arms (``--design fits`` measures
   its presence too: with the hooks emptied it came to 0.999).
 - ``--design fits``: each arm a fresh ``lightning.Trainer`` fit of ``--steps`` steps (default 150), quads of
@@ -32,7 +34,7 @@ Two designs:
 What "on" adds per step: references to the step's outputs and batch kept on the loop's thread, the lr, a
 directive poll (a local flag); on the writer thread, once per 0.25 s batch: the loss and grad norm read
 back, the batch's ids and tokens, one ``StepRecord`` a step to ``steps.jsonl`` and onto the bus client's
-queue; on the bus client's thread, a round trip every 0.25 s. Target: median >= 0.99.
+queue; on the bus client's thread, a round trip for each batch. Target: median >= 0.99.
 """
 
 from __future__ import annotations
@@ -191,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             arms: dict[int, dict[bool, list]] = {}
             for k, (w, c) in enumerate(zip(wall, cpu)):
                 b = (k + 1) // args.block  # interval k is the step that ran after the switch at step k + 1's end
-                if b < 2 or (k + 1) % args.block == 0:  # warm-up blocks, and each block's first step (the switch)
+                if b < 2 or (b % 4 == 1 and (k + 1) % args.block < 2):  # warm-up; an "off" run's first 2 steps
                     continue
                 arms.setdefault(b // 4, {True: [], False: []})[b % 4 in (0, 3)].append((w, c))
-            quads = [quad(a[True], a[False]) for a in arms.values() if len(a[True]) == len(a[False])]
+            quads = [quad(a[True], a[False]) for a in arms.values() if len(a[True]) == 2 * args.block]  # whole quads
         else:
             for _ in range(args.quads):
                 seg: dict[bool, list[tuple[float, float]]] = {True: [], False: []}

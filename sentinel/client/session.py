@@ -57,8 +57,9 @@ from sentinel.contract.ranges import batch_fingerprint, id_list
 from sentinel.protocol import Keys, StepRecord
 
 EMBEDDED = "embedded"
-BUS_ROUND_TRIP_S = 0.25  # the bus client's round trips (directives read, step records sent): a round trip costs
-# its I/O thread ~0.4 ms of CPU on a tiny model's step, whatever it carries; a kicked batch goes out at once
+BUS_ROUND_TRIP_S = 0.5  # the bus client's own round trips (directives read, step records sent). A round trip costs
+# its I/O thread 0.2-0.4 ms of CPU beside a tiny model's step, whatever it carries. A kicking loop's batches (every
+# 0.25 s: held_steps.KICK_DUE_S) each make a round trip at once, and it reads the directives too
 
 
 class SessionError(Exception):
