@@ -11,6 +11,9 @@ thread only keeps the step's values (:meth:`HeldSteps.add`), and they become rec
 - **not kicked** (a loop of your own that never calls it): on the loop's thread, every ``HOLD_S`` or
   ``HOLD_MAX`` records, as one batch (one write, one hand-over to the bus).
 
+Either way a batch written wakes the bus client (``after_batch``): its records, and a read of the
+directives, go out at once, not at the client's next poll.
+
 :meth:`HeldSteps.drain` writes everything held at once: the session calls it before anything else reaches
 the step log (a marker, a directive applied, an eval, a checkpoint, close), so records stay in step order,
 and a rollback's ``skip_after`` finds the ids of every step trained. A process killed outright loses at
@@ -36,11 +39,11 @@ class HeldSteps:
     """Held step values (any tuples) and the writer that turns them into records (see the module docstring).
 
     ``write_batch(items)`` builds, writes and queues a batch (called with the lock held, on either thread);
-    ``after_kick()`` runs after a kicked batch (the session wakes the bus client: the records go out while
-    the backward pass still runs)."""
+    ``after_batch()`` runs after every batch written, on the thread that wrote it (the session wakes the bus
+    client: the records go out now, while a kicked batch's backward pass still runs)."""
 
-    def __init__(self, write_batch: Callable[[list[tuple]], None], after_kick: Callable[[], None] | None = None):
-        self._write_batch, self._after_kick = write_batch, after_kick
+    def __init__(self, write_batch: Callable[[list[tuple]], None], after_batch: Callable[[], None] | None = None):
+        self._write_batch, self._after_batch = write_batch, after_batch
         self._held: deque[tuple] = deque()  # append / popleft are atomic: the loop adds without the lock
         self._since = 0.0  # when the oldest held item was added
         self._lock = threading.Lock()  # one batch at a time, so records reach the log in order
@@ -97,19 +100,20 @@ class HeldSteps:
             if self._closing:
                 return
             try:
-                if self._write_all() and self._after_kick is not None:
-                    self._after_kick()
+                self._write_all()
             except BaseException as e:  # noqa: BLE001 - handed to the loop's thread: raised at its next add
                 self._error = e
 
-    def _write_all(self) -> bool:
+    def _write_all(self) -> None:
         with self._lock:
             items = []
             while self._held:
                 items.append(self._held.popleft())
-            if items:
-                self._write_batch(items)
-            return bool(items)
+            if not items:
+                return
+            self._write_batch(items)
+        if self._after_batch is not None:
+            self._after_batch()
 
     def _raise_error(self) -> None:
         if self._error is not None:

@@ -58,8 +58,8 @@ from sentinel.protocol import Keys, StepRecord
 
 EMBEDDED = "embedded"
 BUS_ROUND_TRIP_S = 0.5  # the bus client's own round trips (directives read, step records sent). A round trip costs
-# its I/O thread 0.2-0.4 ms of CPU beside a tiny model's step, whatever it carries. A kicking loop's batches (every
-# 0.25 s: held_steps.KICK_DUE_S) each make a round trip at once, and it reads the directives too
+# its I/O thread 0.2-0.4 ms of CPU beside a tiny model's step, whatever it carries. Every batch of step records
+# (every 0.1 s, or 0.25 s when kicked: held_steps) makes a round trip at once, and it reads the directives too
 
 
 class SessionError(Exception):
