@@ -34,7 +34,6 @@ import json
 import os
 import random
 import shutil
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -232,7 +231,6 @@ class SentinelCallback(Callback):
     def _reset_step(self) -> None:
         self._pend: list[tuple[Any, Any]] = []  # this step's micro-batches' (outputs, batch), read by _values
         self._gnorm = self._lr = None
-        self._t_last = None
 
     def checkpoint_path(self, step: int) -> str | None:
         """The Lightning checkpoint of ``step`` registered in this run dir (by any process of the run), if on disk."""
@@ -290,7 +288,6 @@ class SentinelCallback(Callback):
                                                   trainer.gradient_clip_algorithm in (None, "norm"))  # None: norm
         self.session.begin(step, checkpoint=Path(resumed).name if resumed and step else None, tokens=self._tokens_total)
         self._reset_step()
-        self._t_last = time.perf_counter()
         if step == 0 and resumed is None and self.initial_checkpoint:
             self._save_now(trainer)
 
@@ -366,15 +363,13 @@ class SentinelCallback(Callback):
             # did not call the stock clip: the grads are still this step's (Lightning zeroes them next step)
             gnorm = _total_norm(self._grads(self._trainer.lightning_module))
         self._pend, self._gnorm = [], None
+        # the session times the step (from one logged step to the next)
         if self._world > 1:  # the values are gathered from every rank: a collective, now
-            now = time.perf_counter()
-            dt, self._t_last = (now - self._t_last if self._t_last else None), now
-            self.session.log_step(step, **self._values(pend, gnorm, lr, dt))
-        else:  # one process: the loop's thread only keeps the references; the writer thread reads them (the
-            # session times the step: from one log_step_later to the next)
-            self.session.log_step_later(step, lambda: self._values(pend, gnorm, lr, None))
+            self.session.log_step(step, **self._values(pend, gnorm, lr))
+        else:  # one process: the loop's thread only keeps the references; the writer thread reads them
+            self.session.log_step_later(step, lambda: self._values(pend, gnorm, lr))
 
-    def _values(self, pend: list[tuple[Any, Any]], gnorm, lr, dt: float | None) -> dict[str, Any]:
+    def _values(self, pend: list[tuple[Any, Any]], gnorm, lr) -> dict[str, Any]:
         """``log_step``'s arguments for one optimizer step, from its micro-batches' ``(outputs, batch)``."""
         losses, chunks, tok = [], [], 0
         for outputs, batch in pend:
@@ -393,7 +388,7 @@ class SentinelCallback(Callback):
         self._tokens_total += tok
         self._last_ids = ids
         return {"loss": loss, "loss_max_rank": loss_max, "rank_losses": rank_losses, "grad_norm": gnorm, "lr": lr,
-                "tokens": self._tokens_total, "batch_tokens": tok, "sample_ids": ids, "step_time_s": dt}
+                "tokens": self._tokens_total, "batch_tokens": tok, "sample_ids": ids}
 
     def _gather(self, loss: float, ids: list[int], tok: int) -> tuple[list[float], list[int], int]:
         """One all_gather: every rank's loss, tokens and sample ids (float64: ids are exact below 2**53)."""
