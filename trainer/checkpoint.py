@@ -2,12 +2,12 @@
 
 Layout: ``RUN_DIR/checkpoints/step-NNNNNNNN/`` holding ``model.pt``, ``optim.pt`` (or ``dcp/`` for
 FSDP2), ``train_state.json``, ``rng-rank{r}.pt`` for every rank, and ``manifest.json`` — written
-**last**, with a sha256 per file. A checkpoint is valid iff its manifest exists and every checksum
+**last**, with a checksum per file (BLAKE3: ``sentinel.contract.fsio``). A checkpoint is valid iff its manifest exists and every checksum
 matches, so a crash (or SIGKILL) at any moment leaves either the old set of valid checkpoints or the
 old set plus one new complete one.
 
 Write protocol: every rank writes its files into ``.tmp-step-N.K`` (K: the process's save count),
-each file's sha256 computed from the bytes as they are written (``trainer.checkpoint_io``: no
+each file's checksum computed from the bytes as they are written (``trainer.checkpoint_io``: no
 read-back) and its writeback started early; rank 0 then writes the manifest, makes every file and
 directory durable, and renames the directory into place (then fsyncs its parent). Nothing outside
 ``step-N`` directories is ever loaded, so the rename is the commit point: everything in the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import json
 import os
 import pickle
@@ -47,8 +48,8 @@ from sentinel.contract.checkpoints import (
     first_error,
     manifest_digest,  # noqa: F401  (re-exported)
 )
+from sentinel.contract.fsio import file_checksum, sha256_file  # noqa: F401  (sha256_file: re-exported)
 from sentinel.contract.fsio import fsync_dir as _fsync  # by name: a file's data, or a directory's names
-from sentinel.contract.fsio import sha256_file
 from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
@@ -66,7 +67,7 @@ step_dir_name = checkpoint_dir_name
 
 
 def _write_new(path: Path, fill: Callable[[HashedFile], None], *, sync: bool, hasher: Executor | None) -> str:
-    """Create ``path`` (it must not exist), let ``fill`` write it, return its sha256. ``sync``: fsync
+    """Create ``path`` (it must not exist), let ``fill`` write it, return its checksum. ``sync``: fsync
     it too (a checkpoint's files are fsynced together when the checkpoint is finalised instead)."""
     f = HashedFile(path, hasher)
     try:
@@ -109,10 +110,10 @@ def _torch_save(obj: Any, f: HashedFile) -> None:
 
 
 def write_torch(path: Path, obj: Any, *, sync: bool = True, hasher: Executor | None = None) -> str:
-    """``torch.save`` into a new file ``path``; return the file's sha256 (computed from the bytes as
+    """``torch.save`` into a new file ``path``; return the file's checksum (computed from the bytes as
     they are written: ``trainer.checkpoint_io``).
 
-    Without the zip format's per-record CRC-32: the manifest's sha256, checked before any load,
+    Without the zip format's per-record CRC-32: the manifest's checksum, checked before any load,
     covers every byte already, and the CRC cost a third of the serialisation time of a 39 MB
     checkpoint (bench/checkpoint_cost.py). ``torch.load`` reads such files as any other."""
     return _write_new(path, lambda f: _torch_save(obj, f), sync=sync, hasher=hasher)
@@ -145,7 +146,7 @@ def verify(path: Path) -> dict:
     """Check a checkpoint directory against its manifest; return the manifest or raise CheckpointError.
 
     Valid means: a well-formed manifest naming this step, listing every file the step needs
-    (``sentinel.contract.checkpoints.check_manifest``), each present with a matching sha256, and a
+    (``sentinel.contract.checkpoints.check_manifest``), each present with a matching checksum, and a
     ``train_state.json`` that passes its strict schema. Checksums run before any parsing of the
     files they cover, and nothing here unpickles anything."""
     if not path.is_dir():
@@ -165,11 +166,11 @@ def verify(path: Path) -> dict:
         if not f.is_file():
             raise CheckpointError(f"{path.name}: {name} " + ("is no regular file" if os.path.lexists(f) else "is missing"))
     names = sorted(files)
-    with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:  # hashlib releases the GIL: one file per core
-        digests = list(pool.map(lambda n: sha256_file(path / n), names))
+    with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:  # hashing releases the GIL: one file per core
+        digests = list(pool.map(lambda n: file_checksum(path / n, like=files[n]), names))
     for name, digest in zip(names, digests):
-        if digest != files[name]:
-            raise CheckpointError(f"{path.name}: {name} fails its sha256 check (corrupt or truncated)")
+        if not hmac.compare_digest(digest, files[name]):
+            raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupt or truncated)")
     state = read_train_state(path, manifest.step)
     if state["world_size"] != manifest.world_size:
         raise CheckpointError(f"{path.name}: train_state.json world_size {state['world_size']} differs from the manifest's {manifest.world_size}")
@@ -487,13 +488,13 @@ class Checkpointer:
 
     def _write_files(self, tmp: Path, shared: dict, per_rank: dict) -> dict[str, str] | None:
         """Write this rank's files (not fsynced: rank 0's ``_finalize`` makes them durable, all
-        together); return their sha256 by name, or None when a write failed (said in one line)."""
+        together); return their checksums by name, or None when a write failed (said in one line)."""
         files = dict(per_rank)
         if self.rank == 0:
             files.update(shared)
         digests = {}
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-sha256") as hasher:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
                 for name, obj in files.items():
                     digests[name] = (write_json(tmp / name, obj, sync=False) if name.endswith(".json")
                                      else write_torch(tmp / name, obj, sync=False, hasher=hasher))
@@ -522,14 +523,14 @@ class Checkpointer:
 
     def _finalize(self, tmp: Path, step: int, meta: dict, written: dict[str, str]) -> tuple[Path, int]:
         """Manifest, fsync of everything in ``tmp``, rename (the commit point), fsync of the parent.
-        ``written``: the sha256 of the files this rank wrote, computed as they were written; the
+        ``written``: the checksums of the files this rank wrote, computed as they were written; the
         others (other ranks' files, DCP shards) are hashed here."""
         rel = {p: p.relative_to(tmp).as_posix() for p in sorted(p for p in tmp.rglob("*") if p.is_file())}
         dirs = [tmp, *[p for p in tmp.rglob("*") if p.is_dir()]]
         # every file and directory is fsynced at once (fsync releases the GIL; concurrent fsyncs share
         # journal commits), the manifest included when it can be written first (every digest known)
         with ThreadPoolExecutor(max_workers=min(16, len(rel) + len(dirs) + 1)) as pool:
-            hashing = {r: pool.submit(sha256_file, p) for p, r in rel.items() if r not in written}
+            hashing = {r: pool.submit(file_checksum, p) for p, r in rel.items() if r not in written}
             synced = [pool.submit(_fsync, p) for p in rel] if hashing else []  # large ones (DCP shards) overlap
             files = {r: written[r] if r in written else hashing[r].result() for r in rel.values()}
             total = sum(p.stat().st_size for p in rel)

@@ -1,7 +1,7 @@
-"""A checkpoint file written once: its sha256 from the bytes as they are written, its writeback started early.
+"""A checkpoint file written once: its checksum from the bytes as they are written, its writeback started early.
 
 ``HashedFile`` is the file object ``torch.save`` (or the JSON writer) writes into. Each large write
-goes to the file while a second thread computes the sha256 of the same buffer (hashlib and
+goes to the file while a second thread computes the checksum of the same buffer (BLAKE3 and
 ``os.write`` both release the GIL), and the kernel is asked to start writing those pages to disk at
 once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the fsync at the commit finds little left to
 do. The manifest's checksum thus comes from the bytes written, not from reading the file back
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
 import os
 from concurrent.futures import Executor
 from pathlib import Path
+
+from sentinel.contract.fsio import Checksum
 
 _SMALL = 1 << 16  # smaller writes are gathered (zip headers, pickle data), then hashed and written together
 # a write this large is hashed on the other thread while it is written: below it, the hand-off (~50 us when
@@ -47,12 +48,12 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
 
 
 class HashedFile:
-    """A new file (``O_EXCL``) written through ``write``, its sha256 computed from the same bytes;
+    """A new file (``O_EXCL``) written through ``write``, its checksum (``blake3:<hex>``) computed from the same bytes;
     ``hasher``: a one-thread executor that hashes large writes while they are written."""
 
     def __init__(self, path: Path, hasher: Executor | None = None):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self.h = hashlib.sha256()
+        self.h = Checksum()
         self.hasher = hasher
         self.pending = bytearray()
         self.size = 0
@@ -98,7 +99,7 @@ class HashedFile:
         self._drain()
 
     def close(self) -> str:
-        """Write what is gathered, start the writeback of the rest, close; return the sha256 (hex)."""
+        """Write what is gathered, start the writeback of the rest, close; return the checksum."""
         try:
             self._drain()
             start_writeback(self.fd)

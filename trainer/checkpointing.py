@@ -4,7 +4,7 @@ newest valid one may fall behind before the run stops.
 S_t = (params, optimizer moments + step counts, scheduler step, RNG of every rank, data cursor,
 grad-accumulation position, skip list, guard statistics, tokens seen), as the named pieces of
 ``trainer/state.py`` (each with ``state_dict`` / ``load_state_dict`` / ``check``). ``trainer/checkpoint.py``
-writes and verifies the files (atomic step dirs, a manifest of sha256 written last); this module writes
+writes and verifies the files (atomic step dirs, a manifest of checksums written last); this module writes
 the pieces into them, checks every piece of a checkpoint, then loads them all, on every rank alike.
 """
 

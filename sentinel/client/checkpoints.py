@@ -1,7 +1,7 @@
 """Register any directory of files as a checkpoint the sentinel can roll back to (torch-free).
 
 A framework's checkpoint (Hugging Face's ``checkpoint-N``, Lightning's ``.ckpt`` directory, torchtitan's
-``step-N``) has no manifest of ours. :func:`checkpoint_info` gives it one: ``manifest.json`` with a sha256
+``step-N``) has no manifest of ours. :func:`checkpoint_info` gives it one: ``manifest.json`` with a checksum
 per file, written **last** and atomically (tmp + fsync + rename), so a directory still being written is
 never listed as whole. A directory that already holds a manifest (our trainer's) is taken as it is.
 
@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 from sentinel.contract.checkpoints import manifest_digest
+from sentinel.contract.fsio import checksum_matches, file_checksum
 from sentinel.protocol import (
     CHECKPOINT_MANIFEST,
     CheckpointInfo,
     atomic_write_text,
     checkpoint_dir_name,
-    sha256_file,
 )
 
 MANIFEST_FORMAT = 1  # the trainer's checkpoint.FORMAT_VERSION: one reader for both
@@ -38,13 +38,13 @@ class CheckpointDirError(Exception):
 
 
 def _files(path: Path) -> dict[str, str]:
-    """sha256 of every regular file under ``path`` (relative POSIX names), the manifest excluded."""
+    """The checksum (``blake3:<hex>``) of every regular file under ``path`` (relative POSIX names), the manifest excluded."""
     out = {}
     for f in sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink()):
         rel = f.relative_to(path).as_posix()
         if rel == CHECKPOINT_MANIFEST or f.name.startswith(f".{CHECKPOINT_MANIFEST}.tmp"):
             continue
-        out[rel] = sha256_file(f)
+        out[rel] = file_checksum(f)
     return out
 
 
@@ -75,7 +75,7 @@ def read_manifest(path: str | os.PathLike) -> dict | None:
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Check every file ``manifest.json`` lists against its sha256 (before any framework unpickles one);
+    """Check every file ``manifest.json`` lists against its checksum (before any framework unpickles one);
     return the manifest, or raise ``CheckpointDirError`` with one line naming what is wrong."""
     path = Path(path)
     manifest = read_manifest(path)
@@ -85,8 +85,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         f = path / name
         if not f.is_file():
             raise CheckpointDirError(f"{path}: {name} is missing")
-        if sha256_file(f) != digest:
-            raise CheckpointDirError(f"{path}: {name} does not match its sha256 in the manifest (corrupt or changed)")
+        if not checksum_matches(f, digest):
+            raise CheckpointDirError(f"{path}: {name} does not match its checksum in the manifest (corrupt or changed)")
     return manifest
 
 

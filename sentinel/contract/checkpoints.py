@@ -27,6 +27,8 @@ from sentinel.contract.parsing import plain_error
 from sentinel.contract.rundir import CHECKPOINT_FORMAT, STEP_DIR_RE, checkpoint_required_files
 
 SHA256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+# a file's checksum in a manifest: ``blake3:<64 hex>``, or a bare sha256 in manifests written before (fsio.file_checksum)
+FileChecksum = Annotated[str, Field(pattern=r"^(blake3:)?[0-9a-f]{64}$")]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
@@ -46,7 +48,7 @@ class Manifest(BaseModel):
 
     format: Literal[1]
     step: Count
-    files: dict[str, SHA256]
+    files: dict[str, FileChecksum]
     bytes: Count = 0
     world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
     created: float

@@ -322,7 +322,7 @@ def train(trainer, *, resume_from_checkpoint: str | bool | None = None, max_rela
         for _ in range(max_relaunches + 1):
             cb.resume_from = str(resume) if isinstance(resume, (str, os.PathLike)) else None
             if cb.resume_from is not None and Path(cb.resume_from, "manifest.json").is_file():
-                verify_checkpoint(cb.resume_from)  # every file against its sha256 before HF loads any of it
+                verify_checkpoint(cb.resume_from)  # every file against its checksum before HF loads any of it
             out = trainer.train(resume_from_checkpoint=resume, **kwargs)
             ctl = cb.session.control if cb.session else None
             if ctl is None or ctl.relaunch_step is None:

@@ -1,4 +1,4 @@
-"""``checkpoints/step-*/``: listing, sizes, and a re-hash of every file against its manifest's sha256
+"""``checkpoints/step-*/``: listing, sizes, and a re-hash of every file against its manifest's checksum
 (``checksum_ok`` / ``corrupt`` / ``incomplete``), plus ``verified.json`` from ``sentinel
 verify-resume`` (``resume_verified`` / ``failed``). The manifest is judged by the trainer's own
 validator (``contract.checkpoints.check_manifest``): a checkpoint listed ``checksum_ok`` here is one
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sentinel.contract.checkpoints import ManifestError, check_manifest
-from sentinel.contract.fsio import sha256_file
+from sentinel.contract.fsio import checksum_matches
 from sentinel.contract.limits import MAX_COUNT, MAX_TIMELINE
 from sentinel.contract.parsing import finite_or_none
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
@@ -101,8 +101,8 @@ def check_checkpoint(path: Path, *, rehash: bool = True) -> tuple[str, str | Non
         return "unverified", None, manifest
     for name, digest in sorted(files.items()):
         try:
-            if sha256_file(path / name) != digest:
-                return "corrupt", f"{name} fails its sha256 check (corrupt or truncated)", manifest
+            if not checksum_matches(path / name, digest):
+                return "corrupt", f"{name} fails its checksum (corrupt or truncated)", manifest
         except OSError as e:
             return "corrupt", f"{name}: {e.strerror or e}", manifest
     return "checksum_ok", None, manifest

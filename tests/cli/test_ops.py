@@ -147,7 +147,7 @@ def test_checkpoints_verification_states(run_copy):
     st = {c["step"]: c["verified"] for c in out["checkpoints"]}
     assert st == {30: "resume_verified", 20: "corrupt", 10: "incomplete", 0: "checksum_ok"}  # 0: the initial state
     by = {c["step"]: c for c in out["checkpoints"]}
-    assert "sha256" in by[20]["problem"] and by[30]["bytes"] > 0 and by[30]["age_seconds"] >= 0
+    assert "checksum" in by[20]["problem"] and by[30]["bytes"] > 0 and by[30]["age_seconds"] >= 0
     human = cli("checkpoints", str(run_copy))
     assert "corrupt" in human.stdout and "resume_verified" in human.stdout and "incomplete" in human.stdout
     # a corrupt checkpoint is never a rollback target
@@ -649,7 +649,7 @@ def test_views_are_readable_at_80_columns(run_copy):
     for want in ("run", "step", "30", "loss", "val PPL", "grad norm", "ckpt age", "incidents", "guard skips"):
         assert want in status, (want, status)
     ckpts = narrow("checkpoints", d)
-    assert "…" not in ckpts and "corrupt" in ckpts and "sha256" in " ".join(ckpts.split())
+    assert "…" not in ckpts and "corrupt" in ckpts and "checksum" in " ".join(ckpts.split())
     for s in ("10", "20", "30"):
         assert s in ckpts
     skips = narrow("skip-list", d)

@@ -243,7 +243,7 @@ BAD = {
     "not a run dir": (lambda d, c, t: [t, "--from-step", "10"], "is not a run directory"),
     "missing step": (lambda d, c, t: [d, "--from-step", "7"], "no checkpoint at step 7"),
     "no steps after": (lambda d, c, t: [d, "--from-step", "20"], "no steps after checkpoint 20"),
-    "corrupt checkpoint": (lambda d, c, t: [c, "--from-step", "10"], "fails its sha256 check"),
+    "corrupt checkpoint": (lambda d, c, t: [c, "--from-step", "10"], "fails its checksum"),
     "bad checkpoint id": (lambda d, c, t: [d, "--from-step", "ten"], "expected a step number"),
 }
 
@@ -262,7 +262,7 @@ def test_verify_bad_input_subprocess_has_no_traceback(corrupt_run):
     p = subprocess.run([PY, "-m", "sentinel", "verify-resume", str(corrupt_run), "--from-step", "10", "--json"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == ""
-    assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0 and "sha256" in p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.strip().count("\n") == 0 and "checksum" in p.stderr
 
 
 # ------------------------------------------------------------------------------------ 2 ranks

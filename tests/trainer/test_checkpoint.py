@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
@@ -34,7 +35,8 @@ REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # checkpoints at 4,
 
 
 def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
+    """A file's checksum as a manifest records it, computed here independently of the trainer's code."""
+    return "blake3:" + blake3.blake3(p.read_bytes()).hexdigest()
 
 
 def _check_layout(ck: Path, step: int, world_size: int, *, dcp: bool = False) -> dict:
@@ -44,7 +46,7 @@ def _check_layout(ck: Path, step: int, world_size: int, *, dcp: bool = False) ->
     on_disk = {p.relative_to(ck).as_posix() for p in ck.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(man["files"]) == on_disk, "manifest must list every file, and only those"
     for name, digest in man["files"].items():
-        assert _sha(ck / name) == digest, f"{name}: sha256 mismatch"
+        assert _sha(ck / name) == digest, f"{name}: checksum mismatch"
     assert man["bytes"] == sum((ck / n).stat().st_size for n in man["files"])
     expect = {"train_state.json", *(f"rng-rank{r}.pt" for r in range(world_size))}
     expect |= set() if dcp else {"model.pt", "optim.pt"}
@@ -219,7 +221,7 @@ def test_load_torch_refuses_pickled_object(tmp_path):
 
 
 def test_planted_pickle_with_matching_manifest_is_refused(tmp_path, dataset, refs):
-    """A malicious model.pt whose sha256 IS in the manifest passes verification but not weights_only:
+    """A malicious model.pt whose checksum IS in the manifest passes verification but not weights_only:
     no code runs, the checkpoint is reported in one line and the run falls back to the previous one."""
     run = copy_run(refs(*REF12), tmp_path / "run")
     ck = run / "checkpoints" / "step-00000012"
@@ -234,6 +236,23 @@ def test_planted_pickle_with_matching_manifest_is_refused(tmp_path, dataset, ref
     warn = [ln for ln in out.splitlines() if "step-00000012" in ln]
     assert len(warn) == 1 and warn[0].startswith("warning: ") and "weights_only" in warn[0], out
     assert "resumed from checkpoint step 8" in out
+
+
+def test_manifests_of_sha256_checksums_written_before_blake3_still_verify(tmp_path, refs):
+    """Checkpoints saved before BLAKE3 record bare sha256 digests: they verify, and a flipped byte fails."""
+    from sentinel.runfiles.checkpoints import check_checkpoint
+
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    ck = run / "checkpoints" / "step-00000012"
+    man = json.loads((ck / "manifest.json").read_text())
+    man["files"] = {n: hashlib.sha256((ck / n).read_bytes()).hexdigest() for n in man["files"]}
+    (ck / "manifest.json").write_text(json.dumps(man))
+    assert verify(ck)["files"] == man["files"]
+    assert check_checkpoint(ck, rehash=True)[0] == "checksum_ok"
+    _flip_byte(ck / "optim.pt")
+    with pytest.raises(CheckpointError, match="optim.pt fails its checksum"):
+        verify(ck)
+    assert check_checkpoint(ck, rehash=True)[:2] == ("corrupt", "optim.pt fails its checksum (corrupt or truncated)")
 
 
 def _resign(ck: Path) -> None:
@@ -285,6 +304,8 @@ SIGNED_MALFORMED = {
     "nested-json": (lambda ck: (ck / "train_state.json").write_text("[" * 100_000 + "]" * 100_000), "train_state.json is unreadable"),
     "manifest-path-escape": (_edit_json("manifest.json", lambda m: m["files"].update({"../escape": "0" * 64})), "unsafe file name"),
     "manifest-step-mismatch": (_edit_json("manifest.json", lambda m: m.update(step=4)), "manifest names step 4"),
+    "checksum-unknown-algorithm": (_edit_json("manifest.json", lambda m: m["files"].update({"model.pt": "md5:" + "0" * 32})), "manifest files is invalid"),
+    "checksum-short": (_edit_json("manifest.json", lambda m: m["files"].update({"model.pt": "blake3:" + "0" * 63})), "manifest files is invalid"),
     "model-wrong-shape": (_torch_file("model.pt", _reshaped_model), "model.pt"),
     "optim-empty": (_torch_file("optim.pt", lambda ck: {}), "optim.pt is not an optimizer state dict"),
     "rng-garbage": (_torch_file("rng-rank0.pt", lambda ck: {"python": torch.zeros(3)}), "not a valid RNG state"),
@@ -297,7 +318,7 @@ def _tampered(src: Path, dst: Path, case: str) -> Path:
     run = copy_run(src, dst)
     ck = run / "checkpoints" / "step-00000012"
     SIGNED_MALFORMED[case][0](ck)
-    if case not in ("manifest-path-escape", "manifest-step-mismatch"):
+    if not case.startswith(("manifest-", "checksum-")):
         _resign(ck)
     return run
 
