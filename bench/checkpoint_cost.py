@@ -7,7 +7,7 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
 ``--reps`` pairs, printed with the bytes and seconds it is made of:
 
 ``save_vs_raw`` (target >= 0.8)
-    ``Trainer.save_checkpoint()`` (sync; every file written and fsynced, sha256 manifest, directory
+    ``Trainer.save_checkpoint()`` (sync; every file written and fsynced, a manifest of checksums, directory
     fsyncs, atomic rename), against a raw sequential write of the same number of bytes into one file
     of the same directory, plus fsync of the file and the directory. Ratio = raw seconds / save
     seconds (= save throughput / raw throughput). Retention pruning is kept out of both arms (the
@@ -24,11 +24,11 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     (``Trainer.train_step``). Also ``async_snapshot_bytes``: the host memory the copy holds while the
     write runs (every model and optimizer tensor once), and the copy's own seconds on its thread.
 ``load_vs_raw`` (target >= 0.7)
-    ``Trainer.load_checkpoint(step)`` (manifest, sha256 of every file, ``torch.load(weights_only)``,
+    ``Trainer.load_checkpoint(step)`` (manifest, the checksum of every file, ``torch.load(weights_only)``,
     shape checks, restore) against a raw sequential read of the same files. Before each arm the
     files are dropped from the page cache (``posix_fadvise(DONTNEED)``; they are clean, having been
     fsynced), so both read the disk, as a restart on another day would. Also measured in each pair,
-    in memory: sha256 of every byte, and ``torch.load(weights_only=True)`` of the files this rank
+    in memory: the checksum (BLAKE3) of every byte, and ``torch.load(weights_only=True)`` of the files this rank
     restores. The unpickler holds the GIL, so no other core can share that time:
     ``ceiling_ratio_median`` = raw read seconds / deserialisation seconds bounds ``load_vs_raw``
     from above, however reading and hashing are overlapped.
@@ -51,7 +51,6 @@ rollback). On a shared machine a neighbour's burst hits single samples: the medi
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import os
@@ -73,6 +72,14 @@ PY = sys.executable
 TRAIN_STEPS = 3  # steps trained before measuring: Adam's moments exist, the checkpoint has its full size
 TARGETS = {"save_vs_raw": (">=", 0.8), "async_stall_vs_sync": ("<=", 0.10), "rollback_vs_resume": ("<=", 0.5),
            "load_vs_raw": (">=", 0.7)}
+
+
+def _checksum(data: bytes) -> str:
+    from sentinel.contract.fsio import Checksum  # what a checkpoint's files get, as they are written
+
+    h = Checksum()
+    h.update(data)
+    return h.hexdigest()
 
 
 def abba(reps: int) -> list[tuple[str, str]]:
@@ -270,7 +277,7 @@ def measure(t, env, reps: int) -> dict:
     def load():
         assert t.load_checkpoint(step) == step
 
-    # the parts no loader can skip, in memory (no disk): sha256 of every byte, and torch.load(weights_only)
+    # the parts no loader can skip, in memory (no disk): the checksum of every byte, and torch.load(weights_only)
     # of the files this rank restores. The unpickler holds the GIL, so no other core shares its time:
     # raw read / deserialisation bounds load_vs_raw from above, whatever the reading and hashing overlap
     blobs = {p.name: p.read_bytes() for p in files}
@@ -292,11 +299,11 @@ def measure(t, env, reps: int) -> dict:
         b.append(secs["b"])
         ratio.append(secs["b"] / secs["a"])
         deser.append(in_memory(lambda: [torch.load(io.BytesIO(blobs[n]), map_location="cpu", weights_only=True) for n in mine]))
-        hashed.append(in_memory(lambda: [hashlib.sha256(x).digest() for x in blobs.values()]))
+        hashed.append(in_memory(lambda: [_checksum(x) for x in blobs.values()]))
         ceiling.append(secs["b"] / deser[-1])
     out["load_vs_raw"] = summarise(a, b, ratio, bytes=sum(p.stat().st_size for p in files),
                                    arms="a = load_checkpoint (verify + load + restore), b = raw read of the same files",
-                                   sha256_in_memory_seconds_median=statistics.median(hashed),
+                                   checksum_in_memory_seconds_median=statistics.median(hashed),
                                    deserialise_in_memory_seconds_median=statistics.median(deser),
                                    ceiling_ratio_median=statistics.median(ceiling), ceiling_ratios=[round(r, 4) for r in ceiling])
     return out

@@ -26,7 +26,7 @@ from trainer.checkpoint import (
     manifest_digest,
     read_train_state,
     step_dir_name,
-    verify,
+    verify_share,
 )
 from trainer.errors import TrainingError
 from trainer.state import DCP_DIR, TRAIN_STATE, CheckpointState
@@ -130,11 +130,13 @@ class TrainerCheckpoints:
             candidates = list_checkpoints(self.ckpt.root, strays=True)
         self.unloadable = []
         for ck_step, path in candidates:
-            why = None
-            try:
-                loaded = self._read(ck_step, path)
-            except CheckpointError as e:
-                loaded, why = None, str(e)
+            manifest, why = self._verify_together(path)
+            loaded = None
+            if why is None:
+                try:
+                    loaded = self._read(ck_step, path, manifest)
+                except CheckpointError as e:
+                    why = str(e)
             if env.all_ok(why is None):
                 self._restore(loaded, restore_skiplist=restore_skiplist)
                 return ck_step
@@ -145,10 +147,32 @@ class TrainerCheckpoints:
             _log(env, f"warning: checkpoint {why}; falling back to the previous one")
         return None
 
-    def _read(self, step: int, path: Path) -> dict:
-        """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet. The
-        pieces in ``train_state.json`` first: an incompatible run is refused before a big file is read."""
-        manifest = verify(path)
+    def _verify_together(self, path: Path) -> tuple[dict | None, str | None]:
+        """Verify ``path`` (``trainer.checkpoint.verify``): (its manifest, None) if it passed on every
+        rank, else (None or the manifest, why).
+
+        A node's ranks read the same files, so each hashes a share of them (``checksum_share``: on a
+        2-rank node, half the bytes each instead of all of them twice), and no rank loads a file until
+        every rank's share has passed and all saw the same files (names and sizes; a collective).
+        Ranks of other nodes verify their own copy: nothing says two nodes see one file system."""
+        env = self.tr.env
+        share = (env.local_rank, env.local_world_size) if env.distributed else None
+        try:
+            found, why = verify_share(path, share=share), None
+        except CheckpointError as e:
+            found, why = None, str(e)
+        manifest = found.manifest if found else None
+        if not env.distributed:
+            return manifest, why
+        if env.all_ok(why is None, same=found.fingerprint if found else 0):
+            return manifest, None
+        return manifest, why or f"{path.name}: rejected by another rank (a file fails its checksum there, or the ranks see different files)"
+
+    def _read(self, step: int, path: Path, manifest: dict) -> dict:
+        """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after
+        ``_verify_together``). The pieces in ``train_state.json`` first: their checks are the cheapest.
+        The model's and the optimizer's files are mapped, not read (``Piece.maps_file``: their
+        ``load_state_dict`` copies the tensors into the live ones)."""
         ts = read_train_state(path, step)
         pieces = self.state.layout(sharded=(path / DCP_DIR).is_dir())
         read: dict = {}
@@ -158,7 +182,7 @@ class TrainerCheckpoints:
                 piece.check(read[name], path.name)
         for name, piece in pieces.items():
             if piece.file not in (TRAIN_STATE, DCP_DIR):  # DCP reads its shards when loading
-                read[name] = load_torch(path / piece.file)
+                read[name] = load_torch(path / piece.file, mmap=piece.maps_file)
                 piece.check(read[name], path.name)
         return {"path": path, "manifest": manifest, "pieces": [(n, p, read.get(n)) for n, p in pieces.items()]}
 

@@ -17,6 +17,7 @@ class DistEnv:
     world_size: int
     device: torch.device
     control_group: object | None = None  # a gloo group for host-side control traffic (CPU tensors)
+    local_world_size: int = 1  # ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 when the launcher does not say)
 
     @property
     def is_main(self) -> bool:
@@ -30,13 +31,14 @@ class DistEnv:
         if self.distributed:
             dist.barrier(group=self.control_group)
 
-    def all_ok(self, ok: bool) -> bool:
-        """True iff ``ok`` on every rank (a host-side collective, used off the hot path)."""
+    def all_ok(self, ok: bool, *, same: int = 0) -> bool:
+        """True iff ``ok`` on every rank, and every rank passed the same ``same`` (a host-side collective,
+        used off the hot path; ``same``: a fingerprint of what each rank saw, which must agree)."""
         if not self.distributed:
             return ok
-        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        dist.all_reduce(t, group=self.control_group)
-        return int(t.item()) == 0
+        t = torch.tensor([0 if ok else 1, same, -same], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
+        return int(t[0]) == 0 and int(t[1]) == same and int(t[2]) == -same
 
     def broadcast_object(self, obj):
         """Rank 0's ``obj`` on every rank (control decisions)."""
@@ -63,7 +65,9 @@ def init(device_pref: str = "auto") -> DistEnv:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
         # control traffic (directives, checkpoint votes) stays on a CPU gloo group: no device syncs
         control = dist.new_group(backend="gloo") if use_cuda else dist.group.WORLD
-    return DistEnv(rank=rank, local_rank=local, world_size=world, device=device, control_group=control)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+    return DistEnv(rank=rank, local_rank=local, world_size=world, device=device, control_group=control,
+                   local_world_size=max(1, min(local_world, world)))
 
 
 def shutdown() -> None:

@@ -75,19 +75,35 @@ class SkipStepAdamW(torch.optim.Optimizer):
                 p.sub_(step_size * m / denom)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load as torch does, then put each ``step`` count on its parameter's device.
+        """Load as torch does, then give every state tensor memory of its own, on its parameter's device.
 
-        torch moves the moments to the parameter's device but leaves ``step`` where it was loaded
-        (the CPU, from a checkpoint), as its own optimizers count steps on the host. Ours counts on
-        the device (``t.add_(factor)``, no host sync): left on the CPU, the first step after a resume
-        on CUDA failed with "Expected all tensors to be on the same device" (found on an H100 by
-        ``sentinel verify-resume``; CPU runs cannot see it)."""
+        * Where this optimizer already holds a moment of the same shape and dtype (an in-process
+          rollback), the loaded values are copied into it: no fresh memory, and nothing keeps the
+          checkpoint's tensors, which may map its file (``trainer.checkpoint.load_torch(mmap=True)``).
+          Elsewhere a CPU tensor is cloned, for the same reason.
+        * ``step`` goes to its parameter's device. torch moves the moments there but leaves ``step``
+          where it was loaded (the CPU), as its own optimizers count steps on the host. Ours counts on
+          the device (``t.add_(factor)``, no host sync): left on the CPU, the first step after a resume
+          on CUDA failed with "Expected all tensors to be on the same device" (found on an H100 by
+          ``sentinel verify-resume``; CPU runs cannot see it)."""
+        live = {p: dict(st) for p, st in self.state.items()}
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)
-                if st and "step" in st and st["step"].device != p.device:
-                    st["step"] = st["step"].to(p.device)
+                if not st:
+                    continue
+                old = live.get(p, {})
+                for key, v in list(st.items()):
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    o = old.get(key)
+                    if isinstance(o, torch.Tensor) and o.shape == v.shape and o.dtype == v.dtype and o.device == p.device:
+                        st[key] = o.copy_(v)
+                    elif v.device != p.device:
+                        st[key] = v.to(p.device)
+                    else:
+                        st[key] = v.clone()
 
     def _init_state(self, p: torch.Tensor) -> dict:
         st = self.state[p]

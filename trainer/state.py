@@ -42,6 +42,9 @@ class Piece:
     file = TRAIN_STATE
     keys: tuple[str, ...] = ()
     per_rank = False  # every rank writes its own file (else rank 0 writes the one copy)
+    # its file is loaded with ``mmap`` (no read into fresh memory): ``load_state_dict`` must then copy
+    # every tensor into live memory, keeping none that maps the checkpoint file
+    maps_file = False
 
     def __init__(self, tr) -> None:
         self.tr = tr
@@ -58,6 +61,7 @@ class Piece:
 
 class ModelPiece(Piece):
     file = "model.pt"
+    maps_file = True  # ``Module.load_state_dict`` copies into the parameters
 
     def state_dict(self) -> dict:
         return self.tr.raw_model.state_dict()  # the live tensors: an async save copies them itself
@@ -71,6 +75,7 @@ class ModelPiece(Piece):
 
 class OptimizerPiece(Piece):
     file = "optim.pt"
+    maps_file = True  # ``SkipStepAdamW.load_state_dict`` copies into its moments (or makes private copies)
 
     def state_dict(self) -> dict:
         return self.tr.opt.state_dict()

@@ -309,7 +309,7 @@ SIGNED_MALFORMED = {
     "model-wrong-shape": (_torch_file("model.pt", _reshaped_model), "model.pt"),
     "optim-empty": (_torch_file("optim.pt", lambda ck: {}), "optim.pt is not an optimizer state dict"),
     "rng-garbage": (_torch_file("rng-rank0.pt", lambda ck: {"python": torch.zeros(3)}), "not a valid RNG state"),
-    "model-not-torch": (lambda ck: (ck / "model.pt").write_bytes(b"not a zip"), "model.pt refused by torch.load"),
+    "model-not-torch": (lambda ck: (ck / "model.pt").write_bytes(b"not a zip"), "model.pt is not a readable torch file"),
     "optim-truncated-zip": (lambda ck: (ck / "optim.pt").write_bytes((ck / "optim.pt").read_bytes()[:4096]), "optim.pt is not a readable torch file"),
 }
 
@@ -341,6 +341,36 @@ def test_signed_but_malformed_checkpoint_is_rejected_in_one_line(tmp_path, datas
     assert SIGNED_MALFORMED[case][1] in logged[0], logged[0]
     with pytest.raises(CheckpointError):
         tr.load_checkpoint(12)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
+def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs):
+    """model.pt and optim.pt are loaded with mmap: every tensor is copied out (into the live model and
+    moments on a rollback, into private memory on a cold resume), so no checkpoint file stays mapped
+    (retention could not free its disk space) and the values are exactly the file's."""
+    import trainer.train as train_mod
+    from trainer.config import load_yaml, resolve
+    from trainer.dist import DistEnv
+
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    cfg = resolve(preset=None, config_file=None, saved=load_yaml(run / "config.yaml"), overrides={"data.dir": str(dataset)})
+    tr = train_mod.Trainer(cfg, run, DistEnv(0, 0, 1, torch.device("cpu")), offline=True)
+
+    def mapped() -> list[str]:
+        return [ln for ln in Path("/proc/self/maps").read_text().splitlines() if str(run / "checkpoints") in ln]
+
+    assert tr.load_checkpoint(12) == 12 and tr.opt.state.get(next(tr.raw_model.parameters())) is not None
+    assert mapped() == [], "a cold load left a checkpoint file mapped"
+    moments = {id(v) for st in tr.opt.state.values() for v in st.values()}
+    assert tr.load_checkpoint(8) == 8, "the rollback case: the moments exist already"
+    assert mapped() == [], "an in-process load left a checkpoint file mapped"
+    assert {id(v) for st in tr.opt.state.values() for v in st.values()} == moments, "copied into the live moments"
+    ck = run / "checkpoints" / "step-00000008"
+    for name, want in load_torch(ck / "model.pt").items():
+        assert torch.equal(tr.raw_model.state_dict()[name], want), name
+    saved = load_torch(ck / "optim.pt")["state"]
+    live = tr.opt.state_dict()["state"]
+    assert saved.keys() == live.keys() and all(torch.equal(live[i][k], v) for i in saved for k, v in saved[i].items())
 
 
 @pytest.mark.parametrize("case", ["model-dropped-from-manifest", "negative-step", "model-wrong-shape"])
@@ -481,3 +511,52 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
     saved = load_torch(path / "model.pt")
     assert saved.keys() == expect.keys() and all(torch.equal(saved[k], expect[k]) for k in expect)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+SHARES = {  # sizes by name -> what each of 2 ranks hashes (largest first, to the rank with fewer bytes)
+    "ddp-checkpoint": ({"optim.pt": 26, "model.pt": 13, "rng-rank0.pt": 1, "rng-rank1.pt": 1, "train_state.json": 1},
+                       [["optim.pt"], ["model.pt", "rng-rank0.pt", "rng-rank1.pt", "train_state.json"]]),
+    "equal-sizes": ({"a": 5, "b": 5, "c": 5, "d": 5}, [["a", "c"], ["b", "d"]]),
+    "fewer-files-than-ranks": ({"only": 7}, [["only"], []]),
+    "empty-files": ({"x": 0, "y": 0}, [["x"], ["y"]]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHARES))
+def test_checksum_shares_cover_every_file_once(case):
+    from trainer.checkpoint import checksum_share
+
+    sizes, want = SHARES[case]
+    names = sorted(sizes)
+    got = [checksum_share(names, [sizes[n] for n in names], i, 2) for i in range(2)]
+    assert [sorted(g) for g in got] == want
+    assert sorted(n for g in got for n in g) == names
+    assert checksum_share(names, [sizes[n] for n in names], 0, 1) == sorted(names, key=lambda n: (-sizes[n], n))
+
+
+def _all_ok_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.dist import DistEnv
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    env = DistEnv(rank, rank, 2, torch.device("cpu"), dist.group.WORLD, local_world_size=2)
+    got = [env.all_ok(True, same=7), env.all_ok(rank == 0, same=7), env.all_ok(True, same=7 + rank),
+           env.all_ok(True, same=2**62 + 5)]
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}").write_text(json.dumps(got))
+
+
+def test_all_ok_needs_every_rank_ok_and_the_same_fingerprint(tmp_path):
+    """The vote a shared checkpoint verification ends with: one failed share, or ranks that saw
+    different files (another fingerprint), fail it on every rank."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp.spawn(_all_ok_worker, args=(port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}").read_text()) == [True, False, False, True]
