@@ -12,7 +12,7 @@ def capture() -> dict:
     py_version, py_state, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     out = {
-        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": py_gauss},
+        "python": {"version": py_version, "state": torch.from_numpy(np.array(py_state, dtype=np.int64)), "gauss": py_gauss},
         "numpy": {
             "kind": np_kind,
             "keys": torch.from_numpy(np_keys.astype(np.int64)),

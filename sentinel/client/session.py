@@ -325,7 +325,7 @@ class RunSession:
 
     def checkpoint_saved(self, step: int, path: str | os.PathLike, *, seconds: float = 0.0) -> None:
         """The framework finished writing checkpoint ``step`` at ``path`` (any directory of files): a
-        manifest (sha256 per file) when it has none, a ``RUN_DIR/checkpoints/step-N`` link to it, and its
+        manifest (a checksum per file) when it has none, a ``RUN_DIR/checkpoints/step-N`` link to it, and its
         ``CheckpointInfo`` on the bus: from now on a rollback may go there. Rank 0 only (others return)."""
         if not self.is_main:
             return
