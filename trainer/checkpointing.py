@@ -60,11 +60,11 @@ class TrainerCheckpoints:
     def save(self) -> None:
         tr = self.tr
         tr._flush_readback()
-        async_save = tr.cfg.checkpoint.async_save
-        shared, per_rank = self.state.files(defer=async_save and not self.state.sharded)
+        shared, per_rank = self.state.files()
         ts = shared[TRAIN_STATE]
         meta = {k: ts[k] for k in ("run", "timeline", "tokens", "dataset_fingerprint")}
         dcp_writer = dcp_async_writer = None
+        async_save = tr.cfg.checkpoint.async_save
         if self.state.sharded:  # FSDP2: DCP writes this rank's shards
             sharded = self.state.states["model_optimizer"].state_dict()
             from torch.distributed.checkpoint import save as dcp_save

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import rng
-from trainer.checkpoint import Deferred, check_optimizer_state, check_rng, check_tensors
+from trainer.checkpoint import check_optimizer_state, check_rng, check_tensors
 from trainer.errors import TrainingError
 
 TRAIN_STATE = "train_state.json"
@@ -45,9 +45,6 @@ class Piece:
     # its file is loaded with ``mmap`` (no read into fresh memory): ``load_state_dict`` must then copy
     # every tensor into live memory, keeping none that maps the checkpoint file
     maps_file = False
-    # an async save may take its ``state_dict`` on the save's thread, before the fence (``Deferred``):
-    # nothing but the optimizer step changes what it returns
-    deferrable = False
 
     def __init__(self, tr) -> None:
         self.tr = tr
@@ -65,7 +62,6 @@ class Piece:
 class ModelPiece(Piece):
     file = "model.pt"
     maps_file = True  # ``Module.load_state_dict`` copies into the parameters
-    deferrable = True  # parameters and buffers: no forward or backward of ours changes them
 
     def state_dict(self) -> dict:
         return self.tr.raw_model.state_dict()  # the live tensors: an async save copies them itself
@@ -269,14 +265,12 @@ class CheckpointState:
                 out.update(piece.state_dict())
         return out
 
-    def files(self, *, defer: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    def files(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a save writes, by file name: (rank 0's files, this rank's own files); the tensors are the
-        live ones. Not the FSDP2 shards (``states["model_optimizer"]``): DCP writes those itself.
-        ``defer`` (an async save): a ``deferrable`` piece's state dict is left for the save's thread."""
+        live ones. Not the FSDP2 shards (``states["model_optimizer"]``): DCP writes those itself."""
         shared: dict[str, Any] = {TRAIN_STATE: self.train_state()}
         per_rank: dict[str, Any] = {}
         for piece in self.states.values():
             if piece.file not in (TRAIN_STATE, DCP_DIR):
-                sd = Deferred(piece.state_dict) if defer and piece.deferrable else piece.state_dict()
-                (per_rank if piece.per_rank else shared)[piece.file] = sd
+                (per_rank if piece.per_rank else shared)[piece.file] = piece.state_dict()
         return shared, per_rank

@@ -490,16 +490,13 @@ def _direct_checkpointer(run_dir: Path):
 def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, async_save):
     """The manifest's checksums (computed from the bytes as they were written) match the files on disk,
     for tensors large enough to be hashed on the other thread and for small writes gathered together.
-    An async save is handed the live tensors, the model's state dict still to be taken (``Deferred``, on
-    the save's thread): once ``fence()`` returns, changing them in place (what the optimizer step does)
-    must not reach the checkpoint."""
-    from trainer.checkpoint import Deferred
-
+    An async save is handed the live tensors: once ``fence()`` returns, changing them in place (what the
+    optimizer step does) must not reach the checkpoint."""
     ck = _direct_checkpointer(tmp_path)
     big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it
     small = {f"w{i}": torch.full((7,), float(i)) for i in range(50)}  # many small records
     expect = {"big": big.clone(), **{k: v.clone() for k, v in small.items()}}
-    ck.save(5, shared={"model.pt": Deferred(lambda: {"big": big, **small}), "train_state.json": {"step": 5}},
+    ck.save(5, shared={"model.pt": {"big": big, **small}, "train_state.json": {"step": 5}},
             per_rank={"rng-rank0.pt": {"torch": torch.get_rng_state()}}, meta={"run": "t"}, async_save=async_save)
     ck.fence()
     big.add_(1.0)  # the optimizer step, right after the fence
