@@ -375,6 +375,9 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
     def newest_step(timeline=None):
         return next((x for x in reversed(tail.poll()) if x.get("kind") == "step" and timeline in (None, x["timeline"])), None)
 
+    def first_step(timeline):  # not the newest: a tiny model may have trained two steps by the time we look
+        return next((x for x in tail.poll() if x.get("kind") == "step" and x["timeline"] == timeline), None)
+
     a, b, ratio = [], [], []
     paused = False
     try:
@@ -392,7 +395,7 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
                     tl = newest_step()["timeline"]
                     wait_for(lambda tl=tl: (newest_step(tl) or {}).get("step", 0) >= target + 2, 60, "live steps", proc, log)
                     t_sent = send("rollback", to_step=target)
-                    first_after = wait_for(lambda tl=tl: newest_step(tl + 1), 60, "the first step after the rollback", proc, log)
+                    first_after = wait_for(lambda tl=tl: first_step(tl + 1), 60, "the first step after the rollback", proc, log)
                     recs = tail.poll()
                     i = next(k for k, x in enumerate(recs) if x.get("kind") == "rollback" and x.get("timeline") == tl + 1)
                     before = [x for x in recs[:i] if x.get("kind") == "step"]

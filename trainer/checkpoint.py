@@ -335,6 +335,14 @@ def check_rng(saved: Any, what: str) -> None:
         raise CheckpointError(f"{what} is not a valid RNG state") from None
 
 
+def _read_mark(path: Path) -> str | None:
+    """What an async save's ``.done-rankN`` marker says (``ok`` / ``fail``), or None while it is absent."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
 class Checkpointer:
     """Saves and finds checkpoints for one rank. Collective calls go through ``barrier``/``all_ok``
     (supplied by the trainer) so this module stays testable without a process group."""
@@ -493,9 +501,14 @@ class Checkpointer:
                     finally:
                         self._snapshot_taken.set()
                     written = self._write_files(tmp, shared, per_rank)
-                    (tmp / f".done-rank{self.rank}").write_text("fail" if written is None else "ok")
+                    mark = tmp / f".done-rank{self.rank}"
+                    part = tmp / f".part-done-rank{self.rank}"
+                    part.write_text("fail" if written is None else "ok")
+                    os.replace(part, mark)  # whole or absent: rank 0 never reads a marker half written
                     if self.rank == 0:
                         info = self._finalize_when_ranks_done(tmp, step, meta, written or {})
+                        if info is None and written is not None:  # else _write_files said why
+                            self.log(f"warning: async checkpoint step {step} failed: {self.last_error}")
                         if on_done:
                             on_done(info is not None, time.time() - t0, info[1] if info else 0, info[0] if info else None)
                 except BaseException as e:  # surfaced by wait()
@@ -558,15 +571,15 @@ class Checkpointer:
         deadline = time.time() + timeout
         while time.time() < deadline:
             marks = [tmp / f".done-rank{r}" for r in range(self.world_size)]
-            if all(m.exists() for m in marks):
-                if all(m.read_text() == "ok" for m in marks):
+            said = [_read_mark(m) for m in marks]
+            if all(x in ("ok", "fail") for x in said):  # anything else: not written yet
+                if all(x == "ok" for x in said):
                     for m in marks:
                         m.unlink()
                     return self._finalize(tmp, step, meta, written)
                 break
             time.sleep(0.05)
-        own = tmp / f".done-rank{self.rank}"
-        if not (own.exists() and own.read_text() == "fail"):  # else _write_files said why
+        if _read_mark(tmp / f".done-rank{self.rank}") != "fail":  # else _write_files said why
             self.last_error = "a write failed on another rank" if all(m.exists() for m in marks) else "timed out waiting for the other ranks"
         shutil.rmtree(tmp, ignore_errors=True)
         return None

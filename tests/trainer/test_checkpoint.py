@@ -13,6 +13,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import blake3
@@ -28,7 +29,7 @@ from tests.helpers.trainer import (
     records,
     run_trainer,
 )
-from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
+from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify, write_json
 
 COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
 REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # checkpoints at 4, 8, 12
@@ -560,3 +561,30 @@ def test_all_ok_needs_every_rank_ok_and_the_same_fingerprint(tmp_path):
     tmp.spawn(_all_ok_worker, args=(port, str(tmp_path)), nprocs=2)
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}").read_text()) == [True, False, False, True]
+
+
+def test_async_finalize_waits_for_a_rank_marker_being_written(tmp_path):
+    """Rank 0 of an async save commits once every rank's ``.done-rankN`` says ``ok``. A marker seen
+    between its creation and its content (empty) is not yet an answer: reading it as a failure lost a
+    checkpoint of a 2-rank bench run, now and then."""
+    import threading
+
+    from trainer.checkpoint import Checkpointer
+
+    logged: list[str] = []
+    ck = Checkpointer(tmp_path, rank=0, world_size=2, keep_last=10, keep_every=0, barrier=lambda: None,
+                      all_ok=lambda ok: ok, log=logged.append)
+    tmp = ck.root / ".tmp-step-00000007.1"
+    tmp.mkdir(parents=True)
+    written = {"train_state.json": write_json(tmp / "train_state.json", {"step": 7}, sync=False)}
+    (tmp / ".done-rank0").write_text("ok")
+    (tmp / ".done-rank1").write_text("")  # created, not yet written
+
+    def finish():
+        time.sleep(0.2)
+        (tmp / ".done-rank1").write_text("ok")
+
+    threading.Thread(target=finish).start()
+    info = ck._finalize_when_ranks_done(tmp, 7, {"run": "t"}, written, timeout=10.0)
+    assert info is not None and info[0].name == "step-00000007", (info, ck.last_error, logged)
+    assert not list(info[0].glob(".done-rank*")) and not tmp.exists()
