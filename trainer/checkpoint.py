@@ -14,7 +14,11 @@ directory durable, and renames the directory into place (then fsyncs its parent)
 temporary directory is fsynced before it. The fsyncs, the manifest's included, run concurrently (the
 file system commits them together: one journal round trip for all the files, not one per file;
 bench/checkpoint_cost.py measured 7 sequential fsyncs as two thirds of a small checkpoint's save).
-Loading verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a file.
+Loading verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a file. The ranks
+of one node share that work (``checksum_share``: each hashes part of the files) and vote on the result,
+with a fingerprint of the files each saw, before any of them loads a file
+(``trainer.checkpointing.TrainerCheckpoints.load``). The model's and the optimizer's files are then
+mapped (``load_torch(mmap=True)``) and copied into the live tensors.
 
 Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
 first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the

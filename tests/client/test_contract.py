@@ -92,3 +92,40 @@ def test_range_helpers():
     assert intersect_ranges([(0, 10), (20, 30)], [(5, 25)]) == [(5, 10), (20, 25)]
     assert valid_ranges(json.loads('[[1, 2], [3, 2], ["a", 5], [true, 4], [4, 9], 7]')) == [(1, 2), (4, 9)]
     assert valid_ranges("nope") == []
+
+
+def _digests(data: bytes) -> dict[str, str]:
+    import hashlib
+
+    import blake3
+
+    return {"blake3": "blake3:" + blake3.blake3(data).hexdigest(), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+CHECKSUMS = {  # what a manifest records -> whether the file (b"checkpoint bytes") matches it
+    "blake3": (lambda d: d["blake3"], True),
+    "sha256, written before BLAKE3": (lambda d: d["sha256"], True),
+    "blake3 of other bytes": (lambda d: _digests(b"other")["blake3"], False),
+    "sha256 of other bytes": (lambda d: _digests(b"other")["sha256"], False),
+    "blake3 digest under no prefix": (lambda d: d["blake3"].split(":")[1], False),
+    "empty": (lambda d: "", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKSUMS))
+def test_one_file_checksum_in_both_forms(tmp_path, case):
+    """The checksum a manifest records, in the contract once: BLAKE3 (``blake3:<hex>``) for what is
+    written now, bare sha256 for manifests written before; the recorded value says which to compute."""
+    from sentinel.contract.fsio import Checksum, checksum_matches, file_checksum
+
+    data = b"checkpoint bytes"
+    f = tmp_path / "model.pt"
+    f.write_bytes(data)
+    want = _digests(data)
+    h = Checksum()
+    h.update(data[:5])
+    h.update(memoryview(data)[5:])
+    assert file_checksum(f) == h.hexdigest() == want["blake3"]
+    assert file_checksum(f, like=want["sha256"]) == want["sha256"]
+    recorded, matches = CHECKSUMS[case]
+    assert checksum_matches(f, recorded(want)) is matches
