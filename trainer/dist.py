@@ -65,7 +65,10 @@ def init(device_pref: str = "auto") -> DistEnv:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
         # control traffic (directives, checkpoint votes) stays on a CPU gloo group: no device syncs
         control = dist.new_group(backend="gloo") if use_cuda else dist.group.WORLD
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+    try:  # only an optimisation rests on it (a node's ranks share the checksums of a load): 1 when unknown
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+    except ValueError:
+        local_world = 1
     return DistEnv(rank=rank, local_rank=local, world_size=world, device=device, control_group=control,
                    local_world_size=max(1, min(local_world, world)))
 
