@@ -485,7 +485,7 @@ def fit(trainer: Trainer, model: LightningModule, *args: Any, ckpt_path: str | N
     cb = next((c for c in trainer.callbacks if isinstance(c, SentinelCallback)), None)
     if cb is not None and ckpt_path is None:
         ckpt_path = cb.pending_checkpoint()
-    kwargs.setdefault("weights_only", True)  # and the sha256 manifest is checked first (a rollback's target)
+    kwargs.setdefault("weights_only", True)  # and the manifest's checksums are checked first (a rollback's target)
     while True:
         if cb is not None and ckpt_path is not None:
             verify_checkpoint(Path(ckpt_path).parent)
