@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import hmac
 import json
 import os
 import pickle
@@ -53,7 +52,7 @@ from sentinel.contract.checkpoints import (
     first_error,
     manifest_digest,  # noqa: F401  (re-exported)
 )
-from sentinel.contract.fsio import file_checksum, sha256_file  # noqa: F401  (sha256_file: re-exported)
+from sentinel.contract.fsio import checksum_matches, file_checksum, sha256_file  # noqa: F401  (sha256_file: re-exported)
 from sentinel.contract.fsio import fsync_dir as _fsync  # by name: a file's data, or a directory's names
 from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
@@ -163,37 +162,28 @@ def checksum_share(names: list[str], sizes: list[int], index: int, count: int) -
     return mine
 
 
-def files_fingerprint(path: Path, names: list[str]) -> int:
+def files_fingerprint(names: list[str], sizes: list[int]) -> int:
     """63 bits naming the files a rank sees (names and sizes): ranks that verify a share each must see
     the same files, or one rank's check would vouch for a file another rank reads."""
-    text = "\n".join(f"{n}\t{(path / n).stat().st_size}" for n in sorted(names))
+    text = "\n".join(f"{n}\t{size}" for n, size in sorted(zip(names, sizes)))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
 
-@dataclass
-class Verified:
-    """What ``verify`` found: the manifest (as parsed JSON) and, with a share, the fingerprint of the files."""
-
-    manifest: dict
-    fingerprint: int = 0
-
-
-def verify(path: Path, *, share: tuple[int, int] | None = None) -> dict:
+def verify(path: Path) -> dict:
     """Check a checkpoint directory against its manifest; return the manifest or raise CheckpointError.
 
     Valid means: a well-formed manifest naming this step, listing every file the step needs
     (``sentinel.contract.checkpoints.check_manifest``), each present with a matching checksum, and a
     ``train_state.json`` that passes its strict schema. Checksums run before any parsing of the
-    files they cover, and nothing here unpickles anything.
-
-    ``share=(index, count)``: hash only this rank's share of the files (``checksum_share``); the
-    caller must combine every rank's verdict, and check that they all saw the same files, before any
-    file is loaded (``trainer.checkpointing.TrainerCheckpoints.load``). Everything else is checked in full."""
-    return verify_share(path, share=share).manifest
+    files they cover, and nothing here unpickles anything."""
+    return verify_share(path)[0]
 
 
-def verify_share(path: Path, *, share: tuple[int, int] | None = None) -> Verified:
-    """``verify``, returning the fingerprint of the files too (with a ``share``)."""
+def verify_share(path: Path, share: tuple[int, int] | None = None) -> tuple[dict, int]:
+    """``verify``, hashing only this rank's share of the files with ``share=(index, count)``
+    (``checksum_share``); returns the manifest and the fingerprint of the files seen (0 without a
+    share). The caller combines every rank's verdict, and checks that all saw the same files, before
+    any file is loaded (``trainer.checkpointing.TrainerCheckpoints.load``). The rest is checked in full."""
     if not path.is_dir():
         what = "a dangling link" if os.path.islink(path) and not path.exists() else "a file, not a directory"
         raise CheckpointError(f"{path.name}: is {what} (not a checkpoint)")
@@ -213,19 +203,21 @@ def verify_share(path: Path, *, share: tuple[int, int] | None = None) -> Verifie
     names = sorted(files)
     fingerprint = 0
     if share is not None:
-        fingerprint = files_fingerprint(path, names)
-        if share[1] > 1:
-            names = checksum_share(names, [(path / n).stat().st_size for n in names], *share)
+        sizes = [(path / n).stat().st_size for n in names]
+        fingerprint = files_fingerprint(names, sizes)
+        index, count = share
+        if 0 <= index < count and count > 1:  # else (one rank, or a launcher's odd local rank): every file
+            names = checksum_share(names, sizes, index, count)
     if names:
         with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:  # hashing releases the GIL: one file per core
-            digests = list(pool.map(lambda n: file_checksum(path / n, like=files[n]), names))
-        for name, digest in zip(names, digests):
-            if not hmac.compare_digest(digest, files[name]):
+            ok = list(pool.map(lambda n: checksum_matches(path / n, files[n]), names))
+        for name, good in zip(names, ok):
+            if not good:
                 raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupt or truncated)")
     state = read_train_state(path, manifest.step)
     if state["world_size"] != manifest.world_size:
         raise CheckpointError(f"{path.name}: train_state.json world_size {state['world_size']} differs from the manifest's {manifest.world_size}")
-    return Verified(raw, fingerprint)
+    return raw, fingerprint
 
 
 def read_train_state(path: Path, step: int | None = None) -> dict:

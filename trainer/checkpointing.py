@@ -26,6 +26,7 @@ from trainer.checkpoint import (
     manifest_digest,
     read_train_state,
     step_dir_name,
+    verify,
     verify_share,
 )
 from trainer.errors import TrainingError
@@ -149,24 +150,26 @@ class TrainerCheckpoints:
 
     def _verify_together(self, path: Path) -> tuple[dict | None, str | None]:
         """Verify ``path`` (``trainer.checkpoint.verify``): (its manifest, None) if it passed on every
-        rank, else (None or the manifest, why).
+        rank, else (None, why).
 
         A node's ranks read the same files, so each hashes a share of them (``checksum_share``: on a
         2-rank node, half the bytes each instead of all of them twice), and no rank loads a file until
         every rank's share has passed and all saw the same files (names and sizes; a collective).
         Ranks of other nodes verify their own copy: nothing says two nodes see one file system."""
         env = self.tr.env
-        share = (env.local_rank, env.local_world_size) if env.distributed else None
-        try:
-            found, why = verify_share(path, share=share), None
-        except CheckpointError as e:
-            found, why = None, str(e)
-        manifest = found.manifest if found else None
         if not env.distributed:
-            return manifest, why
-        if env.all_ok(why is None, same=found.fingerprint if found else 0):
+            try:
+                return verify(path), None
+            except CheckpointError as e:
+                return None, str(e)
+        manifest, fingerprint, why = None, 0, None
+        try:
+            manifest, fingerprint = verify_share(path, (env.local_rank, env.local_world_size))
+        except CheckpointError as e:
+            why = str(e)
+        if env.all_ok(why is None, same=fingerprint):
             return manifest, None
-        return manifest, why or f"{path.name}: rejected by another rank (a file fails its checksum there, or the ranks see different files)"
+        return None, why or f"{path.name}: rejected by another rank (a file fails its checksum there, or the ranks see different files)"
 
     def _read(self, step: int, path: Path, manifest: dict) -> dict:
         """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after

@@ -588,3 +588,22 @@ def test_async_finalize_waits_for_a_rank_marker_being_written(tmp_path):
     info = ck._finalize_when_ranks_done(tmp, 7, {"run": "t"}, written, timeout=10.0)
     assert info is not None and info[0].name == "step-00000007", (info, ck.last_error, logged)
     assert not list(info[0].glob(".done-rank*")) and not tmp.exists()
+
+
+@pytest.mark.parametrize("share, catches", [(None, True), ((0, 1), True), ((1, 1), True), ((5, 2), True),
+                                            ((0, 2), True), ((1, 2), False)])
+def test_a_share_hashes_its_files_and_an_odd_local_rank_hashes_all(tmp_path, refs, share, catches):
+    """``verify_share``: with 2 ranks, the rank holding the biggest file (optim.pt) catches its
+    corruption and the other does not read it; a lone rank, or a local rank the launcher numbered past
+    the node's count, hashes every file (never none)."""
+    from trainer.checkpoint import verify_share
+
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    path = run / "checkpoints" / "step-00000012"
+    _flip_byte(path / "optim.pt")
+    if catches:
+        with pytest.raises(CheckpointError, match="optim.pt fails its checksum"):
+            verify_share(path, share)
+    else:
+        manifest, fingerprint = verify_share(path, share)
+        assert manifest["step"] == 12 and fingerprint > 0
