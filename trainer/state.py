@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import rng
-from trainer.checkpoint import check_optimizer_state, check_rng, check_tensors
+from trainer.checkpoint_checks import check_optimizer_state, check_rng, check_tensors
 from trainer.errors import TrainingError
 
 TRAIN_STATE = "train_state.json"
