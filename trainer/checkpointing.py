@@ -61,7 +61,7 @@ class TrainerCheckpoints:
     def save(self) -> None:
         tr = self.tr
         tr._flush_readback()
-        shared, per_rank = self.state.files()
+        shared, per_rank = self.state.files(shared_files=tr.env.is_main)  # only rank 0 writes the shared files
         ts = shared[TRAIN_STATE]
         meta = {k: ts[k] for k in ("run", "timeline", "tokens", "dataset_fingerprint")}
         dcp_writer = dcp_async_writer = None

@@ -265,12 +265,13 @@ class CheckpointState:
                 out.update(piece.state_dict())
         return out
 
-    def files(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def files(self, *, shared_files: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a save writes, by file name: (rank 0's files, this rank's own files); the tensors are the
-        live ones. Not the FSDP2 shards (``states["model_optimizer"]``): DCP writes those itself."""
+        live ones. Not the FSDP2 shards (``states["model_optimizer"]``): DCP writes those itself.
+        ``shared_files=False`` (a rank other than 0, which writes none of them): only ``train_state.json``."""
         shared: dict[str, Any] = {TRAIN_STATE: self.train_state()}
         per_rank: dict[str, Any] = {}
         for piece in self.states.values():
-            if piece.file not in (TRAIN_STATE, DCP_DIR):
+            if piece.file not in (TRAIN_STATE, DCP_DIR) and (piece.per_rank or shared_files):
                 (per_rank if piece.per_rank else shared)[piece.file] = piece.state_dict()
         return shared, per_rank

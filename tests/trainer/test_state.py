@@ -89,6 +89,8 @@ def test_the_pieces_are_exactly_train_state_json_and_the_checkpoint_files(traine
     assert ts.step == ts.scheduler.step == a.state.step == 1 and ts.skiplist == [[5, 9]]
     shared, per_rank = st.files()
     assert sorted(shared) == ["model.pt", "optim.pt", TRAIN_STATE] and list(per_rank) == ["rng-rank0.pt"]
+    shared, per_rank = st.files(shared_files=False)  # a rank other than 0 builds no model/optimizer state
+    assert list(shared) == [TRAIN_STATE] and list(per_rank) == ["rng-rank0.pt"]
     assert list(st.layout(sharded=True))[0] == "model_optimizer" and "model" not in st.layout(sharded=True)
 
 
