@@ -295,11 +295,13 @@ class Checkpointer:
         barrier: Callable[[], None],
         all_ok: Callable[[bool], bool],
         log: Callable[[str], None] = print,
+        idle_writer: bool = False,
     ):
         self.root = Path(run_dir) / "checkpoints"
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.barrier, self.all_ok, self.log = barrier, all_ok, log
+        self.idle_writer = idle_writer  # the async save's thread runs at SCHED_IDLE (checkpoint.async_priority)
         # async saves run one at a time on one long-lived thread: starting a thread per save waited for it
         # to boot (~45 us of the loop's time); a queue hand-over is ~4 us
         self._jobs: queue.SimpleQueue | None = None
@@ -492,6 +494,9 @@ class Checkpointer:
         self._jobs.put(job)
 
     def _run_jobs(self, jobs: queue.SimpleQueue) -> None:
+        if self.idle_writer:  # this thread only (Linux schedules threads); the hashing threads it starts inherit it
+            with contextlib.suppress(AttributeError, OSError):  # not Linux: normal priority
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while True:
             job = jobs.get()
             try:

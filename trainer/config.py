@@ -109,6 +109,13 @@ class CheckpointConfig(_Strict):
         "retention treats it like any other checkpoint",
     )
     async_save: bool = False
+    async_priority: Literal["idle", "normal"] = Field(
+        "idle", description="the CPU priority of an async save's thread (Linux). idle: SCHED_IDLE, it runs on what "
+        "training leaves free, so the next collective does not wait for a rank it displaced (docs/benchmarks/"
+        "checkpoint-cost.md); a save still finishes, at the latest when the loop waits for it at the next save or at "
+        "exit. normal: for nodes whose training keeps every core busy (CPU training), where an idle save would "
+        "finish only then",
+    )
     max_age_steps: int = Field(
         0, ge=0, description="when saves fail, stop (non-zero exit) once the newest valid checkpoint is more than N "
         "steps old; 0: the save interval (one failed save is retried at the next interval)",

@@ -13,6 +13,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -480,20 +481,21 @@ def test_deterministic_mode_turns_off_the_fused_attention_kernels_on_cuda_only(n
     assert b.math_sdp_enabled()
 
 
-def _direct_checkpointer(run_dir: Path):
+def _direct_checkpointer(run_dir: Path, **kw):
     from trainer.checkpoint import Checkpointer
 
     return Checkpointer(run_dir, rank=0, world_size=1, keep_last=10, keep_every=0, barrier=lambda: None,
-                        all_ok=lambda ok: ok, log=lambda m: None)
+                        all_ok=lambda ok: ok, log=lambda m: None, **kw)
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, async_save):
+@pytest.mark.parametrize("async_save,idle", [(False, False), (True, False), (True, True)], ids=["sync", "async", "async-idle"])
+def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, async_save, idle):
     """The manifest's checksums (computed from the bytes as they were written) match the files on disk,
     for tensors large enough to be hashed on the other thread and for small writes gathered together.
     An async save is handed the live tensors: once ``fence()`` returns, changing them in place (what the
-    optimizer step does) must not reach the checkpoint."""
-    ck = _direct_checkpointer(tmp_path)
+    optimizer step does) must not reach the checkpoint. With ``idle_writer`` (checkpoint.async_priority:
+    idle) the save's thread runs at SCHED_IDLE and still finishes."""
+    ck = _direct_checkpointer(tmp_path, idle_writer=idle)
     big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it
     small = {f"w{i}": torch.full((7,), float(i)) for i in range(50)}  # many small records
     expect = {"big": big.clone(), **{k: v.clone() for k, v in small.items()}}
@@ -512,6 +514,26 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
     saved = load_torch(path / "model.pt")
     assert saved.keys() == expect.keys() and all(torch.equal(saved[k], expect[k]) for k in expect)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    if async_save:  # one long-lived thread runs every async save, at the priority asked for
+        writers = [t for t in threading.enumerate() if t.name == "ckpt-writer" and t.native_id is not None]
+        policies = {os.sched_getscheduler(t.native_id) for t in writers}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the loop's thread keeps its own
+        assert (os.SCHED_IDLE in policies) if idle else (os.SCHED_OTHER in policies)
+
+
+def test_the_async_writer_thread_survives_a_failed_save_and_runs_the_next(tmp_path):
+    """An async save that raises past its own handling is reported once by ``wait()``; the one writer
+    thread lives on, so the next async save is written (not queued behind a dead thread forever)."""
+    logged = []
+    ck = _direct_checkpointer(tmp_path)
+    ck.log = logged.append
+    ck._submit(lambda: 1 / 0)
+    ck.wait()
+    assert ck.last_error == "division by zero" and logged == ["warning: async checkpoint failed: division by zero"]
+    ck.save(7, shared={"model.pt": {"w": torch.ones(3)}, "train_state.json": {"step": 7}}, per_rank={},
+            meta={"run": "t"}, async_save=True)
+    ck.wait()
+    assert (tmp_path / "checkpoints" / "step-00000007" / "manifest.json").is_file() and ck.last_error == "division by zero"
 
 
 SHARES = {  # sizes by name -> what each of 2 ranks hashes (largest first, to the rank with fewer bytes)
