@@ -253,7 +253,7 @@ def measure(t, env, reps: int) -> dict:
         a, b, ratio, bytes=nbytes, arms="a = sync save; b = what an async save blocks: save_checkpoint() plus the wait at the "
         "next step's optimizer step for the background copy (fence)", async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
         blocked_in_save_seconds_median=statistics.median(in_save), fence_wait_seconds_median=statistics.median(fence),
-        background_copy_seconds_median=statistics.median(copy))
+        background_copy_seconds_median=statistics.median(copy), async_priority=t.cfg.checkpoint.async_priority)
 
     # ---- load_vs_raw
     step = t.state.step
