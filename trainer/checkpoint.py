@@ -37,6 +37,7 @@ import queue
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -280,6 +281,24 @@ def _read_mark(path: Path) -> str | None:
         return None
 
 
+def _run_jobs(jobs: queue.SimpleQueue, idle: threading.Event, owner: weakref.ref, idle_priority: bool) -> None:
+    """The checkpoint thread of one ``Checkpointer`` (``owner``): its async saves, one at a time, until
+    it is let go of (a None job). It holds no reference to it between jobs, so it can be collected."""
+    if idle_priority:  # this thread only (Linux schedules threads); the hashing threads it starts inherit it
+        with contextlib.suppress(AttributeError, OSError):  # not Linux: normal priority
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while (job := jobs.get()) is not None:
+        try:
+            job()
+        except BaseException as e:  # noqa: BLE001 - the thread lives on; wait() reports it
+            if (ck := owner()) is not None:
+                ck._async_error = ck._async_error or e
+            ck = None  # a local would keep it alive while the thread waits
+        finally:
+            job = None  # the job's closure holds the Checkpointer: not kept while waiting for the next
+            idle.set()
+
+
 class Checkpointer:
     """Saves and finds checkpoints for one rank. Collective calls go through ``barrier``/``all_ok``
     (supplied by the trainer) so this module stays testable without a process group."""
@@ -305,6 +324,7 @@ class Checkpointer:
         # async saves run one at a time on one long-lived thread: starting a thread per save waited for it
         # to boot (~45 us of the loop's time); a queue hand-over is ~4 us
         self._jobs: queue.SimpleQueue | None = None
+        self._writer: threading.Thread | None = None  # started by the first async save
         self._idle = threading.Event()  # no async save is queued or running
         self._idle.set()
         self._saves = 0
@@ -487,24 +507,14 @@ class Checkpointer:
 
     def _submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` (an async save, which catches its own errors) on the checkpoint thread."""
-        if self._jobs is None:
+        if self._writer is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=self._run_jobs, args=(self._jobs,), name="ckpt-writer", daemon=True).start()
+            self._writer = threading.Thread(target=_run_jobs, name="ckpt-writer", daemon=True,
+                                            args=(self._jobs, self._idle, weakref.ref(self), self.idle_writer))
+            self._writer.start()
+            weakref.finalize(self, self._jobs.put, None)  # a Checkpointer let go of: its thread ends
         self._idle.clear()
         self._jobs.put(job)
-
-    def _run_jobs(self, jobs: queue.SimpleQueue) -> None:
-        if self.idle_writer:  # this thread only (Linux schedules threads); the hashing threads it starts inherit it
-            with contextlib.suppress(AttributeError, OSError):  # not Linux: normal priority
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        while True:
-            job = jobs.get()
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - the thread lives on; wait() reports it
-                self._async_error = self._async_error or e
-            finally:
-                self._idle.set()
 
     def _write_files(self, tmp: Path, shared: dict, per_rank: dict) -> dict[str, str] | None:
         """Write this rank's files (not fsynced: rank 0's ``_finalize`` makes them durable, all
