@@ -28,7 +28,6 @@ training loop blocks only for the hand-off, and the copy overlaps the next step'
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,9 +59,7 @@ from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
 from sentinel.contract.rundir import checkpoint_dir_name
-from trainer.checkpoint_io import HashedFile
-
-_CRC_LOCK = threading.Lock()
+from trainer.checkpoint_io import write_json, write_torch
 
 
 class CheckpointError(Exception):
@@ -70,64 +67,6 @@ class CheckpointError(Exception):
 
 
 step_dir_name = checkpoint_dir_name
-
-
-def _write_new(path: Path, fill: Callable[[HashedFile], None], *, sync: bool, hasher: Executor | None) -> str:
-    """Create ``path`` (it must not exist), let ``fill`` write it, return its checksum. ``sync``: fsync
-    it too (a checkpoint's files are fsynced together when the checkpoint is finalised instead)."""
-    f = HashedFile(path, hasher)
-    try:
-        fill(f)
-        if sync:
-            f.flush()
-            os.fsync(f.fd)
-    except BaseException:
-        f.abort()
-        raise
-    return f.close()
-
-
-@contextlib.contextmanager
-def _no_zip_crc():
-    cfg = getattr(getattr(getattr(torch.utils, "serialization", None), "config", None), "save", None)  # torch >= 2.6
-    if cfg is None:
-        yield
-        return
-    with _CRC_LOCK:  # a process-wide setting; an async save's thread may be writing at the same time
-        old = cfg.compute_crc32
-        cfg.compute_crc32 = False
-        try:
-            yield
-        finally:
-            cfg.compute_crc32 = old
-
-
-def _torch_save(obj: Any, f: HashedFile) -> None:
-    with _no_zip_crc():
-        try:
-            torch.save(obj, f)
-        except RuntimeError as e:
-            # torch's zip writer turns a failed write (disk full, EFBIG, quota) into a RuntimeError
-            # ("unexpected pos ..."); surface the OSError underneath so callers handle it as I/O
-            cause = e.__context__
-            while cause is not None and not isinstance(cause, OSError):
-                cause = cause.__context__
-            raise cause or OSError(errno.EIO, f"torch.save failed: {str(e).splitlines()[0]}") from None
-
-
-def write_torch(path: Path, obj: Any, *, sync: bool = True, hasher: Executor | None = None) -> str:
-    """``torch.save`` into a new file ``path``; return the file's checksum (computed from the bytes as
-    they are written: ``trainer.checkpoint_io``).
-
-    Without the zip format's per-record CRC-32: the manifest's checksum, checked before any load,
-    covers every byte already, and the CRC cost a third of the serialisation time of a 39 MB
-    checkpoint (bench/checkpoint_cost.py). ``torch.load`` reads such files as any other."""
-    return _write_new(path, lambda f: _torch_save(obj, f), sync=sync, hasher=hasher)
-
-
-def write_json(path: Path, obj: Any, *, sync: bool = True) -> str:
-    data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    return _write_new(path, lambda f: f.write(data), sync=sync, hasher=None)
 
 
 @dataclass
@@ -436,7 +375,7 @@ class Checkpointer:
                     self._async_error, done_ok = e, False
                 info = None
                 if self.rank == 0:
-                    info = self._finalize(tmp, step, meta, written) if done_ok else None
+                    info = self._commit(tmp, step, meta, written) if done_ok else None
                     if info is None:
                         shutil.rmtree(tmp, ignore_errors=True)
                     if on_done:
@@ -494,11 +433,7 @@ class Checkpointer:
         result = None
         if self.rank == 0:
             if ok:
-                try:
-                    result = self._finalize(tmp, step, meta, written)
-                except OSError as e:
-                    self.last_error = e.strerror or str(e)
-                    self.log(f"error: checkpoint step {step} could not be finalized: {self.last_error}")
+                result = self._commit(tmp, step, meta, written)
             if result is None:
                 shutil.rmtree(tmp, ignore_errors=True)
             if on_done:
@@ -550,6 +485,15 @@ class Checkpointer:
             self.last_error = "a write failed on another rank" if all(m.exists() for m in marks) else "timed out waiting for the other ranks"
         shutil.rmtree(tmp, ignore_errors=True)
         return None
+
+    def _commit(self, tmp: Path, step: int, meta: dict, written: dict[str, str]) -> tuple[Path, int] | None:
+        """``_finalize``, or None when the disk refused it (said in one line; the caller removes ``tmp``)."""
+        try:
+            return self._finalize(tmp, step, meta, written)
+        except OSError as e:
+            self.last_error = e.strerror or str(e)
+            self.log(f"error: checkpoint step {step} could not be finalized: {self.last_error}")
+            return None
 
     def _finalize(self, tmp: Path, step: int, meta: dict, written: dict[str, str]) -> tuple[Path, int]:
         """Manifest, fsync of everything in ``tmp``, rename (the commit point), fsync of the parent.
