@@ -95,9 +95,6 @@ def _trainer(out_dir: Path, steps: int, on: bool, tokens: torch.Tensor, block: i
                     elif h.id in post:
                         post[h.id] = (lambda f: lambda m, a, kw, out: f(m, a, kw, out) if self.active else None)(post[h.id])
 
-            def on_step_begin(self, args, state, control, **kw):
-                return super().on_step_begin(args, state, control, **kw) if self.active else control
-
             def on_optimizer_step(self, args, state, control, **kw):
                 return super().on_optimizer_step(args, state, control, **kw) if self.active else control
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,10 +162,6 @@ class SentinelCallback(TrainerCallback):
         self._reset_step()
         return control
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._reset_step()
-        return control
-
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None:
             self._lr = optimizer.param_groups[0]["lr"]  # the lr this step used (the scheduler steps after)
@@ -173,13 +169,16 @@ class SentinelCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         s = self.session
-        step = int(state.global_step)
-        loss, ids, tokens = self._step_values(args)
-        gn = self._grad_norm  # a tensor is read when the record is built, off the loop's thread (no device sync)
-        tokens_total = int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None
-        s.log_step(step, loss=loss[0], loss_max_rank=loss[1], rank_losses=loss[2], grad_norm=gn, lr=self._lr,
-                   tokens=tokens_total, batch_tokens=tokens, sample_ids=ids,
-                   step_time_s=time.perf_counter() - self._t0)
+        step = state.global_step
+        seen = state.num_input_tokens_seen
+        if self._distributed:  # every rank's loss, ids and tokens: a collective, now
+            loss, ids, tokens = self._gathered(args)
+            s.log_step(step, loss=loss[0], loss_max_rank=loss[1], rank_losses=loss[2], grad_norm=self._grad_norm,
+                       lr=self._lr, tokens=int(seen) if seen else None, batch_tokens=tokens, sample_ids=ids)
+        else:  # the loop's thread keeps references; the writer thread reads them (no device sync, cold caches spared)
+            s.log_step_later(step, partial(_step_values, self._losses, self._ids, self._tokens, self._scaled,
+                                           self._grad_norm, self._lr, seen))
+        self._reset_step()  # the session times the step: from one logged step to the next
         s.poll(step)
         if s.control.paused:
             s.hold_while_paused(step, max_pause_s=self.max_pause_s)
@@ -223,13 +222,12 @@ class SentinelCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ per step
     def _reset_step(self) -> None:
-        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (detached)
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (as the model returned them)
         self._scaled = False  # the model normalised its loss over the whole step (num_items_in_batch)
         self._ids: list = []  # the micro-batches' sample ids (tensors as they came: read off the loop's thread)
         self._tokens = 0
         self._grad_norm = None
         self._lr = None
-        self._t0 = time.perf_counter()
 
     def _install_hooks(self, model) -> None:
         if model is None or self._hooks:
@@ -251,7 +249,7 @@ class SentinelCallback(TrainerCallback):
             if module.training:
                 loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
                 if loss is not None:
-                    self._losses.append(loss.detach())
+                    self._losses.append(loss)  # detached when the record is built (_step_values)
                 if self.session is not None:  # backward comes next, without the GIL: held records go out now
                     self.session.kick()
 
@@ -267,22 +265,15 @@ class SentinelCallback(TrainerCallback):
 
             t._get_grad_norm = grad_norm
 
-    def _step_values(self, args) -> tuple[tuple[float, float, list[float] | None], list[int], int]:
-        """((loss, max rank loss, rank losses), the global batch's sample ids, its tokens) of this step."""
-        losses, chunks = self._losses, self._ids
-        if not losses:
-            local = float("nan")
-        else:  # tensors, read when the record is built: a single micro-batch's loss as it is, else one op
-            local = losses[0] if len(losses) == 1 else torch.stack(losses).float().sum()
-            if not self._scaled and len(losses) > 1:
-                local = local / len(losses)  # per-micro-batch means: their mean
-        if not self._distributed:
-            return (local, local, None), chunks[0] if len(chunks) == 1 else id_list(chunks), self._tokens
-        local, ids = float(local), id_list(chunks)
+    def _gathered(self, args) -> tuple[tuple[float, float, list[float]], list[int], int]:
+        """((mean loss, max rank loss, rank losses), the global batch's sample ids, its tokens) of this step,
+        gathered from every rank (a collective)."""
+        local = _step_values(self._losses, self._ids, self._tokens, self._scaled, None, None, None)
+        loss, ids = float(local["loss"]), id_list([local["sample_ids"]])
         world = torch.distributed.get_world_size()
         if self._scaled and getattr(args, "average_tokens_across_devices", False):
-            local *= world  # normalised by the tokens of all ranks: this rank's own mean
-        parts = _gather((local, ids, self._tokens))
+            loss *= world  # normalised by the tokens of all ranks: this rank's own mean
+        parts = _gather((loss, ids, self._tokens))
         losses = [p[0] for p in parts]
         return ((sum(losses) / world, max(losses), losses), [i for p in parts for i in p[1]],
                 sum(p[2] for p in parts))
@@ -299,6 +290,19 @@ class SentinelCallback(TrainerCallback):
                 continue
             if p.is_dir() and n <= step:
                 self.session.checkpoint_saved(n, p)
+
+
+def _step_values(losses: list, chunks: list, tokens: int, scaled: bool, grad_norm, lr, seen) -> dict:
+    """``RunSession.log_step``'s arguments for one optimizer step of one process, from what the hooks kept (its
+    micro-batches' losses and sample ids, its tokens): read on the writer thread, off the loop's time."""
+    if not losses:
+        loss = float("nan")
+    else:  # a single micro-batch's loss as it is, else one op over them
+        loss = losses[0].detach() if len(losses) == 1 else torch.stack([x.detach() for x in losses]).float().sum()
+        if not scaled and len(losses) > 1:
+            loss = loss / len(losses)  # per-micro-batch means: their mean
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(seen) if seen else None,
+            "batch_tokens": tokens, "sample_ids": chunks[0] if len(chunks) == 1 else id_list(chunks)}
 
 
 def find_callback(trainer) -> SentinelCallback:

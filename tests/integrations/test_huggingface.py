@@ -243,6 +243,27 @@ def test_hf_logs_every_step_its_own_loss_and_grad_norm_where_hf_logs_every_fifti
         assert ours[s]["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4)  # the same pre-clip norm
         window = [ours[k]["loss"] for k in range(s - 49, s + 1)]
         assert sum(window) / 50 == pytest.approx(e["loss"], rel=1e-3)  # HF's 50-step mean of our per-step losses
+    timed = [ours[k]["step_seconds"] for k in range(2, 301)]  # the session times a step from the one before
+    assert sum(t is not None and 0 < t < 5 for t in timed) >= 290, timed
+
+
+@pytest.mark.parametrize("losses, scaled, chunks, want_loss, want_ids", [
+    ([], False, [], math.nan, []),  # no training forward seen: NaN, no ids
+    ([2.0], False, [torch.tensor([3, 4])], 2.0, [3, 4]),  # one micro-batch: its loss and ids as they are
+    ([2.0, 4.0], False, [torch.tensor([1]), [7, 8]], 3.0, [1, 7, 8]),  # per-micro-batch means: their mean
+    ([1.5, 0.5], True, [[5], [6]], 2.0, [5, 6]),  # normalised over the whole step (num_items_in_batch): the sum
+])
+def test_a_steps_values_are_read_off_the_loops_thread_from_what_the_hooks_kept(losses, scaled, chunks, want_loss, want_ids):
+    from sentinel.contract.ranges import id_list
+    from sentinel.integrations.hf import _step_values
+
+    kept = [torch.tensor(x, requires_grad=True) * 1 for x in losses]  # as a model returns them: with a graph
+    v = _step_values(kept, chunks, 512, scaled, torch.tensor(0.5), 1e-3, 4096)
+    loss = float(v["loss"])
+    assert (math.isnan(loss) and math.isnan(want_loss)) or loss == pytest.approx(want_loss)
+    assert not getattr(v["loss"], "requires_grad", False)  # detached: no graph kept alive by the record
+    assert id_list([v["sample_ids"]]) == want_ids
+    assert (v["batch_tokens"], v["tokens"], v["lr"], float(v["grad_norm"])) == (512, 4096, 1e-3, 0.5)
 
 
 def test_a_watch_only_run_cannot_roll_back_so_the_sentinel_pages(story):
