@@ -521,13 +521,17 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
 
 def test_the_async_writer_thread_survives_a_failed_save_and_runs_the_next(tmp_path):
     """An async save that raises past its own handling is reported once by ``wait()``; the one writer
-    thread lives on, so the next async save is written (not queued behind a dead thread forever)."""
-    logged = []
+    thread lives on, so the next async save is written (not queued behind a dead thread forever). While a
+    save runs, the interpreter hands the GIL over after 0.5 ms; Python's interval is back after it, failed or not."""
+    from trainer.checkpoint import ASYNC_SWITCH_INTERVAL_S
+
+    logged, seen, before = [], [], sys.getswitchinterval()
     ck = _direct_checkpointer(tmp_path)
     ck.log = logged.append
-    ck._submit(lambda: 1 / 0)
+    ck._submit(lambda: (seen.append(sys.getswitchinterval()), 1 / 0))
     ck.wait()
     assert ck.last_error == "division by zero" and logged == ["warning: async checkpoint failed: division by zero"]
+    assert seen == [min(before, ASYNC_SWITCH_INTERVAL_S)] and sys.getswitchinterval() == before
     ck.save(7, shared={"model.pt": {"w": torch.ones(3)}, "train_state.json": {"step": 7}}, per_rank={},
             meta={"run": "t"}, async_save=True)
     ck.wait()
