@@ -229,15 +229,26 @@ def _read_mark(path: Path) -> str | None:
 ASYNC_SWITCH_INTERVAL_S = 0.0005
 
 
+_turns_lock = threading.Lock()
+_turns = [0, 0.0]  # async saves running in this process (any Checkpointer), the interval before the first
+
+
 @contextlib.contextmanager
 def _short_gil_turns():
-    """``ASYNC_SWITCH_INTERVAL_S`` as the interpreter's switch interval for the block (never a longer one)."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, ASYNC_SWITCH_INTERVAL_S))
+    """``ASYNC_SWITCH_INTERVAL_S`` as the interpreter's switch interval for the block (never a longer one).
+    The interval is process-wide: the first of overlapping saves sets it, the last one puts it back."""
+    with _turns_lock:
+        if _turns[0] == 0:
+            _turns[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_turns[1], ASYNC_SWITCH_INTERVAL_S))
+        _turns[0] += 1
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _turns_lock:
+            _turns[0] -= 1
+            if _turns[0] == 0:
+                sys.setswitchinterval(_turns[1])
 
 
 def _run_jobs(jobs: queue.SimpleQueue, idle: threading.Event, owner: weakref.ref, idle_priority: bool) -> None:

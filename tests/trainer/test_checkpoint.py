@@ -543,6 +543,34 @@ def test_the_async_writer_thread_survives_a_failed_save_and_runs_the_next(tmp_pa
     assert not writer.is_alive()
 
 
+def test_overlapping_async_saves_of_two_checkpointers_put_pythons_switch_interval_back_once_both_end(tmp_path):
+    """The switch interval is the process's: a save that ends while another still runs leaves it short, and
+    the last one to end puts back the value from before the first (not the short one it found)."""
+    import threading
+
+    from trainer.checkpoint import ASYNC_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    short = min(before, ASYNC_SWITCH_INTERVAL_S)
+    a, b = _direct_checkpointer(tmp_path / "a"), _direct_checkpointer(tmp_path / "b")
+    b_runs, a_done, seen = threading.Event(), threading.Event(), {}
+
+    def job_b():  # starts while a's save runs, ends after it
+        b_runs.set()
+        a_done.wait(10)
+        seen["b, after a ended"] = sys.getswitchinterval()
+
+    a_holds = threading.Event()
+    a._submit(lambda: (a_holds.set(), b_runs.wait(10), seen.setdefault("a", sys.getswitchinterval())))
+    assert a_holds.wait(10)
+    b._submit(job_b)
+    a.wait()
+    a_done.set()
+    b.wait()
+    assert seen == {"a": short, "b, after a ended": short}
+    assert sys.getswitchinterval() == before
+
+
 SHARES = {  # sizes by name -> what each of 2 ranks hashes (largest first, to the rank with fewer bytes)
     "ddp-checkpoint": ({"optim.pt": 26, "model.pt": 13, "rng-rank0.pt": 1, "rng-rank1.pt": 1, "train_state.json": 1},
                        [["optim.pt"], ["model.pt", "rng-rank0.pt", "rng-rank1.pt", "train_state.json"]]),
