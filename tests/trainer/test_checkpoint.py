@@ -14,6 +14,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -546,8 +547,6 @@ def test_the_async_writer_thread_survives_a_failed_save_and_runs_the_next(tmp_pa
 def test_overlapping_async_saves_of_two_checkpointers_put_pythons_switch_interval_back_once_both_end(tmp_path):
     """The switch interval is the process's: a save that ends while another still runs leaves it short, and
     the last one to end puts back the value from before the first (not the short one it found)."""
-    import threading
-
     from trainer.checkpoint import ASYNC_SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()
