@@ -15,14 +15,25 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     ...), is the floor: the same files' bytes, prebuilt, through the commit protocol alone (a new
     directory, every file and the directory fsynced concurrently, the rename, the parent fsynced),
     nothing serialised or hashed; ``floor_ratio_median`` = raw seconds / floor seconds is the most any
-    checkpoint that commits a directory atomically can reach on this disk.
+    checkpoint that commits a directory atomically can reach on this disk. And in each pair, in
+    memory: ``torch.save`` of the files this rank writes (the format ``torch.load(weights_only=True)``
+    reads; the pickler holds the GIL). Any saver of this format serialises every byte and then waits
+    at least one fsync after its last one: ``ceiling_ratio_median`` = raw seconds / (serialisation +
+    the raw arm's own fsyncs) bounds ``save_vs_raw`` from above, whatever it overlaps.
 ``async_stall_vs_sync`` (target <= 0.10)
     How long an async save (``checkpoint.async_save``) blocks the training loop, against a sync save
     of the same state: ``save_checkpoint()`` itself (host-side state, the hand-off to the writer
     thread), plus the wait at the next training step's optimizer step (``Checkpointer.fence``) for
     the writer thread's copy of the weights and moments; the bench trains that step for real
-    (``Trainer.train_step``). Also ``async_snapshot_bytes``: the host memory the copy holds while the
-    write runs (every model and optimizer tensor once), and the copy's own seconds on its thread.
+    (``Trainer.train_step``). Each rank times its own loop, from a barrier, with no barrier inside the
+    clock; the figure is the slowest rank's (the next step's collectives wait for it). Also
+    ``async_snapshot_bytes``: the host memory the copy holds while the write runs (every model and
+    optimizer tensor once), and the copy's own seconds on its thread. Not blocked but slowed: a third
+    arm (a b c, c b a, ...) times a step with no save in flight; ``next_step_slowdown_vs_sync`` =
+    (the step after the async save - that step) / the sync save: the write's share of the cores and
+    of the GIL while it runs beside the step. With CPU training the step uses every core, so the
+    write's CPU time lands on it; on `small` a step (~0.3 s) varies by more than a save between
+    pairs, so that median is noise there.
 ``load_vs_raw`` (target >= 0.7)
     ``Trainer.load_checkpoint(step)`` (manifest, the checksum of every file, ``torch.load(weights_only)``,
     shape checks, restore) against a raw sequential read of the same files. Before each arm the
@@ -147,6 +158,21 @@ def measure(t, env, reps: int) -> dict:
         env.barrier()
         return time.perf_counter() - t0
 
+    def slowest(seconds: float) -> float:  # the next step's collectives wait for the slowest rank
+        if not torch.distributed.is_initialized():
+            return seconds
+        x = torch.tensor([seconds], dtype=torch.float64)
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
+        return float(x.item())
+
+    def timed_per_rank(fn) -> float:
+        """What ``fn`` costs each rank's loop, the slowest rank's: the ranks start together (a barrier), and
+        no barrier follows inside the clock (``timed``'s would add its own latency, ~0.3 ms on gloo)."""
+        env.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return slowest(time.perf_counter() - t0)
+
     def save(async_save: bool = False):
         t.cfg.checkpoint.async_save = async_save
         t.state.step += 1
@@ -156,6 +182,8 @@ def measure(t, env, reps: int) -> dict:
     blob = os.urandom(nbytes)  # incompressible, built outside the clock
     raw_path = root / "raw-write.bin"
 
+    raw_durable = []  # the raw arm's fsyncs alone (the file's and the directory's), after its last byte
+
     def raw_write():
         if rank0:
             fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -163,10 +191,29 @@ def measure(t, env, reps: int) -> dict:
                 view = memoryview(blob)
                 while view:
                     view = view[os.write(fd, view):]
+                t0 = time.perf_counter()
                 os.fsync(fd)
             finally:
                 os.close(fd)
             fsync_path(root)
+            raw_durable.append(time.perf_counter() - t0)
+
+    # the save's ceiling: whatever a saver overlaps, it serialises every byte into torch's format (the one
+    # ``torch.load(weights_only=True)`` reads; the pickler holds the GIL) and then waits at least one
+    # fsync after its last byte. raw seconds / (serialisation in memory + the raw arm's fsyncs) bounds
+    # save_vs_raw from above on any checkpoint in this format
+    from trainer.checkpoint_io import _no_zip_crc
+
+    def serialise_in_memory() -> float:
+        shared, per_rank = t.checkpoints.state.files(shared_files=rank0)
+        t0 = time.perf_counter()
+        with _no_zip_crc():
+            for name, obj in {**shared, **per_rank}.items():
+                if name.endswith(".json"):
+                    json.dumps(obj, indent=1, sort_keys=True).encode()
+                else:
+                    torch.save(obj, io.BytesIO())
+        return slowest(time.perf_counter() - t0)
 
     # the floor: the same files' bytes (random, prebuilt) through the commit protocol alone (a new
     # directory, every file and the directory fsynced, the rename, the parent fsynced), with nothing
@@ -195,7 +242,7 @@ def measure(t, env, reps: int) -> dict:
             fsync_path(root)
 
     # ---- save_vs_raw (three arms: a B c, c B a, ...)
-    a, b, c, ratio, floor = [], [], [], [], []
+    a, b, c, ratio, floor, serial, ceiling = [], [], [], [], [], [], []
     save()  # warm-up (allocator, first-touch of the snapshot path)
     prune()
     for i in range(reps):
@@ -212,6 +259,9 @@ def measure(t, env, reps: int) -> dict:
         c.append(secs["c"])
         ratio.append(secs["b"] / secs["a"])
         floor.append(secs["b"] / secs["c"])
+        serial.append(serialise_in_memory())
+        if rank0:  # only rank 0 runs the raw arm
+            ceiling.append(secs["b"] / (serial[-1] + raw_durable[-1]))
     nbytes = int(json.loads((newest() / "manifest.json").read_text())["bytes"])
     out = {"save_vs_raw": summarise(a, b, ratio, bytes=nbytes, arms="a = save_checkpoint (sync), b = raw write + fsync, "
                                     "c = the commit protocol alone on the same files' bytes (floor)",
@@ -219,7 +269,11 @@ def measure(t, env, reps: int) -> dict:
                                     raw_mb_per_s=nbytes / statistics.median(b) / 1e6,
                                     floor_seconds_median=statistics.median(c), floor_files=len(layout),
                                     floor_ratio_median=statistics.median(floor),
-                                    floor_ratios=[round(r, 4) for r in floor])}
+                                    floor_ratios=[round(r, 4) for r in floor],
+                                    serialise_in_memory_seconds_median=statistics.median(serial),
+                                    raw_fsync_seconds_median=statistics.median(raw_durable) if raw_durable else None,
+                                    ceiling_ratio_median=statistics.median(ceiling) if ceiling else None,
+                                    ceiling_ratios=[round(r, 4) for r in ceiling])}
 
     # ---- async_stall_vs_sync
     def train_one():  # the step after the save: its optimizer step waits at the fence for the snapshot
@@ -227,33 +281,46 @@ def measure(t, env, reps: int) -> dict:
         t.train_step(micro, micro_ids, t.lr_for(t.state.step, ids))
 
     a, b, ratio, in_save, fence, copy = [], [], [], [], [], []
+    step_during, step_plain, slowdown = [], [], []
     train_one()  # warm-up
-    for first, second in abba(reps):
+    for i in range(reps):  # a b c, c b a, ...
         secs = {}
-        for arm in (first, second):
+        for arm in ("a", "b", "c") if i % 2 == 0 else ("c", "b", "a"):
             if arm == "a":
-                secs[arm] = timed(save)
-            else:
-                blocked = timed(lambda: save(async_save=True))
+                secs[arm] = timed_per_rank(save)
+            elif arm == "b":  # each rank's own block (its save call, then its fence), the slowest rank's
+                env.barrier()
+                t0 = time.perf_counter()
+                save(async_save=True)
+                blocked = time.perf_counter() - t0
                 train_one()
-                in_save.append(blocked)
-                fence.append(t.ckpt.fence_wait_seconds)
-                secs[arm] = blocked + t.ckpt.fence_wait_seconds
+                step_secs = time.perf_counter() - t0 - blocked
+                in_save.append(slowest(blocked))
+                fence.append(slowest(t.ckpt.fence_wait_seconds))
+                secs[arm] = slowest(blocked + t.ckpt.fence_wait_seconds)
+                step_during.append(slowest(step_secs))
                 t.ckpt.wait()
                 copy.append(t.ckpt.snapshot_seconds)
+            else:  # the same step with no save in flight: what the writer's share of the cores and the GIL costs
+                step_plain.append(timed_per_rank(train_one))
             prune()
         a.append(secs["a"])
         b.append(secs["b"])
         ratio.append(secs["b"] / secs["a"])
+        slowdown.append((step_during[-1] - step_plain[-1]) / secs["a"])
     t.cfg.checkpoint.async_save = False
     # what the async save's CPU snapshot holds while the writer runs: every model and optimizer tensor once
     tensors = [*t.raw_model.state_dict().values(),
                *(v for st in t.opt.state_dict()["state"].values() for v in st.values() if hasattr(v, "nbytes"))]
     out["async_stall_vs_sync"] = summarise(
-        a, b, ratio, bytes=nbytes, arms="a = sync save; b = what an async save blocks: save_checkpoint() plus the wait at the "
-        "next step's optimizer step for the background copy (fence)", async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
+        a, b, ratio, bytes=nbytes, arms="a = sync save; b = what an async save blocks each rank's loop (the slowest "
+        "rank's): save_checkpoint() plus the wait at the next step's optimizer step for the background copy (fence); "
+        "c = a step with no save in flight", async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
         blocked_in_save_seconds_median=statistics.median(in_save), fence_wait_seconds_median=statistics.median(fence),
-        background_copy_seconds_median=statistics.median(copy), async_priority=t.cfg.checkpoint.async_priority)
+        background_copy_seconds_median=statistics.median(copy), async_priority=t.cfg.checkpoint.async_priority,
+        next_step_seconds_median=statistics.median(step_during), plain_step_seconds_median=statistics.median(step_plain),
+        next_step_slowdown_vs_sync_median=statistics.median(slowdown),
+        next_step_slowdown_vs_sync=[round(r, 4) for r in slowdown])
 
     # ---- load_vs_raw
     step = t.state.step
@@ -527,6 +594,15 @@ def main() -> int:
                   f"{f['a_seconds_median'] * 1000:.1f} ms | {f['b_seconds_median'] * 1000:.1f} ms | {f['bytes']:,} |")
         print(f"| {r['preset']} | {r['ranks']} | async save: extra host memory (the snapshot) | "
               f"{r['async_stall_vs_sync']['async_snapshot_bytes'] / 1e6:.1f} MB | | | | |")
+        sv, st, ld = r["save_vs_raw"], r["async_stall_vs_sync"], r["load_vs_raw"]
+        print(f"| {r['preset']} | {r['ranks']} | `save_vs_raw` ceiling: serialising in memory + the raw arm's fsyncs | "
+              f"{sv['ceiling_ratio_median']:.3f} | | {sv['serialise_in_memory_seconds_median'] * 1000:.1f} ms | "
+              f"{sv['raw_fsync_seconds_median'] * 1000:.1f} ms | |")
+        print(f"| {r['preset']} | {r['ranks']} | `load_vs_raw` ceiling: deserialising in memory | "
+              f"{ld['ceiling_ratio_median']:.3f} | | {ld['deserialise_in_memory_seconds_median'] * 1000:.1f} ms | | |")
+        print(f"| {r['preset']} | {r['ranks']} | async save: the next step, slower by / a sync save | "
+              f"{st['next_step_slowdown_vs_sync_median']:.3f} | | {st['next_step_seconds_median'] * 1000:.1f} ms | "
+              f"{st['plain_step_seconds_median'] * 1000:.1f} ms (no save) | |")
     return 0
 
 
