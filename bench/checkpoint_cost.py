@@ -118,7 +118,8 @@ def worker(args) -> int:
     from trainer.train import Trainer
 
     overrides = {"max_steps": TRAIN_STEPS, "checkpoint.every": TRAIN_STEPS, "checkpoint.keep_last": 1000,
-                 "checkpoint.initial": False, "telemetry.enabled": False, "eval.every": 0, "device": "cpu"}
+                 "checkpoint.initial": False, "telemetry.enabled": False, "eval.every": 0, "device": "cpu",
+                 "checkpoint.async_writer": args.async_writer}
     cfg = resolve(preset=args.preset, config_file=None, saved=None, overrides=overrides)
     env = tdist.init("cpu")
     run_dir = Path(args.run_dir)
@@ -283,6 +284,10 @@ def measure(t, env, reps: int) -> dict:
     a, b, ratio, in_save, fence, copy = [], [], [], [], [], []
     step_during, step_plain, slowdown = [], [], []
     train_one()  # warm-up
+    save(async_save=True)  # and an async save's: a run's writer (thread or process) is up before its second save
+    train_one()
+    t.ckpt.wait()
+    prune()
     for i in range(reps):  # a b c, c b a, ...
         secs = {}
         for arm in ("a", "b", "c") if i % 2 == 0 else ("c", "b", "a"):
@@ -506,13 +511,13 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
                           "b = cold --resume, process start -> its first step")
 
 
-def one_config(preset: str, ranks: int, reps: int, work: Path, url: str, secret: bytes, env: dict) -> dict:
+def one_config(preset: str, ranks: int, reps: int, work: Path, url: str, secret: bytes, env: dict, writer: str) -> dict:
     w = work / f"{preset}-{ranks}"
     w.mkdir()
     out = w / "worker.json"
     log = w / "worker.log"
     cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--worker", "--preset", preset, "--run-dir", str(w / "run"),
-           "--pristine", str(w / "pristine"), "--reps", str(reps), "--out", str(out)]
+           "--pristine", str(w / "pristine"), "--reps", str(reps), "--out", str(out), "--async-writer", writer]
     t0 = time.monotonic()
     c = subprocess.run(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if c.returncode:
@@ -531,6 +536,8 @@ def main() -> int:
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default: 1,2; >1 uses torchrun, gloo)")
     ap.add_argument("--reps", type=int, default=5, help="ABBA pairs per figure; the median is reported (default 5, at least 5)")
     ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary directory)")
+    ap.add_argument("--async-writer", choices=("process", "thread"), default="process",
+                    help="who writes an async save's files (checkpoint.async_writer; default: process, the trainer's default)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--preset", help=argparse.SUPPRESS)
@@ -563,7 +570,7 @@ def main() -> int:
     try:
         for preset in presets:
             for n in ranks:
-                res = one_config(preset, n, args.reps, work, url, secret.encode(), env)
+                res = one_config(preset, n, args.reps, work, url, secret.encode(), env, args.async_writer)
                 results.append({"preset": preset, "ranks": n, **res})
                 print(f"{preset} x{n}: done in {res['wall_seconds']:.0f} s: " + ", ".join(
                     f"{k} {res[k]['median']:.3f}" for k in TARGETS), file=sys.stderr, flush=True)
@@ -578,12 +585,13 @@ def main() -> int:
     out = {"results": results, "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
            "targets_met": all((r[k]["median"] >= v) if op == ">=" else (r[k]["median"] <= v)
                               for r in results for k, (op, v) in TARGETS.items()),
-           "reps": args.reps, "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
+           "reps": args.reps, "async_writer": args.async_writer, "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
            "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0], "disk_dir": str(args.dir or tempfile.gettempdir())}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"checkpoint cost: median of {args.reps} ABBA pairs, {out['cpus']} CPUs, load avg {out['load_avg_1m']:.1f}, "
+    print(f"checkpoint cost: median of {args.reps} ABBA pairs, async writer: {args.async_writer}, {out['cpus']} CPUs, "
+          f"load avg {out['load_avg_1m']:.1f}, "
           f"scratch on {out['disk_dir']}, {out['wall_seconds']:.0f} s")
     print("| preset | ranks | figure | median (min-max) | target | arm a median | arm b median | bytes |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")

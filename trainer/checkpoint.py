@@ -22,7 +22,10 @@ mapped (``load_torch(mmap=True)``) and copied into the live tensors.
 
 Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
 first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the
-training loop blocks only for the hand-off, and the copy overlaps the next step's forward pass.
+training loop blocks only for the hand-off, and the copy overlaps the next step's forward pass. The
+files are then written by the rank's writer process (``async_writer="process"``: the copy is in memory
+it shares, ``trainer/checkpoint_writer.py``) or by the thread itself (``"thread"``); both run
+``write_async_files``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import os
 import pickle
 import queue
 import shutil
-import sys
 import threading
 import time
 import weakref
@@ -61,6 +63,7 @@ from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
 from sentinel.contract.rundir import checkpoint_dir_name
 from trainer.checkpoint_io import write_json, write_torch
+from trainer.checkpoint_thread import _run_jobs, host_copy
 
 
 class CheckpointError(Exception):
@@ -202,72 +205,12 @@ def load_torch(path: Path, *, mmap: bool = False) -> Any:
         raise CheckpointError(f"{path.parent.name}: {path.name} is not a readable torch file") from None
 
 
-def host_copy(obj):
-    """``obj`` with every tensor replaced by a host copy of it (containers rebuilt, the rest shared)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [host_copy(v) for v in obj]
-    return obj
-
-
 def _read_mark(path: Path) -> str | None:
     """What an async save's ``.done-rankN`` marker says (``ok`` / ``fail``), or None while it is absent."""
     try:
         return path.read_text()
     except FileNotFoundError:
         return None
-
-
-# While an async save runs, a thread that waits for the GIL asks the save's thread for it after this long, not
-# after Python's 5 ms. The loop's thread waits for it after every collective and every torch op (they release
-# it), and the save's thread holds it while it pickles: with 2 ranks on 2 cores, every wait of a rank's loop
-# frees a core that its save's thread takes, GIL included (bench/checkpoint_cost.py, 2 ranks, `small`: the
-# loop blocked 2.4-2.9 ms against 3.8-7.0 ms, alternating). Python's own value comes back after each save.
-ASYNC_SWITCH_INTERVAL_S = 0.0005
-
-
-_turns_lock = threading.Lock()
-_turns = [0, 0.0]  # async saves running in this process (any Checkpointer), the interval before the first
-
-
-@contextlib.contextmanager
-def _short_gil_turns():
-    """``ASYNC_SWITCH_INTERVAL_S`` as the interpreter's switch interval for the block (never a longer one).
-    The interval is process-wide: the first of overlapping saves sets it, the last one puts it back."""
-    with _turns_lock:
-        if _turns[0] == 0:
-            _turns[1] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_turns[1], ASYNC_SWITCH_INTERVAL_S))
-        _turns[0] += 1
-    try:
-        yield
-    finally:
-        with _turns_lock:
-            _turns[0] -= 1
-            if _turns[0] == 0:
-                sys.setswitchinterval(_turns[1])
-
-
-def _run_jobs(jobs: queue.SimpleQueue, idle: threading.Event, owner: weakref.ref, idle_priority: bool) -> None:
-    """The checkpoint thread of one ``Checkpointer`` (``owner``): its async saves, one at a time, until
-    it is let go of (a None job). It holds no reference to it between jobs, so it can be collected."""
-    if idle_priority:  # this thread only (Linux schedules threads); the hashing threads it starts inherit it
-        with contextlib.suppress(AttributeError, OSError):  # not Linux: normal priority
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    while (job := jobs.get()) is not None:
-        try:
-            with _short_gil_turns():
-                job()
-        except BaseException as e:  # noqa: BLE001 - the thread lives on; wait() reports it
-            if (ck := owner()) is not None:
-                ck._async_error = ck._async_error or e
-            ck = None  # a local would keep it alive while the thread waits
-        finally:
-            job = None  # the job's closure holds the Checkpointer: not kept while waiting for the next
-            idle.set()
 
 
 class Checkpointer:
@@ -286,12 +229,18 @@ class Checkpointer:
         all_ok: Callable[[bool], bool],
         log: Callable[[str], None] = print,
         idle_writer: bool = False,
+        async_writer: str = "thread",
     ):
         self.root = Path(run_dir) / "checkpoints"
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.keep_every = keep_last, keep_every
         self.barrier, self.all_ok, self.log = barrier, all_ok, log
         self.idle_writer = idle_writer  # the async save's thread runs at SCHED_IDLE (checkpoint.async_priority)
+        # who writes an async save's files (checkpoint.async_writer): "process", this rank's writer process
+        # (trainer/checkpoint_writer.py: none of the pickling holds this process's GIL), or "thread", the
+        # save's thread itself. A writer that cannot start or dies turns it to "thread" for good
+        self.async_writer = async_writer
+        self._proc = None  # the WriterProcess, started by the first async save that uses it
         # async saves run one at a time on one long-lived thread: starting a thread per save waited for it
         # to boot (~45 us of the loop's time); a queue hand-over is ~4 us
         self._jobs: queue.SimpleQueue | None = None
@@ -422,24 +371,30 @@ class Checkpointer:
             def job():
                 nonlocal shared, per_rank
                 try:
+                    shared = shared if self.rank == 0 else {}  # only rank 0 writes them
+                    proc = self._writer_process()
                     try:  # the copy runs here (torch copies release the GIL) while the next step's forward runs
                         t_copy = time.perf_counter()
-                        shared = host_copy(shared) if self.rank == 0 else {}  # only rank 0 writes them
-                        per_rank = host_copy(per_rank)
+                        if proc is not None:
+                            try:
+                                structure = proc.snapshot({"shared": shared, "per_rank": per_rank})
+                            except OSError as e:  # no process or shared memory to be had here: the thread writes
+                                proc.close()
+                                proc, self.async_writer = None, "thread"
+                                self.log(f"warning: the checkpoint writer process could not start ({e.strerror or e}); "
+                                         f"async saves write on a thread")
+                        if proc is None:
+                            shared, per_rank = host_copy(shared), host_copy(per_rank)
                         self.snapshot_seconds = time.perf_counter() - t_copy
                     finally:
                         self._snapshot_taken.set()
-                    written = self._write_files(tmp, shared, per_rank)
-                    mark = tmp / f".done-rank{self.rank}"
-                    part = tmp / f".part-done-rank{self.rank}"
-                    part.write_text("fail" if written is None else "ok")
-                    os.replace(part, mark)  # whole or absent: rank 0 never reads a marker half written
-                    if self.rank == 0:
-                        info = self._finalize_when_ranks_done(tmp, step, meta, written or {})
-                        if info is None and written is not None:  # else _write_files said why
-                            self.log(f"warning: async checkpoint step {step} failed: {self.last_error}")
-                        if on_done:
-                            on_done(info is not None, time.time() - t0, info[1] if info else 0, info[0] if info else None)
+                    if proc is not None:
+                        done = self._write_in_process(proc, tmp, step, meta, structure)
+                    else:
+                        done = self.write_async_files(tmp, step, meta, shared, per_rank)
+                    if self.rank == 0 and on_done:
+                        info = done["info"]
+                        on_done(done["ok"], time.time() - t0, info[1] if info else 0, Path(info[0]) if info else None)
                 except BaseException as e:  # surfaced by wait()
                     self._async_error = e
                     if self.rank == 0 and on_done:
@@ -471,6 +426,55 @@ class Checkpointer:
             if on_done:
                 on_done(result is not None, time.time() - t0, result[1] if result else 0, result[0] if result else None)
         self.barrier()
+
+    def write_async_files(self, tmp: Path, step: int, meta: dict, shared: dict, per_rank: dict) -> dict:
+        """An async save's work once its state is copied (on the save's thread, or in the writer process):
+        this rank's files, its ``.done-rankN`` marker, and on rank 0 the commit once every rank's marker says
+        ``ok``. Returns ``{"ok": committed, "info": (path, bytes) or None}`` (info on rank 0 only)."""
+        written = self._write_files(tmp, shared, per_rank)
+        self._mark(tmp, written is not None)
+        info = None
+        if self.rank == 0:
+            info = self._finalize_when_ranks_done(tmp, step, meta, written or {})
+            if info is None and written is not None:  # else _write_files said why
+                self.log(f"warning: async checkpoint step {step} failed: {self.last_error}")
+        return {"ok": info is not None if self.rank == 0 else written is not None,
+                "info": (str(info[0]), info[1]) if info else None}
+
+    def _mark(self, tmp: Path, ok: bool) -> None:
+        mark, part = tmp / f".done-rank{self.rank}", tmp / f".part-done-rank{self.rank}"
+        part.write_text("ok" if ok else "fail")
+        os.replace(part, mark)  # whole or absent: rank 0 never reads a marker half written
+
+    def _writer_process(self):
+        """This rank's writer process (started here, on the save's thread), or None: async saves write on
+        the save's thread (``async_writer="thread"``, or no process could be had)."""
+        if self.async_writer != "process":
+            return None
+        if self._proc is None:
+            from trainer.checkpoint_writer import WriterProcess
+
+            self._proc = WriterProcess(idle=self.idle_writer)
+            weakref.finalize(self, self._proc.close)
+        return self._proc
+
+    def _write_in_process(self, proc, tmp: Path, step: int, meta: dict, structure: dict) -> dict:
+        reply = proc.write({"run_dir": str(self.root.parent), "rank": self.rank, "world_size": self.world_size,
+                            "keep_last": self.keep_last, "keep_every": self.keep_every, "tmp": str(tmp), "step": step,
+                            "meta": meta, "shared": structure["shared"], "per_rank": structure["per_rank"]})
+        for line in reply["logs"]:
+            self.log(line)
+        if reply["last_error"]:
+            self.last_error = reply["last_error"]
+        if reply.get("died"):  # its files are unfinished: this rank's marker says so, and rank 0 removes them
+            self.async_writer = "thread"
+            self.log(f"warning: async checkpoint step {step} failed: {reply['last_error']}; async saves write on a "
+                     f"thread from now on")
+            with contextlib.suppress(OSError):
+                self._mark(tmp, False)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return reply
 
     def _submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` (an async save, which catches its own errors) on the checkpoint thread."""

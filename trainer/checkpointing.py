@@ -48,7 +48,7 @@ class TrainerCheckpoints:
         self.ckpt = Checkpointer(
             tr.run_dir, rank=env.rank, world_size=env.world_size, keep_last=c.keep_last, keep_every=c.keep_every,
             barrier=env.barrier, all_ok=env.all_ok, log=lambda m: print(m, flush=True),
-            idle_writer=c.async_priority == "idle",
+            idle_writer=c.async_priority == "idle", async_writer=c.async_writer,
         )
         self.last_time: float | None = None  # when the newest checkpoint of this state was saved
         # the newest valid checkpoint (step, time) and consecutive failed saves since: bounds the work a

@@ -116,6 +116,14 @@ class CheckpointConfig(_Strict):
         "exit. normal: for nodes whose training keeps every core busy (CPU training), where an idle save would "
         "finish only then",
     )
+    async_writer: Literal["process", "thread"] = Field(
+        "process", description="who serialises, hashes and writes an async save's files (not FSDP2's, which DCP "
+        "writes). process: this rank's writer process, over a copy of the state in shared memory, so that none of "
+        "that work holds the training process's GIL (the step after a save: 6.1 ms against 9.5 with a thread, "
+        "tiny on CPU; docs/benchmarks/checkpoint-cost.md); it starts with the first async save, at "
+        "async_priority. thread: the save's own thread, in the training process. A writer process that cannot "
+        "start or dies leaves thread for the rest of the run (said in one line)",
+    )
     max_age_steps: int = Field(
         0, ge=0, description="when saves fail, stop (non-zero exit) once the newest valid checkpoint is more than N "
         "steps old; 0: the save interval (one failed save is retried at the next interval)",

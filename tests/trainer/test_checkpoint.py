@@ -489,14 +489,17 @@ def _direct_checkpointer(run_dir: Path, **kw):
                         all_ok=lambda ok: ok, log=lambda m: None, **kw)
 
 
-@pytest.mark.parametrize("async_save,idle", [(False, False), (True, False), (True, True)], ids=["sync", "async", "async-idle"])
-def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, async_save, idle):
+@pytest.mark.parametrize("async_save,idle,writer", [(False, False, "thread"), (True, False, "thread"), (True, True, "thread"),
+                                                    (True, False, "process"), (True, True, "process")],
+                         ids=["sync", "async", "async-idle", "async-process", "async-process-idle"])
+def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, async_save, idle, writer):
     """The manifest's checksums (computed from the bytes as they were written) match the files on disk,
     for tensors large enough to be hashed on the other thread and for small writes gathered together.
     An async save is handed the live tensors: once ``fence()`` returns, changing them in place (what the
-    optimizer step does) must not reach the checkpoint. With ``idle_writer`` (checkpoint.async_priority:
-    idle) the save's thread runs at SCHED_IDLE and still finishes."""
-    ck = _direct_checkpointer(tmp_path, idle_writer=idle)
+    optimizer step does) must not reach the checkpoint, whether the save's thread writes the files or the
+    writer process does (over its copy in shared memory). With ``idle_writer`` (checkpoint.async_priority:
+    idle) the save's thread, and the writer process, run at SCHED_IDLE and still finish."""
+    ck = _direct_checkpointer(tmp_path, idle_writer=idle, async_writer=writer)
     big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it
     small = {f"w{i}": torch.full((7,), float(i)) for i in range(50)}  # many small records
     expect = {"big": big.clone(), **{k: v.clone() for k, v in small.items()}}
@@ -518,13 +521,89 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
     if async_save:  # one long-lived thread runs every async save, at the priority asked for
         assert os.sched_getscheduler(ck._writer.native_id) == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the loop's thread keeps its own
+    if writer == "process":  # and one long-lived writer process, at that priority too
+        assert ck.async_writer == "process" and ck._proc.alive()
+        assert os.sched_getscheduler(ck._proc.proc.pid) == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
+        ck._proc.close()
+
+
+def test_a_dead_writer_process_is_started_again_and_one_that_dies_in_a_save_fails_it_in_one_line(tmp_path):
+    """The writer process, killed between saves, is started again by the next save. Killed while a save waits
+    for it: that save fails in one line (its files removed), and the thread writes every save after it."""
+    logged = []
+    ck = _direct_checkpointer(tmp_path, async_writer="process")
+    ck.log = logged.append
+    root = tmp_path / "checkpoints"
+
+    def save(step: int) -> None:
+        ck.save(step, shared={"model.pt": {"w": torch.full((1000,), float(step))}, "train_state.json": {"step": step}},
+                per_rank={}, meta={"run": "t"}, async_save=True)
+
+    save(1)
+    ck.wait()
+    first = ck._proc.proc
+    first.kill()
+    first.wait()
+    save(2)
+    ck.wait()
+    second = ck._proc.proc
+    assert second.pid != first.pid and second.poll() is None
+    assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000001", "step-00000002"] and not logged
+
+    os.kill(second.pid, signal.SIGSTOP)  # it cannot answer: the save's thread waits for it
+    save(3)
+    ck._snapshot_taken.wait(10)
+    second.kill()
+    ck.wait()
+    assert logged == ["warning: async checkpoint step 3 failed: the checkpoint writer process died (killed by SIGKILL); "
+                      "async saves write on a thread from now on"]
+    assert ck.async_writer == "thread" and not list(root.glob(".tmp-*")) and not (root / "step-00000003").exists()
+    save(4)
+    ck.wait()
+    assert (root / "step-00000004" / "manifest.json").is_file() and len(logged) == 1
+    assert torch.equal(load_torch(root / "step-00000004" / "model.pt")["w"], torch.full((1000,), 4.0))
+
+
+def test_the_writer_process_ends_with_the_training_process_that_started_it(tmp_path):
+    """A training process killed outright leaves no writer behind: the writer sees its socket close, and exits."""
+    script = (
+        "import os, sys, torch\n"
+        "from trainer.checkpoint import Checkpointer\n"
+        f"ck = Checkpointer({str(tmp_path)!r}, rank=0, world_size=1, keep_last=2, keep_every=0, barrier=lambda: None,\n"
+        "                  all_ok=lambda ok: ok, log=print, async_writer='process')\n"
+        "ck.save(1, shared={'model.pt': {'w': torch.ones(4)}, 'train_state.json': {'step': 1}}, per_rank={},\n"
+        "        meta={'run': 't'}, async_save=True)\n"
+        "ck.wait()\n"
+        "print(ck._proc.proc.pid, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == -9, out.stderr
+    pid = int(out.stdout.split()[-1])
+    assert (tmp_path / "checkpoints" / "step-00000001" / "manifest.json").is_file()
+    deadline = time.time() + 20
+    while time.time() < deadline and Path(f"/proc/{pid}").exists() and "zombie" not in _proc_state(pid):
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in _proc_state(pid)
+    # and it is no command for people: started by hand, it says so in one line
+    bad = subprocess.run([sys.executable, "-m", "trainer.checkpoint_writer_main"], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "not by hand" in bad.stderr
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return next((ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("State:")), "").lower()
+    except OSError:
+        return "gone"
 
 
 def test_the_async_writer_thread_survives_a_failed_save_and_runs_the_next(tmp_path):
     """An async save that raises past its own handling is reported once by ``wait()``; the one writer
     thread lives on, so the next async save is written (not queued behind a dead thread forever). While a
     save runs, the interpreter hands the GIL over after 0.5 ms; Python's interval is back after it, failed or not."""
-    from trainer.checkpoint import ASYNC_SWITCH_INTERVAL_S
+    from trainer.checkpoint_thread import ASYNC_SWITCH_INTERVAL_S
 
     logged, seen, before = [], [], sys.getswitchinterval()
     ck = _direct_checkpointer(tmp_path)
@@ -547,7 +626,7 @@ def test_the_async_writer_thread_survives_a_failed_save_and_runs_the_next(tmp_pa
 def test_overlapping_async_saves_of_two_checkpointers_put_pythons_switch_interval_back_once_both_end(tmp_path):
     """The switch interval is the process's: a save that ends while another still runs leaves it short, and
     the last one to end puts back the value from before the first (not the short one it found)."""
-    from trainer.checkpoint import ASYNC_SWITCH_INTERVAL_S
+    from trainer.checkpoint_thread import ASYNC_SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()
     short = min(before, ASYNC_SWITCH_INTERVAL_S)
