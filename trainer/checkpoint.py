@@ -446,6 +446,20 @@ class Checkpointer:
         part.write_text("ok" if ok else "fail")
         os.replace(part, mark)  # whole or absent: rank 0 never reads a marker half written
 
+    def start_writer(self) -> None:
+        """Start this rank's writer process now, if async saves will use one: it imports torch while the
+        trainer builds the rest, so that the first async save finds it ready. Said in one line, and the
+        thread writes instead, where it cannot start."""
+        proc = self._writer_process()
+        if proc is None or proc.alive():
+            return
+        try:
+            proc.start()
+        except OSError as e:
+            proc.close()
+            self.async_writer = "thread"
+            self.log(f"warning: the checkpoint writer process could not start ({e.strerror or e}); async saves write on a thread")
+
     def _writer_process(self):
         """This rank's writer process (started here, on the save's thread), or None: async saves write on
         the save's thread (``async_writer="thread"``, or no process could be had)."""

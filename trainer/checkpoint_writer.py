@@ -15,9 +15,11 @@ step after an async save took 9.5 ms against 5.6 with the thread writing, and 6.
 writing the same files, even with a core left free (docs/benchmarks/checkpoint-cost.md). DCP's
 process-based async save is the same idea.
 
-The writer is started by the first async save (it imports torch: about a second, on the save's thread,
-not the loop's), lives as long as its ``Checkpointer``, and exits when the socket closes: a training
-process that dies takes its writer with it. Every message is a length-prefixed pickle between this
+The writer is started with the trainer when async saves are on (``Checkpointer.start_writer``: it imports
+torch, about a second, while the trainer builds the rest), else by the first async save. It lives as long
+as its ``Checkpointer`` and exits when the socket closes. A training process killed outright takes its
+writer with it at once (the parent-death signal, Linux), as it took the thread: no save of a dead run
+commits later, beside the run that resumes it. Every message is a length-prefixed pickle between this
 process and its own child over an unnamed socket pair: nothing else can speak on it.
 
 The writer's own side is ``trainer/checkpoint_writer_main.py``.
@@ -162,13 +164,14 @@ class WriterProcess:
         self.sock: socket.socket | None = None
         self.arena: Arena | None = None
 
-    def _start(self) -> None:
+    def start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         root = str(Path(__file__).resolve().parents[1])  # where ``trainer`` is importable from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.checkpoint_writer_main", str(child.fileno()), "idle" if self.idle else "normal"],
+                [sys.executable, "-m", "trainer.checkpoint_writer_main", str(child.fileno()), "idle" if self.idle else "normal",
+                 str(os.getpid())],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env, close_fds=True,
             )
         finally:
@@ -184,7 +187,7 @@ class WriterProcess:
         (slots in place of tensors). Starts the writer, and (re)builds the arena when shapes changed."""
         if not self.alive():
             self.close()
-            self._start()
+            self.start()
         tensors: list[torch.Tensor] = []
         structure = flatten(files, tensors)
         specs = _specs(tensors)
@@ -203,7 +206,10 @@ class WriterProcess:
             _send(self.sock, ("save", request))
             reply, _ = _recv(self.sock)
         except (OSError, EOFError) as e:
-            code = self.proc.poll() if self.proc else None
+            code = None
+            if self.proc is not None:  # its end of the socket closed: it is dying, if not yet dead
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self.proc.wait(timeout=5)
             self.close()
             if code is None:
                 why = getattr(e, "strerror", None) or str(e) or type(e).__name__

@@ -1,14 +1,16 @@
 """An async save's writer process (``trainer/checkpoint_writer.py`` says why and how): it maps the arena the
 training process shares, rebuilds each save's files over it, and writes them as a sync save would.
 
-    python -m trainer.checkpoint_writer_main FD {idle,normal}   (started by ``WriterProcess``, not by hand)
+    python -m trainer.checkpoint_writer_main FD {idle,normal} PARENT_PID   (started by ``WriterProcess``, not by hand)
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -53,10 +55,21 @@ def _serve(sock: socket.socket) -> None:
         _send(sock, reply)
 
 
+def _die_with(parent: int) -> bool:
+    """Be killed when the training process is (Linux: the parent-death signal), so that no save of a
+    killed run commits after it, beside its successor. False: the parent is already gone."""
+    with contextlib.suppress(AttributeError, OSError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    return os.getppid() == parent
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or not argv[0].isdigit():
+    if len(argv) != 3 or not argv[0].isdigit() or not argv[2].isdigit():
         print("trainer.checkpoint_writer_main: started by an async save (trainer/checkpoint_writer.py), not by hand", file=sys.stderr)
         return 2
+    if not _die_with(int(argv[2])):
+        return 0
     if argv[1] == "idle":
         with contextlib.suppress(AttributeError, OSError):  # not Linux: normal priority
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

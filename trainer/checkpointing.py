@@ -55,18 +55,22 @@ class TrainerCheckpoints:
         # failing disk can put at risk (checkpoint.max_age_steps / max_age_seconds)
         self.good = (0, time.time())
         self.failed = 0
+        if c.async_save and not self.state.sharded:  # its torch import overlaps the rest of the start
+            self.ckpt.start_writer()
         self._group = None  # lazily created gloo group for FSDP2 async checkpoints
         self.unloadable: list[str] = []  # why each checkpoint the last load passed over failed
         self.removals_applied = False  # skiplist.removed.json was applied: deleted at the next checkpoint
 
-    def save(self) -> None:
+    def save(self, *, sync: bool = False) -> None:
+        """Save S_t now; ``sync``: wait for it even with ``checkpoint.async_save`` (the initial state's save:
+        a run killed in its first seconds must find it, not an async save still under way)."""
         tr = self.tr
         tr._flush_readback()
         shared, per_rank = self.state.files(shared_files=tr.env.is_main)  # only rank 0 writes the shared files
         ts = shared[TRAIN_STATE]
         meta = {k: ts[k] for k in ("run", "timeline", "tokens", "dataset_fingerprint")}
         dcp_writer = dcp_async_writer = None
-        async_save = tr.cfg.checkpoint.async_save
+        async_save = tr.cfg.checkpoint.async_save and not sync
         if self.state.sharded:  # FSDP2: DCP writes this rank's shards
             sharded = self.state.states["model_optimizer"].state_dict()
             from torch.distributed.checkpoint import save as dcp_save

@@ -106,7 +106,8 @@ class CheckpointConfig(_Strict):
     initial: bool = Field(
         True, description="on a fresh start, also save the initial state (step 0) before the first step, so that "
         "damage in the first interval can be rolled back (a restart that skips its data) instead of only paged; "
-        "retention treats it like any other checkpoint",
+        "retention treats it like any other checkpoint. Saved synchronously even with async_save, so that a run "
+        "killed in its first steps resumes from it",
     )
     async_save: bool = False
     async_priority: Literal["idle", "normal"] = Field(
@@ -120,9 +121,10 @@ class CheckpointConfig(_Strict):
         "process", description="who serialises, hashes and writes an async save's files (not FSDP2's, which DCP "
         "writes). process: this rank's writer process, over a copy of the state in shared memory, so that none of "
         "that work holds the training process's GIL (the step after a save: 6.1 ms against 9.5 with a thread, "
-        "tiny on CPU; docs/benchmarks/checkpoint-cost.md); it starts with the first async save, at "
-        "async_priority. thread: the save's own thread, in the training process. A writer process that cannot "
-        "start or dies leaves thread for the rest of the run (said in one line)",
+        "tiny on CPU; docs/benchmarks/checkpoint-cost.md); it starts with the trainer (importing torch while the "
+        "trainer builds the rest), at async_priority, and dies with it. thread: the save's own thread, in the "
+        "training process. A writer process that cannot start or dies leaves thread for the rest of the run (said "
+        "in one line)",
     )
     max_age_steps: int = Field(
         0, ge=0, description="when saves fail, stop (non-zero exit) once the newest valid checkpoint is more than N "

@@ -84,8 +84,9 @@ def start(tr) -> None:
     env.barrier()
     if fresh and tr.cfg.checkpoint.initial and tr.cfg.checkpoint.every:
         # the initial state is a rollback target too: without it, damage before the first periodic
-        # save can only be paged, and a NaN at step 30 would stop the run for a human
-        tr.save_checkpoint()
+        # save can only be paged, and a NaN at step 30 would stop the run for a human. Synchronous even
+        # with async saves: a run killed in its first steps resumes from it (nothing to overlap yet)
+        tr.checkpoints.save(sync=True)
 
 
 def _read_skip_removals(tr) -> list[tuple[int, int]]:

@@ -229,15 +229,18 @@ def test_seq_len_schedule_bad_value_is_one_line(tmp_path, dataset):
 
 @pytest.mark.slow
 def test_seq_len_schedule_two_rank_ddp_kill_resume_bitwise(tmp_path, dataset, refs):
-    """torchrun, 2 ranks (gloo DDP): killed before the changes, resumed across both, exact."""
+    """torchrun, 2 ranks (gloo DDP): killed before the changes, resumed across both, exact. With async
+    saves, so that two ranks' writer processes meet here too (their markers, rank 0's commit; killed with
+    their trainers): every checkpoint left verifies, and the trajectory is the sync reference's."""
     sched = ("--set", "data.seq_len_schedule=[[0,16],[5,32],[9,64]]")
     ref = refs(*_ref_args(N2_DIST, 2, *sched), nproc=2)
     rng = random.Random(51)
     run = tmp_path / "run"
-    kill = run_and_kill(run, _args(dataset, N2_DIST, 2, *sched), rng=rng, kill_step=rng.randint(2, 4), nproc=2,
-                        data_dir=dataset)
+    kill = run_and_kill(run, _args(dataset, N2_DIST, 2, *sched, "--async-ckpt"), rng=rng, kill_step=rng.randint(2, 4),
+                        nproc=2, data_dir=dataset)
     assert kill.killed and kill.at_step < 5
     _resume(run, nproc=2, dataset=dataset)
     assert_same_trajectory(ref, run, N2_DIST, f"killed at {kill.at_step}")
+    _assert_checkpoints_valid(run, world_size=2)
     assert [s for s, _ in _seq_len_markers(ref)] == [5, 9] and set(_seq_len_markers(run)) == set(_seq_len_markers(ref))
     assert [len(trajectory(ref)[s]["sample_ids"]) for s in (1, 6, 10)] == [4, 8, 16]  # 16 sequences per step
