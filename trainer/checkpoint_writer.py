@@ -15,8 +15,8 @@ step after an async save took 9.5 ms against 5.6 with the thread writing, and 6.
 writing the same files, even with a core left free (docs/benchmarks/checkpoint-cost.md). DCP's
 process-based async save is the same idea.
 
-The writer is started with the trainer when async saves are on (``Checkpointer.start_writer``: it imports
-torch, about a second, while the trainer builds the rest), else by the first async save. It lives as long
+The writer is started when training starts with async saves on (``Checkpointer.start_writer``: it imports
+torch, about a second, while the trainer loads its checkpoint), else by the first async save. It lives as long
 as its ``Checkpointer`` and exits when the socket closes. A training process killed outright takes its
 writer with it at once (the parent-death signal, Linux), as it took the thread: no save of a dead run
 commits later, beside the run that resumes it. Every message is a length-prefixed pickle between this

@@ -55,8 +55,6 @@ class TrainerCheckpoints:
         # failing disk can put at risk (checkpoint.max_age_steps / max_age_seconds)
         self.good = (0, time.time())
         self.failed = 0
-        if c.async_save and not self.state.sharded:  # its torch import overlaps the rest of the start
-            self.ckpt.start_writer()
         self._group = None  # lazily created gloo group for FSDP2 async checkpoints
         self.unloadable: list[str] = []  # why each checkpoint the last load passed over failed
         self.removals_applied = False  # skiplist.removed.json was applied: deleted at the next checkpoint

@@ -121,8 +121,8 @@ class CheckpointConfig(_Strict):
         "process", description="who serialises, hashes and writes an async save's files (not FSDP2's, which DCP "
         "writes). process: this rank's writer process, over a copy of the state in shared memory, so that none of "
         "that work holds the training process's GIL (the step after a save: 6.1 ms against 9.5 with a thread, "
-        "tiny on CPU; docs/benchmarks/checkpoint-cost.md); it starts with the trainer (importing torch while the "
-        "trainer builds the rest), at async_priority, and dies with it. thread: the save's own thread, in the "
+        "tiny on CPU; docs/benchmarks/checkpoint-cost.md); it starts when training does (importing torch while the "
+        "trainer loads its checkpoint), at async_priority, and dies with it. thread: the save's own thread, in the "
         "training process. A writer process that cannot start or dies leaves thread for the rest of the run (said "
         "in one line)",
     )

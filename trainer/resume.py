@@ -43,6 +43,8 @@ def start(tr) -> None:
     start) and mark it: the ControlLoop writes the start/resume/rollback marker with a new timeline."""
     env = tr.env
     tr.checkpoints.ckpt.clean_partial()
+    if tr.cfg.checkpoint.async_save and not tr.checkpoints.state.sharded:  # its torch import overlaps the load
+        tr.checkpoints.ckpt.start_writer()
     env.barrier()
     removed = _read_skip_removals(tr)  # a bad file is refused here, before any record is logged
     try:  # every rank stops with the same line; the plan stays on disk for the operator to fix
