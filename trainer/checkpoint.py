@@ -465,6 +465,10 @@ class Checkpointer:
         the save's thread (``async_writer="thread"``, or no process could be had)."""
         if self.async_writer != "process":
             return None
+        if not hasattr(os, "memfd_create"):  # not Linux: no memory to share with a writer that way
+            self.async_writer = "thread"
+            self.log("warning: no memfd_create on this system; async saves write on a thread")
+            return None
         if self._proc is None:
             from trainer.checkpoint_writer import WriterProcess
 

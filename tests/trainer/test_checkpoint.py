@@ -564,6 +564,22 @@ def test_a_dead_writer_process_is_started_again_and_one_that_dies_in_a_save_fail
     assert torch.equal(load_torch(root / "step-00000004" / "model.pt")["w"], torch.full((1000,), 4.0))
 
 
+def test_without_memfd_async_saves_are_written_by_the_thread_and_say_so_once(tmp_path, monkeypatch):
+    """Where no memory can be shared with a writer process (no ``memfd_create``: not Linux), async saves
+    are written by the save's thread, after one line that says so."""
+    monkeypatch.delattr(os, "memfd_create")
+    logged = []
+    ck = _direct_checkpointer(tmp_path, async_writer="process")
+    ck.log = logged.append
+    for step in (1, 2):
+        ck.save(step, shared={"model.pt": {"w": torch.ones(3)}, "train_state.json": {"step": step}}, per_rank={},
+                meta={"run": "t"}, async_save=True)
+        ck.wait()
+    assert logged == ["warning: no memfd_create on this system; async saves write on a thread"]
+    assert ck.async_writer == "thread" and ck._proc is None
+    assert all((tmp_path / "checkpoints" / f"step-0000000{s}" / "manifest.json").is_file() for s in (1, 2))
+
+
 def test_the_writer_process_ends_with_the_training_process_that_started_it(tmp_path):
     """A training process killed outright leaves no writer behind: the writer sees its socket close, and exits."""
     script = (
