@@ -379,10 +379,7 @@ class Checkpointer:
                             try:
                                 structure = proc.snapshot({"shared": shared, "per_rank": per_rank})
                             except OSError as e:  # no process or shared memory to be had here: the thread writes
-                                proc.close()
-                                proc, self.async_writer = None, "thread"
-                                self.log(f"warning: the checkpoint writer process could not start ({e.strerror or e}); "
-                                         f"async saves write on a thread")
+                                proc = self._use_thread(f"the checkpoint writer process could not start ({e.strerror or e})")
                         if proc is None:
                             shared, per_rank = host_copy(shared), host_copy(per_rank)
                         self.snapshot_seconds = time.perf_counter() - t_copy
@@ -448,7 +445,7 @@ class Checkpointer:
 
     def start_writer(self) -> None:
         """Start this rank's writer process now, if async saves will use one: it imports torch while the
-        trainer builds the rest, so that the first async save finds it ready. Said in one line, and the
+        trainer loads its checkpoint, so that the first async save finds it ready. Said in one line, and the
         thread writes instead, where it cannot start."""
         proc = self._writer_process()
         if proc is None or proc.alive():
@@ -456,19 +453,22 @@ class Checkpointer:
         try:
             proc.start()
         except OSError as e:
-            proc.close()
-            self.async_writer = "thread"
-            self.log(f"warning: the checkpoint writer process could not start ({e.strerror or e}); async saves write on a thread")
+            self._use_thread(f"the checkpoint writer process could not start ({e.strerror or e})")
+
+    def _use_thread(self, why: str) -> None:
+        """From now on the save's thread writes async saves (said in one line); returns None, the process."""
+        if self._proc is not None:
+            self._proc.close()
+        self.async_writer = "thread"
+        self.log(f"warning: {why}; async saves write on a thread")
 
     def _writer_process(self):
-        """This rank's writer process (started here, on the save's thread), or None: async saves write on
-        the save's thread (``async_writer="thread"``, or no process could be had)."""
+        """This rank's writer process (``WriterProcess``: its ``snapshot`` starts it when it is not running),
+        or None: async saves write on the save's thread (``async_writer="thread"``, or no process to be had)."""
         if self.async_writer != "process":
             return None
         if not hasattr(os, "memfd_create"):  # not Linux: no memory to share with a writer that way
-            self.async_writer = "thread"
-            self.log("warning: no memfd_create on this system; async saves write on a thread")
-            return None
+            return self._use_thread("no memfd_create on this system")
         if self._proc is None:
             from trainer.checkpoint_writer import WriterProcess
 
@@ -485,9 +485,7 @@ class Checkpointer:
         if reply["last_error"]:
             self.last_error = reply["last_error"]
         if reply.get("died"):  # its files are unfinished: this rank's marker says so, and rank 0 removes them
-            self.async_writer = "thread"
-            self.log(f"warning: async checkpoint step {step} failed: {reply['last_error']}; async saves write on a "
-                     f"thread from now on")
+            self._use_thread(f"async checkpoint step {step} failed: {reply['last_error']}")
             with contextlib.suppress(OSError):
                 self._mark(tmp, False)
             if self.rank == 0:

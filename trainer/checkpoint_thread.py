@@ -14,15 +14,21 @@ import weakref
 import torch
 
 
-def host_copy(obj):
-    """``obj`` with every tensor replaced by a host copy of it (containers rebuilt, the rest shared)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+def map_leaves(obj, leaf: type, fn):
+    """``obj`` with every ``leaf`` instance replaced by ``fn(it)``: dicts and lists rebuilt, the rest shared
+    (the containers of a checkpoint's state dicts)."""
+    if isinstance(obj, leaf):
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
+        return {k: map_leaves(v, leaf, fn) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [host_copy(v) for v in obj]
+        return [map_leaves(v, leaf, fn) for v in obj]
     return obj
+
+
+def host_copy(obj):
+    """``obj`` with every tensor replaced by a host copy of it."""
+    return map_leaves(obj, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
 
 
 # While an async save runs, a thread that waits for the GIL asks the save's thread for it after this long, not

@@ -41,6 +41,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trainer.checkpoint_thread import map_leaves
+
 _ALIGN = 64  # each slot starts on a cache line
 _HEADER = struct.Struct("!Q")
 
@@ -52,27 +54,17 @@ class Slot(NamedTuple):
 
 
 def flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a :class:`Slot` (dicts and lists rebuilt, the rest shared);
-    the tensors are appended to ``tensors`` in order."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
+    """``obj`` with every tensor replaced by a :class:`Slot`; the tensors are appended to ``tensors`` in order."""
+    def slot(t: torch.Tensor) -> Slot:
+        tensors.append(t)
         return Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: flatten(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [flatten(v, tensors) for v in obj]
-    return obj
+
+    return map_leaves(obj, torch.Tensor, slot)
 
 
 def fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """The inverse of :func:`flatten`: every :class:`Slot` replaced by its tensor."""
-    if isinstance(obj, Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [fill(v, tensors) for v in obj]
-    return obj
+    return map_leaves(obj, Slot, lambda s: tensors[s.index])
 
 
 def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:

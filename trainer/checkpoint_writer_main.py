@@ -32,7 +32,7 @@ def _serve(sock: socket.socket) -> None:
         if msg[0] == "arena":
             specs = msg[1]
             offsets, size = _layout(specs)
-            tensors = []
+            tensors = []  # the old views go before their mapping
             if buf is not None:
                 with contextlib.suppress(BufferError):
                     buf.close()
