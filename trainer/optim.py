@@ -14,6 +14,7 @@ import math
 import torch
 
 from trainer.config import OptimConfig
+from trainer.flat_state import tiled_base
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -39,6 +40,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, *, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
         super().__init__(params, dict(betas=betas, eps=eps, weight_decay=weight_decay))
+        self._flat_done = False  # the first state made is every parameter's (``_init_flat``)
 
     @torch.no_grad()
     def step(self, lr: float | None = None, factor: torch.Tensor | None = None, closure=None):  # type: ignore[override]
@@ -86,8 +88,11 @@ class SkipStepAdamW(torch.optim.Optimizer):
           the device (``t.add_(factor)``, no host sync): left on the CPU, the first step after a resume
           on CUDA failed with "Expected all tensors to be on the same device" (found on an H100 by
           ``sentinel verify-resume``; CPU runs cannot see it)."""
+        if not self._flat_done:  # a cold resume: the state to copy into, laid out as a fresh run's
+            self._init_flat()
         live = {p: dict(st) for p, st in self.state.items()}
         super().load_state_dict(state_dict)
+        copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)
@@ -99,18 +104,55 @@ class SkipStepAdamW(torch.optim.Optimizer):
                         continue
                     o = old.get(key)
                     if isinstance(o, torch.Tensor) and o.shape == v.shape and o.dtype == v.dtype and o.device == p.device:
-                        st[key] = o.copy_(v)
+                        copies.setdefault(key, []).append((o, v))
+                        st[key] = o
                     elif v.device != p.device:
                         st[key] = v.to(p.device)
                     else:
                         st[key] = v.clone()
+        for pairs in copies.values():  # one copy per key where both sides are flat (trainer/flat_state.py)
+            dst, src = tiled_base([o for o, _ in pairs]), tiled_base([v for _, v in pairs])
+            if dst is not None and src is not None and dst.numel() == src.numel():
+                dst.copy_(src)
+            else:
+                for o, v in pairs:
+                    o.copy_(v)
 
     def _init_state(self, p: torch.Tensor) -> dict:
+        """``p``'s state, zero; on the first call, every parameter's at once (``_init_flat``)."""
+        if not self._flat_done:
+            self._init_flat()
+            if self.state[p]:
+                return self.state[p]
         st = self.state[p]
         st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return st
+
+    def _init_flat(self) -> None:
+        """Give every plain, contiguous parameter without state its zero state at once, as views of
+        three flat tensors per device and dtype, in parameter order: ``step``, ``exp_avg``, ``exp_avg_sq``.
+        The values and the update are as with a tensor each; what changes is that the checkpoint's
+        format (``trainer/flat_state.py``) writes each flat tensor as it is, without a copy. Sharded
+        (DTensor) parameters keep a tensor each: DCP saves those."""
+        self._flat_done = True
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if type(p.data) is torch.Tensor and p.is_contiguous() and not self.state[p]:
+                    by_kind.setdefault((p.device, p.dtype), []).append(p)
+        for (device, dtype), ps in by_kind.items():
+            total = sum(p.numel() for p in ps)
+            steps = torch.zeros(len(ps), dtype=torch.float32, device=device)
+            m = torch.zeros(total, dtype=dtype, device=device)
+            v = torch.zeros(total, dtype=dtype, device=device)
+            offset = 0
+            for i, p in enumerate(ps):
+                n = p.numel()
+                self.state[p].update(step=steps[i], exp_avg=m[offset:offset + n].view(p.shape),
+                                     exp_avg_sq=v[offset:offset + n].view(p.shape))
+                offset += n
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> SkipStepAdamW:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from trainer import rng
+from trainer import flat_state, rng
 from trainer.checkpoint_checks import check_optimizer_state, check_rng, check_tensors
 from trainer.errors import TrainingError
 
@@ -74,17 +74,21 @@ class ModelPiece(Piece):
 
 
 class OptimizerPiece(Piece):
+    """The moments and step counts, written as a few flat tensors (``trainer/flat_state.py``: 3 tensors
+    to unpickle instead of 3 per parameter)."""
+
     file = "optim.pt"
     maps_file = True  # ``SkipStepAdamW.load_state_dict`` copies into its moments (or makes private copies)
 
     def state_dict(self) -> dict:
-        return self.tr.opt.state_dict()
+        return flat_state.pack(self.tr.opt.state_dict())
 
-    def check(self, sd, ckpt: str) -> None:
-        check_optimizer_state(sd, self.tr.opt, f"{ckpt}: {self.file}")
+    def check(self, sd, ckpt: str) -> None:  # torch's own format too: a checkpoint from before this one
+        what = f"{ckpt}: {self.file}"
+        check_optimizer_state(flat_state.unpack(sd, what), self.tr.opt, what)
 
     def load_state_dict(self, sd: dict) -> None:
-        self.tr.opt.load_state_dict(sd)
+        self.tr.opt.load_state_dict(flat_state.unpack(sd, self.file))
 
 
 class ShardedModelOptimizerPiece(Piece):

@@ -84,8 +84,7 @@ def tamper_rng(ck: Path) -> None:
 
 def tamper_optimizer(ck: Path) -> None:
     o = torch.load(ck / "optim.pt", weights_only=True)
-    for s in o["state"].values():
-        s["exp_avg"].mul_(1.5)
+    next(g for g in o["groups"] if g["key"] == "exp_avg")["data"].mul_(1.5)  # trainer/flat_state.py's format
     torch.save(o, ck / "optim.pt")
 
 

@@ -31,6 +31,7 @@ from tests.helpers.trainer import (
     records,
     run_trainer,
 )
+from trainer import flat_state
 from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify, write_json
 
 COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
@@ -371,9 +372,14 @@ def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs):
     ck = run / "checkpoints" / "step-00000008"
     for name, want in load_torch(ck / "model.pt").items():
         assert torch.equal(tr.raw_model.state_dict()[name], want), name
-    saved = load_torch(ck / "optim.pt")["state"]
+    saved = flat_state.unpack(load_torch(ck / "optim.pt"), "optim.pt")["state"]
     live = tr.opt.state_dict()["state"]
     assert saved.keys() == live.keys() and all(torch.equal(live[i][k], v) for i in saved for k, v in saved[i].items())
+    # the file holds three flat tensors (step, exp_avg, exp_avg_sq), which a save writes from the live
+    # moments as they are: the loads above kept them flat
+    packed = flat_state.pack(tr.opt.state_dict())
+    assert [g["key"] for g in packed["groups"]] == ["step", "exp_avg", "exp_avg_sq"]
+    assert all(g["data"].untyped_storage().data_ptr() == live[0][g["key"]].untyped_storage().data_ptr() for g in packed["groups"])
 
 
 @pytest.mark.parametrize("case", ["model-dropped-from-manifest", "negative-step", "model-wrong-shape"])

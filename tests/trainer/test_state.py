@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sentinel.contract.checkpoints import TrainStateFile
+from trainer import flat_state
 from trainer.checkpoint import CheckpointError
 from trainer.errors import TrainingError
 from trainer.state import TRAIN_STATE
@@ -51,18 +52,30 @@ def _same(x, y) -> bool:
     return x == y
 
 
-@pytest.mark.parametrize("name", ["model", "optimizer", "rng", "counters", "sampler", "guard", "skiplist"])
+@pytest.mark.parametrize("name", ["model", "optimizer", "optimizer-torch-format", "rng", "counters", "sampler",
+                                  "guard", "skiplist"])
 def test_each_piece_round_trips_into_another_trainer(trainers, name):
+    """``optimizer-torch-format``: ``optim.pt`` as checkpoints before the flat format hold it (torch's
+    optimizer state dict) loads to the same state."""
     a, b = trainers
+    torch_format = name == "optimizer-torch-format"
+    name = "optimizer" if torch_format else name
     sa, sb = a.checkpoints.state.states[name], b.checkpoints.state.states[name]
     saved = copy.deepcopy(sa.state_dict())
+    if torch_format:
+        saved = flat_state.unpack(saved, "optim.pt")
+        assert "state" in saved and "groups" not in saved
     if name == "rng":  # the generators are the process's: move them on, then bring them back
         random.random(), np.random.rand(), torch.rand(3)
     else:
         assert not _same(saved, sb.state_dict()), f"{name}: the fixture left both trainers alike"
     sb.check(saved, "step-00000001")
     sb.load_state_dict(copy.deepcopy(saved))
-    assert _same(saved, sb.state_dict()), name
+    assert _same(sa.state_dict(), sb.state_dict()), name
+    if name == "optimizer":  # loaded into flat moments, as a fresh run lays them out: the next save copies none
+        live = next(iter(b.opt.state.values()))
+        for g in sb.state_dict()["groups"]:
+            assert g["data"].untyped_storage().data_ptr() == live[g["key"]].untyped_storage().data_ptr(), g["key"]
 
 
 @pytest.mark.parametrize("name", ["run", "scheduler"])
@@ -99,10 +112,29 @@ def _model_reshaped(sd):
     return {**sd, k: torch.zeros(3, 3)}
 
 
-def _opt_moment_reshaped(sd):
-    sd = copy.deepcopy(sd)
-    st = next(iter(sd["state"].values()))
-    st["exp_avg"] = torch.zeros(7)
+def _opt_group(key, **change):
+    """The flat optimizer file's group of ``key`` changed (``trainer/flat_state.py``)."""
+    def corrupt(sd):
+        sd = copy.deepcopy(sd)
+        g = next(g for g in sd["groups"] if g["key"] == key)
+        for k, f in change.items():
+            g[k] = f(g[k], g)
+        return sd
+    return corrupt
+
+
+def _first_moment_as(n):  # the first parameter's exp_avg as n values: the file stays consistent in itself
+    def data(d, g):
+        first = 1
+        for x in g["shapes"][0]:
+            first *= x
+        return torch.cat([d[:n], d[first:]])
+    return {"data": data, "shapes": lambda s, g: [[n]] + s[1:]}  # in this order: data reads the old shapes
+
+
+def _opt_torch_format_reshaped(sd):
+    sd = copy.deepcopy(flat_state.unpack(sd, "optim.pt"))
+    next(iter(sd["state"].values()))["exp_avg"] = torch.zeros(7)
     return sd
 
 
@@ -118,7 +150,30 @@ HOSTILE = {
     "model-wrong-shape": ("model", _model_reshaped, CheckpointError, "is (3, 3) torch.float32, expected"),
     "optim-empty": ("optimizer", lambda sd: {}, CheckpointError, "optim.pt is not an optimizer state dict"),
     "optim-group-lost": ("optimizer", lambda sd: {**sd, "param_groups": sd["param_groups"][:-1]}, CheckpointError, "parameter groups, expected"),
-    "optim-moment-reshaped": ("optimizer", _opt_moment_reshaped, CheckpointError, "exp_avg does not match the parameter's shape"),
+    "optim-moment-reshaped": ("optimizer", _opt_group("exp_avg", **_first_moment_as(7)), CheckpointError,
+                              "exp_avg does not match the parameter's shape"),
+    "optim-torch-format-reshaped": ("optimizer", _opt_torch_format_reshaped, CheckpointError, "exp_avg does not match the parameter's shape"),
+    "optim-groups-not-a-list": ("optimizer", lambda sd: {**sd, "groups": "all"}, CheckpointError, "optim.pt is not an optimizer state dict"),
+    "optim-group-not-a-dict": ("optimizer", lambda sd: {**sd, "groups": [7]}, CheckpointError, "optim.pt: state group 0 is malformed"),
+    "optim-data-2d": ("optimizer", _opt_group("exp_avg", data=lambda d, g: d.view(1, -1)), CheckpointError, "has no 1-D data"),
+    "optim-data-short": ("optimizer", _opt_group("exp_avg", data=lambda d, g: d[:-1]), CheckpointError, "is shorter than its shapes say"),
+    "optim-data-long": ("optimizer", _opt_group("exp_avg_sq", data=lambda d, g: torch.cat([d, d[:1]])), CheckpointError,
+                        "values, its shapes"),
+    "optim-index-negative": ("optimizer", _opt_group("step", params=lambda p, g: [-1] + p[1:]), CheckpointError,
+                             "malformed parameter indices or shapes"),
+    "optim-index-not-int": ("optimizer", _opt_group("step", params=lambda p, g: ["0"] + p[1:]), CheckpointError,
+                            "malformed parameter indices or shapes"),
+    "optim-shape-negative": ("optimizer", _opt_group("exp_avg", shapes=lambda s, g: [[-4, 2]] + s[1:]), CheckpointError,
+                             "malformed parameter indices or shapes"),
+    "optim-shape-too-deep": ("optimizer", _opt_group("exp_avg", shapes=lambda s, g: [[1] * 40] + s[1:]), CheckpointError,
+                             "malformed parameter indices or shapes"),
+    "optim-index-repeated": ("optimizer", _opt_group("step", params=lambda p, g: [p[0], p[0]] + p[2:]), CheckpointError,
+                             "repeats step of parameter"),
+    "optim-unknown-parameter": ("optimizer", _opt_group("step", params=lambda p, g: p[:-1] + [999]), CheckpointError,
+                                "state for unknown parameter 999"),
+    "optim-moment-missing": ("optimizer", lambda sd: {**sd, "groups": [g for g in sd["groups"] if g["key"] != "exp_avg_sq"]},
+                             CheckpointError, "exp_avg_sq does not match"),
+    "optim-other-malformed": ("optimizer", lambda sd: {**sd, "other": {"x": 1}}, CheckpointError, "state of parameter 'x' is malformed"),
     "rng-garbage": ("rng", lambda sd: {"python": torch.zeros(3)}, CheckpointError, "rng-rank0.pt is not a valid RNG state"),
     "rng-numpy-keys-out-of-range": ("rng", lambda sd: {**sd, "numpy": {**sd["numpy"], "keys": sd["numpy"]["keys"] - 2**40}},
                                     CheckpointError, "not a valid RNG state"),
