@@ -26,7 +26,9 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     thread), plus the wait at the next training step's optimizer step (``Checkpointer.fence``) for
     the writer thread's copy of the weights and moments; the bench trains that step for real
     (``Trainer.train_step``). Each rank times its own loop, from a barrier, with no barrier inside the
-    clock; the figure is the slowest rank's (the next step's collectives wait for it). Also
+    clock; the figure is the slowest rank's (the next step's collectives wait for it). Every arm
+    starts right after an untimed training step, as ``Trainer.fit`` saves right after a step (timed
+    after the previous arm's cleanup instead, the same ~0.25 ms of Python read 0.6-0.7 ms). Also
     ``async_snapshot_bytes``: the host memory the copy holds while the write runs (every model and
     optimizer tensor once), and the copy's own seconds on its thread. Not blocked but slowed: a third
     arm (a b c, c b a, ...) times a step with no save in flight; ``next_step_slowdown_vs_sync`` =
@@ -291,6 +293,7 @@ def measure(t, env, reps: int) -> dict:
     for i in range(reps):  # a b c, c b a, ...
         secs = {}
         for arm in ("a", "b", "c") if i % 2 == 0 else ("c", "b", "a"):
+            train_one()  # the step a save follows in Trainer.fit (untimed)
             if arm == "a":
                 secs[arm] = timed_per_rank(save)
             elif arm == "b":  # each rank's own block (its save call, then its fence), the slowest rank's

@@ -63,7 +63,7 @@ from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
 from sentinel.contract.rundir import checkpoint_dir_name
 from trainer.checkpoint_io import write_json, write_torch
-from trainer.checkpoint_thread import _run_jobs, host_copy
+from trainer.checkpoint_thread import _run_jobs, built, host_copy
 
 
 class CheckpointError(Exception):
@@ -332,7 +332,8 @@ class Checkpointer:
         once every rank has written — DCP's coordinator gathers them on its own process group).
         With ``async_save`` the tensors in ``shared``/``per_rank`` may be the live ones: a background
         thread copies them to host memory first (``fence`` waits for that copy, so the caller calls it
-        before changing any of them), then writes, checksums and renames while training goes on.
+        before changing any of them), then writes, checksums and renames while training goes on. A file
+        given as a callable is built by calling it, on that thread before the copy (``built``).
         """
         self.wait()
         t0 = time.time()
@@ -342,7 +343,9 @@ class Checkpointer:
         # processes are gone before the first save (``clean_partial``, then a barrier).
         self._saves += 1
         tmp = self.root / f".tmp-{step_dir_name(step)}.{self._saves}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        if not (async_save and dcp_writer is None):  # an async save's job makes it: one syscall off the loop
+            tmp.mkdir(parents=True, exist_ok=True)
+            shared, per_rank = built(shared), built(per_rank)
 
         if async_save and dcp_async_writer is not None:
             written = self._write_files(tmp, shared, per_rank)  # small files: written now
@@ -371,10 +374,11 @@ class Checkpointer:
             def job():
                 nonlocal shared, per_rank
                 try:
-                    shared = shared if self.rank == 0 else {}  # only rank 0 writes them
                     proc = self._writer_process()
                     try:  # the copy runs here (torch copies release the GIL) while the next step's forward runs
                         t_copy = time.perf_counter()
+                        shared, per_rank = built(shared) if self.rank == 0 else {}, built(per_rank)  # only rank 0 writes them
+                        tmp.mkdir(parents=True, exist_ok=True)
                         if proc is not None:
                             try:
                                 structure = proc.snapshot({"shared": shared, "per_rank": per_rank})

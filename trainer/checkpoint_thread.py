@@ -26,6 +26,12 @@ def map_leaves(obj, leaf: type, fn):
     return obj
 
 
+def built(files: dict) -> dict:
+    """``files`` (name -> object) with each callable replaced by what it returns: a file an async save's
+    thread builds itself (``trainer.state.CheckpointState.files(defer_live=True)``)."""
+    return {name: obj() if callable(obj) else obj for name, obj in files.items()}
+
+
 def host_copy(obj):
     """``obj`` with every tensor replaced by a host copy of it."""
     return map_leaves(obj, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))

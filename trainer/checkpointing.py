@@ -64,11 +64,12 @@ class TrainerCheckpoints:
         a run killed in its first seconds must find it, not an async save still under way)."""
         tr = self.tr
         tr._flush_readback()
-        shared, per_rank = self.state.files(shared_files=tr.env.is_main)  # only rank 0 writes the shared files
+        async_save = tr.cfg.checkpoint.async_save and not sync
+        # only rank 0 writes the shared files; an async save's thread builds the model's and optimizer's
+        shared, per_rank = self.state.files(shared_files=tr.env.is_main, defer_live=async_save and not self.state.sharded)
         ts = shared[TRAIN_STATE]
         meta = {k: ts[k] for k in ("run", "timeline", "tokens", "dataset_fingerprint")}
         dcp_writer = dcp_async_writer = None
-        async_save = tr.cfg.checkpoint.async_save and not sync
         if self.state.sharded:  # FSDP2: DCP writes this rank's shards
             sharded = self.state.states["model_optimizer"].state_dict()
             from torch.distributed.checkpoint import save as dcp_save

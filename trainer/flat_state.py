@@ -32,19 +32,19 @@ FORMAT = "sentinel.flat-optimizer/1"
 
 
 def tiled_base(ts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The 1-D tensor over the storage ``ts`` tile in order (contiguous, back to back, covering all of
-    it), or None."""
+    """The 1-D tensor over the storage ``ts`` tile in order (contiguous, back to back from its start,
+    covering all of it), or None. Live allocations never overlap, so addresses alone tell the tiling."""
     first = ts[0]
-    storage = first.untyped_storage()
-    offset, base = 0, storage.data_ptr()
-    for t in ts:
-        if (t.dtype != first.dtype or t.device != first.device or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != base or t.storage_offset() != offset):
-            return None
-        offset += t.numel()
-    if offset * first.element_size() != storage.nbytes():
+    if first.storage_offset():
         return None
-    return first.new_empty(0).set_(storage, 0, (offset,))
+    size, start, n = first.element_size(), first.data_ptr(), 0
+    for t in ts:
+        if t.dtype != first.dtype or t.device != first.device or t.data_ptr() != start + n * size or not t.is_contiguous():
+            return None
+        n += t.numel()
+    if n * size != first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((n,), (1,), 0)
 
 
 def pack(sd: dict) -> dict:

@@ -45,6 +45,9 @@ class Piece:
     # its file is loaded with ``mmap`` (no read into fresh memory): ``load_state_dict`` must then copy
     # every tensor into live memory, keeping none that maps the checkpoint file
     maps_file = False
+    # ``state_dict`` only refers to live tensors that change in the optimizer step alone (behind
+    # ``Checkpointer.fence``): an async save may build it on its own thread (``files(defer_live=True)``)
+    live = False
 
     def __init__(self, tr) -> None:
         self.tr = tr
@@ -62,6 +65,7 @@ class Piece:
 class ModelPiece(Piece):
     file = "model.pt"
     maps_file = True  # ``Module.load_state_dict`` copies into the parameters
+    live = True
 
     def state_dict(self) -> dict:
         return self.tr.raw_model.state_dict()  # the live tensors: an async save copies them itself
@@ -79,6 +83,7 @@ class OptimizerPiece(Piece):
 
     file = "optim.pt"
     maps_file = True  # ``SkipStepAdamW.load_state_dict`` copies into its moments (or makes private copies)
+    live = True
 
     def state_dict(self) -> dict:
         return flat_state.pack(self.tr.opt.state_dict())
@@ -269,13 +274,16 @@ class CheckpointState:
                 out.update(piece.state_dict())
         return out
 
-    def files(self, *, shared_files: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    def files(self, *, shared_files: bool = True, defer_live: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a save writes, by file name: (rank 0's files, this rank's own files); the tensors are the
         live ones. Not the FSDP2 shards (``states["model_optimizer"]``): DCP writes those itself.
-        ``shared_files=False`` (a rank other than 0, which writes none of them): only ``train_state.json``."""
+        ``shared_files=False`` (a rank other than 0, which writes none of them): only ``train_state.json``.
+        ``defer_live``: a ``live`` piece's file is its ``state_dict`` method, for an async save's thread to
+        call before its snapshot (``Checkpointer.save``), not the loop."""
         shared: dict[str, Any] = {TRAIN_STATE: self.train_state()}
         per_rank: dict[str, Any] = {}
         for piece in self.states.values():
             if piece.file not in (TRAIN_STATE, DCP_DIR) and (piece.per_rank or shared_files):
-                (per_rank if piece.per_rank else shared)[piece.file] = piece.state_dict()
+                built = piece.state_dict if defer_live and piece.live else piece.state_dict()
+                (per_rank if piece.per_rank else shared)[piece.file] = built
         return shared, per_rank

@@ -509,9 +509,16 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
     big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it
     small = {f"w{i}": torch.full((7,), float(i)) for i in range(50)}  # many small records
     expect = {"big": big.clone(), **{k: v.clone() for k, v in small.items()}}
-    ck.save(5, shared={"model.pt": {"big": big, **small}, "train_state.json": {"step": 5}},
+    built_on = []  # a file given as a callable (a live piece's state_dict) is built by the save: off the loop if async
+
+    def model_state():
+        built_on.append(threading.get_ident())
+        return {"big": big, **small}
+
+    ck.save(5, shared={"model.pt": model_state, "train_state.json": {"step": 5}},
             per_rank={"rng-rank0.pt": {"torch": torch.get_rng_state()}}, meta={"run": "t"}, async_save=async_save)
     ck.fence()
+    assert len(built_on) == 1 and (built_on[0] != threading.get_ident()) == async_save
     big.add_(1.0)  # the optimizer step, right after the fence
     for v in small.values():
         v.mul_(-1.0)
@@ -638,6 +645,13 @@ def test_the_async_writer_thread_survives_a_failed_save_and_runs_the_next(tmp_pa
             meta={"run": "t"}, async_save=True)
     ck.wait()
     assert (tmp_path / "checkpoints" / "step-00000007" / "manifest.json").is_file() and ck.last_error == "division by zero"
+    # a file that fails to build on the save's thread: the fence still returns, the save fails in one line
+    ck.save(8, shared={"model.pt": lambda: {}["model"], "train_state.json": {"step": 8}}, per_rank={},
+            meta={"run": "t"}, async_save=True)
+    ck.fence()
+    ck.wait()
+    assert logged[-1] == "warning: async checkpoint failed: 'model'" and len(logged) == 2
+    assert not (tmp_path / "checkpoints" / "step-00000008").exists() and not list((tmp_path / "checkpoints").glob(".tmp-*"))
     writer = ck._writer
     del ck  # a Checkpointer let go of takes its thread with it (the thread holds no reference to it)
     gc.collect()
