@@ -56,7 +56,7 @@ from sentinel.contract.checkpoints import (
     first_error,
     manifest_digest,  # noqa: F401  (re-exported)
 )
-from sentinel.contract.fsio import checksum_matches, file_checksum, sha256_file  # noqa: F401  (sha256_file: re-exported)
+from sentinel.contract.fsio import checksums_match, file_checksum, sha256_file  # noqa: F401  (sha256_file: re-exported)
 from sentinel.contract.fsio import fsync_dir as _fsync  # by name: a file's data, or a directory's names
 from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
@@ -154,8 +154,7 @@ def verify_share(path: Path, share: tuple[int, int] | None = None) -> tuple[dict
         if 0 <= index < count and count > 1:  # else (one rank, or a launcher's odd local rank): every file
             names = checksum_share(names, sizes, index, count)
     if names:
-        with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:  # hashing releases the GIL: one file per core
-            ok = list(pool.map(lambda n: checksum_matches(path / n, files[n]), names))
+        ok = checksums_match([(path / n, files[n]) for n in names])
         for name, good in zip(names, ok):
             if not good:
                 raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupt or truncated)")
