@@ -80,9 +80,11 @@ class SkipStepAdamW(torch.optim.Optimizer):
         """Load as torch does, then give every state tensor memory of its own, on its parameter's device.
 
         * Where this optimizer already holds a moment of the same shape and dtype (an in-process
-          rollback), the loaded values are copied into it: no fresh memory, and nothing keeps the
-          checkpoint's tensors, which may map its file (``trainer.checkpoint.load_torch(mmap=True)``).
-          Elsewhere a CPU tensor is cloned, for the same reason.
+          rollback; or a cold resume, whose moments are laid out first, as a fresh run's), the loaded
+          values are copied into it, one copy per key where both sides are flat: no fresh memory,
+          the moments stay flat for the next save, and nothing keeps the checkpoint's tensors, which
+          may map its file (``trainer.checkpoint.load_torch(mmap=True)``). Elsewhere a CPU tensor is
+          cloned, for the same reason.
         * ``step`` goes to its parameter's device. torch moves the moments there but leaves ``step``
           where it was loaded (the CPU), as its own optimizers count steps on the host. Ours counts on
           the device (``t.add_(factor)``, no host sync): left on the CPU, the first step after a resume

@@ -153,6 +153,8 @@ HOSTILE = {
     "optim-moment-reshaped": ("optimizer", _opt_group("exp_avg", **_first_moment_as(7)), CheckpointError,
                               "exp_avg does not match the parameter's shape"),
     "optim-torch-format-reshaped": ("optimizer", _opt_torch_format_reshaped, CheckpointError, "exp_avg does not match the parameter's shape"),
+    "optim-format-unknown": ("optimizer", lambda sd: {**sd, "format": "sentinel.flat-optimizer/9"}, CheckpointError,
+                             "has format 'sentinel.flat-optimizer/9'; this trainer reads"),
     "optim-groups-not-a-list": ("optimizer", lambda sd: {**sd, "groups": "all"}, CheckpointError, "optim.pt is not an optimizer state dict"),
     "optim-group-not-a-dict": ("optimizer", lambda sd: {**sd, "groups": [7]}, CheckpointError, "optim.pt: state group 0 is malformed"),
     "optim-data-2d": ("optimizer", _opt_group("exp_avg", data=lambda d, g: d.view(1, -1)), CheckpointError, "has no 1-D data"),
