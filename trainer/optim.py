@@ -142,7 +142,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if type(p.data) is torch.Tensor and p.is_contiguous() and not self.state[p]:
+                if type(p.data) is torch.Tensor and p.is_contiguous() and not self.state.get(p):  # .get: no empty entries
                     by_kind.setdefault((p.device, p.dtype), []).append(p)
         for (device, dtype), ps in by_kind.items():
             total = sum(p.numel() for p in ps)

@@ -472,6 +472,44 @@ def test_a_loaded_optimizer_counts_its_steps_on_the_parameters_device():
         assert torch.equal(again.state[src][k], opt.state[src][k])
 
 
+def test_the_optimizers_moments_are_flat_per_dtype_and_update_as_a_tensor_each_would():
+    """SkipStepAdamW lays out every plain, contiguous parameter's state at its first step as views of
+    flat tensors per device and dtype (a parameter without a gradient too, as a fresh run's would be);
+    a non-contiguous one keeps its own. The update is bit for bit the per-tensor one, and the flat
+    file's ``pack`` writes the flat tensors as they are, or concatenates where they are not flat."""
+    from trainer.optim import SkipStepAdamW
+
+    def params():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5)),
+              torch.nn.Parameter(torch.randn(2, 2, dtype=torch.float64)),
+              torch.nn.Parameter(torch.randn(3, 4).t()), torch.nn.Parameter(torch.randn(3))]
+        return ps
+
+    flat_ps, ref_ps = params(), params()
+    flat, ref = SkipStepAdamW(flat_ps, weight_decay=0.1), SkipStepAdamW(ref_ps, weight_decay=0.1)
+    ref._flat_done = True  # a tensor each, as before the flat layout
+    for i in range(3):
+        for ps in (flat_ps, ref_ps):
+            torch.manual_seed(100 + i)
+            for p in ps[:4]:  # the last never gets a gradient
+                p.grad = torch.randn_like(p)
+        flat.step(1e-2, torch.ones(()))
+        ref.step(1e-2, torch.ones(()))
+    for a, b in zip(flat_ps, ref_ps):
+        assert torch.equal(a, b)
+    st = [flat.state[p] for p in flat_ps]
+    f32 = st[0]["exp_avg"].untyped_storage().data_ptr()
+    assert st[1]["exp_avg"].untyped_storage().data_ptr() == f32 == st[4]["exp_avg"].untyped_storage().data_ptr()
+    assert st[2]["exp_avg"].untyped_storage().data_ptr() != f32 and st[2]["exp_avg"].dtype == torch.float64
+    assert st[3]["exp_avg"].untyped_storage().data_ptr() != f32  # non-contiguous: its own tensor
+    assert float(st[4]["step"]) == 0.0 and not st[4]["exp_avg"].any() and not ref.state.get(ref_ps[4])
+    packed = flat_state.pack(flat.state_dict())
+    again = flat_state.unpack(packed, "optim.pt")["state"]
+    want = flat.state_dict()["state"]
+    assert again.keys() == want.keys() and all(torch.equal(again[i][k], v) for i in want for k, v in want[i].items())
+
+
 def test_deterministic_mode_turns_off_the_fused_attention_kernels_on_cuda_only(numerics_flags):
     """Their backward does not repeat (measured on an H100: docs/benchmarks.md, "On an H100"); the
     switches are global flags, so this runs without a GPU. On CPU the kernels stay as they are."""
