@@ -571,16 +571,19 @@ class Checkpointer:
                 f.result()  # an EIO from the disk surfaces here, before anything is renamed
         # the commit point: the step directory appears, complete and durable, or not at all
         final = self.root / step_dir_name(step)
-        if final.exists():  # re-saving a step after a rollback: swap, never delete first
-            trash = self.root / f".trash-{final.name}-{int(time.time() * 1e6)}"
-            final.rename(trash)
-            tmp.rename(final)
+        trash = self._trash(final) if final.exists() else None  # re-saving a step after a rollback: swap
+        tmp.rename(final)
+        if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(final)
         _fsync(self.root)
         self._retain()
         return final, total
+
+    def _trash(self, path: Path) -> Path:
+        """Rename a step directory out of the step names: a crash mid-delete leaves no step without its manifest."""
+        trash = self.root / f".trash-{path.name}-{time.time_ns()}"
+        path.rename(trash)
+        return trash
 
     def _retain(self) -> None:
         """Keep the newest ``keep_last`` valid checkpoints plus every ``keep_every``-th step forever.
@@ -593,4 +596,5 @@ class Checkpointer:
             kept += 1
             if kept <= self.keep_last or (self.keep_every and step and step % self.keep_every == 0):
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):  # retention never fails the save that made it run
+                shutil.rmtree(self._trash(path), ignore_errors=True)

@@ -533,6 +533,43 @@ def _direct_checkpointer(run_dir: Path, **kw):
                         all_ok=lambda ok: ok, log=lambda m: None, **kw)
 
 
+def test_a_crash_while_retention_deletes_a_checkpoint_leaves_no_step_without_its_manifest(tmp_path, monkeypatch):
+    """Retention renames a checkpoint out of the step names before it deletes it. Killed midway (here:
+    the deletion raises once the manifest is gone) it leaves a ``.trash-*`` directory, which the next
+    start removes, not a step directory without its manifest that no retention would ever remove
+    again (found by ``test_single_rank_random_kills_resume_bitwise``)."""
+    import shutil
+
+    from trainer.checkpoint import Checkpointer
+
+    def checkpointer():
+        return Checkpointer(tmp_path, rank=0, world_size=1, keep_last=2, keep_every=0, barrier=lambda: None,
+                            all_ok=lambda ok: ok, log=lambda m: None)
+
+    def save(ck, step):
+        ck.save(step, shared={"model.pt": {"w": torch.full((3,), float(step))}, "train_state.json": {"step": step}},
+                per_rank={}, meta={"run": "t"})
+
+    class Killed(BaseException):
+        pass
+
+    def dies_midway(path, *args, **kwargs):
+        (Path(path) / "manifest.json").unlink()
+        raise Killed
+
+    ck, root = checkpointer(), tmp_path / "checkpoints"
+    save(ck, 1), save(ck, 2)
+    monkeypatch.setattr(shutil, "rmtree", dies_midway)
+    with pytest.raises(Killed):
+        save(ck, 3)  # committed; retention then dies while deleting step 1
+    monkeypatch.undo()
+    steps = list_checkpoints(root, strays=True)
+    assert [s for s, _ in steps] == [3, 2] and all((p / "manifest.json").is_file() for _, p in steps)
+    assert len(list(root.glob(".trash-step-00000001-*"))) == 1
+    checkpointer().clean_partial()  # the next start
+    assert not list(root.glob(".trash-*")) and [s for s, _ in list_checkpoints(root, strays=True)] == [3, 2]
+
+
 @pytest.mark.parametrize("async_save,idle,writer", [(False, False, "thread"), (True, False, "thread"), (True, True, "thread"),
                                                     (True, False, "process"), (True, True, "process")],
                          ids=["sync", "async", "async-idle", "async-process", "async-process-idle"])
