@@ -1,0 +1,296 @@
+"""The in-process arms of ``bench/checkpoint_cost.py`` (its docstring says what each figure compares):
+``save_vs_raw``, ``async_stall_vs_sync`` and ``load_vs_raw``, each timed inside the worker that holds a real
+``Trainer``, plus the helpers the driver shares (``abba``, ``summarise``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from sentinel.contract.fsio import Checksum
+from sentinel.contract.fsio import fsync_dir as fsync_path  # any path: a file's data, or a directory's names
+
+
+def abba(reps: int) -> list[tuple[str, str]]:
+    """Pair orders A B, B A, A B, ... so that drift hits both arms alike."""
+    return [("a", "b") if i % 2 == 0 else ("b", "a") for i in range(reps)]
+
+
+def summarise(a: list[float], b: list[float], ratio: list[float], **extra) -> dict:
+    return {"median": statistics.median(ratio), "min": min(ratio), "max": max(ratio), "ratios": [round(r, 4) for r in ratio],
+            "a_seconds_median": statistics.median(a), "b_seconds_median": statistics.median(b), **extra}
+
+
+def _checksum(data: bytes) -> str:  # what a checkpoint's files get, as they are written
+    h = Checksum()
+    h.update(data)
+    return h.hexdigest()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class Worker:
+    """The trainer ``t`` of this rank and the timing every arm shares."""
+
+    def __init__(self, t, env):
+        import torch
+
+        self.torch, self.t, self.env = torch, t, env
+        self.root, self.rank0 = t.ckpt.root, env.is_main
+
+    def newest(self) -> Path:
+        return max((p for p in self.root.iterdir() if p.name.startswith("step-")), key=lambda p: p.name)
+
+    def nbytes(self) -> int:
+        return int(json.loads((self.newest() / "manifest.json").read_text())["bytes"])
+
+    def prune(self) -> None:  # retention is not what is measured: keep only the newest checkpoint, outside the clock
+        self.env.barrier()
+        if self.rank0:
+            for p in sorted(p for p in self.root.iterdir() if p.name.startswith("step-"))[:-1]:
+                shutil.rmtree(p)
+        self.env.barrier()
+
+    def timed(self, fn) -> float:
+        self.env.barrier()
+        t0 = time.perf_counter()
+        fn()
+        self.env.barrier()
+        return time.perf_counter() - t0
+
+    def slowest(self, seconds: float) -> float:  # the next step's collectives wait for the slowest rank
+        dist = self.torch.distributed
+        if not dist.is_initialized():
+            return seconds
+        x = self.torch.tensor([seconds], dtype=self.torch.float64)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return float(x.item())
+
+    def timed_per_rank(self, fn) -> float:
+        """What ``fn`` costs each rank's loop, the slowest rank's: the ranks start together (a barrier), and
+        no barrier follows inside the clock (``timed``'s would add its own latency, ~0.3 ms on gloo)."""
+        self.env.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return self.slowest(time.perf_counter() - t0)
+
+    def save(self, async_save: bool = False) -> None:
+        self.t.cfg.checkpoint.async_save = async_save
+        self.t.state.step += 1
+        self.t.save_checkpoint()
+
+    def train_one(self) -> None:  # a real step: after an async save, its optimizer step waits at the fence
+        t = self.t
+        ids, _, micro, micro_ids = t.next_batch()
+        t.train_step(micro, micro_ids, t.lr_for(t.state.step, ids))
+
+
+def save_vs_raw(w: Worker, reps: int) -> dict:
+    torch, root, rank0 = w.torch, w.root, w.rank0
+    blob = os.urandom(w.nbytes())  # incompressible, built outside the clock
+    raw_path = root / "raw-write.bin"
+    raw_durable = []  # the raw arm's fsyncs alone (the file's and the directory's), after its last byte
+
+    def raw_write():
+        if rank0:
+            fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, blob)
+                t0 = time.perf_counter()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_path(root)
+            raw_durable.append(time.perf_counter() - t0)
+
+    # the save's ceiling: whatever a saver overlaps, it serialises every byte into torch's format (the one
+    # ``torch.load(weights_only=True)`` reads; the pickler holds the GIL) and then waits at least one
+    # fsync after its last byte. raw seconds / (serialisation in memory + the raw arm's fsyncs) bounds
+    # save_vs_raw from above on any checkpoint in this format
+    from trainer.checkpoint_io import _no_zip_crc
+
+    def serialise_in_memory() -> float:
+        shared, per_rank = w.t.checkpoints.state.files(shared_files=rank0)
+        t0 = time.perf_counter()
+        with _no_zip_crc():
+            for name, obj in {**shared, **per_rank}.items():
+                if name.endswith(".json"):
+                    json.dumps(obj, indent=1, sort_keys=True).encode()
+                else:
+                    torch.save(obj, io.BytesIO())
+        return w.slowest(time.perf_counter() - t0)
+
+    # the floor: the same files' bytes (random, prebuilt) through the commit protocol alone (a new
+    # directory, every file and the directory fsynced, the rename, the parent fsynced), with nothing
+    # serialised or hashed: no checkpoint that commits a directory atomically can be faster
+    layout = {p.name: os.urandom(p.stat().st_size) for p in w.newest().iterdir()}
+    floor_n = 0
+
+    def floor_commit():
+        nonlocal floor_n
+        if rank0:
+            floor_n += 1
+            tmp, final = root / f".floor-{floor_n}", root / f"floor-{floor_n}"
+            tmp.mkdir()
+            for name, data in layout.items():
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    _write_all(fd, data)
+                finally:
+                    os.close(fd)
+            with ThreadPoolExecutor(max_workers=len(layout) + 1) as pool:  # as trainer/checkpoint.py does
+                for f in [pool.submit(fsync_path, tmp / n) for n in layout] + [pool.submit(fsync_path, tmp)]:
+                    f.result()
+            tmp.rename(final)
+            fsync_path(root)
+
+    a, b, c, ratio, floor, serial, ceiling = [], [], [], [], [], [], []
+    w.save()  # warm-up (allocator, first-touch of the snapshot path)
+    w.prune()
+    for i in range(reps):  # three arms: a b c, c b a, ...
+        secs = {}
+        for arm in ("a", "b", "c") if i % 2 == 0 else ("c", "b", "a"):
+            secs[arm] = w.timed({"a": w.save, "b": raw_write, "c": floor_commit}[arm])
+            w.prune()
+            if rank0:
+                raw_path.unlink(missing_ok=True)
+                for p in root.glob("floor-*"):
+                    shutil.rmtree(p)
+        a.append(secs["a"])
+        b.append(secs["b"])
+        c.append(secs["c"])
+        ratio.append(secs["b"] / secs["a"])
+        floor.append(secs["b"] / secs["c"])
+        serial.append(serialise_in_memory())
+        if rank0:  # only rank 0 runs the raw arm
+            ceiling.append(secs["b"] / (serial[-1] + raw_durable[-1]))
+    nbytes = w.nbytes()
+    return summarise(a, b, ratio, bytes=nbytes, arms="a = save_checkpoint (sync), b = raw write + fsync, "
+                     "c = the commit protocol alone on the same files' bytes (floor)",
+                     save_mb_per_s=nbytes / statistics.median(a) / 1e6, raw_mb_per_s=nbytes / statistics.median(b) / 1e6,
+                     floor_seconds_median=statistics.median(c), floor_files=len(layout),
+                     floor_ratio_median=statistics.median(floor), floor_ratios=[round(r, 4) for r in floor],
+                     serialise_in_memory_seconds_median=statistics.median(serial),
+                     raw_fsync_seconds_median=statistics.median(raw_durable) if raw_durable else None,
+                     ceiling_ratio_median=statistics.median(ceiling) if ceiling else None,
+                     ceiling_ratios=[round(r, 4) for r in ceiling])
+
+
+def async_stall_vs_sync(w: Worker, reps: int) -> dict:
+    t, env = w.t, w.env
+    a, b, ratio, in_save, fence, copy = [], [], [], [], [], []
+    step_during, step_plain, slowdown = [], [], []
+    w.train_one()  # warm-up
+    w.save(async_save=True)  # and an async save's: a run's writer (thread or process) is up before its second save
+    w.train_one()
+    t.ckpt.wait()
+    w.prune()
+    for i in range(reps):  # a b c, c b a, ...
+        secs = {}
+        for arm in ("a", "b", "c") if i % 2 == 0 else ("c", "b", "a"):
+            w.train_one()  # the step a save follows in Trainer.fit (untimed)
+            if arm == "a":
+                secs[arm] = w.timed_per_rank(w.save)
+            elif arm == "b":  # each rank's own block (its save call, then its fence), the slowest rank's
+                env.barrier()
+                t0 = time.perf_counter()
+                w.save(async_save=True)
+                blocked = time.perf_counter() - t0
+                w.train_one()
+                step_secs = time.perf_counter() - t0 - blocked
+                in_save.append(w.slowest(blocked))
+                fence.append(w.slowest(t.ckpt.fence_wait_seconds))
+                secs[arm] = w.slowest(blocked + t.ckpt.fence_wait_seconds)
+                step_during.append(w.slowest(step_secs))
+                t.ckpt.wait()
+                copy.append(t.ckpt.snapshot_seconds)
+            else:  # the same step with no save in flight: what the writer's share of the cores and the GIL costs
+                step_plain.append(w.timed_per_rank(w.train_one))
+            w.prune()
+        a.append(secs["a"])
+        b.append(secs["b"])
+        ratio.append(secs["b"] / secs["a"])
+        slowdown.append((step_during[-1] - step_plain[-1]) / secs["a"])
+    t.cfg.checkpoint.async_save = False
+    # what the async save's CPU snapshot holds while the writer runs: every model and optimizer tensor once
+    tensors = [*t.raw_model.state_dict().values(),
+               *(v for st in t.opt.state_dict()["state"].values() for v in st.values() if hasattr(v, "nbytes"))]
+    return summarise(
+        a, b, ratio, bytes=w.nbytes(), arms="a = sync save; b = what an async save blocks each rank's loop (the slowest "
+        "rank's): save_checkpoint() plus the wait at the next step's optimizer step for the background copy (fence); "
+        "c = a step with no save in flight", async_snapshot_bytes=sum(int(x.nbytes) for x in tensors),
+        blocked_in_save_seconds_median=statistics.median(in_save), fence_wait_seconds_median=statistics.median(fence),
+        background_copy_seconds_median=statistics.median(copy), async_priority=t.cfg.checkpoint.async_priority,
+        next_step_seconds_median=statistics.median(step_during), plain_step_seconds_median=statistics.median(step_plain),
+        next_step_slowdown_vs_sync_median=statistics.median(slowdown),
+        next_step_slowdown_vs_sync=[round(r, 4) for r in slowdown])
+
+
+def load_vs_raw(w: Worker, reps: int) -> dict:
+    t, torch = w.t, w.torch
+    step = t.state.step
+    files = sorted(p for p in w.newest().rglob("*") if p.is_file())
+    a, b, ratio = [], [], []
+
+    def evict():  # both arms read from the disk, not from the page cache (the files are clean: fsynced)
+        if w.rank0:
+            for p in files:
+                fd = os.open(p, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+    def raw_read():
+        for p in files:
+            with open(p, "rb", buffering=0) as f:
+                while f.read(1 << 22):
+                    pass
+
+    def load():
+        assert t.load_checkpoint(step) == step
+
+    # the parts no loader can skip, in memory (no disk): the checksum of every byte, and torch.load(weights_only)
+    # of the files this rank restores. The unpickler holds the GIL, so no other core shares its time:
+    # raw read / deserialisation bounds load_vs_raw from above, whatever the reading and hashing overlap
+    blobs = {p.name: p.read_bytes() for p in files}
+    mine = [n for n in ("model.pt", "optim.pt", f"rng-rank{w.env.rank}.pt") if n in blobs]
+    hashed, deser, ceiling = [], [], []
+
+    def in_memory(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    load()  # warm-up
+    for first, second in abba(reps):
+        secs = {}
+        for arm in (first, second):
+            evict()
+            secs[arm] = w.timed(load if arm == "a" else raw_read)
+        a.append(secs["a"])
+        b.append(secs["b"])
+        ratio.append(secs["b"] / secs["a"])
+        deser.append(in_memory(lambda: [torch.load(io.BytesIO(blobs[n]), map_location="cpu", weights_only=True) for n in mine]))
+        hashed.append(in_memory(lambda: [_checksum(x) for x in blobs.values()]))
+        ceiling.append(secs["b"] / deser[-1])
+    return summarise(a, b, ratio, bytes=sum(p.stat().st_size for p in files),
+                     arms="a = load_checkpoint (verify + load + restore), b = raw read of the same files",
+                     checksum_in_memory_seconds_median=statistics.median(hashed),
+                     deserialise_in_memory_seconds_median=statistics.median(deser),
+                     ceiling_ratio_median=statistics.median(ceiling), ceiling_ratios=[round(r, 4) for r in ceiling])
+
+
+def measure(t, env, reps: int) -> dict:
+    """The three in-process figures, in this order (the load arm reads the newest checkpoint they leave)."""
+    w = Worker(t, env)
+    return {"save_vs_raw": save_vs_raw(w, reps), "async_stall_vs_sync": async_stall_vs_sync(w, reps),
+            "load_vs_raw": load_vs_raw(w, reps)}
