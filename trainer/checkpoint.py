@@ -1,7 +1,8 @@
 """Atomic, verified, full-state checkpoints.
 
-Layout: ``RUN_DIR/checkpoints/step-NNNNNNNN/`` holding ``model.pt``, ``optim.pt`` (or ``dcp/`` for
-FSDP2), ``train_state.json``, ``rng-rank{r}.pt`` for every rank, and ``manifest.json`` — written
+Layout: ``RUN_DIR/checkpoints/step-NNNNNNNN/`` holding ``model.safetensors``, ``optim.safetensors`` (or ``dcp/``
+for FSDP2), ``train_state.json``, ``rng-rank{r}.safetensors`` for every rank (``trainer/tensor_file.py``; ``.pt``
+files of torch's format in checkpoints written before it), and ``manifest.json`` — written
 **last**, with a checksum per file (BLAKE3: ``sentinel.contract.fsio``). A checkpoint is valid iff its manifest exists and every checksum
 matches, so a crash (or SIGKILL) at any moment leaves either the old set of valid checkpoints or the
 old set plus one new complete one.
@@ -14,11 +15,11 @@ directory durable, and renames the directory into place (then fsyncs its parent)
 temporary directory is fsynced before it. The fsyncs, the manifest's included, run concurrently (the
 file system commits them together: one journal round trip for all the files, not one per file;
 bench/checkpoint_cost.py measured 7 sequential fsyncs as two thirds of a small checkpoint's save).
-Loading verifies checksums *before* ``torch.load(weights_only=True)`` ever touches a file. The ranks
+Loading verifies checksums *before* any file is parsed (``trainer/piece_files.py``). The ranks
 of one node share that work (``checksum_share``: each hashes part of the files) and vote on the result,
 with a fingerprint of the files each saw, before any of them loads a file
 (``trainer.checkpointing.TrainerCheckpoints.load``). The model's and the optimizer's files are then
-mapped (``load_torch(mmap=True)``) and copied into the live tensors.
+mapped and copied into the live tensors.
 
 Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
 first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the
@@ -34,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import os
-import pickle
 import queue
 import shutil
 import threading
@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import ValidationError
 
 from sentinel.contract.checkpoints import (
@@ -62,7 +61,7 @@ from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
 from sentinel.contract.rundir import checkpoint_dir_name
-from trainer.checkpoint_io import write_json, write_torch
+from trainer.checkpoint_io import write_file, write_json
 from trainer.checkpoint_thread import _run_jobs, built, host_copy
 
 
@@ -189,21 +188,6 @@ def list_checkpoints(ckpt_root: Path, *, strays: bool = False) -> list[tuple[int
     return sorted(out, reverse=True)
 
 
-def load_torch(path: Path, *, mmap: bool = False) -> Any:
-    """Only after ``verify``: tensors and plain containers, never arbitrary pickle. ``mmap``: the
-    tensors map the file's pages instead of being read into fresh memory (a 25 MB optimizer file:
-    5 ms against 17 ms here); the caller copies them out before it lets go (``Checkpoints._read``:
-    into the live model and optimizer), so no tensor keeps a checkpoint file mapped."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:  # weights_only refused a global: a tampered or foreign file
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), "not plain tensors/containers")
-        raise CheckpointError(f"{path.parent.name}: {path.name} refused by torch.load(weights_only=True): {why}") from None
-    except (RuntimeError, EOFError, ValueError, OSError, RecursionError, MemoryError):  # not a torch zip, truncated inside
-        raise CheckpointError(f"{path.parent.name}: {path.name} is not a readable torch file") from None
-
-
 def _read_mark(path: Path) -> str | None:
     """What an async save's ``.done-rankN`` marker says (``ok`` / ``fail``), or None while it is absent."""
     try:
@@ -325,7 +309,7 @@ class Checkpointer:
     ) -> None:
         """Write a checkpoint for ``step``.
 
-        ``shared``: rank-0 files (name -> object; ``.json`` names are JSON, others torch.save);
+        ``shared``: rank-0 files (name -> object; ``checkpoint_io.write_file``: by the name's suffix);
         ``per_rank``: this rank's files; ``dcp_writer(dir)``: collective FSDP2 writer;
         ``dcp_async_writer(dir)``: its async form (stages to CPU, returns a Future that completes
         once every rank has written — DCP's coordinator gathers them on its own process group).
@@ -516,8 +500,7 @@ class Checkpointer:
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
                 for name, obj in files.items():
-                    digests[name] = (write_json(tmp / name, obj, sync=False) if name.endswith(".json")
-                                     else write_torch(tmp / name, obj, sync=False, hasher=hasher))
+                    digests[name] = write_file(tmp / name, obj, sync=False, hasher=hasher)
             return digests
         except OSError as e:  # disk full, quota, EFBIG: the previous checkpoints are untouched
             self.last_error = e.strerror or str(e)

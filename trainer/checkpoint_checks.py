@@ -61,7 +61,7 @@ def check_rng(saved: Any, what: str) -> None:
 
     try:
         p, n = saved["python"], saved["numpy"]
-        random.Random().setstate((p["version"], tuple(int(x) for x in p["state"].tolist()), p["gauss"]))
+        random.Random().setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
         keys = n["keys"]
         if not isinstance(keys, torch.Tensor) or keys.numel() != 624 or keys.min() < 0 or keys.max() >= 2**32:
             raise ValueError("numpy keys")

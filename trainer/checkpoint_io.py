@@ -7,8 +7,8 @@ once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the fsync at the commit fi
 do. The manifest's checksum thus comes from the bytes written, not from reading the file back
 (bench/checkpoint_cost.py: that read-back was a third of a 39 MB save).
 
-``write_torch`` and ``write_json`` create such a file from an object (``trainer.checkpoint`` writes a
-checkpoint's files with them).
+``write_tensors``, ``write_json`` and ``write_torch`` create such a file from an object (``trainer.checkpoint``
+writes a checkpoint's files with them: ``write_file`` picks by the name's suffix).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from sentinel.contract.fsio import Checksum
+from trainer import tensor_file
 
 _SMALL = 1 << 16  # smaller writes are gathered (zip headers, pickle data), then hashed and written together
 # a write this large is hashed on the other thread while it is written: below it, the hand-off (~50 us when
@@ -181,3 +182,25 @@ def write_torch(path: Path, obj: Any, *, sync: bool = True, hasher: Executor | N
 def write_json(path: Path, obj: Any, *, sync: bool = True) -> str:
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
     return _write_new(path, lambda f: f.write(data), sync=sync, hasher=None)
+
+
+def write_tensors(path: Path, obj: Any, *, sync: bool = True, hasher: Executor | None = None) -> str:
+    """``obj`` as a tensor file (``trainer/tensor_file.py``: the safetensors layout) in a new file ``path``; its
+    checksum. The tensors' bytes go to the file as they are in memory: nothing is serialised but the header."""
+    header, data = tensor_file.encode(obj)
+
+    def fill(f: HashedFile) -> None:
+        f.write(header)
+        for raw in data:
+            f.write(raw)
+
+    return _write_new(path, fill, sync=sync, hasher=hasher)
+
+
+def write_file(path: Path, obj: Any, *, sync: bool = True, hasher: Executor | None = None) -> str:
+    """``obj`` into a new file ``path`` in the format its name says: ``.json``, ``.safetensors`` or else torch's."""
+    if path.suffix == ".json":
+        return write_json(path, obj, sync=sync)
+    if path.suffix == tensor_file.SUFFIX:
+        return write_tensors(path, obj, sync=sync, hasher=hasher)
+    return write_torch(path, obj, sync=sync, hasher=hasher)

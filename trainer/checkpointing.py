@@ -22,7 +22,6 @@ from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
     list_checkpoints,
-    load_torch,
     manifest_digest,
     read_train_state,
     step_dir_name,
@@ -30,6 +29,7 @@ from trainer.checkpoint import (
     verify_share,
 )
 from trainer.errors import TrainingError
+from trainer.piece_files import legacy_name, load_file
 from trainer.state import DCP_DIR, TRAIN_STATE, CheckpointState
 
 
@@ -189,8 +189,10 @@ class TrainerCheckpoints:
                 piece.check(read[name], path.name)
         for name, piece in pieces.items():
             if piece.file not in (TRAIN_STATE, DCP_DIR):  # DCP reads its shards when loading
-                read[name] = load_torch(path / piece.file, mmap=piece.maps_file)
-                piece.check(read[name], path.name)
+                file = piece.file if piece.file in manifest["files"] else legacy_name(piece.file)  # torch's, before
+                sd = load_file(path / file, mapped=piece.maps_file)
+                prepared = piece.check(sd, path.name)
+                read[name] = sd if prepared is None else prepared
         return {"path": path, "manifest": manifest, "pieces": [(n, p, read.get(n)) for n, p in pieces.items()]}
 
     def _restore(self, ck: dict, *, restore_skiplist: bool) -> None:

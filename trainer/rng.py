@@ -29,7 +29,7 @@ def capture() -> dict:
 
 def restore(st: dict) -> None:
     p = st["python"]
-    random.setstate((p["version"], tuple(int(x) for x in p["state"].tolist()), p["gauss"]))
+    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
     n = st["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(st["torch"])

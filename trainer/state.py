@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from trainer import flat_state, rng
 from trainer.checkpoint_checks import check_optimizer_state, check_rng, check_tensors
 from trainer.errors import TrainingError
@@ -58,13 +60,14 @@ class Piece:
     def load_state_dict(self, sd: Any) -> None:
         raise NotImplementedError
 
-    def check(self, sd: Any, ckpt: str) -> None:
-        """Refuse ``sd`` (of checkpoint directory ``ckpt``) in one line if it cannot be loaded whole."""
+    def check(self, sd: Any, ckpt: str) -> Any:
+        """Refuse ``sd`` (of checkpoint directory ``ckpt``) in one line if it cannot be loaded whole. May
+        return the form ``load_state_dict`` is then given (what the check built already), else None: ``sd``."""
 
 
 class ModelPiece(Piece):
-    file = "model.pt"
-    maps_file = True  # ``Module.load_state_dict`` copies into the parameters
+    file = "model.safetensors"
+    maps_file = True  # ``load_state_dict`` copies into the parameters
     live = True
 
     def state_dict(self) -> dict:
@@ -74,26 +77,32 @@ class ModelPiece(Piece):
         check_tensors(sd, self.tr.raw_model.state_dict(), f"{ckpt}: {self.file}")
 
     def load_state_dict(self, sd: dict) -> None:
-        self.tr.raw_model.load_state_dict(sd)
+        """What ``Module.load_state_dict`` does for a state dict ``check`` passed (the same keys, shapes
+        and dtypes), without its walk of every submodule: a copy into each live tensor."""
+        with torch.no_grad():
+            for name, live in self.tr.raw_model.state_dict().items():
+                live.copy_(sd[name])
 
 
 class OptimizerPiece(Piece):
     """The moments and step counts, written as a few flat tensors (``trainer/flat_state.py``: 3 tensors
     to unpickle instead of 3 per parameter)."""
 
-    file = "optim.pt"
+    file = "optim.safetensors"
     maps_file = True  # ``SkipStepAdamW.load_state_dict`` copies into its moments (or makes private copies)
     live = True
 
     def state_dict(self) -> dict:
         return flat_state.pack(self.tr.opt.state_dict())
 
-    def check(self, sd, ckpt: str) -> None:  # torch's own format too: a checkpoint from before this one
+    def check(self, sd, ckpt: str) -> dict:  # torch's own format too: a checkpoint from before this one
         what = f"{ckpt}: {self.file}"
-        check_optimizer_state(flat_state.unpack(sd, what), self.tr.opt, what)
+        unpacked = flat_state.unpack(sd, what)
+        check_optimizer_state(unpacked, self.tr.opt, what)
+        return unpacked  # torch's state dict, each tensor a view of the file's: what load_state_dict takes
 
     def load_state_dict(self, sd: dict) -> None:
-        self.tr.opt.load_state_dict(flat_state.unpack(sd, self.file))
+        self.tr.opt.load_state_dict(sd if "state" in sd else flat_state.unpack(sd, self.file))
 
 
 class ShardedModelOptimizerPiece(Piece):
@@ -122,7 +131,7 @@ class RngPiece(Piece):
 
     @property
     def file(self) -> str:
-        return f"rng-rank{self.tr.env.rank}.pt"
+        return f"rng-rank{self.tr.env.rank}.safetensors"
 
     def state_dict(self) -> dict:
         return rng.capture()

@@ -211,7 +211,8 @@ def check_manifest(raw: object, dir_name: str | None = None) -> Manifest:
     sharded = any(n.startswith("dcp/") for n in manifest.files)
     # a framework's checkpoint (``framework`` in its manifest: sentinel.client.checkpoints) holds that
     # framework's files, all listed and hashed; only our trainer's must hold the trainer's files
-    required = [] if "framework" in raw else checkpoint_required_files(manifest.world_size, sharded)
+    legacy = "rng-rank0.pt" in manifest.files  # written before tensor files: torch's format, the same pieces
+    required = [] if "framework" in raw else checkpoint_required_files(manifest.world_size, sharded, legacy=legacy)
     for name in required:
         if name not in manifest.files:
             raise ManifestError(f"{name} is not in the manifest (incomplete or tampered)")

@@ -60,10 +60,12 @@ def checkpoint_dir_name(step: int) -> str:
     return f"step-{int(step):08d}"
 
 
-def checkpoint_required_files(world_size: int, sharded: bool) -> list[str]:
-    """Files a checkpoint step directory must hold, and list in its manifest, to be resumable."""
-    weights = ["dcp/.metadata"] if sharded else ["model.pt", "optim.pt"]
-    return [TRAIN_STATE, *weights, *(f"rng-rank{r}.pt" for r in range(world_size))]
+def checkpoint_required_files(world_size: int, sharded: bool, *, legacy: bool = False) -> list[str]:
+    """Files a checkpoint step directory must hold, and list in its manifest, to be resumable. ``legacy``:
+    a checkpoint written before tensor files, whose ``.pt`` files are torch's format."""
+    ext = ".pt" if legacy else ".safetensors"
+    weights = ["dcp/.metadata"] if sharded else [f"model{ext}", f"optim{ext}"]
+    return [TRAIN_STATE, *weights, *(f"rng-rank{r}{ext}" for r in range(world_size))]
 
 
 def pending_rollback_error(plan: Any) -> str | None:

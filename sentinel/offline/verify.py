@@ -98,22 +98,22 @@ def _components_now(tr) -> dict:
 def round_trip(tr, ck_path: Path) -> dict:
     """Re-save each component of the state just loaded from ``ck_path`` to a temp dir, load it
     back, and compare its canonical digest with the original file's. Call right after loading."""
-    from trainer.checkpoint import load_torch, write_json, write_torch
+    from trainer.checkpoint_io import write_file
+    from trainer.piece_files import legacy_name, load_file
 
     now = _components_now(tr)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="sentinel-roundtrip-") as tmp:
         for name, obj in now.items():
             dst = Path(tmp) / name
+            write_file(dst, obj)
             if name.endswith(".json"):
-                write_json(dst, obj)
                 again = json.loads(dst.read_text())
                 orig = json.loads((ck_path / name).read_text())
                 orig = {k: v for k, v in orig.items() if k not in VOLATILE_TRAIN_STATE}
-            else:
-                write_torch(dst, obj)
-                again = load_torch(dst)
-                orig = load_torch(ck_path / name)
+            else:  # a checkpoint written before tensor files holds the same piece as torch's .pt
+                src = ck_path / name if (ck_path / name).exists() else ck_path / legacy_name(name)
+                again, orig = load_file(dst), load_file(src)
             a, b = canonical_digest(orig), canonical_digest(again)
             rows[name] = {"original": a[:16], "resaved": b[:16], "identical": a == b}
             if a != b and isinstance(orig, dict) and isinstance(again, dict):
@@ -165,7 +165,8 @@ def _digests_incomparable(tr, records: dict, c: int) -> bool:
     """True when other checkpoints' parameters don't match their recorded digests either: then
     the digest function changed (not the parameters of checkpoint C). Loads model weights into
     ``tr``; the caller restores C afterwards."""
-    from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify
+    from trainer.checkpoint import CheckpointError, list_checkpoints, verify
+    from trainer.piece_files import legacy_name, load_file
 
     if tr.cfg.parallelism == "fsdp" and tr.env.distributed:
         return False
@@ -175,7 +176,8 @@ def _digests_incomparable(tr, records: dict, c: int) -> bool:
             continue
         try:
             verify(path)
-            tr.raw_model.load_state_dict(load_torch(path / "model.pt"))
+            model = path / "model.safetensors"
+            tr.raw_model.load_state_dict(load_file(model if model.exists() else path / legacy_name(model.name)))
         except (CheckpointError, OSError, RuntimeError):
             continue
         checked += 1
@@ -224,7 +226,7 @@ def round_trip_divergence(rt: dict, c: int) -> dict:
         keys = row.get("differs") or []
         if name == "train_state.json":
             comp = next((_ROUND_TRIP_COMPONENT[k] for k in keys if k in _ROUND_TRIP_COMPONENT), "data_cursor")
-        elif name == "optim.pt":
+        elif name.startswith("optim."):
             comp = "optimizer"
         elif name.startswith("rng-"):
             comp = "rng"

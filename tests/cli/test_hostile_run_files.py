@@ -546,8 +546,8 @@ def test_pages_limit_zero_shows_all_a_report_names_no_none_and_a_fifo_checkpoint
     assert cli("pages", d, "--limit", "0").exit_code == 0
     res = cli("report", d, "--out", str(run_copy / "r.png"))
     assert res.exit_code == 0 and "from none" not in res.stdout
-    f = run_copy / "checkpoints" / "step-00000020" / "optim.pt"
+    f = run_copy / "checkpoints" / "step-00000020" / "optim.safetensors"
     f.unlink()
     os.mkfifo(f)
     rows = {c["step"]: c for c in cli_json("checkpoints", d)["checkpoints"]}
-    assert rows[20]["verified"] == "corrupt" and rows[20]["problem"] == "optim.pt is no regular file"
+    assert rows[20]["verified"] == "corrupt" and rows[20]["problem"] == "optim.safetensors is no regular file"

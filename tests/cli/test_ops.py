@@ -136,7 +136,7 @@ def test_status_watch_exits_cleanly_on_ctrl_c(run_copy):
 # ------------------------------------------------------------------ checkpoints
 def test_checkpoints_verification_states(run_copy):
     ck = run_copy / "checkpoints"
-    model = ck / "step-00000020" / "model.pt"
+    model = ck / "step-00000020" / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))
@@ -638,7 +638,7 @@ def test_incident_actions_show_only_what_was_sent_with_outcomes(embedded_bus):
 # ------------------------------------------------------------------ 80 columns (issue 10 item 8)
 def test_views_are_readable_at_80_columns(run_copy):
     d = str(run_copy)
-    model = run_copy / "checkpoints" / "step-00000020" / "model.pt"
+    model = run_copy / "checkpoints" / "step-00000020" / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))

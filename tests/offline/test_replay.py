@@ -202,7 +202,7 @@ def corrupt_run(drop_run, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("corrupt") / "run"
     shutil.copytree(drop_run, run)
     shutil.rmtree(run / "checkpoints" / "step-00000000")  # the initial state: a valid fallback otherwise
-    with open(run / "checkpoints" / "step-00000010" / "model.pt", "r+b") as f:
+    with open(run / "checkpoints" / "step-00000010" / "model.safetensors", "r+b") as f:
         f.seek(100)
         f.write(b"\x00garbage\x00")
     return run

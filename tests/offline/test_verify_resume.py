@@ -23,6 +23,8 @@ from tests.helpers.cli import sentinel_proc, step_records
 from tests.helpers.offline import PY, make_run
 from tests.helpers.trainer import run_trainer
 from trainer.checkpoint import CheckpointError, sha256_file, verify
+from trainer.checkpoint_io import write_tensors
+from trainer.piece_files import load_file
 
 C = 10  # the checkpoint under test (the run has 10 and 20)
 
@@ -77,15 +79,17 @@ def tamper_cursor(ck: Path) -> None:
 
 
 def tamper_rng(ck: Path) -> None:
-    st = torch.load(ck / "rng-rank0.pt", weights_only=True)
+    st = load_file(ck / "rng-rank0.safetensors", mapped=False)
     st["torch"] = torch.Generator().manual_seed(12345).get_state()
-    torch.save(st, ck / "rng-rank0.pt")
+    (ck / "rng-rank0.safetensors").unlink()
+    write_tensors(ck / "rng-rank0.safetensors", st)
 
 
 def tamper_optimizer(ck: Path) -> None:
-    o = torch.load(ck / "optim.pt", weights_only=True)
+    o = load_file(ck / "optim.safetensors", mapped=False)
     next(g for g in o["groups"] if g["key"] == "exp_avg")["data"].mul_(1.5)  # trainer/flat_state.py's format
-    torch.save(o, ck / "optim.pt")
+    (ck / "optim.safetensors").unlink()
+    write_tensors(ck / "optim.safetensors", o)
 
 
 def tamper_scheduler(ck: Path) -> None:
@@ -118,7 +122,7 @@ def test_good_checkpoint_is_equivalent(drop_run, tmp_path):
         assert (row["loss"], row["grad_norm"], row["param_digest"], row["batch_fingerprint"]) == \
             (rec.loss, rec.grad_norm, rec.param_digest, rec.batch_fingerprint)
     rt = res["round_trip"]
-    assert rt["identical"] and set(rt["components"]) == {"model.pt", "optim.pt", "train_state.json", "rng-rank0.pt"}
+    assert rt["identical"] and set(rt["components"]) == {"model.safetensors", "optim.safetensors", "train_state.json", "rng-rank0.safetensors"}
     assert res["checks"]["params_match_log_at_checkpoint"] and res["checks"]["optimizer_step_count_ok"]
     assert verified(run)[str(C)]["verified"] == "resume_verified"
 
@@ -231,7 +235,7 @@ def test_verify_table_fits_80_columns(drop_run, tmp_path):
 def corrupt_run(drop_run, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("corrupt-v") / "run"
     shutil.copytree(drop_run, run)
-    with open(_ckpt(run) / "optim.pt", "r+b") as f:
+    with open(_ckpt(run) / "optim.safetensors", "r+b") as f:
         f.seek(64)
         f.write(b"\xffbroken\xff")
     return run
@@ -276,7 +280,7 @@ def test_two_ranks_resume_is_equivalent(ddp_run, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(p.stdout)
     assert res["world_size"] == 2 and res["equivalent"] and res["ok"] and res["steps"] == 4
-    assert set(res["round_trip"]["components"]) == {"model.pt", "optim.pt", "train_state.json", "rng-rank0.pt", "rng-rank1.pt"}
+    assert set(res["round_trip"]["components"]) == {"model.safetensors", "optim.safetensors", "train_state.json", "rng-rank0.safetensors", "rng-rank1.safetensors"}
     assert verified(run)["5"]["verified"] == "resume_verified"
 
 

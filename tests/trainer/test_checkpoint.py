@@ -32,7 +32,9 @@ from tests.helpers.trainer import (
     run_trainer,
 )
 from trainer import flat_state
-from trainer.checkpoint import CheckpointError, list_checkpoints, load_torch, verify, write_json
+from trainer.checkpoint import CheckpointError, list_checkpoints, verify, write_json
+from trainer.checkpoint_io import write_tensors
+from trainer.piece_files import legacy_name, load_file, load_torch
 
 COMMON = ["--grad-accum", "2", "--skip", "3:40", "--skip", "20000:35000"]
 REF12 = ["--max-steps", "12", "--ckpt-every", "4", *COMMON]  # checkpoints at 4, 8, 12
@@ -52,16 +54,16 @@ def _check_layout(ck: Path, step: int, world_size: int, *, dcp: bool = False) ->
     for name, digest in man["files"].items():
         assert _sha(ck / name) == digest, f"{name}: checksum mismatch"
     assert man["bytes"] == sum((ck / n).stat().st_size for n in man["files"])
-    expect = {"train_state.json", *(f"rng-rank{r}.pt" for r in range(world_size))}
-    expect |= set() if dcp else {"model.pt", "optim.pt"}
+    expect = {"train_state.json", *(f"rng-rank{r}.safetensors" for r in range(world_size))}
+    expect |= set() if dcp else {"model.safetensors", "optim.safetensors"}
     assert expect <= on_disk, f"missing {expect - on_disk}"
     ts = json.loads((ck / "train_state.json").read_text())
     assert ts["step"] == step and ts["world_size"] == world_size and ts["grad_accum_pos"] == 0
     for key in ("tokens", "timeline", "sampler", "skiplist", "guard", "scheduler", "dataset_fingerprint"):
         assert key in ts, key
     assert [3, 40] in ts["skiplist"]
-    for r in range(world_size):  # RNG state is plain tensors: loadable with weights_only
-        st = torch.load(ck / f"rng-rank{r}.pt", weights_only=True)
+    for r in range(world_size):  # RNG state is plain tensors, in a tensor file
+        st = load_file(ck / f"rng-rank{r}.safetensors")
         assert isinstance(st["torch"], torch.Tensor)
     return man
 
@@ -74,20 +76,20 @@ def test_layout_single_rank(refs):
         _check_layout(path, step, 1)
         assert verify(path)["step"] == step
     assert not list((run / "checkpoints").glob(".tmp-*"))
-    sd = load_torch(cks[0][1] / "model.pt")
+    sd = load_file(cks[0][1] / "model.safetensors")
     assert all(isinstance(v, torch.Tensor) for v in sd.values())
 
 
 @pytest.mark.slow
 def test_layout_two_ranks(refs):
-    """2-rank DDP: one rng-rank{r}.pt per rank, model/optim once (same reference run as test_resume_exact)."""
+    """2-rank DDP: one rng-rank{r}.safetensors per rank, model/optim once (same reference run as test_resume_exact)."""
     run = refs("--max-steps", "16", "--ckpt-every", "2", *COMMON, nproc=2)
     cks = list_checkpoints(run / "checkpoints")
     assert [s for s, _ in cks] == [16, 14, 12]  # default keep_last 3
     for step, path in cks:
         _check_layout(path, step, 2)
-    r0 = torch.load(cks[0][1] / "rng-rank0.pt", weights_only=True)["torch"]
-    r1 = torch.load(cks[0][1] / "rng-rank1.pt", weights_only=True)["torch"]
+    r0 = load_file(cks[0][1] / "rng-rank0.safetensors")["torch"]
+    r1 = load_file(cks[0][1] / "rng-rank1.safetensors")["torch"]
     assert not torch.equal(r0, r1), "each rank has its own RNG stream"
 
 
@@ -136,9 +138,9 @@ def test_async_checkpoints_valid_and_retained(tmp_path, dataset, refs):
     assert checkpoint_steps(run) == [8, 12]
     for step, path in list_checkpoints(run / "checkpoints"):
         _check_layout(path, step, 1)
-        for name in ("model.pt", "optim.pt"):
-            a = load_torch(path / name)
-            b = load_torch(ref / "checkpoints" / path.name / name)
+        for name in ("model.safetensors", "optim.safetensors"):
+            a = load_file(path / name)
+            b = load_file(ref / "checkpoints" / path.name / name)
             assert repr(_flat(a)) == repr(_flat(b)), f"{path.name}/{name} differs from the synchronous save"
 
 
@@ -164,10 +166,10 @@ def _truncate(p: Path) -> None:
 
 
 CORRUPTIONS = {
-    "flip-model": (lambda ck: _flip_byte(ck / "model.pt"), "model.pt"),
-    "truncate-optim": (lambda ck: _truncate(ck / "optim.pt"), "optim.pt"),
+    "flip-model": (lambda ck: _flip_byte(ck / "model.safetensors"), "model.safetensors"),
+    "truncate-optim": (lambda ck: _truncate(ck / "optim.safetensors"), "optim.safetensors"),
     "delete-manifest": (lambda ck: (ck / "manifest.json").unlink(), "manifest"),
-    "flip-rng": (lambda ck: _flip_byte(ck / "rng-rank0.pt"), "rng-rank0.pt"),
+    "flip-rng": (lambda ck: _flip_byte(ck / "rng-rank0.safetensors"), "rng-rank0.safetensors"),
 }
 
 
@@ -204,14 +206,18 @@ class _Evil:
 
 
 def test_loading_uses_weights_only_after_verify():
-    """Every torch.load in the trainer passes weights_only=True; load_torch is the only loader used on checkpoints."""
+    """No pickle in a checkpoint the trainer writes (tensor files: a JSON header and raw bytes); every
+    torch.load left (checkpoints of torch's format, written before) passes weights_only=True, and the
+    trainer reads its checkpoints back through one loader."""
     srcs = {p: p.read_text() for p in (REPO / "trainer").rglob("*.py")}
     calls = [(p, m) for p, s in srcs.items() for m in re.finditer(r"torch\.load\(([^)]*)\)", s)]
     assert calls
     for p, m in calls:
         assert "weights_only=True" in m.group(1), f"{p}: torch.load without weights_only=True: {m.group(0)}"
     loader = srcs[REPO / "trainer" / "checkpointing.py"]  # where the trainer reads its checkpoints back
-    assert "load_torch(" in loader and "torch.load(" not in loader
+    assert "load_file(" in loader and "torch.load(" not in loader
+    tensor_files = srcs[REPO / "trainer" / "tensor_file.py"].split('"""', 2)[2]  # its code, past the docstring
+    assert "pickle" not in tensor_files and "torch.load(" not in tensor_files
 
 
 def test_load_torch_refuses_pickled_object(tmp_path):
@@ -224,11 +230,24 @@ def test_load_torch_refuses_pickled_object(tmp_path):
     assert isinstance(ei.value, CheckpointError), f"expected a one-line CheckpointError, got {ei.value!r}"
 
 
+def _to_legacy(ck: Path) -> None:
+    """Rewrite checkpoint ``ck`` as one written before tensor files: each piece a ``.pt`` of torch's format."""
+    for f in sorted(ck.glob("*.safetensors")):
+        obj = load_file(f, mapped=False)
+        torch.save(obj, ck / legacy_name(f.name))
+        f.unlink()
+    man = json.loads((ck / "manifest.json").read_text())
+    man["files"] = {p.name: _sha(p) for p in ck.iterdir() if p.is_file() and p.name != "manifest.json"}
+    (ck / "manifest.json").write_text(json.dumps(man))
+
+
 def test_planted_pickle_with_matching_manifest_is_refused(tmp_path, dataset, refs):
-    """A malicious model.pt whose checksum IS in the manifest passes verification but not weights_only:
-    no code runs, the checkpoint is reported in one line and the run falls back to the previous one."""
+    """A checkpoint of torch's format (written before tensor files) still loads through weights_only. A
+    malicious model.pt whose checksum IS in the manifest passes verification but not weights_only: no
+    code runs, the checkpoint is reported in one line and the run falls back to the previous one."""
     run = copy_run(refs(*REF12), tmp_path / "run")
     ck = run / "checkpoints" / "step-00000012"
+    _to_legacy(ck)
     marker = tmp_path / "PWNED"
     torch.save({"w": _Evil(marker)}, ck / "model.pt")
     _resign(ck)
@@ -253,10 +272,10 @@ def test_manifests_of_sha256_checksums_written_before_blake3_still_verify(tmp_pa
     (ck / "manifest.json").write_text(json.dumps(man))
     assert verify(ck)["files"] == man["files"]
     assert check_checkpoint(ck, rehash=True)[0] == "checksum_ok"
-    _flip_byte(ck / "optim.pt")
-    with pytest.raises(CheckpointError, match="optim.pt fails its checksum"):
+    _flip_byte(ck / "optim.safetensors")
+    with pytest.raises(CheckpointError, match="optim.safetensors fails its checksum"):
         verify(ck)
-    assert check_checkpoint(ck, rehash=True)[:2] == ("corrupt", "optim.pt fails its checksum (corrupt or truncated)")
+    assert check_checkpoint(ck, rehash=True)[:2] == ("corrupt", "optim.safetensors fails its checksum (corrupt or truncated)")
 
 
 def _resign(ck: Path) -> None:
@@ -278,14 +297,16 @@ def _drop_from_manifest(name: str):
     return _edit_json("manifest.json", lambda m: m["files"].pop(name))
 
 
-def _torch_file(name: str, make):
+def _tensor_file(name: str, make):
     def apply(ck: Path) -> None:
-        torch.save(make(ck), ck / name)
+        obj = make(ck)
+        (ck / name).unlink()
+        write_tensors(ck / name, obj)
     return apply
 
 
 def _reshaped_model(ck: Path) -> dict:
-    sd = torch.load(ck / "model.pt", weights_only=True)
+    sd = {k: v.clone() for k, v in load_file(ck / "model.safetensors").items()}
     k = next(iter(sd))
     sd[k] = torch.zeros(3, 3)
     return sd
@@ -293,9 +314,9 @@ def _reshaped_model(ck: Path) -> dict:
 
 # case -> (tamper (the manifest is re-signed afterwards), what the one warning line names)
 SIGNED_MALFORMED = {
-    "model-dropped-from-manifest": (_drop_from_manifest("model.pt"), "model.pt is not in the manifest"),
-    "rng-dropped-from-manifest": (_drop_from_manifest("rng-rank0.pt"), "rng-rank0.pt is not in the manifest"),
-    "optim-deleted-and-unlisted": (lambda ck: ((ck / "optim.pt").unlink(), _drop_from_manifest("optim.pt")(ck)), "optim.pt"),
+    "model-dropped-from-manifest": (_drop_from_manifest("model.safetensors"), "model.safetensors is not in the manifest"),
+    "rng-dropped-from-manifest": (_drop_from_manifest("rng-rank0.safetensors"), "rng-rank0.safetensors is not in the manifest"),
+    "optim-deleted-and-unlisted": (lambda ck: ((ck / "optim.safetensors").unlink(), _drop_from_manifest("optim.safetensors")(ck)), "optim.safetensors"),
     "negative-step": (_edit_json("train_state.json", lambda t: t.update(step=-5)), "step"),
     "step-not-the-dir": (_edit_json("train_state.json", lambda t: (t.update(step=11), t["scheduler"].update(step=11))), "says step 11"),
     "step-as-string": (_edit_json("train_state.json", lambda t: t.update(step="12")), "step"),
@@ -308,13 +329,14 @@ SIGNED_MALFORMED = {
     "nested-json": (lambda ck: (ck / "train_state.json").write_text("[" * 100_000 + "]" * 100_000), "train_state.json is unreadable"),
     "manifest-path-escape": (_edit_json("manifest.json", lambda m: m["files"].update({"../escape": "0" * 64})), "unsafe file name"),
     "manifest-step-mismatch": (_edit_json("manifest.json", lambda m: m.update(step=4)), "manifest names step 4"),
-    "checksum-unknown-algorithm": (_edit_json("manifest.json", lambda m: m["files"].update({"model.pt": "md5:" + "0" * 32})), "manifest files is invalid"),
-    "checksum-short": (_edit_json("manifest.json", lambda m: m["files"].update({"model.pt": "blake3:" + "0" * 63})), "manifest files is invalid"),
-    "model-wrong-shape": (_torch_file("model.pt", _reshaped_model), "model.pt"),
-    "optim-empty": (_torch_file("optim.pt", lambda ck: {}), "optim.pt is not an optimizer state dict"),
-    "rng-garbage": (_torch_file("rng-rank0.pt", lambda ck: {"python": torch.zeros(3)}), "not a valid RNG state"),
-    "model-not-torch": (lambda ck: (ck / "model.pt").write_bytes(b"not a zip"), "model.pt is not a readable torch file"),
-    "optim-truncated-zip": (lambda ck: (ck / "optim.pt").write_bytes((ck / "optim.pt").read_bytes()[:4096]), "optim.pt is not a readable torch file"),
+    "checksum-unknown-algorithm": (_edit_json("manifest.json", lambda m: m["files"].update({"model.safetensors": "md5:" + "0" * 32})), "manifest files is invalid"),
+    "checksum-short": (_edit_json("manifest.json", lambda m: m["files"].update({"model.safetensors": "blake3:" + "0" * 63})), "manifest files is invalid"),
+    "model-wrong-shape": (_tensor_file("model.safetensors", _reshaped_model), "model.safetensors"),
+    "optim-empty": (_tensor_file("optim.safetensors", lambda ck: {}), "optim.safetensors is not an optimizer state dict"),
+    "rng-garbage": (_tensor_file("rng-rank0.safetensors", lambda ck: {"python": torch.zeros(3)}), "not a valid RNG state"),
+    "model-not-a-tensor-file": (lambda ck: (ck / "model.safetensors").write_bytes(b"not a tensor file"), "model.safetensors is not a readable tensor file"),
+    "optim-truncated": (lambda ck: (ck / "optim.safetensors").write_bytes((ck / "optim.safetensors").read_bytes()[:4096]), "optim.safetensors is not a readable tensor file"),
+    "model-a-pickle": (lambda ck: torch.save(load_file(ck / "model.safetensors"), ck / "model.safetensors"), "model.safetensors is not a readable tensor file"),
 }
 
 
@@ -347,6 +369,27 @@ def test_signed_but_malformed_checkpoint_is_rejected_in_one_line(tmp_path, datas
         tr.load_checkpoint(12)
 
 
+def test_a_checkpoint_of_torchs_format_loads_to_the_same_state(tmp_path, dataset, refs):
+    """A checkpoint written before tensor files (``model.pt``, ``optim.pt``, ``rng-rank0.pt``) verifies and
+    loads to exactly the state its tensor-file twin loads to."""
+    import trainer.train as train_mod
+    from trainer.config import load_yaml, resolve
+    from trainer.dist import DistEnv
+
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    ck = run / "checkpoints" / "step-00000008"
+    cfg = resolve(preset=None, config_file=None, saved=load_yaml(run / "config.yaml"), overrides={"data.dir": str(dataset)})
+    tr = train_mod.Trainer(cfg, run, DistEnv(0, 0, 1, torch.device("cpu")), offline=True)
+    states = []
+    for legacy in (False, True):
+        if legacy:
+            _to_legacy(ck)
+            assert sorted(json.loads((ck / "manifest.json").read_text())["files"]) == ["model.pt", "optim.pt", "rng-rank0.pt", "train_state.json"]
+        assert tr.load_checkpoint(8) == 8
+        states.append((repr(_flat(tr.raw_model.state_dict())), repr(_flat(tr.opt.state_dict())), torch.get_rng_state().clone()))
+    assert states[0][0] == states[1][0] and states[0][1] == states[1][1] and torch.equal(states[0][2], states[1][2])
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
 def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs):
     """model.pt and optim.pt are loaded with mmap: every tensor is copied out (into the live model and
@@ -370,9 +413,9 @@ def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs):
     assert mapped() == [], "an in-process load left a checkpoint file mapped"
     assert {id(v) for st in tr.opt.state.values() for v in st.values()} == moments, "copied into the live moments"
     ck = run / "checkpoints" / "step-00000008"
-    for name, want in load_torch(ck / "model.pt").items():
+    for name, want in load_file(ck / "model.safetensors").items():
         assert torch.equal(tr.raw_model.state_dict()[name], want), name
-    saved = flat_state.unpack(load_torch(ck / "optim.pt"), "optim.pt")["state"]
+    saved = flat_state.unpack(load_file(ck / "optim.safetensors"), "optim.safetensors")["state"]
     live = tr.opt.state_dict()["state"]
     assert saved.keys() == live.keys() and all(torch.equal(live[i][k], v) for i in saved for k, v in saved[i].items())
     # the file holds three flat tensors (step, exp_avg, exp_avg_sq), which a save writes from the live
@@ -839,16 +882,16 @@ def test_async_finalize_waits_for_a_rank_marker_being_written(tmp_path):
 @pytest.mark.parametrize("share, catches", [(None, True), ((0, 1), True), ((1, 1), True), ((5, 2), True),
                                             ((0, 2), True), ((1, 2), False)])
 def test_a_share_hashes_its_files_and_an_odd_local_rank_hashes_all(tmp_path, refs, share, catches):
-    """``verify_share``: with 2 ranks, the rank holding the biggest file (optim.pt) catches its
+    """``verify_share``: with 2 ranks, the rank holding the biggest file (optim.safetensors) catches its
     corruption and the other does not read it; a lone rank, or a local rank the launcher numbered past
     the node's count, hashes every file (never none)."""
     from trainer.checkpoint import verify_share
 
     run = copy_run(refs(*REF12), tmp_path / "run")
     path = run / "checkpoints" / "step-00000012"
-    _flip_byte(path / "optim.pt")
+    _flip_byte(path / "optim.safetensors")
     if catches:
-        with pytest.raises(CheckpointError, match="optim.pt fails its checksum"):
+        with pytest.raises(CheckpointError, match="optim.safetensors fails its checksum"):
             verify_share(path, share)
     else:
         manifest, fingerprint = verify_share(path, share)

@@ -186,13 +186,13 @@ def test_all_checkpoints_unloadable_refuses_instead_of_starting_over(run, datase
     ck = run / "checkpoints"
     (ck / "step-00000004" / "manifest.json").write_bytes(b"\x00garbage{")
     for step in ("00000002", "00000000"):
-        model = ck / f"step-{step}" / "model.pt"
+        model = ck / f"step-{step}" / "model.safetensors"
         model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
     before = _digest_tree(run / "checkpoints")
     log_before = (run / "steps.jsonl").read_bytes()
     p = run_trainer(run, "--max-steps", "8", data_dir=dataset, timeout=120)
     line = assert_one_line_error(p, rc=2, contains="none of the 3 checkpoint(s)")
-    assert "step-00000004: manifest is unreadable" in line and "model.pt fails its checksum" in line
+    assert "step-00000004: manifest is unreadable" in line and "model.safetensors fails its checksum" in line
     assert "aside" in line and "fresh start" not in p.stdout
     assert _digest_tree(run / "checkpoints") == before, "checkpoints that failed to load must be left untouched"
     assert (run / "steps.jsonl").read_bytes() == log_before, "no new timeline may be appended"

@@ -132,7 +132,7 @@ def test_async_checkpoint_kill_resume_bitwise(tmp_path, dataset, refs):
 @pytest.mark.slow
 def test_two_rank_ddp_kill_resume_bitwise(tmp_path, dataset, refs):
     """torchrun, 2 ranks (gloo DDP), grad-accum 2, skip list: SIGKILL of the agent and both workers at a
-    random moment inside a checkpoint write, resume, exact trajectory; rng-rank{0,1}.pt in every checkpoint."""
+    random moment inside a checkpoint write, resume, exact trajectory; rng-rank{0,1}.safetensors in every checkpoint."""
     rng = random.Random(21)
     ref = refs(*_ref_args(N2_DIST, 2), nproc=2)
     run = tmp_path / "run"
@@ -161,8 +161,8 @@ def test_fsdp_two_rank_kill_resume_bitwise(tmp_path, dataset, refs):
     _assert_checkpoints_valid(run, world_size=2)
     for _, path in list_checkpoints(run / "checkpoints"):
         files = set(verify(path)["files"])
-        assert {"rng-rank0.pt", "rng-rank1.pt", "train_state.json", "dcp/.metadata"} <= files
-        assert "model.pt" not in files and any(f.startswith("dcp/") and f.endswith(".distcp") for f in files)
+        assert {"rng-rank0.safetensors", "rng-rank1.safetensors", "train_state.json", "dcp/.metadata"} <= files
+        assert "model.safetensors" not in files and any(f.startswith("dcp/") and f.endswith(".distcp") for f in files)
 
 
 # ---- a seq_len schedule: resume exact on either side of a change of length

@@ -101,9 +101,9 @@ def test_the_pieces_are_exactly_train_state_json_and_the_checkpoint_files(traine
     ts = TrainStateFile.model_validate(st.train_state())  # what a save writes passes the loader's schema
     assert ts.step == ts.scheduler.step == a.state.step == 1 and ts.skiplist == [[5, 9]]
     shared, per_rank = st.files()
-    assert sorted(shared) == ["model.pt", "optim.pt", TRAIN_STATE] and list(per_rank) == ["rng-rank0.pt"]
+    assert sorted(shared) == ["model.safetensors", "optim.safetensors", TRAIN_STATE] and list(per_rank) == ["rng-rank0.safetensors"]
     shared, per_rank = st.files(shared_files=False)  # a rank other than 0 builds no model/optimizer state
-    assert list(shared) == [TRAIN_STATE] and list(per_rank) == ["rng-rank0.pt"]
+    assert list(shared) == [TRAIN_STATE] and list(per_rank) == ["rng-rank0.safetensors"]
     assert list(st.layout(sharded=True))[0] == "model_optimizer" and "model" not in st.layout(sharded=True)
 
 
@@ -144,19 +144,19 @@ def _train_state(key, **change):
 
 # piece -> (corrupt its good state_dict, error type, what the one line says)
 HOSTILE = {
-    "model-not-a-dict": ("model", lambda sd: [1, 2], CheckpointError, "model.pt is not a state dict"),
-    "model-entry-missing": ("model", lambda sd: dict(list(sd.items())[1:]), CheckpointError, "model.pt lacks entry"),
+    "model-not-a-dict": ("model", lambda sd: [1, 2], CheckpointError, "model.safetensors is not a state dict"),
+    "model-entry-missing": ("model", lambda sd: dict(list(sd.items())[1:]), CheckpointError, "model.safetensors lacks entry"),
     "model-entry-unknown": ("model", lambda sd: {**sd, "extra.weight": torch.zeros(1)}, CheckpointError, "has an unknown entry 'extra.weight'"),
     "model-wrong-shape": ("model", _model_reshaped, CheckpointError, "is (3, 3) torch.float32, expected"),
-    "optim-empty": ("optimizer", lambda sd: {}, CheckpointError, "optim.pt is not an optimizer state dict"),
+    "optim-empty": ("optimizer", lambda sd: {}, CheckpointError, "optim.safetensors is not an optimizer state dict"),
     "optim-group-lost": ("optimizer", lambda sd: {**sd, "param_groups": sd["param_groups"][:-1]}, CheckpointError, "parameter groups, expected"),
     "optim-moment-reshaped": ("optimizer", _opt_group("exp_avg", **_first_moment_as(7)), CheckpointError,
                               "exp_avg does not match the parameter's shape"),
     "optim-torch-format-reshaped": ("optimizer", _opt_torch_format_reshaped, CheckpointError, "exp_avg does not match the parameter's shape"),
     "optim-format-unknown": ("optimizer", lambda sd: {**sd, "format": "sentinel.flat-optimizer/9"}, CheckpointError,
                              "has format 'sentinel.flat-optimizer/9'; this trainer reads"),
-    "optim-groups-not-a-list": ("optimizer", lambda sd: {**sd, "groups": "all"}, CheckpointError, "optim.pt is not an optimizer state dict"),
-    "optim-group-not-a-dict": ("optimizer", lambda sd: {**sd, "groups": [7]}, CheckpointError, "optim.pt: state group 0 is malformed"),
+    "optim-groups-not-a-list": ("optimizer", lambda sd: {**sd, "groups": "all"}, CheckpointError, "optim.safetensors is not an optimizer state dict"),
+    "optim-group-not-a-dict": ("optimizer", lambda sd: {**sd, "groups": [7]}, CheckpointError, "optim.safetensors: state group 0 is malformed"),
     "optim-data-2d": ("optimizer", _opt_group("exp_avg", data=lambda d, g: d.view(1, -1)), CheckpointError, "has no 1-D data"),
     "optim-data-short": ("optimizer", _opt_group("exp_avg", data=lambda d, g: d[:-1]), CheckpointError, "is shorter than its shapes say"),
     "optim-data-long": ("optimizer", _opt_group("exp_avg_sq", data=lambda d, g: torch.cat([d, d[:1]])), CheckpointError,
@@ -176,7 +176,7 @@ HOSTILE = {
     "optim-moment-missing": ("optimizer", lambda sd: {**sd, "groups": [g for g in sd["groups"] if g["key"] != "exp_avg_sq"]},
                              CheckpointError, "exp_avg_sq does not match"),
     "optim-other-malformed": ("optimizer", lambda sd: {**sd, "other": {"x": 1}}, CheckpointError, "state of parameter 'x' is malformed"),
-    "rng-garbage": ("rng", lambda sd: {"python": torch.zeros(3)}, CheckpointError, "rng-rank0.pt is not a valid RNG state"),
+    "rng-garbage": ("rng", lambda sd: {"python": torch.zeros(3)}, CheckpointError, "rng-rank0.safetensors is not a valid RNG state"),
     "rng-numpy-keys-out-of-range": ("rng", lambda sd: {**sd, "numpy": {**sd["numpy"], "keys": sd["numpy"]["keys"] - 2**40}},
                                     CheckpointError, "not a valid RNG state"),
     "rng-torch-state-truncated": ("rng", lambda sd: {**sd, "torch": sd["torch"][:10]}, CheckpointError, "not a valid RNG state"),
