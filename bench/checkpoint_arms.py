@@ -113,10 +113,11 @@ def save_vs_raw(w: Worker, reps: int) -> dict:
             fsync_path(root)
             raw_durable.append(time.perf_counter() - t0)
 
-    # the save's ceiling: whatever a saver overlaps, it serialises every byte into torch's format (the one
-    # ``torch.load(weights_only=True)`` reads; the pickler holds the GIL) and then waits at least one
-    # fsync after its last byte. raw seconds / (serialisation in memory + the raw arm's fsyncs) bounds
-    # save_vs_raw from above on any checkpoint in this format
+    # the save's ceiling: whatever a saver overlaps, it serialises the files into their format (tensor files:
+    # a header, the tensors' bytes as they are; torch's ``.pt``: the pickler, which holds the GIL) and then
+    # waits at least one fsync after its last byte. raw seconds / (serialisation in memory + the raw arm's
+    # fsyncs) bounds save_vs_raw from above on any checkpoint in this format
+    from trainer import tensor_file
     from trainer.checkpoint_io import _no_zip_crc
 
     def serialise_in_memory() -> float:
@@ -126,6 +127,8 @@ def save_vs_raw(w: Worker, reps: int) -> dict:
             for name, obj in {**shared, **per_rank}.items():
                 if name.endswith(".json"):
                     json.dumps(obj, indent=1, sort_keys=True).encode()
+                elif name.endswith(tensor_file.SUFFIX):
+                    tensor_file.encode(obj)
                 else:
                     torch.save(obj, io.BytesIO())
         return w.slowest(time.perf_counter() - t0)
@@ -237,7 +240,7 @@ def async_stall_vs_sync(w: Worker, reps: int) -> dict:
 
 
 def load_vs_raw(w: Worker, reps: int) -> dict:
-    t, torch = w.t, w.torch
+    t = w.t
     step = t.state.step
     files = sorted(p for p in w.newest().rglob("*") if p.is_file())
     a, b, ratio = [], [], []
@@ -258,11 +261,15 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
     def load():
         assert t.load_checkpoint(step) == step
 
-    # the parts no loader can skip, in memory (no disk): the checksum of every byte, and torch.load(weights_only)
-    # of the files this rank restores. The unpickler holds the GIL, so no other core shares its time:
-    # raw read / deserialisation bounds load_vs_raw from above, whatever the reading and hashing overlap
+    # the parts no loader can skip, in memory (no disk): the checksum of every byte, and the parsing of the
+    # files this rank restores (tensor files: the header, views of the bytes). It holds the GIL, so no other
+    # core shares its time: raw read / deserialisation bounds load_vs_raw from above, whatever the reading
+    # and hashing overlap
+    from trainer import tensor_file
+
     blobs = {p.name: p.read_bytes() for p in files}
-    mine = [n for n in ("model.pt", "optim.pt", f"rng-rank{w.env.rank}.pt") if n in blobs]
+    mine = [n for n in ("model.safetensors", "optim.safetensors", f"rng-rank{w.env.rank}.safetensors") if n in blobs]
+    writable = {n: bytearray(blobs[n]) for n in mine}  # what a load maps: writable, copy-on-write
     hashed, deser, ceiling = [], [], []
 
     def in_memory(fn) -> float:
@@ -279,7 +286,7 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
         a.append(secs["a"])
         b.append(secs["b"])
         ratio.append(secs["b"] / secs["a"])
-        deser.append(in_memory(lambda: [torch.load(io.BytesIO(blobs[n]), map_location="cpu", weights_only=True) for n in mine]))
+        deser.append(in_memory(lambda: [tensor_file.read(writable[n]) for n in mine]))
         hashed.append(in_memory(lambda: [_checksum(x) for x in blobs.values()]))
         ceiling.append(secs["b"] / deser[-1])
     return summarise(a, b, ratio, bytes=sum(p.stat().st_size for p in files),

@@ -16,8 +16,8 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     directory, every file and the directory fsynced concurrently, the rename, the parent fsynced),
     nothing serialised or hashed; ``floor_ratio_median`` = raw seconds / floor seconds is the most any
     checkpoint that commits a directory atomically can reach on this disk. And in each pair, in
-    memory: ``torch.save`` of the files this rank writes (the format ``torch.load(weights_only=True)``
-    reads; the pickler holds the GIL). Any saver of this format serialises every byte and then waits
+    memory: the serialisation of the files this rank writes (tensor files, ``trainer/tensor_file.py``: their
+    header; the tensors' bytes are written as they are). Any saver of this format serialises every byte and then waits
     at least one fsync after its last one: ``ceiling_ratio_median`` = raw seconds / (serialisation +
     the raw arm's own fsyncs) bounds ``save_vs_raw`` from above, whatever it overlaps.
 ``async_stall_vs_sync`` (target <= 0.10)
@@ -37,12 +37,12 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     write's CPU time lands on it; on `small` a step (~0.3 s) varies by more than a save between
     pairs, so that median is noise there.
 ``load_vs_raw`` (target >= 0.7)
-    ``Trainer.load_checkpoint(step)`` (manifest, the checksum of every file, ``torch.load(weights_only)``,
+    ``Trainer.load_checkpoint(step)`` (manifest, the checksum of every file, the tensor files parsed,
     shape checks, restore) against a raw sequential read of the same files. Before each arm the
     files are dropped from the page cache (``posix_fadvise(DONTNEED)``; they are clean, having been
     fsynced), so both read the disk, as a restart on another day would. Also measured in each pair,
-    in memory: the checksum (BLAKE3) of every byte, and ``torch.load(weights_only=True)`` of the files this rank
-    restores. The unpickler holds the GIL, so no other core can share that time:
+    in memory: the checksum (BLAKE3) of every byte, and the parsing of the tensor files this rank
+    restores. The parser holds the GIL, so no other core can share that time:
     ``ceiling_ratio_median`` = raw read seconds / deserialisation seconds bounds ``load_vs_raw``
     from above, however reading and hashing are overlapped.
 ``rollback_vs_resume`` (target <= 0.5)

@@ -5,7 +5,7 @@ ABBA-interleaved in one process on the same state (the before/after of a change 
 
 A real checkpoint is made first (``python -m trainer --preset P --max-steps 1``); its tensors and
 train state are what both versions save. Save: ``Checkpointer.save`` (sync, one rank), retention
-kept out of the clock. Load: ``verify`` + ``load_torch`` of every torch file, with the files
+kept out of the clock. Load: ``verify`` + the load of every piece file (each revision's own), with the files
 dropped from the page cache before each arm (``posix_fadvise(DONTNEED)``). Printed: the median
 seconds of each arm and the median of the per-pair ratios after/before.
 """
@@ -51,6 +51,7 @@ def main() -> int:
                                  capture_output=True, text=True, check=True).stdout
         old = load_module("checkpoint_before", old_src, work)
         import trainer.checkpoint as new
+        from trainer.piece_files import legacy_name, load_file
 
         run = work / "run"
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -58,9 +59,11 @@ def main() -> int:
                         "--ckpt-every", "1", "--telemetry", "off", "--eval-every", "0"], env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         src = run / "checkpoints" / "step-00000001"
-        shared = {"model.pt": new.load_torch(src / "model.pt"), "optim.pt": new.load_torch(src / "optim.pt"),
-                  "train_state.json": json.loads((src / "train_state.json").read_text())}
-        per_rank = {"rng-rank0.pt": new.load_torch(src / "rng-rank0.pt")}
+        pieces = {n: load_file(src / n, mapped=False) for n in ("model.safetensors", "optim.safetensors", "rng-rank0.safetensors")}
+        train_state = json.loads((src / "train_state.json").read_text())
+        # each arm writes the pieces under the names its revision gives them (tensor files, or torch's .pt before)
+        names = {"after": list(pieces), "before": [n if hasattr(old, "write_file") else legacy_name(n) for n in pieces]}
+        loader = {"after": load_file, "before": getattr(old, "load_torch", load_file)}
         arms = {"before": old, "after": new}
         secs: dict[str, dict[str, list[float]]] = {"save": {a: [] for a in arms}, "load": {a: [] for a in arms}}
         for i in range(args.pairs):
@@ -71,9 +74,12 @@ def main() -> int:
                 ck = mod.Checkpointer(d, rank=0, world_size=1, keep_last=100, keep_every=0, barrier=lambda: None,
                                       all_ok=lambda ok: ok, log=lambda m: None)
                 step = i + 1
-                shared["train_state.json"]["step"] = shared["train_state.json"]["scheduler"]["step"] = step
+                train_state["step"] = train_state["scheduler"]["step"] = step
                 t0 = time.perf_counter()
-                ck.save(step, shared=shared, per_rank=per_rank, meta={"run": "ab"})
+                files = dict(zip(names[arm], pieces.values()))
+                rng_name = names[arm][2]
+                shared = {**{n: files[n] for n in names[arm][:2]}, "train_state.json": train_state}
+                ck.save(step, shared=shared, per_rank={rng_name: files[rng_name]}, meta={"run": "ab"})
                 secs["save"][arm].append(time.perf_counter() - t0)
                 path = ck.root / f"step-{step:08d}"
                 for p in path.iterdir():
@@ -82,8 +88,8 @@ def main() -> int:
                     os.close(fd)
                 t0 = time.perf_counter()
                 mod.verify(path)
-                for name in ("model.pt", "optim.pt", "rng-rank0.pt"):
-                    mod.load_torch(path / name)
+                for name in names[arm]:
+                    loader[arm](path / name)
                 secs["load"][arm].append(time.perf_counter() - t0)
                 shutil.rmtree(path)
         for what, by in secs.items():
