@@ -55,7 +55,7 @@ from sentinel.contract.checkpoints import (
     first_error,
     manifest_digest,  # noqa: F401  (re-exported)
 )
-from sentinel.contract.fsio import checksums_match, file_checksum, sha256_file  # noqa: F401  (sha256_file: re-exported)
+from sentinel.contract.fsio import checksums_match, clear_trash, file_checksum, move_to_trash, remove_dir, sha256_file  # noqa: F401  (sha256_file: re-exported)
 from sentinel.contract.fsio import fsync_dir as _fsync  # by name: a file's data, or a directory's names
 from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
@@ -258,8 +258,7 @@ class Checkpointer:
         if self.rank == 0:
             for p in self.root.glob(".tmp-step-*"):
                 shutil.rmtree(p, ignore_errors=True)
-            for p in self.root.glob(".trash-*"):
-                shutil.rmtree(p, ignore_errors=True)
+            clear_trash(self.root)
 
     def newest_valid(self, at_or_before: int | None = None) -> ValidCheckpoint | None:
         """Newest checkpoint that verifies; corrupt ones are reported in one line and passed over."""
@@ -554,19 +553,13 @@ class Checkpointer:
                 f.result()  # an EIO from the disk surfaces here, before anything is renamed
         # the commit point: the step directory appears, complete and durable, or not at all
         final = self.root / step_dir_name(step)
-        trash = self._trash(final) if final.exists() else None  # re-saving a step after a rollback: swap
+        trash = move_to_trash(final) if final.exists() else None  # re-saving a step after a rollback: swap
         tmp.rename(final)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         _fsync(self.root)
         self._retain()
         return final, total
-
-    def _trash(self, path: Path) -> Path:
-        """Rename a step directory out of the step names: a crash mid-delete leaves no step without its manifest."""
-        trash = self.root / f".trash-{path.name}-{time.time_ns()}"
-        path.rename(trash)
-        return trash
 
     def _retain(self) -> None:
         """Keep the newest ``keep_last`` valid checkpoints plus every ``keep_every``-th step forever.
@@ -580,4 +573,4 @@ class Checkpointer:
             if kept <= self.keep_last or (self.keep_every and step and step % self.keep_every == 0):
                 continue
             with contextlib.suppress(OSError):  # retention never fails the save that made it run
-                shutil.rmtree(self._trash(path), ignore_errors=True)
+                remove_dir(path)  # renamed out of the step names first: a kill midway leaves only trash

@@ -83,7 +83,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
           rollback; or a cold resume, whose moments are laid out first, as a fresh run's), the loaded
           values are copied into it, one copy per key where both sides are flat: no fresh memory,
           the moments stay flat for the next save, and nothing keeps the checkpoint's tensors, which
-          may map its file (``trainer.checkpoint.load_torch(mmap=True)``). Elsewhere a CPU tensor is
+          may map its file (``trainer.piece_files.load_file(mapped=True)``). Elsewhere a CPU tensor is
           cloned, for the same reason.
         * ``step`` goes to its parameter's device. torch moves the moments there but leaves ``step``
           where it was loaded (the CPU), as its own optimizers count steps on the host. Ours counts on

@@ -1,4 +1,4 @@
-"""Capture and restore every RNG a rank uses, in a form ``torch.load(weights_only=True)`` accepts."""
+"""Capture and restore every RNG a rank uses, as tensors and plain values (a tensor file holds them: ``trainer/tensor_file.py``)."""
 
 from __future__ import annotations
 

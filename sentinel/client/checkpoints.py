@@ -7,7 +7,7 @@ never listed as whole. A directory that already holds a manifest (our trainer's)
 
 The manifest is the trainer's (``format``, ``step``, ``files``, ``bytes``, ``world_size``, ``created``,
 ``timeline``, ``tokens``) plus ``framework``: the name of the loop that wrote the files, so readers know
-not to ask for our trainer's own files (``model.pt``, ``rng-rank0.pt``...). Its digest (``manifest_sha256``
+not to ask for our trainer's own files (``model.safetensors``, ``rng-rank0.safetensors``...). Its digest (``manifest_sha256``
 on the bus) is the sha256 of the sorted ``files`` map, as ``trainer.checkpoint.manifest_digest``.
 
 :func:`link_into_run_dir` makes the checkpoint visible where ``sentinel checkpoints`` / ``sentinel rollback``

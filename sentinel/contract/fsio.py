@@ -18,7 +18,9 @@ import functools
 import hashlib
 import hmac
 import os
+import shutil
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,8 +28,9 @@ import blake3
 
 from sentinel.contract.limits import MAX_STATE_BYTES
 
-__all__ = ["CHECKSUM_PREFIX", "MAX_STATE_BYTES", "Checksum", "UnreadableFileError", "atomic_write_text",
-           "checksum_matches", "checksums_match", "file_checksum", "fsync_dir", "open_regular", "read_regular_file", "sha256_file"]
+__all__ = ["CHECKSUM_PREFIX", "MAX_STATE_BYTES", "TRASH_PREFIX", "Checksum", "UnreadableFileError", "atomic_write_text",
+           "checksum_matches", "checksums_match", "clear_trash", "file_checksum", "fsync_dir", "move_to_trash", "open_regular",
+           "read_regular_file", "remove_dir", "sha256_file"]
 
 CHECKSUM_PREFIX = "blake3:"
 # BLAKE3 rather than sha256: as collision-resistant (a manifest's digest, carried signed on the bus,
@@ -163,3 +166,28 @@ def read_regular_file(path, limit: int = MAX_STATE_BYTES) -> bytes:
     if len(data) > limit:
         raise UnreadableFileError(f"larger than {limit:,} bytes")
     return data
+
+
+# A checkpoint directory is deleted in two moves: renamed out of the step names, then removed. A kill
+# midway through ``shutil.rmtree`` would otherwise leave a step directory without its manifest (or its
+# files) under a step's name for good; a ``.trash-*`` directory is what the next start clears instead.
+TRASH_PREFIX = ".trash-"
+
+
+def move_to_trash(path: Path) -> Path:
+    """Rename directory ``path`` to ``.trash-<name>-<ns>`` beside it (atomic); return the new path."""
+    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{time.time_ns()}"
+    path.rename(trash)
+    return trash
+
+
+def remove_dir(path: Path) -> None:
+    """Delete directory ``path`` so that no crash leaves part of it under its name (``move_to_trash``,
+    then the delete, whose errors are ignored: the name is gone already)."""
+    shutil.rmtree(move_to_trash(path), ignore_errors=True)
+
+
+def clear_trash(parent: Path) -> None:
+    """Remove what a crash left in ``parent`` while ``remove_dir`` deleted something (at start)."""
+    for p in parent.glob(TRASH_PREFIX + "*"):
+        shutil.rmtree(p, ignore_errors=True)

@@ -47,6 +47,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from sentinel.client.checkpoints import verify_checkpoint
 from sentinel.client.control import RelaunchRequired, RestoreFailed
+from sentinel.contract.fsio import clear_trash, remove_dir
 from sentinel.contract.ranges import id_list
 from sentinel.integrations.torch_data import epoch_order
 from sentinel.protocol import checkpoint_dir_name
@@ -261,6 +262,8 @@ class SentinelCallback(Callback):
             from sentinel.client.session import RunSession
 
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self._rank == 0 and (self.run_dir / "checkpoints").is_dir():
+                clear_trash(self.run_dir / "checkpoints")  # what a kill left while a step dir was removed
             self.session = RunSession(self.run_dir, host=_Host(self, trainer), redis_url=self.redis_url,
                                       rank=self._rank, world_size=self._world,
                                       broadcast=self._share if self._world > 1 else None,
@@ -439,7 +442,7 @@ class SentinelCallback(Callback):
         if d.is_symlink() or d.is_file():
             d.unlink()
         elif d.is_dir():  # the same step on an earlier timeline (before a rollback): replaced
-            shutil.rmtree(d)
+            remove_dir(d)  # renamed out of the step names first: a kill midway leaves no half step
         d.mkdir(parents=True)
         try:
             os.link(path, d / path.name)
@@ -455,7 +458,7 @@ class SentinelCallback(Callback):
             with contextlib.suppress(OSError):
                 st = ckpt.stat()
                 if (st.st_dev, st.st_ino) == file_id:
-                    shutil.rmtree(ckpt.parent)
+                    remove_dir(ckpt.parent)
                     gone = True
         if gone and self.session is not None:
             self.session.retain_checkpoints()

@@ -38,8 +38,8 @@ def test_rollback_target_is_vouched_for_and_prefers_the_margin(checkpoints, onse
     assert rollback_target(checkpoints, onset, margin=margin, suspect_updates=suspect) == want
 
 
-def _manifest(**over) -> dict:
-    files = {n: "a" * 64 for n in ("train_state.json", "model.pt", "optim.pt", "rng-rank0.pt")}
+def _manifest(ext: str = ".safetensors", **over) -> dict:
+    files = {n: "a" * 64 for n in ("train_state.json", f"model{ext}", f"optim{ext}", f"rng-rank0{ext}")}
     return {"format": 1, "step": 20, "files": files, "bytes": 10, "world_size": 1, "created": 1.0, **over}
 
 
@@ -53,9 +53,16 @@ MANIFESTS = {  # case -> (manifest, words of the one-line error; None: valid)
     "other-directory": (_manifest(step=30), "manifest names step 30, not the step of its directory"),
     "world-size-zero": (_manifest(world_size=0), "manifest world_size is invalid"),
     "nan-created": (_manifest(created=float("nan")), "manifest created is invalid"),
-    "bad-digest": (_manifest(files={**_manifest()["files"], "model.pt": "xyz"}), "manifest files is invalid"),
+    "bad-digest": (_manifest(files={**_manifest()["files"], "model.safetensors": "xyz"}), "manifest files is invalid"),
     "path-escape": (_manifest(files={**_manifest()["files"], "../escape": "a" * 64}), "unsafe file name"),
-    "rng-unlisted": (_manifest(world_size=2), "rng-rank1.pt is not in the manifest"),
+    "rng-unlisted": (_manifest(world_size=2), "rng-rank1.safetensors is not in the manifest"),
+    # a checkpoint written before tensor files: torch's .pt names, the same rule
+    "torch-format-valid": (_manifest(".pt"), None),
+    "torch-format-rng-unlisted": (_manifest(".pt", world_size=2), "rng-rank1.pt is not in the manifest"),
+    "torch-format-model-unlisted": (_manifest(".pt", files={n: "a" * 64 for n in ("train_state.json", "optim.pt", "rng-rank0.pt")}),
+                                    "model.pt is not in the manifest"),
+    "formats-mixed": (_manifest(files={n: "a" * 64 for n in ("train_state.json", "model.pt", "optim.pt", "rng-rank0.safetensors")}),
+                      "model.safetensors is not in the manifest"),
     "missing-format": ({k: v for k, v in _manifest().items() if k != "format"}, "manifest format is invalid"),
 }
 
@@ -129,3 +136,31 @@ def test_one_file_checksum_in_both_forms(tmp_path, case):
     assert file_checksum(f, like=want["sha256"]) == want["sha256"]
     recorded, matches = CHECKSUMS[case]
     assert checksum_matches(f, recorded(want)) is matches
+
+
+def test_remove_dir_leaves_nothing_under_the_name_when_the_delete_dies_and_clear_trash_finishes_it(tmp_path, monkeypatch):
+    """The contract's rule for deleting a checkpoint directory (the trainer's retention and re-save, the
+    Lightning integration's pruning): renamed out of the step names first, so a kill inside the delete
+    leaves a ``.trash-*`` directory that ``clear_trash`` removes at the next start, never a half step."""
+    import shutil
+
+    from sentinel.contract import fsio
+
+    step = tmp_path / "step-00000004"
+    step.mkdir()
+    (step / "manifest.json").write_text("{}")
+    (step / "model.safetensors").write_bytes(b"x")
+
+    def dies_midway(path, *args, **kwargs):
+        (path / "manifest.json").unlink()
+        raise KeyboardInterrupt  # a kill: not an error the delete could swallow
+
+    monkeypatch.setattr(shutil, "rmtree", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        fsio.remove_dir(step)
+    monkeypatch.undo()
+    assert not step.exists()
+    (trash,) = tmp_path.iterdir()
+    assert trash.name.startswith(fsio.TRASH_PREFIX + "step-00000004-") and [p.name for p in trash.iterdir()] == ["model.safetensors"]
+    fsio.clear_trash(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -416,11 +416,14 @@ def test_pruned_checkpoints_leave_the_run_dir_and_sentinel_rollback_of_a_stopped
                                                                  reason="test"), 20)
 
     probe = Probe()
+    # what a kill leaves while a step dir is removed (renamed out of the step names first): cleared at setup
+    (run_dir / "checkpoints" / ".trash-step-00000003-1").mkdir(parents=True)
+    (run_dir / "checkpoints" / ".trash-step-00000003-1" / "x.ckpt").write_bytes(b"half")
     trainer = L.Trainer(max_steps=20, accelerator="cpu", devices=1, callbacks=[cb, keep, probe], logger=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(ns["TinyGPT"](windows.tokens.vocab_size), DataLoader(data, batch_size=8))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000000", "step-00000015",
-                                                                           "step-00000020"]
+                                                                           "step-00000020"]  # no trash either
     assert probe.failed.status == "failed" and "no Lightning checkpoint of step 5" in probe.failed.detail
     assert cb.relaunch_checkpoint is None and not (run_dir / "pending_rollback.json").exists()
     listed = json.loads(cli("checkpoints", str(run_dir), "--json").stdout)
