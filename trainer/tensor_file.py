@@ -60,17 +60,16 @@ class TensorFileError(ValueError):
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
         if t.dtype not in DTYPES:
             raise TypeError(f"{path or 'tensor'}: dtype {t.dtype} has no safetensors name")
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        # the same memory under a second name: a tied weight (before any copy to the host, which would hide it)
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if t.numel() and key in seen:  # the same tensor under a second key (tied weights): written once
             return {"__tensor__": seen[key]}
         name = path or "tensor"
         while name in tensors:
             name += "'"
-        tensors[name] = t
+        tensors[name] = t if t.device.type == "cpu" else t.cpu()
         if t.numel():
             seen[key] = name
         return {"__tensor__": name}
@@ -174,6 +173,8 @@ def _entry(name: str, e: Any, data_len: int) -> tuple[torch.dtype, list[int], in
     numel = math.prod(shape)
     if numel * dtype.itemsize != offs[1] - offs[0]:
         raise TensorFileError(f"tensor {name[:60]!r}: shape {shape} {e['dtype']} does not fill its {offs[1] - offs[0]} bytes")
+    if offs[0] % dtype.itemsize:  # every writer here aligns them (the header is padded to 8 bytes)
+        raise TensorFileError(f"tensor {name[:60]!r}: data_offsets not aligned to its {dtype.itemsize}-byte elements")
     return dtype, shape, offs[0], offs[1]
 
 
@@ -186,6 +187,8 @@ def read(buf, *, fmt: str = FORMAT) -> Any:
     (n,) = _LEN.unpack_from(buf, 0)
     if n < 2 or n > MAX_HEADER_BYTES or n > size - 8:
         raise TensorFileError(f"header length {n} does not fit the file ({size} bytes)")
+    if n % 8:
+        raise TensorFileError(f"header length {n} is not a multiple of 8 (the tensors would be misaligned)")
     try:
         header = json.loads(bytes(buf[8:8 + n]))
     except (ValueError, RecursionError):

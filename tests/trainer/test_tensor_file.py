@@ -82,11 +82,14 @@ def test_the_model_file_is_a_safetensors_file_to_other_tools(tmp_path):
             assert e["data_offsets"][0] % sd[name].element_size() == 0, name
 
 
-def _file(header: dict | None = None, data: bytes = b"", *, meta: dict | None = None, raw_header: bytes | None = None) -> bytes:
+def _file(header: dict | None = None, data: bytes = b"", *, meta: dict | None = None, raw_header: bytes | None = None,
+          pad: bool = True) -> bytes:
     if raw_header is None:
         h = dict(header or {})
         h["__metadata__"] = {"format": tensor_file.FORMAT, "tree": json.dumps({"t": {"__tensor__": "t"}})} if meta is None else meta
         raw_header = json.dumps(h).encode()
+    if pad:  # as every writer here pads it: to 8 bytes, with spaces
+        raw_header += b" " * (-len(raw_header) % 8)
     return struct.pack("<Q", len(raw_header)) + raw_header + data
 
 
@@ -113,6 +116,9 @@ HOSTILE = {
     "overlap": (_file({"t": GOOD_T["t"], "u": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12)), "overlap"),
     "gap": (_file({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)), "leave a gap"),
     "trailing-bytes": (_file(GOOD_T, bytes(12)), "the data is 12 bytes, its tensors cover 8"),
+    "header-unpadded": (_file(raw_header=b'{"a":1}', pad=False), "not a multiple of 8"),
+    "misaligned-tensor": (_file({"s": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "t": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]}},
+                                bytes(10)), "not aligned to its 4-byte elements"),
     "tree-not-json": (_file(GOOD_T, bytes(8), meta={"format": tensor_file.FORMAT, "tree": "{"}), "the tree is not JSON"),
     "tree-names-a-missing-tensor": (_file(GOOD_T, bytes(8), meta={"format": tensor_file.FORMAT, "tree": '{"__tensor__": "nope"}'}),
                                     "names a tensor the header lacks"),
