@@ -7,6 +7,7 @@ import math
 from collections import deque
 from typing import Any
 
+from sentinel.detectors.packed import pack, unpack
 from sentinel.detectors.robust import MAD_TO_SIGMA, largest_between, median_of
 
 _STALE = object()  # ClimbTrend._spread: to be recomputed from the blocks
@@ -452,15 +453,15 @@ class ClimbTrend:
         self._zpast: deque[tuple[int, float]] = deque(maxlen=256)  # (step, z) of the exact passes (near the bar: rare)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": [list(p) for p in self._f], "n": self.n, "blocks": [list(p) for p in self._blocks],
-                "block": list(self._blk), "zpast": [list(p) for p in self._zpast], "fit": [list(p) for p in self._hist]}
+        return {"window": pack(self._f, "if"), "n": self.n, "blocks": pack(self._blocks, "if"),
+                "block": pack(self._blk, "f"), "zpast": pack(self._zpast, "if"), "fit": pack(self._hist, "if")}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
-        self._f.extend((int(s), float(v)) for s, v in d["window"])
+        self._f.extend(unpack(d["window"], "if"))
         self.n = int(d["n"])
-        self._blocks.extend((int(s), float(v)) for s, v in d.get("blocks", []))  # older state: uncalibrated
-        self._blk = [float(v) for v in d.get("block", [])][: self.window - 1]
+        self._blocks.extend(unpack(d.get("blocks", []), "if"))  # older state: uncalibrated
+        self._blk = unpack(d.get("block", []), "f")[: self.window - 1]
         self._spread = _STALE
-        self._zpast.extend((int(s), float(z)) for s, z in d.get("zpast", []))  # older state: none
-        self._hist.extend((int(s), float(v)) for s, v in d.get("fit", []))  # older state: none (credit from a short fit)
+        self._zpast.extend(unpack(d.get("zpast", []), "if"))  # older state: none
+        self._hist.extend(unpack(d.get("fit", []), "if"))  # older state: none (credit from a short fit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from sentinel.detectors.packed import pack, unpack
 from sentinel.detectors.robust import MAD_TO_SIGMA, median_of
 
 
@@ -159,11 +160,11 @@ class DescentJump:
         self._gated = 0  # ... of which skipped because the log did not look raw
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": [list(p) for p in self._x], "n": self._n}
+        return {"window": pack(self._x, "if"), "n": self._n}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
-        self._x.extend((int(s), float(v)) for s, v in d["window"])
+        self._x.extend(unpack(d["window"], "if"))
         self._n = int(d["n"])
 
 

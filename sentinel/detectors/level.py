@@ -9,6 +9,7 @@ from itertools import islice
 from operator import sub
 from typing import Any
 
+from sentinel.detectors.packed import pack, unpack
 from sentinel.detectors.robust import MAD_TO_SIGMA, largest_between, median_of
 
 
@@ -324,23 +325,23 @@ class LevelShift:
         self._past: deque[tuple[int, float, float | None]] = deque(maxlen=(self.PAST_STEPS + 2 * self.window) // self.stride + 2)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": [[s, v] for s, v in zip(self._st, self._v)], "n": self.n, "pending": [list(p) for p in self._pending],
-                "mono": [list(p) for p in self._mono], "above_since": self._above_since,
-                "hist": [list(p) for p in self._hist], "lrm": list(self._lrm), "d2": [list(p) for p in self._d2],
-                "past": [list(p) for p in self._past]}
+        return {"window": pack(zip(self._st, self._v), "if"), "n": self.n, "pending": [list(p) for p in self._pending],
+                "mono": pack(self._mono, "if"), "above_since": self._above_since,
+                "hist": pack(self._hist, "if"), "lrm": pack(self._lrm, "f"), "d2": pack(self._d2, "if"),
+                "past": pack(self._past, "ifn")}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
-        for s, v in d["window"]:
-            self._st.append(int(s))
-            self._v.append(float(v))
+        for s, v in unpack(d["window"], "if"):
+            self._st.append(s)
+            self._v.append(v)
         self.n = int(d["n"])
         # (step, median, lower quartile); a state saved before the jump test has no quartile
         self._pending = deque((int(p[0]), float(p[1]), float(p[2]) if len(p) > 2 and p[2] is not None else None)
                               for p in d["pending"])
-        self._mono = deque((int(s), float(v)) for s, v in d["mono"])
-        self._hist.extend((int(s), float(v)) for s, v in d.get("hist", ()))  # none in a state saved before the detrend
-        self._lrm.extend(float(v) for v in d.get("lrm", ()))  # none in a state saved before the wander measure
-        self._d2.extend((int(s), float(v)) for s, v in d.get("d2", ()))
-        self._past.extend((int(p[0]), float(p[1]), None if p[2] is None else float(p[2])) for p in d.get("past", ()))  # none before the check
+        self._mono = deque(unpack(d["mono"], "if"))
+        self._hist.extend(unpack(d.get("hist", []), "if"))  # none in a state saved before the detrend
+        self._lrm.extend(unpack(d.get("lrm", []), "f"))  # none in a state saved before the wander measure
+        self._d2.extend(unpack(d.get("d2", []), "if"))
+        self._past.extend(unpack(d.get("past", []), "ifn"))  # none before the check
         self._above_since = d["above_since"]

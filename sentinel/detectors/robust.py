@@ -16,6 +16,8 @@ from itertools import islice
 from operator import itemgetter, sub
 from typing import Any
 
+from sentinel.detectors.packed import pack, unpack
+
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution is 0.6745 sigma
 
 
@@ -124,13 +126,13 @@ class SortedWindow:
         return [x for _, x in self._fifo]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"size": self.size, "items": [[st, x] for st, x in self._fifo]}
+        return {"size": self.size, "items": pack(self._fifo, "if")}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.size = int(d["size"])
         self.clear()
-        for st, x in d["items"]:
-            self.push(int(st), float(x))
+        for st, x in unpack(d["items"], "if"):
+            self.push(st, x)
 
 
 _second = itemgetter(1)

@@ -8,6 +8,7 @@ from collections import deque
 from itertools import islice
 from typing import Any
 
+from sentinel.detectors.packed import pack, unpack
 from sentinel.detectors.robust import MAD_TO_SIGMA, Ema, SortedWindow, abs_diff_sigma, median_of
 
 # verdict codes returned by SpikeDetector.update (ints, not enums: this is the per-step hot path)
@@ -269,7 +270,7 @@ class SpikeDetector:
         # the recent values and their differences too: they set the local spread a spike is judged
         # by and the per-step noise; without them a restored detector judged its next steps otherwise
         return {"window": self.window.state_dict(), "ema": self.ema.value, "refused": list(self._refused),
-                "raw": list(self._raw), "dabs": list(self._dabs)}
+                "raw": pack(self._raw, "f"), "dabs": pack(self._dabs, "f")}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.window.load_state_dict(d["window"])
@@ -280,8 +281,8 @@ class SpikeDetector:
             self._note_refusal(bool(r))
         self._raw.clear()
         self._dabs.clear()
-        self._raw.extend(float(v) for v in d.get("raw", []))  # older state: none (refilled within 2 x recent steps)
-        self._dabs.extend(float(v) for v in d.get("dabs", []))
+        self._raw.extend(unpack(d.get("raw", []), "f"))  # older state: none (refilled within 2 x recent steps)
+        self._dabs.extend(unpack(d.get("dabs", []), "f"))
 
 
 class KOfN:

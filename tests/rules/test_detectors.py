@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sentinel import detectors as d
+from sentinel.detectors.packed import unpack
 from sentinel.protocol import StepRecord
 from sentinel.rules import RuleEngine, RuleSet, default_rules
 from sentinel.rules.loss import LossEval
@@ -396,7 +397,7 @@ def test_trend_detectors_rewind_and_state_round_trip(make, queues):
     sh3 = make()
     sh3.load_state_dict(st)
     sh3.rewind(197)  # the window keeps exactly the losses through the restored step
-    assert sh3.state_dict()["window"] == [p for p in st["window"] if p[0] <= 197] != []
+    assert unpack(sh3.state_dict()["window"], "if") == [p for p in unpack(st["window"], "if") if p[0] <= 197] != []
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -881,8 +882,8 @@ def test_engine_state_dict_round_trip_between_level_verdicts(cut):
     e1, e2 = RuleEngine(default_rules()), RuleEngine(default_rules())
     run(e1, recs[:cut])
     st = e1.state_dict()
-    assert st["loss"]["shift"]["window"][-1][0] == cut - 1  # the losses waiting for the next verdict are saved
-    assert st["loss"]["climb_long"]["window"][-1][0] == cut - 1  # the long climb test's losses too
+    assert unpack(st["loss"]["shift"]["window"], "if")[-1][0] == cut - 1  # the losses waiting for the next verdict are saved
+    assert unpack(st["loss"]["climb_long"]["window"], "if")[-1][0] == cut - 1  # the long climb test's losses too
     e2.load_state_dict(json.loads(json.dumps(st)))
     assert any(f["rule"] == "divergence" for f in want)
     assert [f.to_dict() for f in run(e2, recs[cut:])] == [f for f in want if f["step"] >= cut]
@@ -890,7 +891,7 @@ def test_engine_state_dict_round_trip_between_level_verdicts(cut):
     run(e3, recs[:cut])
     e3.rewind(cut - 3)  # a rollback mid-batch drops exactly the steps after the restored one
     run(e3, recs[cut - 2:cut + 20])
-    steps = [s for s, _ in e3.state_dict()["loss"]["shift"]["window"]]
+    steps = [s for s, _ in unpack(e3.state_dict()["loss"]["shift"]["window"], "if")]
     assert steps == list(range(cut + 20 - len(steps), cut + 20))
 
 
