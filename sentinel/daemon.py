@@ -82,6 +82,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         # the dashboard shows "none" rather than "no data" (labels per stream and reason are made on use)
         for c in (metrics.trimmed, metrics.bus_restarts, metrics.steps, metrics.internal_errors):
             c.labels(run)
+        self._steps_judged, self._open = metrics.steps.labels(run), metrics.incidents_open.labels(run)  # per record, per poll
         self._recovered = False
         self.internal_errors = 0  # polls in a row that raised (``internal_error``)
         self._history_until = "0-0"  # stream head when the lease was taken: entries up to it may be history
@@ -271,7 +272,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             if pipe is None:
                 with bus.bus_errors(self.r):
                     out.execute()
-        self.m.incidents_open.labels(self.run).set(
+        self._open.set(
             sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
 
 
@@ -306,7 +307,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         if self._replaying and not history:
             self._end_replay()
         if isinstance(rec, StepRecord):
-            self.m.steps.labels(self.run).inc()
+            self._steps_judged.inc()
             self._execute(self.policy.on_step(rec, predates_rollback=self._predates(eid)), rec.time)
         elif isinstance(rec, TimelineRecord):
             self._execute(self.policy.on_timeline(rec), rec.time)

@@ -1,11 +1,13 @@
 """The daemon's CPU per step record, in process: N runs, one record each per poll, as a fleet's.
 
-    python bench/probes/daemon_cpu.py [--runs 300] [--steps 60] [--profile FILE]
+    python bench/probes/daemon_cpu.py [--runs 300] [--steps 60] [--per-iteration K] [--profile FILE]
 
 A fresh Debian ``redis-server``; one ``Daemon`` (the default rules, ``state_save_s`` 2 s and the
 collector frozen, as ``sentinel run`` has them) watching N runs. Each round XADDs one signed
 ``StepRecord`` per run (64 sample ids), then iterates the daemon until it judged them all: the
-process CPU time of those iterations over the records judged, after 20 rounds of warm-up. Not
+process CPU time of those iterations over the records judged, after 20 rounds of warm-up.
+``--per-iteration K`` XADDs K records at a time instead (a fleet's iteration under
+``bench/daemon_scale.py`` sees about 10 at 300 runs), so the figure holds the iteration's own cost. Not
 the wall clock: the figure holds on a shared machine, where ``bench/daemon_scale.py``'s latency
 does not. ``--profile`` writes a cProfile of the measured rounds. Run it with and without
 ``hiredis`` importable (``pip install --target DIR hiredis``, ``PYTHONPATH=.:DIR``) to see what
@@ -33,6 +35,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--steps", type=int, default=60, help="records per run (20 rounds of warm-up among them)")
+    ap.add_argument("--per-iteration", type=int, default=0, metavar="K",
+                    help="records XADDed between iterations (default: one per run, all runs at once)")
     ap.add_argument("--profile", metavar="FILE", help="write a cProfile of the measured rounds")
     args = ap.parse_args()
     if args.runs < 1 or args.steps < 25:
@@ -59,14 +63,15 @@ def main() -> int:
         gc.set_threshold(20_000, 10, 10)
         prof = cProfile.Profile() if args.profile else None
         cpu, judged = 0.0, 0
-        for k in range(0, len(records), n):
-            batch = records[k:k + n]
+        chunk = args.per_iteration or n
+        for k in range(0, len(records), chunk):
+            batch = records[k:k + chunk]
             pipe = raw.pipeline(transaction=False)
             for _, stream, fields in batch:
                 pipe.xadd(stream, fields)
             pipe.execute()
-            measured = k >= 20 * n
-            want = len(batch) - (n if k == 0 else 0)  # the first round carries each run's start record
+            measured = k >= 21 * n
+            want = len(batch) - sum(1 for _, _, f in batch if '"kind":"start"' in f["json"])  # start records are not counted
             c = time.process_time()
             if prof and measured:
                 prof.enable()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -94,7 +95,7 @@ class DescentJump:
         self._n += 1
         if self._n % self.stride or len(xs) < self.pre + self.post:
             return False
-        vals = np.fromiter((v for _, v in xs), float, len(xs))
+        vals = np.fromiter(map(_second, xs), float, len(xs))
         t0_index = len(vals) - self.post
         t0 = xs[t0_index][0]
         if xs[t0_index - self.pre][0] < self.first or t0 > self.until:
@@ -174,6 +175,7 @@ class DescentJump:
         self._n = int(d["n"])
 
 
+_second = itemgetter(1)
 _K = np.arange(512, dtype=float)  # 0, 1, 2, ... as floats: the positions in a window
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
@@ -190,7 +192,11 @@ def _slopes(v: np.ndarray) -> np.ndarray:
 
 def _median(v: np.ndarray, presorted: bool = False) -> float:
     """The median (the mean of the middle two for an even count): the same float ``median_of`` gives."""
-    s = v if presorted else np.sort(v)
+    if presorted:
+        s = v
+    else:
+        s = v.copy()
+        s.sort()
     h = len(s) >> 1
     return float(s[h]) if len(s) & 1 else 0.5 * (float(s[h - 1]) + float(s[h]))
 

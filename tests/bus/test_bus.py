@@ -189,6 +189,33 @@ def test_read_group_ack_pending_and_lost_group(redis_url, unique_run):
     assert {e.stream for e in got} == {k.steps, k.events}
 
 
+def test_a_repeated_step_read_is_packed_once_and_a_changed_one_again(redis_url, unique_run):
+    """The daemon's XREADGROUP names every run's stream and repeats at each iteration: the client
+    reuses its packed bytes (``bus_connect._ReusingPacker``) while the arguments are the same, and
+    packs anew when a stream, COUNT or the id changes: each read sees what its own arguments ask."""
+    r = bus.connect(redis_url)
+    raw = bus.raw(r)
+    packer = raw.connection_pool.connection_kwargs["command_packer"]
+    assert packer is r.connection_pool.connection_kwargs["command_packer"]
+    streams = [Keys(f"{unique_run}-{i}").steps for i in range(40)]
+    for s in streams:
+        bus.ensure_group(r, s, "g")
+    for i, s in enumerate(streams[:20]):
+        bus.publish(r, s, _step(unique_run, i))
+    first = bus.read_group(r, streams[:20], "g", "c1", count=5)
+    packed = packer._last
+    assert sorted(bus.decode(e).step for e in first) == list(range(20))
+    for i, s in enumerate(streams):
+        bus.publish(r, s, _step(unique_run, 100 + i))
+    again = bus.read_group(r, streams[:20], "g", "c1", count=5)
+    assert packer._last is packed  # the same arguments: packed once
+    assert sorted(bus.decode(e).step for e in again) == list(range(100, 120))
+    wider = bus.read_group(r, streams, "g", "c1", count=5)  # twenty more streams: packed anew
+    assert packer._last is not packed and sorted(bus.decode(e).step for e in wider) == list(range(120, 140))
+    assert len(bus.read_group(r, streams, "g", "c1", count=1, pending=True)) == 40  # id 0 and COUNT 1: anew
+    assert r.set(f"{unique_run}:k", "v") and r.get(f"{unique_run}:k") == "v"  # other commands as before
+
+
 def test_autoclaim_takes_over_a_dead_consumer(redis_url, unique_run):
     r = bus.connect(redis_url)
     k = Keys(unique_run)

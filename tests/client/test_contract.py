@@ -164,3 +164,52 @@ def test_remove_dir_leaves_nothing_under_the_name_when_the_delete_dies_and_clear
     assert trash.name.startswith(fsio.TRASH_PREFIX + "step-00000004-") and [p.name for p in trash.iterdir()] == ["model.safetensors"]
     fsio.clear_trash(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def _step(**change):
+    from sentinel.contract.records import StepRecord
+
+    base = StepRecord(run="r", step=5, timeline=1, loss=3.0, loss_max_rank=3.1, grad_norm=1.0, lr=3e-4, tokens=5 * 65536,
+                      batch_tokens=65536, batch_fingerprint="f", sample_ids=list(range(320, 384)), time=1e9, step_seconds=0.1,
+                      tokens_per_second=1e5, mfu=0.4, val_loss=3.2, val_ppl=24.5, checkpoint_age_seconds=60.0,
+                      effective_token_ratio=0.98)
+    return base.model_copy(update=change)
+
+
+NAN, INF = float("nan"), float("inf")
+# (change to a plausible step record, what the range check must say: None, or a word of its message)
+STEP_RANGES = [
+    ({}, None),
+    ({"loss": NAN, "grad_norm": INF, "val_loss": NAN, "val_ppl": INF, "loss_max_rank": INF}, None),  # real signals
+    ({"rank_losses": [3.0, NAN, INF]}, None),
+    ({"phases": {"forward_backward": 0.4}, "rank_phases": [{"forward_backward": 0.4}], "rank_step_seconds": [0.1]}, None),
+    ({"sample_ids": []}, None),
+    ({"mfu": None, "val_loss": None, "step_seconds": None}, None),
+    ({"step": 0, "timeline": 0, "tokens": 0, "batch_tokens": 0, "loss": 0.0, "lr": 0.0}, None),
+    ({"step": -1}, "step=-1"), ({"step": 10**40}, "step=<a"), ({"timeline": -2}, "timeline=-2"),
+    ({"tokens": -1}, "tokens=-1"), ({"batch_tokens": -1}, "batch_tokens=-1"),
+    ({"world_size": 0}, "world_size=0"), ({"world_size": 1 << 25}, "world_size="),
+    ({"sample_ids": [1, -3, 5]}, "sample_ids=-3"), ({"sample_ids": [1, 10**30]}, "sample_ids="),
+    ({"loss": -INF}, "loss="), ({"loss": -1.0}, "loss=-1.0"), ({"loss": 1e308}, "loss=1e+308"),
+    ({"grad_norm": -0.5}, "grad_norm="), ({"lr": NAN}, "lr is not finite"), ({"lr": INF}, "lr is not finite"),
+    ({"time": NAN}, "time is not finite"), ({"time": -1.0}, "time="), ({"step_seconds": INF}, "step_seconds is not finite"),
+    ({"tokens_per_second": -1.0}, "tokens_per_second="), ({"mfu": NAN}, "mfu is not finite"),
+    ({"checkpoint_age_seconds": -5.0}, "checkpoint_age_seconds="), ({"effective_token_ratio": INF}, "effective_token_ratio"),
+    ({"val_loss": -1.0}, "val_loss="), ({"val_ppl": -INF}, "val_ppl="),
+    ({"rank_losses": [3.0, -1.0]}, "rank_losses="), ({"rank_step_seconds": [0.1, NAN]}, "rank_step_seconds is not finite"),
+    ({"phases": {"forward_backward": -0.1}}, "phases="), ({"rank_phases": [{"x": 0.1}, {"x": INF}]}, "rank_phases is not finite"),
+]
+
+
+@pytest.mark.parametrize("change,want", STEP_RANGES, ids=[str(sorted(c))[:60] for c, _ in STEP_RANGES])
+def test_a_step_records_numbers_are_range_checked_one_way_whatever_the_path(change, want):
+    """``record_range_error`` takes a one-pass path for a plain step record and the field-by-field
+    checks otherwise: the verdict is the same, and a refusal names the field."""
+    from sentinel.contract.bounds import _plain_step, record_range_error
+
+    rec = _step(**change)
+    got = record_range_error(rec)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and want in got and not _plain_step(rec), got
