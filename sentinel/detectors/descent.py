@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 from collections import deque
-from operator import itemgetter
 from typing import Any
 
-import numpy as np
-
 from sentinel.detectors.packed import pack, unpack
-from sentinel.detectors.robust import MAD_TO_SIGMA
+from sentinel.detectors.robust import MAD_TO_SIGMA, median_of
 
 
 class DescentJump:
@@ -64,9 +60,7 @@ class DescentJump:
     hides the jump. ``onset()`` is ``t0``: at the jump, or up to half a ``post`` window before it
     (the line after then still holds a few losses from before). Cost: nothing outside its range
     of steps; inside it an O(1) append per step and, every ``stride`` steps, medians of
-    ``C(pre, 2) + C(post, 2)`` slopes (~550) and the noise, on ~100 steps of a run: in numpy, about
-    50 us an evaluation (120 us in Python lists). The arithmetic is the lists' own, operation for
-    operation (sums added left to right, medians by sorting), so the verdicts are the same floats.
+    ``C(pre, 2) + C(post, 2)`` slopes (~550, ~0.1 ms), on ~100 steps of a run.
     """
 
     __slots__ = ("_gated", "_n", "_points", "_t0", "_x", "first", "post", "pre", "rise", "sigmas", "stride", "until", "z")
@@ -95,7 +89,7 @@ class DescentJump:
         self._n += 1
         if self._n % self.stride or len(xs) < self.pre + self.post:
             return False
-        vals = np.fromiter(map(_second, xs), float, len(xs))
+        vals = [v for _, v in xs]
         t0_index = len(vals) - self.post
         t0 = xs[t0_index][0]
         if xs[t0_index - self.pre][0] < self.first or t0 > self.until:
@@ -108,47 +102,46 @@ class DescentJump:
             return False
         pre, post = vals[t0_index - self.pre:t0_index], vals[t0_index:]
         # each side's own line (Theil-Sen), both read at t0: a jump is where they part
-        s_pre, s_post = _median(_slopes(pre)), _median(_slopes(post))
+        s_pre, s_post = median_of(_slopes(pre)), median_of(_slopes(post))
         n_pre = self.pre
-        befores = np.sort(pre - s_pre * (_K[:n_pre] - n_pre))
-        afters = post - s_post * _K[:len(post)]
-        before = _median(befores, presorted=True)
-        jump = _median(afters) - before
+        befores = sorted(v - s_pre * (k - n_pre) for k, v in enumerate(pre))
+        afters = [v - s_post * k for k, v in enumerate(post)]
+        before = median_of(befores)
+        jump = median_of(afters) - before
         # judged at the noise the loss had before any light smoothing: an EMA of weight a shrinks
         # white noise by sqrt(a / (2 - a)) but a healthy bump of several steps hardly, and its
         # differences correlate at -a / 2 (a = 1: raw)
         a = -2.0 * rho if rho > -0.5 else 1.0
         scale = (step_noise if step_noise > level_noise else level_noise) * ((2.0 - a) / a) ** 0.5
         self.rise, self.z, self._t0 = jump, jump / scale, t0
-        if not (self.z > self.sigmas and jump > self.MIN_RISE * _median(pre)):
+        if not (self.z > self.sigmas and jump > self.MIN_RISE * median_of(pre)):
             return False
-        low = float(np.sort(afters)[len(afters) // 4] - befores[len(befores) // 4])
-        held = _median((post - s_pre * _K[:len(post)])[len(post) // 2:]) - before
+        low = sorted(afters)[len(afters) // 4] - befores[len(befores) // 4]
+        held = median_of([v - s_pre * k for k, v in enumerate(post)][len(post) // 2:]) - before
         return low > self.QUARTILE * self.sigmas * scale and held > self.HOLD * jump
 
-    def _noise(self, vals: np.ndarray, t0_index: int) -> tuple[float, float, float]:
+    def _noise(self, vals: list[float], t0_index: int) -> tuple[float, float, float]:
         """(per-step noise, noise at the level of window medians, lag-1 correlation of first
         differences) over the up to ``HISTORY`` losses before ``t0`` (see the class docstring)."""
         h = vals[max(0, t0_index - self.HISTORY):t0_index]
         lag = self.LAG
         if len(h) < 2 * lag + 8:
             return 0.0, 0.0, -1.0
-        d = h[1:] - h[:-1]
-        md = _median(d)
-        mad = _median(np.abs(d - md))
+        d = [b - a for a, b in zip(h, h[1:])]
+        md = median_of(d)
+        mad = median_of([abs(v - md) for v in d])
         c = 3.0 * MAD_TO_SIGMA * mad or 1e-12
         # the differences less their own trend (a curving descent's slope drifts over the history,
         # which reads as positive correlation), clipped at 3 sigma (a spike's two big differences)
         n = len(d)
-        km, dm = 0.5 * (n - 1), _sum(d) / n
-        k = _K[:n] - km
-        tilt = _sum(k * (d - dm)) / _squares(n)
-        r = np.clip(d - dm - tilt * k, -c, c)
-        num = _sum(r[:-1] * r[1:])
-        den = _sum(r * r) or 1e-12
-        far = h[:-2 * lag] - 2.0 * h[lag:-lag] + h[2 * lag:]  # a curving descent cancels too
-        mf = _median(far)
-        return MAD_TO_SIGMA * mad / 2 ** 0.5, MAD_TO_SIGMA * _median(np.abs(far - mf)) / 6 ** 0.5, num / den
+        km, dm = 0.5 * (n - 1), sum(d) / n
+        tilt = sum((k - km) * (v - dm) for k, v in enumerate(d)) / sum((k - km) ** 2 for k in range(n))
+        r = [max(-c, min(c, v - dm - tilt * (k - km))) for k, v in enumerate(d)]
+        num = sum(u * w for u, w in zip(r, r[1:]))
+        den = sum(u * u for u in r) or 1e-12
+        far = [u - 2.0 * w + y for u, w, y in zip(h, h[lag:], h[2 * lag:])]  # a curving descent cancels too
+        mf = median_of(far)
+        return MAD_TO_SIGMA * mad / 2 ** 0.5, MAD_TO_SIGMA * median_of([abs(v - mf) for v in far]) / 6 ** 0.5, num / den
 
     def onset(self) -> int:
         return self._t0
@@ -175,39 +168,8 @@ class DescentJump:
         self._n = int(d["n"])
 
 
-_second = itemgetter(1)
-_K = np.arange(512, dtype=float)  # 0, 1, 2, ... as floats: the positions in a window
-_PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-
-def _slopes(v: np.ndarray) -> np.ndarray:
+def _slopes(v: list[float]) -> list[float]:
     """Every pairwise slope (v[j] - v[i]) / (j - i), i < j."""
     n = len(v)
-    if n not in _PAIRS:
-        i, j = np.triu_indices(n, 1)
-        _PAIRS[n] = (i, j, (j - i).astype(float))
-    i, j, span = _PAIRS[n]
-    return (v[j] - v[i]) / span
+    return [(v[j] - v[i]) / (j - i) for i in range(n - 1) for j in range(i + 1, n)]
 
-
-def _median(v: np.ndarray, presorted: bool = False) -> float:
-    """The median (the mean of the middle two for an even count): the same float ``median_of`` gives."""
-    if presorted:
-        s = v
-    else:
-        s = v.copy()
-        s.sort()
-    h = len(s) >> 1
-    return float(s[h]) if len(s) & 1 else 0.5 * (float(s[h - 1]) + float(s[h]))
-
-
-def _sum(v: np.ndarray) -> float:
-    """The sum added left to right, as CPython 3.11's ``sum`` of floats does (numpy's own sum adds
-    pairwise, which rounds otherwise): the verdicts do not depend on the library's summation."""
-    return float(np.cumsum(v)[-1]) if len(v) else 0.0
-
-
-@functools.lru_cache(maxsize=64)
-def _squares(n: int) -> float:
-    km = 0.5 * (n - 1)
-    return sum((k - km) ** 2 for k in range(n))
