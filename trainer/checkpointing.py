@@ -29,7 +29,7 @@ from trainer.checkpoint import (
     verify_share,
 )
 from trainer.errors import TrainingError
-from trainer.piece_files import legacy_name, load_file
+from trainer.piece_files import load_file, piece_path
 from trainer.state import DCP_DIR, TRAIN_STATE, CheckpointState
 
 
@@ -189,8 +189,7 @@ class TrainerCheckpoints:
                 piece.check(read[name], path.name)
         for name, piece in pieces.items():
             if piece.file not in (TRAIN_STATE, DCP_DIR):  # DCP reads its shards when loading
-                file = piece.file if piece.file in manifest["files"] else legacy_name(piece.file)  # torch's, before
-                sd = load_file(path / file, mapped=piece.maps_file)
+                sd = load_file(piece_path(path, piece.file, manifest["files"]), mapped=piece.maps_file)
                 prepared = piece.check(sd, path.name)
                 read[name] = sd if prepared is None else prepared
         return {"path": path, "manifest": manifest, "pieces": [(n, p, read.get(n)) for n, p in pieces.items()]}

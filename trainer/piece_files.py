@@ -27,6 +27,15 @@ def legacy_name(name: str) -> str:
     return name.removesuffix(tensor_file.SUFFIX) + TORCH_SUFFIX if name.endswith(tensor_file.SUFFIX) else name
 
 
+def piece_path(checkpoint: Path, name: str, files=None) -> Path:
+    """Where a checkpoint keeps the piece file ``name`` (``model.safetensors``): that file, or in a
+    checkpoint written before tensor files, torch's ``.pt`` of the same piece. ``files``: the names
+    its manifest lists, which decide; without them, the file that exists does."""
+    if files is not None:
+        return checkpoint / (name if name in files else legacy_name(name))
+    return checkpoint / name if (checkpoint / name).exists() else checkpoint / legacy_name(name)
+
+
 def load_torch(path: Path, *, mmap: bool = False) -> Any:
     """A torch file: tensors and plain containers, never arbitrary pickle. ``mmap``: the tensors map the
     file's pages instead of being read into fresh memory; the caller copies them out before it lets

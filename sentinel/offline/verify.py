@@ -99,7 +99,7 @@ def round_trip(tr, ck_path: Path) -> dict:
     """Re-save each component of the state just loaded from ``ck_path`` to a temp dir, load it
     back, and compare its canonical digest with the original file's. Call right after loading."""
     from trainer.checkpoint_io import write_file
-    from trainer.piece_files import legacy_name, load_file
+    from trainer.piece_files import load_file, piece_path
 
     now = _components_now(tr)
     rows = {}
@@ -112,8 +112,7 @@ def round_trip(tr, ck_path: Path) -> dict:
                 orig = json.loads((ck_path / name).read_text())
                 orig = {k: v for k, v in orig.items() if k not in VOLATILE_TRAIN_STATE}
             else:  # a checkpoint written before tensor files holds the same piece as torch's .pt
-                src = ck_path / name if (ck_path / name).exists() else ck_path / legacy_name(name)
-                again, orig = load_file(dst), load_file(src)
+                again, orig = load_file(dst), load_file(piece_path(ck_path, name))
             a, b = canonical_digest(orig), canonical_digest(again)
             rows[name] = {"original": a[:16], "resaved": b[:16], "identical": a == b}
             if a != b and isinstance(orig, dict) and isinstance(again, dict):
@@ -166,7 +165,7 @@ def _digests_incomparable(tr, records: dict, c: int) -> bool:
     the digest function changed (not the parameters of checkpoint C). Loads model weights into
     ``tr``; the caller restores C afterwards."""
     from trainer.checkpoint import CheckpointError, list_checkpoints, verify
-    from trainer.piece_files import legacy_name, load_file
+    from trainer.piece_files import load_file, piece_path
 
     if tr.cfg.parallelism == "fsdp" and tr.env.distributed:
         return False
@@ -176,8 +175,7 @@ def _digests_incomparable(tr, records: dict, c: int) -> bool:
             continue
         try:
             verify(path)
-            model = path / "model.safetensors"
-            tr.raw_model.load_state_dict(load_file(model if model.exists() else path / legacy_name(model.name)))
+            tr.raw_model.load_state_dict(load_file(piece_path(path, "model.safetensors")))
         except (CheckpointError, OSError, RuntimeError):
             continue
         checked += 1
