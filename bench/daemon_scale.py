@@ -1,6 +1,6 @@
 """One sentinel, a fleet: CPU, memory and verdict latency of `sentinel run` watching N runs at once.
 
-    python bench/daemon_scale.py [--runs 1,10,100,300] [--rate 10] [--seconds 10] [--json]
+    python bench/daemon_scale.py [--runs 1,10,100,300] [--rate 10] [--seconds 10] [--history N] [--json]
 
 For each N, a fresh Debian ``redis-server`` on loopback and one ``sentinel run`` process naming N
 run ids (the default rules, ``--secret-file``, ``--metrics-port 0``). This script plays N trainers:
@@ -9,6 +9,13 @@ writes it: loss near a slow descent with noise, grad norm, lr, ``--ids-per-step`
 record MAC), with the runs' phases spread evenly over the interval, as a fleet's are. Records are
 built and signed before the clock starts; the publisher only XADDs them on schedule (pipelined,
 every 5 ms), so its own cost does not shape the load.
+
+By default the runs start at step 1, so the window holds their first ~130 steps: the early-descent
+test (``DescentJump``, steps 26-274) is at work and the detectors' windows are still filling, as in
+a sweep that launched every run at once. ``--history N`` plays a fleet in mid-run instead: before
+the schedule starts, each run publishes steps 1..N as fast as the daemon judges them (signed as it
+goes, stamped with the time they are sent), and the window continues from step N + 1 with every
+detector's history full (a daemon state of ~50 KB a run at 2,000 steps, saved every ~2 s).
 
 After ``--warmup`` seconds (the daemon's first reads, lease, consumer groups) it measures for
 ``--seconds``:
@@ -110,30 +117,72 @@ def proc_mem_mib(pid: int) -> tuple[float, float]:
     return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
 
 
-def build_records(runs: list[str], rate: float, seconds: float, t0: float, ids: int, secret: bytes):
-    """Every (send time, stream, fields) of the window, signed, sorted by send time."""
-    from sentinel.protocol import Keys, StepRecord, TimelineRecord, record_mac
+def build_records(runs: list[str], rate: float, seconds: float, t0: float, ids: int, secret: bytes, first_step: int = 1):
+    """Every (send time, stream, fields) of the window, signed, sorted by send time. A run's start
+    record leads when ``first_step`` is 1 (a run with history has had it)."""
+    from sentinel.protocol import Keys, TimelineRecord, record_mac
 
     out = []
     n, dt = len(runs), 1.0 / rate
     per_run = int(seconds * rate)
     for i, run in enumerate(runs):
         stream = Keys(run).steps
-        rng = random.Random(i)
+        rng = random.Random(i * 1_000_003 + first_step)
         phase = dt * i / n
-        start = TimelineRecord(kind="start", run=run, from_step=0, timeline=1, time=t0 - 1.0).to_json()
-        out.append((t0 - 1.0, stream, {"json": start, "mac": record_mac(secret, stream, start)}))
+        if first_step == 1:
+            start = TimelineRecord(kind="start", run=run, from_step=0, timeline=1, time=t0 - 1.0).to_json()
+            out.append((t0 - 1.0, stream, {"json": start, "mac": record_mac(secret, stream, start)}))
         for k in range(per_run):
-            step = k + 1
             at = t0 + phase + k * dt
-            loss = 3.0 + 2.0 * math.exp(-step / 300) + rng.gauss(0, 0.02)
-            rec = StepRecord(run=run, step=step, timeline=1, loss=loss, loss_max_rank=loss, grad_norm=1.0 + rng.gauss(0, 0.05),
-                             lr=3e-4, tokens=step * ids * 1024, batch_tokens=ids * 1024,
-                             batch_fingerprint=f"{step:016x}", sample_ids=list(range(step * ids, (step + 1) * ids)),
-                             skipped=False, time=at, step_seconds=dt).to_json()
-            out.append((at, stream, {"json": rec, "mac": record_mac(secret, stream, rec)}))
+            out.append((at, stream, step_fields(run, first_step + k, at, dt, ids, rng, secret)))
     out.sort(key=lambda x: x[0])
     return out
+
+
+def step_fields(run: str, step: int, at: float, dt: float, ids: int, rng: random.Random, secret: bytes) -> dict:
+    """One signed step record's stream fields: a loss near a slow descent with noise, as a trainer writes it."""
+    from sentinel.protocol import Keys, StepRecord, record_mac
+
+    loss = 3.0 + 2.0 * math.exp(-step / 300) + rng.gauss(0, 0.02)
+    rec = StepRecord(run=run, step=step, timeline=1, loss=loss, loss_max_rank=loss, grad_norm=1.0 + rng.gauss(0, 0.05),
+                     lr=3e-4, tokens=step * ids * 1024, batch_tokens=ids * 1024,
+                     batch_fingerprint=f"{step:016x}", sample_ids=list(range(step * ids, (step + 1) * ids)),
+                     skipped=False, time=at, step_seconds=dt).to_json()
+    stream = Keys(run).steps
+    return {"json": rec, "mac": record_mac(secret, stream, rec)}
+
+
+def publish_history(r, runs: list[str], steps: int, args, secret: bytes, port: int) -> float:
+    """Steps 1..``steps`` of every run (after its start record), signed as they go, published in
+    rounds of 10 steps a run as fast as the daemon judges them (at most two rounds ahead). Returns
+    the seconds it took."""
+    from sentinel.protocol import Keys, TimelineRecord, record_mac
+
+    t_start = time.monotonic()
+    rngs = [random.Random(10_007 * i) for i in range(len(runs))]
+    pipe = r.pipeline(transaction=False)
+    for run in runs:
+        stream = Keys(run).steps
+        start = TimelineRecord(kind="start", run=run, from_step=0, timeline=1, time=time.time()).to_json()
+        pipe.xadd(stream, {"json": start, "mac": record_mac(secret, stream, start)})
+    pipe.execute()
+    sent, chunk, dt = 0, 10, 1.0 / args.rate
+    for first in range(1, steps + 1, chunk):
+        now = time.time()
+        pipe = r.pipeline(transaction=False)
+        for i, run in enumerate(runs):
+            for step in range(first, min(steps, first + chunk - 1) + 1):
+                pipe.xadd(Keys(run).steps, step_fields(run, step, now, dt, args.ids_per_step, rngs[i], secret),
+                          maxlen=100_000, approximate=True)
+                sent += 1
+        pipe.execute()
+        while scrape(port)[1] < sent - 2 * chunk * len(runs):
+            time.sleep(0.05)
+        print(f"\r  history: {sent:,} of {steps * len(runs):,} records sent", end="", file=sys.stderr, flush=True)
+    while scrape(port)[1] < sent:
+        time.sleep(0.05)
+    print(file=sys.stderr)
+    return time.monotonic() - t_start
 
 
 def one_size(n: int, args, work: Path, env: dict) -> dict:
@@ -151,7 +200,7 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
         t_build = time.monotonic()
         t0 = time.time()  # the records' own stamps; they are sent from when the daemon is ready (below)
         total = args.warmup + args.seconds
-        records = build_records(runs, args.rate, total, t0, args.ids_per_step, secret)
+        records = build_records(runs, args.rate, total, t0, args.ids_per_step, secret, first_step=args.history + 1)
         build_s = time.monotonic() - t_build
         prof = ["-m", "cProfile", "-o", str(Path(args.profile) / f"daemon-{n}.prof")] if args.profile else []
         daemon = subprocess.Popen(
@@ -170,6 +219,7 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"sentinel did not take the runs' leases: {log.read_text()[-2000:]}")
             time.sleep(0.05)
+        history_s = publish_history(r, runs, args.history, args, secret, port) if args.history else 0.0
         shift = time.time() + 0.2 - t0  # the schedule starts now; record stamps stay a few seconds early
         records = [(at + shift, stream, fields) for at, stream, fields in records]
         t0 += shift
@@ -204,7 +254,7 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
         # ---- the backlog at the end: how long until the daemon has judged everything
         drain_deadline = time.monotonic() + 2.0 + len(records) / 1000.0
         t_stop = time.monotonic()
-        steps = len(records) - n  # each run's first record is its start (a TimelineRecord, not a step)
+        steps = len(records) - (0 if args.history else n) + n * args.history  # a start record is no step
         processed = snap1[3]
         while processed < steps and time.monotonic() < drain_deadline:
             time.sleep(0.05)
@@ -221,7 +271,8 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
             "redis_calls_per_record": sum(calls.values()) / max(1, published_in_window), "redis_calls": calls,
             "keeps_up": keeps_up, "drain_seconds": time.monotonic() - t_stop if drained else None,
             "target_met": keeps_up and cpu <= 1.0 and p99 is not None and 1000 * p99 <= P99_TARGET_MS,
-            "window_seconds": wall, "build_seconds": build_s, "load_avg_1m": os.getloadavg()[0],
+            "window_seconds": wall, "build_seconds": build_s, "history_steps": args.history, "history_seconds": history_s,
+            "load_avg_1m": os.getloadavg()[0],
         }
     finally:
         if daemon is not None and daemon.poll() is None:
@@ -242,6 +293,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per fleet size (default 10)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds published before the window (default 3)")
     ap.add_argument("--ids-per-step", type=int, default=64, help="sample ids per step record (default 64)")
+    ap.add_argument("--history", type=int, default=0, metavar="N",
+                    help="steps each run has behind it before the window (published as fast as the daemon judges "
+                         "them): a fleet in mid-run (default 0: every run starts at step 1)")
     ap.add_argument("--profile", metavar="DIR", help="run the daemon under cProfile, one daemon-N.prof per size in DIR")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     args = ap.parse_args()
@@ -249,8 +303,9 @@ def main() -> int:
         sizes = [int(x) for x in args.runs.split(",") if x]
     except ValueError:
         ap.error(f"--runs: not a list of integers: {args.runs!r}")
-    if not sizes or min(sizes) < 1 or args.rate <= 0 or args.seconds < 2 or args.warmup < 1 or args.ids_per_step < 1:
-        ap.error("need --runs >= 1, --rate > 0, --seconds >= 2, --warmup >= 1, --ids-per-step >= 1")
+    if not sizes or min(sizes) < 1 or args.rate <= 0 or args.seconds < 2 or args.warmup < 1 or args.ids_per_step < 1 \
+            or args.history < 0:
+        ap.error("need --runs >= 1, --rate > 0, --seconds >= 2, --warmup >= 1, --ids-per-step >= 1, --history >= 0")
 
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
@@ -277,13 +332,15 @@ def main() -> int:
     out = {"results": results, "target": f"300 runs on one core with p99 <= {P99_TARGET_MS:g} ms",
            "target_met": any(r["runs"] >= 300 and r["target_met"] for r in results),
            "rate_per_run": args.rate, "ids_per_step": args.ids_per_step, "window_seconds": args.seconds,
+           "history_steps": args.history,
            "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(), "python": platform.python_version(),
            "redis": version, "hiredis": hiredis_available()}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
+    history = f" after {args.history:,} steps of history" if args.history else ""
     print(f"`sentinel run` watching N runs at {args.rate:g} steps/s each ({args.ids_per_step} ids/step), {args.seconds:g} s "
-          f"window, redis-server {version}, hiredis {'yes' if out['hiredis'] else 'no'}, {out['cpus']} CPUs")
+          f"window{history}, redis-server {version}, hiredis {'yes' if out['hiredis'] else 'no'}, {out['cpus']} CPUs")
     print("| runs | records/s | daemon CPU (cores) | CPU per run | RSS | Redis calls per record | verdict p50 | verdict p99 | keeps up "
           "| load |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
