@@ -2,7 +2,7 @@
 
     python bench/probes/daemon_cpu.py [--runs 300] [--steps 60] [--per-iteration K] [--profile FILE]
 
-A fresh Debian ``redis-server``; one ``Daemon`` (the default rules, ``state_save_s`` 2 s and the
+A fresh Debian ``redis-server``; one ``Daemon`` (the default rules, ``state_save_s`` 4 s (``sentinel run``'s) and the
 collector frozen, as ``sentinel run`` has them) watching N runs. Each round XADDs one signed
 ``StepRecord`` per run (64 sample ids), then iterates the daemon until it judged them all: the
 process CPU time of those iterations over the records judged, after 20 rounds of warm-up.
@@ -53,7 +53,7 @@ def main() -> int:
         secret, n = b"probe-secret-0123456789abcdef", args.runs
         r = bus.connect(url)
         runs = [f"cpu{i:04d}" for i in range(n)]
-        d = Daemon(r, Options(rules=default_rules(), secret=secret, consumer="probe", state_save_s=2.0), runs=runs,
+        d = Daemon(r, Options(rules=default_rules(), secret=secret, consumer="probe", state_save_s=4.0), runs=runs,
                    metrics=SentinelMetrics(), log=lambda _m: None)
         d.iterate(block_ms=10)
         records = build_records(runs, 10.0, args.steps / 10.0, time.time() - 100.0, 64, secret)

@@ -12,10 +12,12 @@ import click
 from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, not_empty, redis_url_option
 from sentinel.logs import ENV_FORMAT, LOG_FORMATS, configure, daemon_log
 
-# a run's state saved (and its step entries acknowledged) at most every 2 s when only step records
+# a run's state saved (and its step entries acknowledged) at most every 4 s when only step records
 # moved it: at 10 steps/s per run, a save per step would cost a fleet of 300 runs more than the
-# rules do (docs/benchmarks/daemon-scale.md); a successor judges the unacknowledged ones again
-STATE_SAVE_S = 2.0
+# rules do, and every 2 s a sixth of the daemon's CPU once the runs' histories are full
+# (docs/benchmarks/daemon-scale.md); a successor judges the unacknowledged ones again (at most
+# 4 s of records a run: ~40 at 10 steps/s)
+STATE_SAVE_S = 4.0
 
 
 def _check_alertmanager_url(url: str) -> None:

@@ -288,7 +288,7 @@ def test_new_leader_claims_what_the_dead_leader_left_pending(redis_url, unique_r
 
 
 def test_a_deferred_state_save_loses_nothing_and_sends_nothing_twice(redis_url, unique_run):
-    """``state_save_s`` (``sentinel run``: 2 s): step records alone do not save the state, and
+    """``state_save_s`` (``sentinel run``: 4 s): step records alone do not save the state, and
     their entries stay pending until a save covers them. A leader that dies then leaves them to
     its successor, which judges them again from the saved state; the decision to roll back is
     still saved before its directive goes out (one directive, from either leader); a warm stop
