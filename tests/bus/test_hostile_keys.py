@@ -355,16 +355,32 @@ def test_the_daemon_judges_steps_past_a_hostile_key(key, redis_url, unique_run):
     assert not failures, "\n".join(failures)
 
 
-def test_the_daemon_judges_steps_with_a_checkpoints_key_of_the_wrong_type(embedded_bus, unique_run):
+@pytest.mark.parametrize("key,script", [("checkpoints", "ours"), ("heartbeat", "ours"), ("checkpoints", "fails")])
+def test_a_side_key_of_the_wrong_type_costs_only_its_own_run(key, script, embedded_bus, unique_run, monkeypatch):
+    """One daemon, two runs. Every polled run's checkpoints hash and heartbeat are read in one
+    script (``sentinel/prefetch.py``). One run's key of another type answers its own WRONGTYPE
+    (counted for that run, its steps still judged), and the run beside it still has its checkpoints
+    and is rolled back on a NaN. A script the server refuses: the same, read run by run."""
+    from sentinel import prefetch
+    from tests.helpers.daemon import directives
+
+    if script == "fails":
+        monkeypatch.setattr(prefetch, "_SIDE_READS", "return redis.call('NO-SUCH-COMMAND')")
     r = bus.connect(embedded_bus.url)
-    run, k = unique_run, Keys(unique_run)
+    run, other = unique_run, unique_run + "-b"
     d = make_daemon(r, run)
+    d.fixed_runs.append(other)  # both runs in one daemon: one side-read script for both
     incident_run(r, run)
-    r.delete(k.checkpoints)
-    r.set(k.checkpoints, "a string")
-    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == NAN_STEP, min_iter=3)
+    incident_run(r, other)
+    bad = getattr(Keys(run), key)
+    r.delete(bad)
+    r.hset(bad, "x", "a hash") if key == "heartbeat" else r.set(bad, "a string")
+    pump(d, until=lambda: all(sample(d, "sentinel_steps_processed_total", run=x) == NAN_STEP for x in (run, other)), min_iter=3)
     assert sample(d, "sentinel_rule_fired_total", run=run, rule="nonfinite") == 1  # judged: the NaN step was seen
-    assert sample(d, "sentinel_records_rejected_total", run=run, stream="checkpoints", reason="wrong_type") >= 1
+    assert sample(d, "sentinel_records_rejected_total", run=run, stream=key, reason="wrong_type") >= 1
+    assert sample(d, "sentinel_records_rejected_total", run=other, stream=key, reason="wrong_type") == 0
+    assert d.watchers[other].checkpoints_seen, "the sibling's checkpoints were read"
+    assert [x.kind for x in directives(r, other)][:1] == ["rollback"]
 
 
 # ------------------------------------------------------------------ the trainer's bus client
