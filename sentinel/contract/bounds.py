@@ -7,7 +7,6 @@ A record that parses can still be absurd (a step of 10**60, a -inf loss, a negat
 from __future__ import annotations
 
 import math
-from operator import attrgetter
 
 from sentinel.contract.limits import MAX_COUNT, MAX_MAGNITUDE, MAX_STEP, MAX_TIMELINE
 from sentinel.contract.records import Ack, Event, Incident, MarkerRecord, StepRecord, TimelineRecord
@@ -30,21 +29,36 @@ def _bad_int(name: str, x: int, lo: int, hi: int) -> str | None:
     return f"{name}={shown} is out of range [{lo}, {hi}]"
 
 
-_STEP_FLOATS = attrgetter("loss", "loss_max_rank", "grad_norm", "lr", "time", "step_seconds", "tokens_per_second", "mfu",
-                          "val_loss", "val_ppl", "checkpoint_age_seconds", "effective_token_ratio")
+_STEP_INTS = (("step", 0, MAX_STEP), ("timeline", 0, MAX_TIMELINE), ("tokens", 0, MAX_COUNT),
+              ("batch_tokens", 0, MAX_COUNT), ("world_size", 1, 1 << 24))
+_STEP_FLOATS = ("loss", "loss_max_rank", "grad_norm", "lr", "time", "step_seconds", "tokens_per_second", "mfu",
+                "val_loss", "val_ppl", "checkpoint_age_seconds", "effective_token_ratio")
 
 
-def _plain_step(rec: StepRecord) -> bool:
-    """True when a step record passes every check below, tested in one pass (the daemon reads
-    thousands a second): its counts in range, its floats finite and in range, no per-rank lists or
-    phases. False sends it through the checks one by one, which say what is wrong, or accept a
-    NaN or +inf loss."""
+def _step_range_error(rec: StepRecord) -> str | None:
+    """The first number of a step record out of range, in field order. One pass that only builds a
+    message for a value the plain comparison refuses: the daemon reads thousands a second."""
+    for name, lo, hi in _STEP_INTS:
+        x = getattr(rec, name)
+        if not lo <= x <= hi:
+            return _bad_int(name, x, lo, hi)
     ids = rec.sample_ids
-    return (0 <= rec.step <= MAX_STEP and 0 <= rec.timeline <= MAX_TIMELINE and 0 <= rec.tokens <= MAX_COUNT
-            and 0 <= rec.batch_tokens <= MAX_COUNT and 1 <= rec.world_size <= 1 << 24
-            and (not ids or (min(ids) >= 0 and max(ids) <= MAX_COUNT))
-            and all(x is None or 0.0 <= x <= MAX_MAGNITUDE for x in _STEP_FLOATS(rec))
-            and not (rec.rank_losses or rec.rank_step_seconds or rec.phases or rec.rank_phases))
+    if ids and (min(ids) < 0 or max(ids) > MAX_COUNT):  # min/max in C: a step carries the batch's ids
+        return next(_bad_int("sample_ids", i, 0, MAX_COUNT) for i in ids if not 0 <= i <= MAX_COUNT)
+    for name in _STEP_FLOATS:
+        x = getattr(rec, name)
+        if x is not None and not 0.0 <= x <= MAX_MAGNITUDE:  # NaN fails it too: _bad_float says whether that is allowed
+            bad = _bad_float(name, x, nonfinite_ok=name in _NONFINITE_OK)
+            if bad:
+                return bad
+    for name, xs in (("rank_losses", rec.rank_losses), ("rank_step_seconds", rec.rank_step_seconds),
+                     ("phases", (rec.phases or {}).values()),
+                     ("rank_phases", [x for ph in rec.rank_phases or () for x in ph.values()])):
+        for x in xs or ():
+            bad = _bad_float(name, x, nonfinite_ok=name == "rank_losses")
+            if bad:
+                return bad
+    return None
 
 
 def record_range_error(rec: object) -> str | None:
@@ -54,26 +68,10 @@ def record_range_error(rec: object) -> str | None:
     negative one, -inf, a finite value beyond float32, a negative step or count, or a non-finite
     time or learning rate can only come from a bug or a forger.
     """
-    checks: list[str | None] = []
     if isinstance(rec, StepRecord):
-        if _plain_step(rec):
-            return None
-        checks += [_bad_int("step", rec.step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
-                   _bad_int("tokens", rec.tokens, 0, MAX_COUNT), _bad_int("batch_tokens", rec.batch_tokens, 0, MAX_COUNT),
-                   _bad_int("world_size", rec.world_size, 1, 1 << 24)]
-        ids = rec.sample_ids
-        if ids and (min(ids) < 0 or max(ids) > MAX_COUNT):  # min/max in C: a step carries the batch's ids
-            checks += [_bad_int("sample_ids", i, 0, MAX_COUNT) for i in ids if not 0 <= i <= MAX_COUNT][:1]
-        for name in ("loss", "loss_max_rank", "grad_norm", "lr", "time", "step_seconds", "tokens_per_second", "mfu",
-                     "val_loss", "val_ppl", "checkpoint_age_seconds", "effective_token_ratio"):
-            x = getattr(rec, name)
-            if x is not None:
-                checks.append(_bad_float(name, x, nonfinite_ok=name in _NONFINITE_OK))
-        for name, xs in (("rank_losses", rec.rank_losses), ("rank_step_seconds", rec.rank_step_seconds),
-                         ("phases", list((rec.phases or {}).values())),
-                         ("rank_phases", [x for ph in rec.rank_phases or () for x in ph.values()])):
-            checks += [_bad_float(name, x, nonfinite_ok=name == "rank_losses") for x in xs or ()]
-    elif isinstance(rec, TimelineRecord):
+        return _step_range_error(rec)
+    checks: list[str | None] = []
+    if isinstance(rec, TimelineRecord):
         checks += [_bad_int("from_step", rec.from_step, 0, MAX_STEP), _bad_int("timeline", rec.timeline, 0, MAX_TIMELINE),
                    _bad_float("time", rec.time, nonfinite_ok=False)]
         checks += [f"skip range {lo}:{hi} is out of range" for lo, hi in rec.skip_ranges if not 0 <= lo < hi <= MAX_COUNT][:1]
