@@ -115,7 +115,7 @@ def connect(
         "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
         "health_check_interval": 30,
     }
-    if _ReusingPacker.available:
+    if _HIREDIS:
         kwargs["command_packer"] = _ReusingPacker()
     if not parts.password:
         pw = password if password is not None else os.environ.get(ENV_PASSWORD)
@@ -159,8 +159,6 @@ class _ReusingPacker:
     (the same string objects: an identity check each). Every other command is packed as before.
     Only with ``hiredis`` (a dependency): without it redis-py's own packer stays in place. The
     numbers in a step read (COUNT, BLOCK) are ints from ``read_group``, so equal arguments pack alike."""
-
-    available = _HIREDIS
 
     def __init__(self) -> None:
         self._inner = HiredisRespSerializer()
