@@ -346,8 +346,11 @@ def _wait_ready(url: str, d: Path, timeout: float, started: float) -> str:
         # died. Only its liveness is asked here: the server rewrites its command line (its process
         # title) right after writing the pid file, and a read in between sees no program name at all
         # (a "died" for a server that was starting fine failed CI once)
+        # (and a pid file still empty, created but not yet written, names no process: waited on too;
+        # read as "gone", it failed a start that was going fine under load: "died" after "monotonic clock")
         pid_fresh = (d / PID_FILE).exists() and (d / PID_FILE).stat().st_mtime >= started - 1
-        if pid_fresh and _pid_state(_read_pid(d)) == "gone":
+        pid = _read_pid(d) if pid_fresh else None
+        if pid is not None and _pid_state(pid) == "gone":
             return "died"
         time.sleep(0.02)
     return "timeout"

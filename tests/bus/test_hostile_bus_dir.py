@@ -163,7 +163,9 @@ def test_make_private_never_changes_a_file_outside_the_bus_dir(run_dir, tmp_path
 def test_a_starting_server_is_not_taken_for_dead_while_its_title_changes(tmp_path):
     """CI once failed on "embedded bus did not start": the fresh pid file named a live server that
     was rewriting its process title, and a read in between (no program name) was taken for death.
-    Only a pid file whose process is gone means "died"; a live one is waited on."""
+    Only a pid file whose process is gone means "died"; a live one is waited on, and so is a pid file
+    still empty (the server created it and has not written its pid yet: read as "gone", that failed
+    starts under a loaded suite)."""
     from sentinel import embedded
 
     d = tmp_path / "bus"
@@ -176,6 +178,8 @@ def test_a_starting_server_is_not_taken_for_dead_while_its_title_changes(tmp_pat
     finally:
         alive.kill()
         alive.wait()
+    (d / embedded.PID_FILE).write_text("")  # created, not yet written
+    assert embedded._wait_ready("redis://127.0.0.1:1/0", d, 0.5, time.time()) == "timeout"
     (d / embedded.PID_FILE).write_text(f"{alive.pid}\n")  # now gone (reaped)
     assert embedded._wait_ready("redis://127.0.0.1:1/0", d, 5.0, time.time()) == "died"
 
