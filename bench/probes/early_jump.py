@@ -45,6 +45,7 @@ VARIANTS = "ema0.5,ema0.3,ema0.2,ema0.1,roll10,roll20,quiet0.3,quiet0.2,round2"
 def replay(steps, losses) -> tuple[int, int, float]:
     """(verdict points, points judged raw, largest z that passed every other check) of one log."""
     dj = DescentJump()
+    dj.tally = True  # the rawness gate at every point: the share judged raw counts them all
     bar, dj.sigmas = dj.sigmas, -1e9  # every check but the bar: the z that would have had to clear it
     top = 0.0
     for s, x in zip(steps, losses):

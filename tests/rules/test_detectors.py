@@ -700,6 +700,24 @@ def test_descent_jump_is_off_for_a_smoothed_log_and_counts_it():
     dj = d.DescentJump()
     xs = _ema([x + (0.8 if i >= 100 else 0.0) for i, x in enumerate(early_steps(1, 300))], 0.2)
     assert _jump_verdict(dj, xs) is None and dj._gated > 0
+    tallied = d.DescentJump()
+    tallied.tally = True  # the gate at every point (the probe's count): more points counted, same verdict
+    assert _jump_verdict(tallied, xs) is None and tallied._gated > dj._gated
+
+
+@pytest.mark.parametrize("seed,jump,onset", [(1, 0.0, 0), (3, 0.35, 150), (5, 0.6, 90), (7, 0.25, 200), (9, 1.0, 60)])
+def test_descent_jump_verdicts_do_not_depend_on_tallying_the_gate(seed, jump, onset):
+    """The daemon measures the noise only where a jump clears MIN_RISE; the probe at every point.
+    Every update returns the same, and a verdict carries the same z, rise and onset."""
+    xs = [x + (jump if i >= onset else 0.0) for i, x in enumerate(early_steps(seed, 300))]
+    lean, full = d.DescentJump(), d.DescentJump()
+    full.tally = True
+    for step, x in enumerate(xs, start=1):
+        got = lean.update(step, x, 0.0), full.update(step, x, 0.0)
+        assert got[0] == got[1]
+        if got[0]:
+            assert (lean.z, lean.rise, lean.onset()) == (full.z, full.rise, full.onset())
+    assert full._points == lean._points and full._gated >= lean._gated
 
 
 def test_loss_rule_rolls_back_a_jump_in_the_early_descent():
