@@ -4,6 +4,7 @@ reader and the sample-id range helpers (pure functions: tables, no services)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -136,6 +137,37 @@ def test_one_file_checksum_in_both_forms(tmp_path, case):
     assert file_checksum(f, like=want["sha256"]) == want["sha256"]
     recorded, matches = CHECKSUMS[case]
     assert checksum_matches(f, recorded(want)) is matches
+
+
+ANNOUNCED = {  # what announce() is given: nothing is read, nothing raises, nothing blocks
+    "a small file": lambda d: _file(d / "a", b"x" * 4096),
+    "an empty file": lambda d: _file(d / "e", b""),
+    "a file over the bound (skipped)": lambda d: _file(d / "big", b"\0", size=(4 << 20) + 1),
+    "a missing path": lambda d: d / "missing",
+    "a directory": lambda d: d,
+    "a FIFO (no writer: opening it must not block)": lambda d: (os.mkfifo(d / "fifo"), d / "fifo")[1],
+    "a dangling symlink": lambda d: (os.symlink(d / "nowhere", d / "link"), d / "link")[1],
+}
+
+
+def _file(path, data: bytes, size: int | None = None):
+    path.write_bytes(data)
+    if size is not None:
+        os.truncate(path, size)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(ANNOUNCED))
+def test_announcing_files_is_advice_that_never_fails(tmp_path, case):
+    """``checksums_match`` announces the small files of a checkpoint before it reads them
+    (``POSIX_FADV_WILLNEED``). Whatever a path is, that neither raises nor blocks, and the checksums
+    that follow are those of the bytes on disk."""
+    from sentinel.contract.fsio import announce, checksums_match, file_checksum
+
+    path = ANNOUNCED[case](tmp_path)
+    good = _file(tmp_path / "good", b"checkpoint bytes")
+    announce([path, good, path])
+    assert checksums_match([(good, file_checksum(good)), (good, "blake3:" + "0" * 64)]) == [True, False]
 
 
 def test_remove_dir_leaves_nothing_under_the_name_when_the_delete_dies_and_clear_trash_finishes_it(tmp_path, monkeypatch):
