@@ -64,7 +64,7 @@ class DescentJump:
     much again) is measured only where the jump clears ``MIN_RISE``, which a healthy run's rarely does.
     """
 
-    __slots__ = ("_gated", "_n", "_points", "_t0", "_x", "first", "post", "pre", "rise", "sigmas", "stride", "tally", "until", "z")
+    __slots__ = ("_gated", "_memo", "_n", "_points", "_t0", "_x", "first", "post", "pre", "rise", "sigmas", "stride", "tally", "until", "z")
 
     HISTORY = 64  # losses for the level noise and the rawness check
     LAG = 8  # the level noise: spread of second differences of losses this many steps apart
@@ -106,7 +106,16 @@ class DescentJump:
             return False
         pre, post = vals[t0_index - self.pre:t0_index], vals[t0_index:]
         # each side's own line (Theil-Sen), both read at t0: a jump is where they part
-        s_pre, s_post = median_of(_slopes(pre)), median_of(_slopes(post))
+        memo = self._memo
+        key = tuple(pre)
+        s_pre = memo.get(key)
+        if s_pre is None:
+            s_pre = median_of(_slopes(pre))
+        s_post = median_of(_slopes(post))
+        # ``post`` / ``stride`` points later, these ``post`` losses are the ``pre`` ones: their line is kept
+        memo[tuple(post)] = s_post
+        if len(memo) > self.post // self.stride + 2:
+            del memo[next(iter(memo))]
         n_pre = self.pre
         befores = sorted(v - s_pre * (k - n_pre) for k, v in enumerate(pre))
         afters = [v - s_post * k for k, v in enumerate(post)]
@@ -173,6 +182,9 @@ class DescentJump:
     def reset(self) -> None:
         self._x: deque[tuple[int, float]] = deque(maxlen=max(self.pre + self.post, self.HISTORY + self.post))
         self._n = 0
+        # the Theil-Sen slope of each recent ``post`` window, by its losses (a cache: equal losses,
+        # equal slope, whatever was rewound; not saved)
+        self._memo: dict[tuple[float, ...], float] = {}
         self.z = self.rise = 0.0
         self._t0 = 0
         self._points = 0  # verdict points in range (for bench/probes/early_jump.py)

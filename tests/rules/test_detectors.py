@@ -720,6 +720,42 @@ def test_descent_jump_verdicts_do_not_depend_on_tallying_the_gate(seed, jump, on
     assert full._points == lean._points and full._gated >= lean._gated
 
 
+class _Forgetful(dict):
+    """A memo that keeps nothing: the detector then fits both lines at every point."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed,jump,onset", [(5, 0.6, 90), (9, 1.0, 60), (2, 0.0, 0)])
+@pytest.mark.parametrize("interrupt", ["rewound", "restored", "none"])
+def test_descent_jump_memo_of_slopes_changes_no_verdict(seed, jump, onset, interrupt):
+    """The ``post`` window's slope is kept for when those losses are the ``pre`` window. Keyed by the
+    losses themselves, it cannot be stale: after a rewind that replays other losses, or a restore
+    (the memo is not saved), every update returns what a detector without the memo returns."""
+    xs = [x + (jump if i >= onset else 0.0) for i, x in enumerate(early_steps(seed, 300))]
+    other = [x + 0.3 for x in early_steps(seed + 1, 300)]  # what is replayed after a rewind
+
+    def drive(dj: d.DescentJump, forget: bool) -> list:
+        if forget:
+            dj._memo = _Forgetful()
+        out = [(dj.update(s, x, 0.0), dj.z, dj.rise, dj.onset()) for s, x in enumerate(xs[:150], start=1)]
+        if interrupt == "rewound":
+            dj.rewind(110)
+            out += [(dj.update(s, x, 0.0), dj.z, dj.rise) for s, x in enumerate(other[110:200], start=111)]
+        elif interrupt == "restored":
+            fresh = d.DescentJump()
+            fresh.load_state_dict(dj.state_dict())
+            dj = fresh
+            if forget:
+                dj._memo = _Forgetful()
+        out += [(dj.update(s, x, 0.0), dj.z, dj.rise, dj.onset()) for s, x in enumerate(xs[200:], start=201)]
+        return out
+
+    with_memo, without = drive(d.DescentJump(), False), drive(d.DescentJump(), True)
+    assert with_memo == without
+
+
 def test_loss_rule_rolls_back_a_jump_in_the_early_descent():
     """Through the rule engine: a divergence finding from the early test, its onset at the jump,
     and a config that turns it off."""
