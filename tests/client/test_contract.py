@@ -170,6 +170,26 @@ def test_announcing_files_is_advice_that_never_fails(tmp_path, case):
     assert checksums_match([(good, file_checksum(good)), (good, "blake3:" + "0" * 64)]) == [True, False]
 
 
+def test_checksums_of_small_and_large_files_in_either_form(tmp_path):
+    """``checksums_match`` maps and hashes the small files on the caller's thread, the large ones on
+    its threads: each verdict lands at its own file's place, whatever the form of the recorded value
+    or the state of the file."""
+    import hashlib
+
+    from sentinel.contract.fsio import ANNOUNCE_MAX_BYTES, checksums_match, file_checksum
+
+    small, empty, big = _file(tmp_path / "s", b"s" * 5000), _file(tmp_path / "e", b""), _file(tmp_path / "b", b"", size=ANNOUNCE_MAX_BYTES + 8)
+    big2 = _file(tmp_path / "b2", b"x", size=ANNOUNCE_MAX_BYTES + 1)
+    bad = "blake3:" + "0" * 64
+    cases = [(small, file_checksum(small), True), (big, file_checksum(big), True), (empty, file_checksum(empty), True),
+             (small, hashlib.sha256(b"s" * 5000).hexdigest(), True), (big2, bad, False), (small, bad, False),
+             (big2, file_checksum(big2), True), (empty, bad, False)]
+    assert checksums_match([(p, r) for p, r, _ in cases]) == [want for _, _, want in cases]
+    with pytest.raises(FileNotFoundError):  # as it always did: the verifier checks that every file is there first
+        checksums_match([(small, bad), (tmp_path / "gone", bad)])
+    assert checksums_match([(big, file_checksum(big))]) == [True]  # one large file: hashed on this thread
+
+
 def test_remove_dir_leaves_nothing_under_the_name_when_the_delete_dies_and_clear_trash_finishes_it(tmp_path, monkeypatch):
     """The contract's rule for deleting a checkpoint directory (the trainer's retention and re-save, the
     Lightning integration's pruning): renamed out of the step names first, so a kill inside the delete
