@@ -116,7 +116,9 @@ def announce(paths) -> None:
 def _mapped_checksum_matches(path, recorded: str) -> bool:
     """``checksum_matches`` of a file mapped into memory and hashed in one call (BLAKE3's
     ``update_mmap``): no 1 MiB reads through Python. The file must be a regular one, up to
-    ``ANNOUNCE_MAX_BYTES``; a sha256 manifest, or a file gone, takes the plain path."""
+    ``ANNOUNCE_MAX_BYTES``; a sha256 manifest, or a file gone, takes the plain path. Like the load's
+    own mapping of the file after it, this assumes that nothing truncates a committed checkpoint's
+    file while it is read (a mapping read past a file's new end faults)."""
     if not recorded.startswith(CHECKSUM_PREFIX):
         return checksum_matches(path, recorded)
     try:

@@ -101,8 +101,8 @@ class DescentJump:
             return False
         self.z = self.rise = 0.0
         self._points += 1
-        noise = self._gate(vals, t0_index) if self.tally else None
-        if noise is False:
+        gate = self._gate(vals, t0_index) if self.tally else None
+        if gate is False:
             return False
         pre, post = vals[t0_index - self.pre:t0_index], vals[t0_index:]
         # each side's own line (Theil-Sen), both read at t0: a jump is where they part
@@ -125,9 +125,9 @@ class DescentJump:
         # noise's cost (half of this test's, which was a fifth of the daemon's CPU in a young fleet)
         if not jump > self.MIN_RISE * median_of(pre):
             return False
-        if noise is None and (noise := self._gate(vals, t0_index)) is False:
+        if gate is None and (gate := self._gate(vals, t0_index)) is False:
             return False
-        step_noise, level_noise, rho = noise
+        step_noise, level_noise, rho = gate
         # judged at the noise the loss had before any light smoothing: an EMA of weight a shrinks
         # white noise by sqrt(a / (2 - a)) but a healthy bump of several steps hardly, and its
         # differences correlate at -a / 2 (a = 1: raw)
