@@ -114,50 +114,47 @@ def announce(paths) -> None:
 
 
 def _mapped_checksum_matches(path, recorded: str) -> bool:
-    """``checksum_matches`` of a file mapped into memory and hashed in one call (BLAKE3's
-    ``update_mmap``): no 1 MiB reads through Python. The file must be a regular one, up to
-    ``ANNOUNCE_MAX_BYTES``; a sha256 manifest, or a file gone, takes the plain path. Like the load's
-    own mapping of the file after it, this assumes that nothing truncates a committed checkpoint's
-    file while it is read (a mapping read past a file's new end faults)."""
+    """``checksum_matches`` of a small regular file mapped into memory and hashed in one call
+    (BLAKE3's ``update_mmap``): no 1 MiB reads through Python. A sha256 manifest, or a file gone,
+    takes the plain path. Like the load's own mapping of the file after it, this assumes that nothing
+    truncates a committed checkpoint's file while it is read (a mapping read past its end faults)."""
     if not recorded.startswith(CHECKSUM_PREFIX):
         return checksum_matches(path, recorded)
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > ANNOUNCE_MAX_BYTES:
-            return checksum_matches(path, recorded)
         got = CHECKSUM_PREFIX + blake3.blake3().update_mmap(path).hexdigest()
     except OSError:
         return checksum_matches(path, recorded)
     return hmac.compare_digest(got, recorded)
 
 
+def _is_small_file(path) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False  # the plain path reports it
+    return stat.S_ISREG(st.st_mode) and st.st_size <= ANNOUNCE_MAX_BYTES
+
+
 def checksums_match(files: list[tuple[Path, str]]) -> list[bool]:
-    """``checksum_matches`` of each (path, recorded) pair. The small files (up to ``ANNOUNCE_MAX_BYTES``)
-    are announced (``announce``), then mapped and hashed on this thread; the others, a file per core
-    (hashing and reading release the GIL), on threads kept from call to call (starting a pool per
-    checkpoint load cost more than hashing all of ``tiny``'s 1.5 MB). On ``tiny``'s four files (1.5 MB)
-    the checksums took 1.28-1.31 ms from a cold cache all on the threads, 1.14-1.17 ms so; from the
-    page cache 0.82-0.84 ms and 0.39-0.42 ms: a thread's turn costs more than a small file's hash."""
-    announce([p for p, _ in files])
-    sizes = []
-    for p, _ in files:
-        try:
-            sizes.append(os.stat(p).st_size)
-        except OSError:
-            sizes.append(-1)  # the hash reports it
-    big = [i for i, n in enumerate(sizes) if n > ANNOUNCE_MAX_BYTES or n < 0]
+    """``checksum_matches`` of each (path, recorded) pair. The small files (regular, up to
+    ``ANNOUNCE_MAX_BYTES``) are announced (``announce``), then mapped and hashed on this thread; the
+    others, a file per core (hashing and reading release the GIL), on threads kept from call to call
+    (starting a pool per checkpoint load cost more than hashing all of ``tiny``'s 1.5 MB). On
+    ``tiny``'s four files (1.5 MB) the checksums took 1.28-1.31 ms from a cold cache all on the
+    threads, 1.14-1.17 ms so; from the page cache 0.82-0.84 ms and 0.39-0.42 ms: a thread's turn
+    costs more than a small file's hash."""
+    small = [_is_small_file(p) for p, _ in files]
+    big = [i for i, s in enumerate(small) if not s]
+    announce([p for (p, _), s in zip(files, small) if s])
     out = [False] * len(files)
-    pending = None
-    if len(big) > 1:
-        pending = _hash_pool().map(lambda i: checksum_matches(*files[i]), big)
-    elif big:
+    pending = _hash_pool().map(lambda i: checksum_matches(*files[i]), big) if len(big) > 1 else ()
+    if len(big) == 1:
         out[big[0]] = checksum_matches(*files[big[0]])
-    for i, n in enumerate(sizes):
-        if 0 <= n <= ANNOUNCE_MAX_BYTES:
+    for i, s in enumerate(small):
+        if s:
             out[i] = _mapped_checksum_matches(*files[i])
-    if pending is not None:
-        for i, ok in zip(big, pending):
-            out[i] = ok
+    for i, ok in zip(big, pending):
+        out[i] = ok
     return out
 
 
