@@ -123,11 +123,12 @@ def verify(path: Path) -> dict:
     return verify_share(path)[0]
 
 
-def verify_share(path: Path, share: tuple[int, int] | None = None) -> tuple[dict, int]:
+def verify_share(path: Path, share: tuple[int, int] | None = None) -> tuple[dict, int, dict]:
     """``verify``, hashing only this rank's share of the files with ``share=(index, count)``
-    (``checksum_share``); returns the manifest and the fingerprint of the files seen (0 without a
-    share). The caller combines every rank's verdict, and checks that all saw the same files, before
-    any file is loaded (``trainer.checkpointing.TrainerCheckpoints.load``). The rest is checked in full."""
+    (``checksum_share``); returns the manifest, the fingerprint of the files seen (0 without a
+    share) and ``train_state.json`` as ``read_train_state`` gives it. The caller combines every
+    rank's verdict, and checks that all saw the same files, before any file is loaded
+    (``trainer.checkpointing.TrainerCheckpoints.load``). The rest is checked in full."""
     if not path.is_dir():
         what = "a dangling link" if os.path.islink(path) and not path.exists() else "a file, not a directory"
         raise CheckpointError(f"{path.name}: is {what} (not a checkpoint)")
@@ -160,7 +161,7 @@ def verify_share(path: Path, share: tuple[int, int] | None = None) -> tuple[dict
     state = read_train_state(path, manifest.step)
     if state["world_size"] != manifest.world_size:
         raise CheckpointError(f"{path.name}: train_state.json world_size {state['world_size']} differs from the manifest's {manifest.world_size}")
-    return raw, fingerprint
+    return raw, fingerprint, state
 
 
 def read_train_state(path: Path, step: int | None = None) -> dict:

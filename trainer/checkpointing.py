@@ -23,9 +23,7 @@ from trainer.checkpoint import (
     CheckpointError,
     list_checkpoints,
     manifest_digest,
-    read_train_state,
     step_dir_name,
-    verify,
     verify_share,
 )
 from trainer.errors import TrainingError
@@ -135,11 +133,11 @@ class TrainerCheckpoints:
             candidates = list_checkpoints(self.ckpt.root, strays=True)
         self.unloadable = []
         for ck_step, path in candidates:
-            manifest, why = self._verify_together(path)
+            verified, why = self._verify_together(path)
             loaded = None
             if why is None:
                 try:
-                    loaded = self._read(ck_step, path, manifest)
+                    loaded = self._read(path, *verified)
                 except CheckpointError as e:
                     why = str(e)
             if env.all_ok(why is None):
@@ -152,35 +150,33 @@ class TrainerCheckpoints:
             _log(env, f"warning: checkpoint {why}; falling back to the previous one")
         return None
 
-    def _verify_together(self, path: Path) -> tuple[dict | None, str | None]:
-        """Verify ``path`` (``trainer.checkpoint.verify``): (its manifest, None) if it passed on every
-        rank, else (None, why).
+    def _verify_together(self, path: Path) -> tuple[tuple[dict, dict] | None, str | None]:
+        """Verify ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its train state), None)
+        if it passed on every rank, else (None, why).
 
         A node's ranks read the same files, so each hashes a share of them (``checksum_share``: on a
         2-rank node, half the bytes each instead of all of them twice), and no rank loads a file until
         every rank's share has passed and all saw the same files (names and sizes; a collective).
         Ranks of other nodes verify their own copy: nothing says two nodes see one file system."""
         env = self.tr.env
-        if not env.distributed:
-            try:
-                return verify(path), None
-            except CheckpointError as e:
-                return None, str(e)
-        manifest, fingerprint, why = None, 0, None
+        share = (env.local_rank, env.local_world_size) if env.distributed else None
+        verified, fingerprint, why = None, 0, None
         try:
-            manifest, fingerprint = verify_share(path, (env.local_rank, env.local_world_size))
+            manifest, fingerprint, state = verify_share(path, share)
+            verified = (manifest, state)
         except CheckpointError as e:
             why = str(e)
+        if not env.distributed:
+            return verified, why
         if env.all_ok(why is None, same=fingerprint):
-            return manifest, None
+            return verified, None
         return None, why or f"{path.name}: rejected by another rank (a file fails its checksum there, or the ranks see different files)"
 
-    def _read(self, step: int, path: Path, manifest: dict) -> dict:
+    def _read(self, path: Path, manifest: dict, ts: dict) -> dict:
         """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after
-        ``_verify_together``). The pieces in ``train_state.json`` first: their checks are the cheapest.
-        The model's and the optimizer's files are mapped, not read (``Piece.maps_file``: their
-        ``load_state_dict`` copies the tensors into the live ones)."""
-        ts = read_train_state(path, step)
+        ``_verify_together``, which read ``ts``, ``train_state.json``). The pieces in ``train_state.json``
+        first: their checks are the cheapest. The model's and the optimizer's files are mapped, not read
+        (``Piece.maps_file``: their ``load_state_dict`` copies the tensors into the live ones)."""
         pieces = self.state.layout(sharded=(path / DCP_DIR).is_dir())
         read: dict = {}
         for name, piece in pieces.items():

@@ -9,12 +9,13 @@ gradients are masked with ``where`` (``nan * 0`` is still NaN).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 from trainer.config import OptimConfig
-from trainer.flat_state import tiled_base
+from trainer.flat_state import FlatCopy, tiled_base
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -119,6 +120,16 @@ class SkipStepAdamW(torch.optim.Optimizer):
             else:
                 for o, v in pairs:
                     o.copy_(v)
+
+    @torch.no_grad()
+    def load_flat(self, plan: FlatCopy) -> None:
+        """``load_state_dict`` of a file laid out as this optimizer holds its state
+        (``trainer.flat_state.copy_plan``): torch's hyper-parameters (a deep copy of the file's, with
+        the live parameters, as torch builds them), then one copy into each flat tensor."""
+        self.param_groups = [{k: live["params"] if k == "params" else copy.deepcopy(v) for k, v in saved.items()}
+                             for live, saved in zip(self.param_groups, plan.param_groups)]
+        for live, saved in plan.copies:
+            live.copy_(saved)
 
     def _init_state(self, p: torch.Tensor) -> dict:
         """``p``'s state, zero; on the first call, every parameter's at once (``_init_flat``)."""

@@ -73,15 +73,18 @@ class ModelPiece(Piece):
     def state_dict(self) -> dict:
         return self.tr.raw_model.state_dict()  # the live tensors: an async save copies them itself
 
-    def check(self, sd, ckpt: str) -> None:
-        check_tensors(sd, self.tr.raw_model.state_dict(), f"{ckpt}: {self.file}")
+    def check(self, sd, ckpt: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``sd`` against the live model; returns what ``load_state_dict`` then copies: (live, saved)."""
+        live = self.tr.raw_model.state_dict()
+        check_tensors(sd, live, f"{ckpt}: {self.file}")
+        return list(live.values()), [sd[name] for name in live]
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: Any) -> None:
         """What ``Module.load_state_dict`` does for a state dict ``check`` passed (the same keys, shapes
-        and dtypes), without its walk of every submodule: a copy into each live tensor."""
+        and dtypes), without its walk of every submodule: a copy into each live tensor, in one call."""
+        live, saved = sd if isinstance(sd, tuple) else self.check(sd, "")
         with torch.no_grad():
-            for name, live in self.tr.raw_model.state_dict().items():
-                live.copy_(sd[name])
+            torch._foreach_copy_(live, saved)
 
 
 class OptimizerPiece(Piece):
@@ -95,14 +98,22 @@ class OptimizerPiece(Piece):
     def state_dict(self) -> dict:
         return flat_state.pack(self.tr.opt.state_dict())
 
-    def check(self, sd, ckpt: str) -> dict:  # torch's own format too: a checkpoint from before this one
+    def check(self, sd, ckpt: str) -> Any:  # torch's own format too: a checkpoint from before this one
+        """A file laid out as the live state is: its ``flat_state.FlatCopy`` (an in-process rollback, or
+        any load after the first). Else torch's state dict, each tensor a view of the file's."""
+        plan = flat_state.copy_plan(sd, self.tr.opt)
+        if plan is not None:
+            return plan
         what = f"{ckpt}: {self.file}"
         unpacked = flat_state.unpack(sd, what)
         check_optimizer_state(unpacked, self.tr.opt, what)
-        return unpacked  # torch's state dict, each tensor a view of the file's: what load_state_dict takes
+        return unpacked
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.tr.opt.load_state_dict(sd if "state" in sd else flat_state.unpack(sd, self.file))
+    def load_state_dict(self, sd: Any) -> None:
+        if isinstance(sd, flat_state.FlatCopy):
+            self.tr.opt.load_flat(sd)
+        else:
+            self.tr.opt.load_state_dict(sd if "state" in sd else flat_state.unpack(sd, self.file))
 
 
 class ShardedModelOptimizerPiece(Piece):

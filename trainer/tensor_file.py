@@ -118,9 +118,12 @@ def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
 
 
 # ============================================================================ reading
+_LEAVES = frozenset((int, str, bool, type(None)))  # as JSON gives them: nothing to decode
+
+
 def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
-    if isinstance(node, list):
-        return [_decode(v, tensors, used) for v in node]
+    if type(node) is list:  # the leaves inline: an optimizer's tree is mostly lists of indices and sizes
+        return [v if type(v) in _LEAVES else _decode(v, tensors, used) for v in node]
     if not isinstance(node, dict):
         if isinstance(node, float) and not math.isfinite(node):
             raise TensorFileError("the tree holds a bare non-finite number")

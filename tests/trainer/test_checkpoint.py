@@ -894,5 +894,5 @@ def test_a_share_hashes_its_files_and_an_odd_local_rank_hashes_all(tmp_path, ref
         with pytest.raises(CheckpointError, match="optim.safetensors fails its checksum"):
             verify_share(path, share)
     else:
-        manifest, fingerprint = verify_share(path, share)
-        assert manifest["step"] == 12 and fingerprint > 0
+        manifest, fingerprint, state = verify_share(path, share)
+        assert manifest["step"] == 12 == state["step"] and fingerprint > 0

@@ -78,6 +78,95 @@ def test_each_piece_round_trips_into_another_trainer(trainers, name):
             assert g["data"].untyped_storage().data_ptr() == live[g["key"]].untyped_storage().data_ptr(), g["key"]
 
 
+def _torch_view(opt) -> str:
+    """Everything torch's ``state_dict`` says of ``opt``, in order (key orders included), as text."""
+    sd = opt.state_dict()
+    return repr((sd["param_groups"], [(i, [(k, v.dtype, v.tolist()) for k, v in st.items()]) for i, st in sd["state"].items()]))
+
+
+def _reload_slowly(piece, saved):
+    """``saved`` loaded the way every load went before ``flat_state.copy_plan``: unpacked, then torch's load."""
+    piece.tr.opt.load_state_dict(flat_state.unpack(copy.deepcopy(saved), "optim.safetensors"))
+
+
+def test_a_file_laid_out_as_the_live_optimizer_loads_by_copies_exactly_as_torch_loads_it(trainers):
+    """The in-process rollback's path (``flat_state.copy_plan``): once the live optimizer holds flat state,
+    a file of the same layout is checked to a ``FlatCopy`` and loaded by a copy per flat tensor. The
+    optimizer then says exactly what torch's load of the same file leaves (hyper-parameters, key
+    orders, every value), and its moments stay the flat tensors the next save writes without a copy."""
+    a, b = trainers
+    sa, sb = a.checkpoints.state.states["optimizer"], b.checkpoints.state.states["optimizer"]
+    saved = copy.deepcopy(sa.state_dict())
+    _reload_slowly(sb, saved)
+    want = _torch_view(b.opt)
+    flats = [g["data"].untyped_storage().data_ptr() for g in sb.state_dict()["groups"]]
+    with torch.no_grad():  # move the live state away from the file's: other moments, another group's betas
+        for st in b.opt.state.values():
+            for v in st.values():
+                v.add_(1.5)
+    b.opt.param_groups[0]["betas"] = (0.5, 0.5)
+    plan = sb.check(saved, "step-00000001")
+    assert isinstance(plan, flat_state.FlatCopy) and len(plan.copies) == 3
+    sb.load_state_dict(plan)
+    assert _torch_view(b.opt) == want
+    assert [g["data"].untyped_storage().data_ptr() for g in sb.state_dict()["groups"]] == flats
+
+
+def _groups_reordered(sd):
+    return {**sd, "groups": sd["groups"][::-1]}
+
+
+def _indices_moved(sd):  # torch maps a file's parameters by position: any distinct indices load alike
+    sd = copy.deepcopy(sd)
+    for g in sd["param_groups"]:
+        g["params"] = [100 + i for i in g["params"]]
+    for g in sd["groups"]:
+        g["params"] = [100 + i for i in g["params"]]
+    return sd
+
+
+def _moments_in_float64(sd):  # torch casts each moment to its parameter's dtype
+    return {**sd, "groups": [{**g, "data": g["data"].double()} if g["key"] != "step" else g for g in sd["groups"]]}
+
+
+def _hook(opt):
+    return opt.register_load_state_dict_post_hook(lambda o: None)
+
+
+# a file torch loads, laid out otherwise than the live state (or a load with a hook to run): no copy plan,
+# and the load gives what torch's does
+NEAR_MISSES = {
+    "state-groups-reordered": (_groups_reordered, None),
+    "parameter-indices-moved": (_indices_moved, None),
+    "moments-in-float64": (_moments_in_float64, None),
+    "a-load-hook-registered": (lambda sd: sd, _hook),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+def test_a_file_laid_out_otherwise_takes_torchs_load(trainers, case):
+    a, b = trainers
+    change, hook = NEAR_MISSES[case]
+    sa, sb = a.checkpoints.state.states["optimizer"], b.checkpoints.state.states["optimizer"]
+    saved = copy.deepcopy(sa.state_dict())
+    _reload_slowly(sb, saved)  # the live state is flat: only the file's layout (or the hook) stands in the way
+    assert isinstance(sb.check(copy.deepcopy(saved), "step-00000001"), flat_state.FlatCopy)
+    handle = hook(b.opt) if hook else None
+    try:
+        assert flat_state.copy_plan(change(copy.deepcopy(saved)), b.opt) is None
+        _reload_slowly(sb, change(copy.deepcopy(saved)))
+        want = _torch_view(b.opt)
+        with torch.no_grad():
+            for st in b.opt.state.values():
+                for v in st.values():
+                    v.add_(1.5)
+        sb.load_state_dict(sb.check(change(copy.deepcopy(saved)), "step-00000001"))
+        assert _torch_view(b.opt) == want
+    finally:
+        if handle:
+            handle.remove()
+
+
 @pytest.mark.parametrize("name", ["run", "scheduler"])
 def test_the_pieces_saved_for_the_record_load_nothing(trainers, name):
     """The run's identity and the LR schedule's position (a function of the step) are checked and
