@@ -145,11 +145,27 @@ def test_a_hostile_tensor_file_is_refused_in_one_line(tmp_path, case):
         torch.save({"t": torch.ones(2)}, path)
     else:
         path.write_bytes(data)
-    with pytest.raises(CheckpointError) as ei:
-        load_file(path, mapped=True)
-    msg = str(ei.value)
+    msgs = []
+    for _ in range(2):  # the second time its header's parse may be kept (``tensor_file._parsed``): the same verdict
+        with pytest.raises(CheckpointError) as ei:
+            load_file(path, mapped=True)
+        msgs.append(str(ei.value))
+    msg = msgs[0]
     assert "\n" not in msg and msg.startswith("step-00000001: optim.safetensors is not a readable tensor file"), msg
-    assert why in msg, msg
+    assert why in msg and msgs[1] == msg, msgs
+
+
+def test_a_header_parsed_before_is_judged_with_its_new_data():
+    """``tensor_file._parsed`` keeps the parse of a header, keyed by its bytes and the data's length:
+    the same header over other values gives views of the new bytes; over more bytes, it is refused."""
+    first = tensor_file.read(bytearray(_file(GOOD_T, struct.pack("<2f", 1.0, 2.0))))
+    buf = bytearray(_file(GOOD_T, struct.pack("<2f", 3.0, 4.0)))
+    second = tensor_file.read(buf)
+    assert first["t"].tolist() == [1.0, 2.0] and second["t"].tolist() == [3.0, 4.0]
+    buf[-4:] = struct.pack("<f", 9.0)  # a view of the new bytes, not of the first file's
+    assert second["t"].tolist() == [3.0, 9.0] and first["t"].tolist() == [1.0, 2.0]
+    with pytest.raises(tensor_file.TensorFileError, match="the data is 12 bytes, its tensors cover 8"):
+        tensor_file.read(bytearray(_file(GOOD_T, bytes(12))))
 
 
 def test_what_no_tensor_file_can_hold_is_refused_when_it_is_written(tmp_path):
