@@ -282,7 +282,7 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
     arms = ("a", "b", "c") if floor_load is not None else ("a", "b")
     if floor_load is not None:
         floor_load()
-    c, floor = [], []
+    c, floor, vs_floor = [], [], []
     for i in range(reps):  # three arms: a b c, c b a, ...
         secs = {}
         for arm in arms if i % 2 == 0 else arms[::-1]:
@@ -294,6 +294,7 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
         if "c" in secs:
             c.append(secs["c"])
             floor.append(secs["b"] / secs["c"])
+            vs_floor.append(secs["c"] / secs["a"])
         deser.append(in_memory(lambda: [tensor_file.read(writable[n]) for n in mine]))
         hashed.append(in_memory(lambda: [_checksum(x) for x in blobs.values()]))
         ceiling.append(secs["b"] / deser[-1])
@@ -302,6 +303,8 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
                           "c = the checksums and one copy of the bytes into the live tensors, nothing parsed or checked (floor)",
                      floor_seconds_median=statistics.median(c) if c else None,
                      floor_ratio_median=statistics.median(floor) if floor else None, floor_ratios=[round(r, 4) for r in floor],
+                     load_vs_floor_median=statistics.median(vs_floor) if vs_floor else None,
+                     load_vs_floor_ratios=[round(r, 4) for r in vs_floor],
                      checksum_in_memory_seconds_median=statistics.median(hashed),
                      deserialise_in_memory_seconds_median=statistics.median(deser),
                      ceiling_ratio_median=statistics.median(ceiling), ceiling_ratios=[round(r, 4) for r in ceiling])
