@@ -137,7 +137,7 @@ def copy_plan(saved: Any, opt: torch.optim.Optimizer) -> FlatCopy | None:
     key or torch's walk of the state (on ``tiny``, 0.4 of a 2.6 ms load). Else None, and the file takes
     that path, which checks it in full and says what is wrong with it."""
     if (not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("other") != {}
-            or opt._optimizer_load_state_dict_pre_hooks or opt._optimizer_load_state_dict_post_hooks):
+            or getattr(opt, "_optimizer_load_state_dict_pre_hooks", None) or getattr(opt, "_optimizer_load_state_dict_post_hooks", None)):
         return None
     saved_groups, groups = saved.get("param_groups"), opt.param_groups
     if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):

@@ -122,9 +122,9 @@ def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
 _LEAVES = frozenset((int, str, bool, type(None)))  # as JSON gives them: nothing to decode
 
 
-def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
+def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if type(node) is list:  # the leaves inline: an optimizer's tree is mostly lists of indices and sizes
-        return [v if type(v) in _LEAVES else _decode(v, tensors, used) for v in node]
+        return [v if type(v) in _LEAVES else _decode(v, tensors) for v in node]
     if not isinstance(node, dict):
         if isinstance(node, float) and not math.isfinite(node):
             raise TensorFileError("the tree holds a bare non-finite number")
@@ -133,19 +133,18 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
     if tag is None:
         if any(k.startswith("__") for k in node):
             raise TensorFileError(f"the tree has an unknown tag {next(k for k in node if k.startswith('__'))[:40]!r}")
-        return {k: _decode(v, tensors, used) for k, v in node.items()}
+        return {k: _decode(v, tensors) for k, v in node.items()}
     if len(node) != 1:
         raise TensorFileError(f"the tree's {tag} node has other keys")
     value = node[tag]
     if tag == "__tensor__":
         if not isinstance(value, str) or value not in tensors:
             raise TensorFileError(f"the tree names a tensor the header lacks ({str(value)[:40]!r})")
-        used.add(value)
         return tensors[value]
     if tag == "__tuple__":
         if not isinstance(value, list):
             raise TensorFileError("the tree's __tuple__ is not a list")
-        return tuple(_decode(v, tensors, used) for v in value)
+        return tuple(_decode(v, tensors) for v in value)
     if tag == "__float__":
         if value not in ("nan", "inf", "-inf"):
             raise TensorFileError(f"the tree's __float__ is {str(value)[:20]!r}")
@@ -154,10 +153,10 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
         raise TensorFileError("the tree's __dict__ is not a list of [key, value] pairs")
     out = {}
     for k, v in value:
-        key = _decode(k, tensors, used)
+        key = _decode(k, tensors)
         if isinstance(key, (dict, list, torch.Tensor)):
             raise TensorFileError("the tree's __dict__ has a key that is not a plain value")
-        out[key] = _decode(v, tensors, used)
+        out[key] = _decode(v, tensors)
     return out
 
 
@@ -237,7 +236,7 @@ def read(buf, *, fmt: str = FORMAT) -> Any:
         else:
             tensors[name] = torch.frombuffer(buf, dtype=dtype, count=(stop - begin) // dtype.itemsize, offset=base + begin).view(shape)
     try:
-        return _decode(tree, tensors, set())
+        return _decode(tree, tensors)
     except RecursionError:
         raise TensorFileError("the tree is nested too deeply") from None
 
