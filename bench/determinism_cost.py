@@ -1,6 +1,6 @@
 """What do bitwise-reproducible steps (``deterministic: true``) cost, and why are they needed?
 
-    python3 bench/determinism_cost.py [--preset gpt2-124m] [--device cuda] [--steps 40] [--pairs 2] [--json-out FILE]
+    python3 bench/determinism_cost.py [--preset gpt2-124m] [--device cuda] [--steps 40] [--pairs 2] [--compile] [--json-out FILE]
 
 Two parts, both on the machine it runs on (a GPU for the figures in docs/benchmarks.md, "On an H100"):
 
@@ -13,7 +13,8 @@ Two parts, both on the machine it runs on (a GPU for the figures in docs/benchma
    which goes first in each pair, each a fresh ``python -m trainer`` subprocess (no checkpoints,
    no evals, no bus). Steady-state tokens/s from the step log's timestamps (the first
    ``--warmup`` steps dropped, as ``bench/telemetry_overhead.py`` does) and the median MFU the
-   trainer exported (on CUDA, against its device table's peak).
+   trainer exported (on CUDA, against its device table's peak). ``--compile``: both arms with
+   ``torch.compile`` (``python -m trainer --compile``); the compilation falls in the warm-up steps.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def train_once(args, deterministic: bool, workdir: Path, index: int) -> dict:
            "--eval-every", "0", "--ckpt-every", "0", "--device", args.device, "--set", f"deterministic={str(deterministic).lower()}"]
     if args.data:
         cmd += ["--data", args.data]
+    if args.compile:
+        cmd.append("--compile")
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}")
@@ -103,6 +106,7 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", type=int, default=2, help="deterministic/fast pairs (default 2)")
     p.add_argument("--repeats", type=int, default=7, help="forward+backward passes per attention kernel (default 7)")
     p.add_argument("--data", help="prepared dataset dir (default: the bundled Shakespeare corpus)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model in both arms (MFU with compile)")
     p.add_argument("--json-out", metavar="FILE", help="also write the result as JSON to FILE")
     args = p.parse_args(argv)
     if args.steps < args.warmup + 2 or args.pairs < 1 or args.repeats < 2:

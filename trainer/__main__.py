@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, metavar="A", help="micro-batches accumulated per optimizer step (data.grad_accum)")
     p.add_argument("--lr", type=float, metavar="LR", help="peak learning rate of the schedule (optim.lr)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor; the first steps pay the compilation)")
     p.add_argument("--async-ckpt", action="store_true", help="snapshot to CPU and write checkpoints in the background")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N checkpoints, delete older ones (checkpoint.keep_last)")
     p.add_argument("--keep-every", type=int, metavar="K",
@@ -76,6 +77,8 @@ def _overrides(args) -> dict:
             o[path] = v
     if args.fsdp:
         o["parallelism"] = "fsdp"
+    if args.compile:
+        o["compile"] = True
     if args.async_ckpt:
         o["checkpoint.async_save"] = True
     if args.telemetry:

@@ -25,12 +25,26 @@ def _timed_allreduce(clock: PhaseClock, bucket):
     return allreduce_hook(None, bucket)
 
 
+def compile_model(model: torch.nn.Module, *, per_block: bool) -> None:
+    """``torch.compile`` in place (``Module.compile``), before DDP or FSDP2 wrap the model: the module
+    objects, their parameters and ``state_dict``'s keys stay what they were, so checkpoints are the
+    same files with or without it, and a run may be resumed either way (its numerics then differ by
+    rounding: an exact resume keeps the setting, which the saved config does). DDP's hooks see the
+    gradients of the compiled backward as of any other. With FSDP2 each block is compiled on its own
+    (``per_block``), as torchtitan does, so that FSDP2's all-gathers stay outside the graphs; else the
+    whole model is one graph (one for training, one for evaluation)."""
+    for module in (model.blocks if per_block else [model]):
+        module.compile()
+
+
 def setup_model(tr) -> None:
     cfg, env = tr.cfg, tr.env
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(cfg.model).to(env.device)
     tr.n_params = model.num_params(non_embedding=True)
     tr.raw_model = model
+    if cfg.compile:
+        compile_model(model, per_block=cfg.parallelism == "fsdp")
     if cfg.parallelism == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

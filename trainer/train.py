@@ -51,6 +51,10 @@ def _log(env: DistEnv, msg: str) -> None:
         print(msg, flush=True)
 
 
+# torch 2.13 renamed it (``all_gather_into_tensor`` now warns at every call); torch >= 2.6 is supported
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, env: DistEnv, *, offline: bool = False):
         """``offline=True`` builds the same model/optimizer/data/guard for replay tools, with no side
@@ -260,7 +264,7 @@ class Trainer:
             row = torch.cat([local.reshape(1).float(), *src_parts, pay])
             width, n_src = row.numel(), (0 if src_sum is None else src_sum.numel())
             both = torch.empty(self.env.world_size * width, device=self.env.device)
-            dist.all_gather_into_tensor(both, row)
+            _all_gather_flat(both, row)
             both = both.view(self.env.world_size, width)
             gathered = both[:, 0].contiguous()
             self.step_source_sums = None if src_sum is None else both[:, 1:1 + n_src].sum(dim=0)
@@ -339,7 +343,8 @@ class Trainer:
         self.model.train()
         sched = f" (seq_len schedule {[list(e) for e in cfg.data.seq_len_schedule]})" if cfg.data.seq_len_schedule else ""
         _log(env, f"model: {self.n_params / 1e6:.2f}M non-embedding params; global batch {self.global_batch} x {cfg.model.seq_len} tokens{sched}; "
-                  f"{env.world_size} rank(s), {cfg.parallelism if env.distributed else 'single'} on {env.device.type}")
+                  f"{env.world_size} rank(s), {cfg.parallelism if env.distributed else 'single'} on {env.device.type}"
+                  f"{', compiled (the first steps compile)' if cfg.compile else ''}")
         while self.state.step < cfg.max_steps:
             t_ctl = time.perf_counter()
             self.control.poll(self.state.step)

@@ -129,6 +129,25 @@ def test_async_checkpoint_kill_resume_bitwise(tmp_path, dataset, refs):
     _assert_checkpoints_valid(run)
 
 
+def test_compiled_model_kill_resume_bitwise(tmp_path, dataset, refs):
+    """``--compile`` (torch.compile, inductor on the CPU): killed mid-run, resumed with only --run-dir
+    (the saved config compiles again), the trajectory equals the uninterrupted compiled run's, bitwise.
+    The compiled model's first loss is the eager one's up to rounding: the same weights, batch and
+    checkpoint format (the module's state_dict keys do not change)."""
+    n2 = 12
+    rng = random.Random(31)
+    ref = refs(*_ref_args(n2, 2), "--compile")
+    run = tmp_path / "run"
+    kill = run_and_kill(run, _args(dataset, n2, 2, "--compile"), rng=rng, kill_step=rng.randint(4, 8), data_dir=dataset)
+    assert kill.killed and "compiled" in kill.output
+    p = _resume(run, dataset=dataset)
+    assert "compiled" in p.stdout and "Traceback" not in p.stderr
+    assert_same_trajectory(ref, run, n2, f"killed at {kill.at_step}")
+    eager = trajectory(refs(*_ref_args(N2, 2)))[1]["loss"]
+    assert trajectory(ref)[1]["loss"] == pytest.approx(eager, rel=1e-5)
+    _assert_checkpoints_valid(run)
+
+
 @pytest.mark.slow
 def test_two_rank_ddp_kill_resume_bitwise(tmp_path, dataset, refs):
     """torchrun, 2 ranks (gloo DDP), grad-accum 2, skip list: SIGKILL of the agent and both workers at a
