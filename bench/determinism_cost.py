@@ -1,6 +1,7 @@
 """What do bitwise-reproducible steps (``deterministic: true``) cost, and why are they needed?
 
-    python3 bench/determinism_cost.py [--preset gpt2-124m] [--device cuda] [--steps 40] [--pairs 2] [--compile] [--json-out FILE]
+    python3 bench/determinism_cost.py [--preset gpt2-124m] [--device cuda] [--steps 40] [--pairs 2] [--compile]
+                                      [--det-attention math|triton] [--json-out FILE]
 
 Two parts, both on the machine it runs on (a GPU for the figures in docs/benchmarks.md, "On an H100"):
 
@@ -15,6 +16,9 @@ Two parts, both on the machine it runs on (a GPU for the figures in docs/benchma
    ``--warmup`` steps dropped, as ``bench/telemetry_overhead.py`` does) and the median MFU the
    trainer exported (on CUDA, against its device table's peak). ``--compile``: both arms with
    ``torch.compile`` (``python -m trainer --compile``); the compilation falls in the warm-up steps.
+   ``--det-attention triton``: the deterministic arm runs our fused attention
+   (``model.attention: triton``, ``trainer/attention_triton.py``) instead of torch's math kernel;
+   the target is a deterministic run at >= 0.8x the fast one's throughput.
 """
 
 from __future__ import annotations
@@ -62,19 +66,29 @@ def kernel_probe(preset: str, device: str, repeats: int) -> list[dict]:
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
         return torch.cat([t.grad.flatten() for t in (q, k, v)])
 
+    def ours(_) -> torch.Tensor:  # trainer/attention_triton.py: fused, no atomics in its backward
+        from trainer.attention_triton import attention
+
+        for t in (q, k, v):
+            t.grad = None
+        attention(q, k, v).backward(dout)
+        return torch.cat([t.grad.flatten() for t in (q, k, v)])
+
+    kernels = [(b.name.lower(), grads, b) for b in backends]
+    if device == "cuda":
+        kernels.append(("triton (ours)", ours, None))
     rows = []
-    for backend in backends:
-        name = backend.name.lower()
+    for name, run, backend in kernels:
         try:
-            first = grads(backend)
-            same = all(torch.equal(first, grads(backend)) for _ in range(repeats - 1))
+            first = run(backend)
+            same = all(torch.equal(first, run(backend)) for _ in range(repeats - 1))
             sync()
             t = time.perf_counter()
             for _ in range(10):
-                grads(backend)
+                run(backend)
             sync()
             rows.append({"kernel": name, "repeats_bitwise": same, "forward_backward_ms": (time.perf_counter() - t) * 100})
-        except RuntimeError as e:  # not available for this device, dtype or shape
+        except (RuntimeError, ImportError, ValueError) as e:  # not available for this device, dtype or shape
             rows.append({"kernel": name, "unavailable": str(e).splitlines()[0][:120]})
     return rows
 
@@ -87,6 +101,8 @@ def train_once(args, deterministic: bool, workdir: Path, index: int) -> dict:
         cmd += ["--data", args.data]
     if args.compile:
         cmd.append("--compile")
+    if deterministic and args.det_attention == "triton":
+        cmd += ["--set", "model.attention=triton"]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}")
@@ -107,6 +123,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=7, help="forward+backward passes per attention kernel (default 7)")
     p.add_argument("--data", help="prepared dataset dir (default: the bundled Shakespeare corpus)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model in both arms (MFU with compile)")
+    p.add_argument("--det-attention", choices=["math", "triton"], default="math",
+                   help="the deterministic arm's attention: torch's math kernel, or ours (trainer/attention_triton.py)")
     p.add_argument("--json-out", metavar="FILE", help="also write the result as JSON to FILE")
     args = p.parse_args(argv)
     if args.steps < args.warmup + 2 or args.pairs < 1 or args.repeats < 2:

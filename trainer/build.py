@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import rng
+from trainer.errors import TrainingError
 from trainer.model import GPT
 from trainer.optim import build_optimizer
 from trainer.phases import PhaseClock
@@ -37,8 +38,25 @@ def compile_model(model: torch.nn.Module, *, per_block: bool) -> None:
         module.compile()
 
 
+def _check_attention(cfg, env) -> None:
+    """``model.attention: triton`` needs CUDA and the triton package: without CUDA the model uses SDPA
+    (said once), without the package the start stops in one line."""
+    if cfg.model.attention != "triton":
+        return
+    if env.device.type != "cuda":
+        if env.is_main:
+            print(f"note: model.attention triton runs on CUDA only; this {env.device.type} run uses SDPA", flush=True)
+        return
+    try:
+        import trainer.attention_triton  # noqa: F401
+    except ImportError as e:
+        raise TrainingError(f"model.attention: triton needs the triton package ({e}); pip install triton, "
+                            "or set model.attention=sdpa") from None
+
+
 def setup_model(tr) -> None:
     cfg, env = tr.cfg, tr.env
+    _check_attention(cfg, env)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(cfg.model).to(env.device)
     tr.n_params = model.num_params(non_embedding=True)

@@ -40,11 +40,22 @@ class ModelConfig(_Strict):
     vocab_size: int | None = Field(None, ge=2, le=1 << 24, description="None: taken from the dataset")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     bias: bool = False
+    attention: Literal["sdpa", "triton"] = Field(
+        "sdpa", description="sdpa: torch's kernels (with deterministic: true on CUDA, the math one); triton: our fused "
+        "kernels, whose backward repeats bit for bit (trainer/attention_triton.py), on CUDA; needs the triton package "
+        "and dropout 0; elsewhere sdpa")
 
     @model_validator(mode="after")
     def _heads_divide(self):
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.attention == "triton":
+            hd = self.d_model // self.n_head
+            if self.dropout:
+                raise ValueError("model.attention: triton has no attention dropout; set model.dropout to 0")
+            if hd < 16 or hd > 128 or hd & (hd - 1):
+                raise ValueError(f"model.attention: triton takes a head size (d_model / n_head) that is a power of two "
+                                 f"from 16 to 128, not {hd}")
         return self
 
 

@@ -26,7 +26,9 @@ def make_deterministic(device_type: str) -> None:
       slower (9.1 ms against 0.95 ms for flash per layer's forward+backward at those shapes) and
       keeps the T x T attention matrix: docs/benchmarks.md has what it costs a whole step, and
       ``deterministic: false`` gives the fast kernels back (resumes then match within tolerance,
-      not bit for bit). The CPU kernels are deterministic and stay as they are.
+      not bit for bit). ``model.attention: triton`` replaces it with our fused kernels, whose
+      backward has no atomics (``trainer/attention_triton.py``). The CPU kernels are deterministic
+      and stay as they are.
     """
     torch.use_deterministic_algorithms(True, warn_only=True)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

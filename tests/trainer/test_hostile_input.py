@@ -284,6 +284,23 @@ def test_a_model_too_large_for_the_machine_is_one_line_before_anything_is_built(
     assert not (tmp_path / "run").exists(), "refused before the run dir was made"
 
 
+@pytest.mark.parametrize("sets, says", [
+    ({"model.attention": "triton", "model.dropout": 0.1}, "triton has no attention dropout"),
+    ({"model.attention": "triton", "model.d_model": 96, "model.n_head": 2}, "power of two from 16 to 128, not 48"),
+    ({"model.attention": "triton", "model.d_model": 512, "model.n_head": 2}, "not 256"),
+    ({"model.attention": "flash"}, "Input should be 'sdpa' or 'triton'"),
+])
+def test_an_attention_kernel_that_cannot_run_the_model_is_one_line(sets, says):
+    """``model.attention: triton`` (trainer/attention_triton.py) has no dropout and takes head sizes
+    of 16 to 128, powers of two: anything else is refused when the config is read, not at the first
+    step on a GPU."""
+    from trainer.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError) as e:
+        resolve(preset="tiny", config_file=None, saved=None, overrides=sets)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_a_damaged_directives_log_does_not_stop_a_start(run, dataset):
     with open(run / "directives.jsonl", "ab") as f:
         f.write(b'{"id": "ok-1", "kind": "pause"}\n')

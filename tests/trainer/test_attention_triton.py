@@ -1,0 +1,103 @@
+"""``trainer/attention_triton.py``, the fused causal attention whose backward repeats bit for bit, run
+on the CPU by Triton's interpreter: its output and its gradients against torch's math attention,
+across shapes that end inside a tile, and the same gradients on every pass. On a GPU the same
+kernels are compiled; their speed is ``bench/determinism_cost.py``'s to measure.
+
+The interpreter is chosen when triton is imported (``TRITON_INTERPRET=1``: its own ``tl.max`` and
+``tl.sum`` are kernels too), so one child process runs every case of the tables below, and each
+test reads its case's result. bfloat16 is not checked here: the interpreter multiplies bfloat16
+tiles wrongly (a 16 x 16 ``tl.dot`` of bfloat16 came out ~1e10 off), which a GPU does in hardware."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.services import skip_or_fail
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (batch, heads, T, head_dim): tiles of 16, 32 and 64; T inside one tile, across several, ending mid-tile
+SHAPES = [(1, 1, 5, 16), (2, 3, 40, 16), (1, 2, 64, 32), (1, 1, 17, 16), (2, 2, 128, 64), (1, 2, 100, 64),
+          (1, 1, 33, 128)]
+DTYPES = {"fp32": 1e-5, "fp16": 3e-3}  # the largest relative error allowed (of the norm, against fp32 math)
+BAD = {  # shapes it cannot take: (q, k) -> what the one-line error says
+    "k-longer": ((1, 1, 8, 16), (1, 1, 9, 16), "share one"),
+    "not-4d": ((8, 16), (8, 16), "share one"),
+    "head-24": ((1, 1, 8, 24), (1, 1, 8, 24), "power of two"),
+    "head-256": ((1, 1, 8, 256), (1, 1, 8, 256), "power of two"),
+}
+
+
+def _cases() -> dict:  # in the child, under the interpreter
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.attention_triton import attention
+
+    def run(fn, q, k, v, dout):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fn(q, k, v)
+        out.backward(dout)
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    out: dict = {}
+    for shape in SHAPES:
+        B, H, T, D = shape
+        for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
+            g = torch.Generator().manual_seed(sum(shape))
+            qkv = torch.randn(B, T, 3 * H * D, generator=g).to(dtype)  # as the model hands them over: views
+            q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+            dout = torch.randn(B, H, T, D, generator=g).to(dtype)
+            got = run(attention, q, k, v, dout)
+            want = run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
+                       q.float(), k.float(), v.float(), dout.float())
+            errors = {n: ((a.float() - b).norm() / b.norm()).item() for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+            same = all(all(torch.equal(a, b) for a, b in zip(run(attention, q, k, v, dout), got)) for _ in range(2))
+            out[f"{name}-{'x'.join(map(str, shape))}"] = {"errors": errors, "bitwise": same,
+                                                         "dtypes": sorted({str(t.dtype) for t in got})}
+    for name, (qs, ks, _) in BAD.items():
+        try:
+            attention(torch.zeros(qs), torch.zeros(ks), torch.zeros(ks))
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        skip_or_fail("the triton package (the test extra installs it)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_matches_torch_attention_and_repeats_bit_for_bit(results, shape, dtype):
+    """Output, dQ, dK and dV as torch's causal ``scaled_dot_product_attention`` computes them in fp32,
+    from q, k and v laid out as the model hands them over (transposed views of one projection), in
+    the inputs' dtype; and three passes give the same bits."""
+    r = results[f"{dtype}-{'x'.join(map(str, shape))}"]
+    assert r["dtypes"] == [{"fp32": "torch.float32", "fp16": "torch.float16"}[dtype]]
+    assert all(err < DTYPES[dtype] for err in r["errors"].values()), r["errors"]
+    assert r["bitwise"], "a second pass gave other bits"
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_shapes_it_cannot_take_are_one_line_errors(results, case):
+    assert BAD[case][2] in results[case] and "\n" not in results[case], results[case]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_cases()))

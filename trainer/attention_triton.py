@@ -1,0 +1,186 @@
+"""Causal attention whose backward is deterministic: fused Triton kernels without atomics.
+
+Why: with ``deterministic: true`` a CUDA run may use only torch's math attention, because the
+flash, memory-efficient and cuDNN kernels accumulate dQ across key blocks with atomic adds, whose
+order changes from run to run (``trainer/determinism.py``). The math kernel keeps the T x T matrix
+and cost ``gpt2-124m`` 2.9x its step time on an H100. These kernels follow FlashAttention-2's
+algorithm (tiles, an online softmax, the rows' log-sum-exp kept for the backward), and split the
+backward in two passes so that every output tile has one owner:
+
+* ``_dkdv``: a program per key block walks the query blocks at or after it (causal) and sums its
+  dK and dV in registers;
+* ``_dq``: a program per query block walks the key blocks up to it and sums its dQ.
+
+No tile is written by two programs and each sums in a fixed order, so the gradients repeat bit
+for bit. The price is recomputing the scores once more than a kernel with atomics does.
+
+``attention(q, k, v)`` takes (batch, heads, T, head_dim) tensors as ``F.scaled_dot_product_attention``
+does (causal, no dropout, the default scale). It needs the ``triton`` package; on the CPU it runs
+under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it against
+torch's math attention without a GPU. The model uses it on CUDA when ``model.attention`` is
+``triton`` (``trainer/model.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _program(s_b, s_h, n_heads, T, BLOCK: tl.constexpr):
+    """This program's head (its batch x heads index), where that head's (T, D) matrices start, and
+    the rows of its block (with which are inside T)."""
+    bh = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return bh, (bh // n_heads) * s_b + (bh % n_heads) * s_h, offs, offs < T
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, bh, T, offs, inside):
+    """The rows' log-sum-exp (from the forward) and delta = rowsum(dO * O)."""
+    return tl.load(LSE + bh * T + offs, mask=inside, other=0.0), tl.load(DELTA + bh * T + offs, mask=inside, other=0.0)
+
+
+@triton.jit
+def _rows(ptr, base, offs, s_t, offs_d, inside):
+    """Rows ``offs`` of one head's (T, D) matrix at ``ptr + base`` (zeros past T)."""
+    return tl.load(ptr + base + offs[:, None] * s_t + offs_d[None, :], mask=inside[:, None], other=0.0)
+
+
+@triton.jit
+def _put_rows(ptr, base, offs, s_t, offs_d, inside, x):
+    tl.store(ptr + base + offs[:, None] * s_t + offs_d[None, :], x.to(ptr.dtype.element_ty), mask=inside[:, None])
+
+
+@triton.jit
+def _p_and_ds(q, k, v, do, lse, delta, offs_m, offs_n, in_m, in_n, scale):
+    """One tile's softmax P, recomputed from its rows' log-sum-exp, and dS = P * (dO V^T - delta),
+    delta = rowsum(dO * O): what every backward pass needs of a (query block, key block) pair."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    seen = (offs_m[:, None] >= offs_n[None, :]) & in_m[:, None] & in_n[None, :]
+    p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
+    return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+
+
+@triton.jit
+def _fwd(Q, K, V, OUT, LSE, scale, s_b, s_h, s_t, n_heads, T,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    bh, base, offs_m, in_m = _program(s_b, s_h, n_heads, T, BLOCK_M)  # q, k, v and the output share one layout
+    offs_d = tl.arange(0, D)
+    q = _rows(Q, base, offs_m, s_t, offs_d, in_m)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start_n in range(0, tl.minimum((tl.program_id(0) + 1) * BLOCK_M, T), BLOCK_N):  # causal: keys up to its last query
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        in_n = offs_n < T
+        s = tl.dot(q, tl.trans(_rows(K, base, offs_n, s_t, offs_d, in_n))) * scale
+        s = tl.where((offs_m[:, None] >= offs_n[None, :]) & in_n[None, :], s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        p = tl.exp(s - new_max[:, None])
+        shrink = tl.exp(row_max - new_max)
+        row_sum = row_sum * shrink + tl.sum(p, 1)
+        v = _rows(V, base, offs_n, s_t, offs_d, in_n)
+        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v)
+        row_max = new_max
+    _put_rows(OUT, base, offs_m, s_t, offs_d, in_m, acc / row_sum[:, None])
+    tl.store(LSE + bh * T + offs_m, row_max + tl.log(row_sum), mask=in_m)
+
+
+@triton.jit
+def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, s_b, s_h, s_t, n_heads, T,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    bh, base, offs_n, in_n = _program(s_b, s_h, n_heads, T, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    k = _rows(K, base, offs_n, s_t, offs_d, in_n)
+    v = _rows(V, base, offs_n, s_t, offs_d, in_n)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    for start_m in range((tl.program_id(0) * BLOCK_N // BLOCK_M) * BLOCK_M, T, BLOCK_M):  # causal: queries from here on
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        in_m = offs_m < T
+        q = _rows(Q, base, offs_m, s_t, offs_d, in_m)
+        do = _rows(DO, base, offs_m, s_t, offs_d, in_m)
+        lse, delta = _row_stats(LSE, DELTA, bh, T, offs_m, in_m)
+        p, ds = _p_and_ds(q, k, v, do, lse, delta, offs_m, offs_n, in_m, in_n, scale)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    _put_rows(DK, base, offs_n, s_t, offs_d, in_n, dk * scale)
+    _put_rows(DV, base, offs_n, s_t, offs_d, in_n, dv)
+
+
+@triton.jit
+def _dq(Q, K, V, DO, LSE, DELTA, DQ, scale, s_b, s_h, s_t, n_heads, T,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    bh, base, offs_m, in_m = _program(s_b, s_h, n_heads, T, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    q = _rows(Q, base, offs_m, s_t, offs_d, in_m)
+    do = _rows(DO, base, offs_m, s_t, offs_d, in_m)
+    lse, delta = _row_stats(LSE, DELTA, bh, T, offs_m, in_m)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    for start_n in range(0, tl.minimum((tl.program_id(0) + 1) * BLOCK_M, T), BLOCK_N):  # causal: keys up to its last query
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        in_n = offs_n < T
+        k = _rows(K, base, offs_n, s_t, offs_d, in_n)
+        _, ds = _p_and_ds(q, k, _rows(V, base, offs_n, s_t, offs_d, in_n), do, lse, delta, offs_m, offs_n, in_m, in_n, scale)
+        dq += tl.dot(ds.to(k.dtype), k)
+    _put_rows(DQ, base, offs_m, s_t, offs_d, in_m, dq * scale)
+
+
+def _blocks(T: int, D: int) -> tuple[int, int]:
+    """Tile sizes: 64 x 64 on a GPU (tensor-core tiles; 32 for head_dim 128, to fit the registers),
+    smaller for short sequences; ``tl.dot`` needs 16 at least."""
+    if D > 128 or D < 16 or D & (D - 1):
+        raise ValueError(f"head_dim {D}: the Triton attention takes a power of two from 16 to 128")
+    block = 16 if T <= 16 else 32 if T <= 32 or D == 128 else 64
+    return block, block
+
+
+def _layout(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors contiguous: (B, H, T, D) strides shared by all, unit stride along D. (The model's
+    q, k and v are transposed views of one projection; the copy costs less than the math kernel's
+    T x T matrix.)"""
+    return tuple(t.contiguous() for t in ts)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        q, k, v = _layout(q, k, v)
+        B, H, T, D = q.shape
+        scale = 1.0 / math.sqrt(D)
+        bm, bn = _blocks(T, D)
+        o = torch.empty_like(q)
+        lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+        _fwd[(triton.cdiv(T, bm), B * H)](q, k, v, o, lse, scale, q.stride(0), q.stride(1), q.stride(2), H, T,
+                                          BLOCK_M=bm, BLOCK_N=bn, D=D)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.to(q.dtype).contiguous()  # q, k, v, o are contiguous (``_layout``): one set of strides for all
+        B, H, T, D = q.shape
+        scale = 1.0 / math.sqrt(D)
+        bm, bn = _blocks(T, D)
+        delta = (do.float() * o.float()).sum(-1)  # rowsum(dO * O): the softmax's backward term, per row
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        strides = (q.stride(0), q.stride(1), q.stride(2), H, T)
+        _dkdv[(triton.cdiv(T, bn), B * H)](q, k, v, do, lse, delta, dk, dv, scale, *strides, BLOCK_M=bm, BLOCK_N=bn, D=D)
+        _dq[(triton.cdiv(T, bm), B * H)](q, k, v, do, lse, delta, dq, scale, *strides, BLOCK_M=bm, BLOCK_N=bn, D=D)
+        return dq, dk, dv
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention of (batch, heads, T, head_dim) tensors, scale 1/sqrt(head_dim), no
+    dropout: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, with a backward that
+    repeats bit for bit."""
+    if not (q.shape == k.shape == v.shape and q.dim() == 4):
+        raise ValueError(f"q, k and v must share one (batch, heads, T, head_dim) shape; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    return _Attention.apply(q, k, v)
