@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from tests.helpers.cli import sentinel_proc
 from tests.helpers.trainer import (
     BASE_ARGS,
     assert_one_line_error,
@@ -146,6 +147,10 @@ def test_compiled_model_kill_resume_bitwise(tmp_path, dataset, refs):
     eager = trajectory(refs(*_ref_args(N2, 2)))[1]["loss"]
     assert trajectory(ref)[1]["loss"] == pytest.approx(eager, rel=1e-5)
     _assert_checkpoints_valid(run)
+    # the offline tools compile too (the saved config says so), and so compute what the run did
+    step = sorted(s for s, _ in list_checkpoints(run / "checkpoints"))[-2]  # with steps after it in the log
+    v = sentinel_proc("verify-resume", str(run), "--from-step", str(step), "--steps", "2", "--json", timeout=300)
+    assert v.returncode == 0 and json.loads(v.stdout)["equivalent"] is True, v.stdout[-2000:] + v.stderr[-2000:]
 
 
 @pytest.mark.slow
