@@ -176,6 +176,7 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv
 
 
+@torch.compiler.disable  # left out of torch.compile's graphs (a graph break per call): its kernels are Triton already
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax attention of (batch, heads, T, head_dim) tensors, scale 1/sqrt(head_dim), no
     dropout: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, with a backward that

@@ -28,8 +28,7 @@ class CausalSelfAttention(nn.Module):
         if self.triton and q.is_cuda:
             from trainer.attention_triton import attention
 
-            # left out of torch.compile's graphs (a graph break per block): its kernels are Triton already
-            y = torch.compiler.disable(attention)(q, k, v)
+            y = attention(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
