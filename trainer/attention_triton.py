@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trainer.config import TRITON_HEAD_SIZES
+
 
 @triton.jit
 def _program(s_b, s_h, n_heads, T, BLOCK: tl.constexpr):
@@ -134,7 +136,7 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, scale, s_b, s_h, s_t, n_heads, T,
 def _blocks(T: int, D: int) -> tuple[int, int]:
     """Tile sizes: 64 x 64 on a GPU (tensor-core tiles; 32 for head_dim 128, to fit the registers),
     smaller for short sequences; ``tl.dot`` needs 16 at least."""
-    if D > 128 or D < 16 or D & (D - 1):
+    if D not in TRITON_HEAD_SIZES:
         raise ValueError(f"head_dim {D}: the Triton attention takes a power of two from 16 to 128")
     block = 16 if T <= 16 else 32 if T <= 32 or D == 128 else 64
     return block, block

@@ -30,6 +30,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+# the head sizes trainer/attention_triton.py has tiles for (tl.dot needs 16 at least; 128 fills the registers)
+TRITON_HEAD_SIZES = (16, 32, 64, 128)
+
+
 class ModelConfig(_Strict):
     # upper bounds far past any model one process builds: a typo (1e11 layers) is a one-line error,
     # not an allocator traceback or the kernel's OOM killer
@@ -53,7 +57,7 @@ class ModelConfig(_Strict):
             hd = self.d_model // self.n_head
             if self.dropout:
                 raise ValueError("model.attention: triton has no attention dropout; set model.dropout to 0")
-            if hd < 16 or hd > 128 or hd & (hd - 1):
+            if hd not in TRITON_HEAD_SIZES:
                 raise ValueError(f"model.attention: triton takes a head size (d_model / n_head) that is a power of two "
                                  f"from 16 to 128, not {hd}")
         return self
