@@ -133,48 +133,41 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, scale, s_b, s_h, s_t, n_heads, T,
     _put_rows(DQ, base, offs_m, s_t, offs_d, in_m, dq * scale)
 
 
-def _blocks(T: int, D: int) -> tuple[int, int]:
-    """Tile sizes: 64 x 64 on a GPU (tensor-core tiles; 32 for head_dim 128, to fit the registers),
-    smaller for short sequences; ``tl.dot`` needs 16 at least."""
+def _block(T: int, D: int) -> int:
+    """The tile size, queries and keys alike: 64 on a GPU (tensor-core tiles; 32 for head_dim 128, to
+    fit the registers), smaller for short sequences; ``tl.dot`` needs 16 at least."""
     if D not in TRITON_HEAD_SIZES:
         raise ValueError(f"head_dim {D}: the Triton attention takes a power of two from 16 to 128")
-    block = 16 if T <= 16 else 32 if T <= 32 or D == 128 else 64
-    return block, block
-
-
-def _layout(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors contiguous: (B, H, T, D) strides shared by all, unit stride along D. (The model's
-    q, k and v are transposed views of one projection; the copy costs less than the math kernel's
-    T x T matrix.)"""
-    return tuple(t.contiguous() for t in ts)
+    return 16 if T <= 16 else 32 if T <= 32 or D == 128 else 64
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
-        q, k, v = _layout(q, k, v)
+        # contiguous: one set of (B, H, T, D) strides for all, unit stride along D (the model's q, k and
+        # v are transposed views of one projection; the copies cost less than the math kernel's T x T)
+        q, k, v = (t.contiguous() for t in (q, k, v))
         B, H, T, D = q.shape
-        scale = 1.0 / math.sqrt(D)
-        bm, bn = _blocks(T, D)
+        ctx.block, ctx.scale = _block(T, D), 1.0 / math.sqrt(D)
         o = torch.empty_like(q)
         lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
-        _fwd[(triton.cdiv(T, bm), B * H)](q, k, v, o, lse, scale, q.stride(0), q.stride(1), q.stride(2), H, T,
-                                          BLOCK_M=bm, BLOCK_N=bn, D=D)
+        _fwd[(triton.cdiv(T, ctx.block), B * H)](q, k, v, o, lse, ctx.scale, q.stride(0), q.stride(1), q.stride(2), H, T,
+                                                 BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        do = do.to(q.dtype).contiguous()  # q, k, v, o are contiguous (``_layout``): one set of strides for all
+        do = do.to(q.dtype).contiguous()  # the strides of q, k, v and o
         B, H, T, D = q.shape
-        scale = 1.0 / math.sqrt(D)
-        bm, bn = _blocks(T, D)
         delta = (do.float() * o.float()).sum(-1)  # rowsum(dO * O): the softmax's backward term, per row
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        strides = (q.stride(0), q.stride(1), q.stride(2), H, T)
-        _dkdv[(triton.cdiv(T, bn), B * H)](q, k, v, do, lse, delta, dk, dv, scale, *strides, BLOCK_M=bm, BLOCK_N=bn, D=D)
-        _dq[(triton.cdiv(T, bm), B * H)](q, k, v, do, lse, delta, dq, scale, *strides, BLOCK_M=bm, BLOCK_N=bn, D=D)
+        args = (ctx.scale, q.stride(0), q.stride(1), q.stride(2), H, T)
+        tiles = dict(BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D)
+        grid = (triton.cdiv(T, ctx.block), B * H)
+        _dkdv[grid](q, k, v, do, lse, delta, dk, dv, *args, **tiles)
+        _dq[grid](q, k, v, do, lse, delta, dq, *args, **tiles)
         return dq, dk, dv
 
 
