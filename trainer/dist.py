@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,10 @@ class DistEnv:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
         return int(t[0]) == 0 and int(t[1]) == same and int(t[2]) == -same
 
+    def core_share(self) -> int:
+        """This rank's share of the CPUs it may run on (``usable_cpus``, split among the node's ranks)."""
+        return max(1, usable_cpus() // self.local_world_size)
+
     def broadcast_object(self, obj):
         """Rank 0's ``obj`` on every rank (control decisions)."""
         if not self.distributed:
@@ -71,6 +78,38 @@ def init(device_pref: str = "auto") -> DistEnv:
         local_world = 1
     return DistEnv(rank=rank, local_rank=local, world_size=world, device=device, control_group=control,
                    local_world_size=max(1, min(local_world, world)))
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The CPUs this process may run on: its affinity, bounded by a cgroup v2 CPU quota (``cpu_max``: a
+    container's CPU limit, which the affinity does not show), rounded up."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            n = min(n, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    return max(1, n)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op threads at least ``n`` inside the block, as they were after it. For a burst that
+    owns the rank's cores, such as copying a checkpoint into the live tensors, when the run keeps fewer
+    for its steps (``OMP_NUM_THREADS=1``, torchrun's default)."""
+    have = torch.get_num_threads()
+    if n <= have:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(have)
 
 
 def shutdown() -> None:

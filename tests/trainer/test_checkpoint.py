@@ -391,13 +391,15 @@ def test_a_checkpoint_of_torchs_format_loads_to_the_same_state(tmp_path, dataset
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
-def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs):
+def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs, monkeypatch):
     """model.pt and optim.pt are loaded with mmap: every tensor is copied out (into the live model and
     moments on a rollback, into private memory on a cold resume), so no checkpoint file stays mapped
-    (retention could not free its disk space) and the values are exactly the file's."""
+    (retention could not free its disk space) and the values are exactly the file's. The copies run on
+    the rank's share of the cores, and the run's own thread count is back after the load."""
     import trainer.train as train_mod
+    from trainer import state as state_mod
     from trainer.config import load_yaml, resolve
-    from trainer.dist import DistEnv
+    from trainer.dist import DistEnv, usable_cpus
 
     run = copy_run(refs(*REF12), tmp_path / "run")
     cfg = resolve(preset=None, config_file=None, saved=load_yaml(run / "config.yaml"), overrides={"data.dir": str(dataset)})
@@ -406,7 +408,17 @@ def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs):
     def mapped() -> list[str]:
         return [ln for ln in Path("/proc/self/maps").read_text().splitlines() if str(run / "checkpoints") in ln]
 
-    assert tr.load_checkpoint(12) == 12 and tr.opt.state.get(next(tr.raw_model.parameters())) is not None
+    threads_in_copy: list[int] = []
+    copy_model = state_mod.ModelPiece.load_state_dict
+    monkeypatch.setattr(state_mod.ModelPiece, "load_state_dict",
+                        lambda self, sd: (threads_in_copy.append(torch.get_num_threads()), copy_model(self, sd))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
+    try:
+        assert tr.load_checkpoint(12) == 12 and tr.opt.state.get(next(tr.raw_model.parameters())) is not None
+        assert threads_in_copy == [usable_cpus()] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
     assert mapped() == [], "a cold load left a checkpoint file mapped"
     moments = {id(v) for st in tr.opt.state.values() for v in st.values()}
     assert tr.load_checkpoint(8) == 8, "the rollback case: the moments exist already"
@@ -896,3 +908,20 @@ def test_a_share_hashes_its_files_and_an_odd_local_rank_hashes_all(tmp_path, ref
     else:
         manifest, fingerprint, state = verify_share(path, share)
         assert manifest["step"] == 12 == state["step"] and fingerprint > 0
+
+
+@pytest.mark.parametrize("cpu_max, limit", [
+    ("max 100000\n", None),          # no quota: the affinity
+    ("150000 100000\n", 2),           # 1.5 CPUs, rounded up
+    ("50000 100000\n", 1),            # half a CPU: still one
+    ("100000000 100000\n", None),     # a quota above the affinity
+    ("garbage\n", None), ("", None), ("1 0\n", None),  # unreadable: the affinity
+])
+def test_usable_cpus_reads_a_containers_cpu_quota(tmp_path, cpu_max, limit):
+    from trainer.dist import usable_cpus
+
+    f = tmp_path / "cpu.max"
+    f.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(f) == (min(affinity, limit) if limit else affinity)
+    assert usable_cpus(tmp_path / "absent") == affinity
