@@ -83,9 +83,9 @@ class ValidCheckpoint:
         return int(self.manifest.get("bytes", 0))
 
 
-def _read_json(path: Path, what: str):
+def _read_json(path: Path, what: str, data: bytes | None = None):
     try:
-        return json.loads(path.read_bytes())
+        return json.loads(path.read_bytes() if data is None else data)
     except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8/JSON, or nested past the parser
         raise CheckpointError(f"{path.parent.name}: {what} is unreadable") from None
 
@@ -123,12 +123,14 @@ def verify(path: Path) -> dict:
     return verify_share(path)[0]
 
 
-def verify_share(path: Path, share: tuple[int, int] | None = None) -> tuple[dict, int, dict]:
+def verify_share(path: Path, share: tuple[int, int] | None = None, keep: dict | None = None) -> tuple[dict, int, dict]:
     """``verify``, hashing only this rank's share of the files with ``share=(index, count)``
     (``checksum_share``); returns the manifest, the fingerprint of the files seen (0 without a
     share) and ``train_state.json`` as ``read_train_state`` gives it. The caller combines every
     rank's verdict, and checks that all saw the same files, before any file is loaded
-    (``trainer.checkpointing.TrainerCheckpoints.load``). The rest is checked in full."""
+    (``trainer.checkpointing.TrainerCheckpoints.load``). The rest is checked in full. With ``keep``
+    (a dict), each small file hashed through a mapping leaves that mapping there, by path, for its
+    reader (``sentinel.contract.fsio.checksums_match``); ``train_state.json`` is parsed from it."""
     if not path.is_dir():
         what = "a dangling link" if os.path.islink(path) and not path.exists() else "a file, not a directory"
         raise CheckpointError(f"{path.name}: is {what} (not a checkpoint)")
@@ -154,20 +156,22 @@ def verify_share(path: Path, share: tuple[int, int] | None = None) -> tuple[dict
         if 0 <= index < count and count > 1:  # else (one rank, or a launcher's odd local rank): every file
             names = checksum_share(names, sizes, index, count)
     if names:
-        ok = checksums_match([(path / n, files[n]) for n in names])
+        ok = checksums_match([(path / n, files[n]) for n in names], keep)
         for name, good in zip(names, ok):
             if not good:
                 raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupt or truncated)")
-    state = read_train_state(path, manifest.step)
+    hashed = keep.pop(path / "train_state.json", None) if keep is not None else None
+    state = read_train_state(path, manifest.step, None if hashed is None else bytes(hashed))
     if state["world_size"] != manifest.world_size:
         raise CheckpointError(f"{path.name}: train_state.json world_size {state['world_size']} differs from the manifest's {manifest.world_size}")
     return raw, fingerprint, state
 
 
-def read_train_state(path: Path, step: int | None = None) -> dict:
-    """``train_state.json`` of a checkpoint, validated (types, ranges, consistency with ``step``)."""
+def read_train_state(path: Path, step: int | None = None, data: bytes | None = None) -> dict:
+    """``train_state.json`` of a checkpoint, validated (types, ranges, consistency with ``step``);
+    ``data``: its bytes, already read (and hashed)."""
     try:
-        state = TrainStateFile.model_validate(_read_json(path / "train_state.json", "train_state.json"))
+        state = TrainStateFile.model_validate(_read_json(path / "train_state.json", "train_state.json", data))
     except ValidationError as e:
         raise CheckpointError(f"{path.name}: train_state.json is malformed ({first_error(e)})") from None
     if step is not None and state.step != step:

@@ -139,6 +139,7 @@ class TrainerCheckpoints:
             if why is None:
                 try:
                     loaded = self._read(path, *verified)
+                    verified = None  # the mappings the checksums left: in ``loaded`` now, or let go
                 except CheckpointError as e:
                     why = str(e)
             if env.all_ok(why is None):
@@ -151,9 +152,10 @@ class TrainerCheckpoints:
             _log(env, f"warning: checkpoint {why}; falling back to the previous one")
         return None
 
-    def _verify_together(self, path: Path) -> tuple[tuple[dict, dict] | None, str | None]:
-        """Verify ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its train state), None)
-        if it passed on every rank, else (None, why).
+    def _verify_together(self, path: Path) -> tuple[tuple[dict, dict, dict] | None, str | None]:
+        """Verify ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its train state, the
+        mappings its checksums were computed through, by path), None) if it passed on every rank, else
+        (None, why).
 
         A node's ranks read the same files, so each hashes a share of them (``checksum_share``: on a
         2-rank node, half the bytes each instead of all of them twice), and no rank loads a file until
@@ -161,10 +163,10 @@ class TrainerCheckpoints:
         Ranks of other nodes verify their own copy: nothing says two nodes see one file system."""
         env = self.tr.env
         share = (env.local_rank, env.local_world_size) if env.distributed else None
-        verified, fingerprint, why = None, 0, None
+        verified, fingerprint, why, mappings = None, 0, None, {}
         try:
-            manifest, fingerprint, state = verify_share(path, share)
-            verified = (manifest, state)
+            manifest, fingerprint, state = verify_share(path, share, mappings)
+            verified = (manifest, state, mappings)
         except CheckpointError as e:
             why = str(e)
         if not env.distributed:
@@ -173,11 +175,13 @@ class TrainerCheckpoints:
             return verified, None
         return None, why or f"{path.name}: rejected by another rank (a file fails its checksum there, or the ranks see different files)"
 
-    def _read(self, path: Path, manifest: dict, ts: dict) -> dict:
+    def _read(self, path: Path, manifest: dict, ts: dict, mappings: dict) -> dict:
         """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after
         ``_verify_together``, which read ``ts``, ``train_state.json``). The pieces in ``train_state.json``
-        first: their checks are the cheapest. The model's and the optimizer's files are mapped, not read
-        (``Piece.maps_file``: their ``load_state_dict`` copies the tensors into the live ones)."""
+        first: their checks are the cheapest. The tensor files are mapped, not read (``Piece.maps_file``:
+        their ``load_state_dict`` copies the tensors into the live ones), through the mapping their
+        checksum was computed through where there is one (``mappings``, by path): the bytes parsed are
+        the bytes hashed, and their pages are in place."""
         pieces = self.state.layout(sharded=(path / DCP_DIR).is_dir())
         read: dict = {}
         for name, piece in pieces.items():
@@ -186,7 +190,8 @@ class TrainerCheckpoints:
                 piece.check(read[name], path.name)
         for name, piece in pieces.items():
             if piece.file not in (TRAIN_STATE, DCP_DIR):  # DCP reads its shards when loading
-                sd = load_file(piece_path(path, piece.file, manifest["files"]), mapped=piece.maps_file)
+                file = piece_path(path, piece.file, manifest["files"])
+                sd = load_file(file, mapped=piece.maps_file, mapping=mappings.pop(file, None) if piece.maps_file else None)
                 prepared = piece.check(sd, path.name)
                 read[name] = sd if prepared is None else prepared
         return {"path": path, "manifest": manifest, "pieces": [(n, p, read.get(n)) for n, p in pieces.items()]}

@@ -50,13 +50,14 @@ def load_torch(path: Path, *, mmap: bool = False) -> Any:
         raise CheckpointError(f"{path.parent.name}: {path.name} is not a readable torch file") from None
 
 
-def load_file(path: Path, *, mapped: bool = False) -> Any:
+def load_file(path: Path, *, mapped: bool = False, mapping=None) -> Any:
     """The object in a piece file, by its suffix: a tensor file, else torch's format. ``mapped``: the
-    tensors are views of the file's pages (copy them into live tensors, then let them go)."""
+    tensors are views of the file's pages (copy them into live tensors, then let them go); a tensor
+    file's ``mapping``, when its checksum made one (``trainer.checkpoint.verify_share(keep=...)``)."""
     if path.suffix != tensor_file.SUFFIX:
         return load_torch(path, mmap=mapped)
     try:
-        return tensor_file.load(path, mapped=mapped)
+        return tensor_file.load(path, mapped=mapped, mapping=mapping)
     except tensor_file.TensorFileError as e:
         raise CheckpointError(f"{path.parent.name}: {path.name} is not a readable tensor file ({e})") from None
     except (OSError, ValueError, MemoryError) as e:

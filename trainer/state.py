@@ -139,6 +139,7 @@ class RngPiece(Piece):
     """This rank's generators (ranks draw distinct dropout streams, so each keeps its own file)."""
 
     per_rank = True
+    maps_file = True  # ``rng.restore`` copies every state out (the generators', Python's, numpy's)
 
     @property
     def file(self) -> str:

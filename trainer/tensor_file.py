@@ -241,10 +241,13 @@ def read(buf, *, fmt: str = FORMAT) -> Any:
         raise TensorFileError("the tree is nested too deeply") from None
 
 
-def load(path: Path, *, fmt: str = FORMAT, mapped: bool = True) -> Any:
+def load(path: Path, *, fmt: str = FORMAT, mapped: bool = True, mapping: mmap.mmap | None = None) -> Any:
     """``read`` of the file at ``path``. ``mapped``: its tensors are views of a private (copy-on-write)
     mapping of the file, which lasts as long as one of them does, so the caller copies them into live
-    tensors and lets them go; else of one read into fresh memory."""
+    tensors and lets them go; else of one read into fresh memory. ``mapping``: that mapping, made
+    already (the one its checksum was computed through: ``sentinel.contract.fsio.map_file``)."""
+    if mapped and mapping is not None:
+        return read(mapping, fmt=fmt)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
