@@ -173,7 +173,7 @@ def test_announcing_files_is_advice_that_never_fails(tmp_path, case):
 def test_checksums_of_small_and_large_files_in_either_form(tmp_path):
     """``checksums_match`` maps and hashes the small files on the caller's thread, the large ones on
     its threads: each verdict lands at its own file's place, whatever the form of the recorded value
-    or the state of the file."""
+    or the state of the file; asked to, it keeps the mappings a reader can reuse."""
     import hashlib
 
     from sentinel.contract.fsio import ANNOUNCE_MAX_BYTES, checksums_match, file_checksum
@@ -185,6 +185,11 @@ def test_checksums_of_small_and_large_files_in_either_form(tmp_path):
              (small, hashlib.sha256(b"s" * 5000).hexdigest(), True), (big2, bad, False), (small, bad, False),
              (big2, file_checksum(big2), True), (empty, bad, False)]
     assert checksums_match([(p, r) for p, r, _ in cases]) == [want for _, _, want in cases]
+    # with ``keep``: a small file whose BLAKE3 checksum matched leaves the mapping it was hashed through,
+    # holding its bytes, for its reader; nothing else does (sha256, empty, large, or a mismatch)
+    keep: dict = {}
+    assert checksums_match([(p, r) for p, r, _ in cases], keep) == [want for _, _, want in cases]
+    assert list(keep) == [small] and bytes(keep[small]) == b"s" * 5000
     with pytest.raises(FileNotFoundError):  # as it always did: the verifier checks that every file is there first
         checksums_match([(small, bad), (tmp_path / "gone", bad)])
     assert checksums_match([(big, file_checksum(big))]) == [True]  # one large file: hashed on this thread
