@@ -314,7 +314,8 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     """The load's floor: what any loader of this state must do, and nothing more. The checksums of this
     rank's share of the files, by the loader's own function (``fsio.checksums_match``, its files
     announced, the small ones mapped); ``train_state.json`` read (the counters); every tensor's bytes
-    copied from a mapping of its file into its live tensor, in one ``torch._foreach_copy_``, with the
+    copied from a mapping of its file (the one its checksum was computed through, where there is one)
+    into its live tensor, in one ``torch._foreach_copy_`` on the rank's share of the cores, with the
     byte positions worked out before the clock; the RNGs set; with 2 ranks, one vote. Nothing is
     parsed, checked or validated: raw seconds / floor seconds is the most a loader in Python can
     reach on this disk, whatever it overlaps. Not for the FSDP2 shards (``dcp/``)."""
@@ -325,6 +326,7 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     from sentinel.contract.fsio import checksums_match
     from trainer import rng, tensor_file
     from trainer.checkpoint import checksum_share
+    from trainer.dist import intra_op_threads
     from trainer.flat_state import tiled_base
 
     t, env, ck = w.t, w.env, w.newest()
@@ -355,28 +357,31 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
 
     def floor_load() -> None:
         recorded = json.loads((ck / "manifest.json").read_bytes())["files"]
-        ok = all(checksums_match([(ck / n, recorded[n]) for n in names]))
+        hashed: dict = {}  # the mappings the small files were hashed through, reused as the loader does
+        ok = all(checksums_match([(ck / n, recorded[n]) for n in names], hashed))
         json.loads((ck / "train_state.json").read_bytes())
         assert env.all_ok(ok)
         srcs, dsts = [], []
         for name, tensors in plan:
-            fd = os.open(ck / name, os.O_RDONLY)
-            try:
-                mapped = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
-            finally:
-                os.close(fd)
+            mapped = hashed.get(ck / name)
+            if mapped is None:
+                fd = os.open(ck / name, os.O_RDONLY)
+                try:
+                    mapped = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+                finally:
+                    os.close(fd)
             for at, dst in tensors:
                 srcs.append(torch.frombuffer(mapped, dtype=dst.dtype, count=dst.numel(), offset=at).view(dst.shape))
                 dsts.append(dst)
-        with torch.no_grad():
+        with torch.no_grad(), intra_op_threads(env.core_share()):  # on the rank's cores, as the loader copies
             torch._foreach_copy_(dsts, srcs)
-        rng.restore(tensor_file.load(rng_file, mapped=False))
+        rng.restore(tensor_file.load(rng_file, mapped=True, mapping=hashed.get(rng_file)))
 
     return floor_load
 
 
-def measure(t, env, reps: int) -> dict:
+def measure(t, env, reps: int, load_reps: int) -> dict:
     """The three in-process figures, in this order (the load arm reads the newest checkpoint they leave)."""
     w = Worker(t, env)
     return {"save_vs_raw": save_vs_raw(w, reps), "async_stall_vs_sync": async_stall_vs_sync(w, reps),
-            "load_vs_raw": load_vs_raw(w, reps)}
+            "load_vs_raw": load_vs_raw(w, load_reps)}

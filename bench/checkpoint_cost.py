@@ -1,10 +1,11 @@
 """Recovery cost: checkpoint save, async save, load and in-process rollback, each against its yardstick.
 
-    python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--json]
+    python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--load-reps 25] [--json]
 
 For every preset and rank count (2 ranks: ``torchrun --standalone``, gloo on CPU) it reports four
 ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), the median over
-``--reps`` pairs, printed with the bytes and seconds it is made of:
+``--reps`` pairs (``--load-reps`` for the load, whose pairs cost milliseconds), printed with the bytes and
+seconds it is made of:
 
 ``save_vs_raw`` (target >= 0.8)
     ``Trainer.save_checkpoint()`` (sync; every file written and fsynced, a manifest of checksums, directory
@@ -43,7 +44,8 @@ ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), 
     fsynced), so both read the disk, as a restart on another day would. A third arm, interleaved with
     the two (a b c, c b a, ...), is the floor: the checksums of the files by the loader's own function,
     ``train_state.json`` read, every tensor's bytes copied from its file into its live tensor in one
-    ``torch._foreach_copy_`` (the positions worked out before the clock), the RNGs set, one vote with 2
+    ``torch._foreach_copy_`` on the rank's share of the cores, as the loader copies (the positions worked
+    out before the clock; the small files from the mappings they were hashed through), the RNGs set, one vote with 2
     ranks; nothing parsed or checked. ``floor_ratio_median`` = raw seconds / floor seconds is the most
     a loader in Python can reach on this disk; ``load_vs_floor_median`` = floor seconds / load seconds
     (1.0: as fast as a loader that checks nothing) is what the checks and the restore cost. Also measured in each pair,
@@ -109,7 +111,7 @@ def worker(args) -> int:
         if env.is_main:  # the rollback/resume arms start from this run dir, as it is now
             shutil.copytree(run_dir, Path(args.pristine), ignore=shutil.ignore_patterns(".lock*", "*.lock"))
         env.barrier()
-        out = measure(t, env, args.reps)
+        out = measure(t, env, args.reps, args.load_reps)
     finally:
         tdist.shutdown()
     if env.is_main:
@@ -247,13 +249,15 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
                           "b = cold --resume, process start -> its first step")
 
 
-def one_config(preset: str, ranks: int, reps: int, work: Path, url: str, secret: bytes, env: dict, writer: str) -> dict:
+def one_config(preset: str, ranks: int, reps: int, load_reps: int, work: Path, url: str, secret: bytes, env: dict,
+               writer: str) -> dict:
     w = work / f"{preset}-{ranks}"
     w.mkdir()
     out = w / "worker.json"
     log = w / "worker.log"
     cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--worker", "--preset", preset, "--run-dir", str(w / "run"),
-           "--pristine", str(w / "pristine"), "--reps", str(reps), "--out", str(out), "--async-writer", writer]
+           "--pristine", str(w / "pristine"), "--reps", str(reps), "--load-reps", str(load_reps), "--out", str(out),
+           "--async-writer", writer]
     t0 = time.monotonic()
     c = subprocess.run(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if c.returncode:
@@ -271,6 +275,9 @@ def main() -> int:
     ap.add_argument("--presets", default="tiny,small", help="comma-separated trainer presets (default: tiny,small)")
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default: 1,2; >1 uses torchrun, gloo)")
     ap.add_argument("--reps", type=int, default=5, help="ABBA pairs per figure; the median is reported (default 5, at least 5)")
+    ap.add_argument("--load-reps", type=int, default=25,
+                    help="pairs (triples, with the floor) for load_vs_raw, which cost milliseconds each (default 25, at least 5): "
+                         "its median of 5 moved by 0.05-0.1 from run to run")
     ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary directory)")
     ap.add_argument("--async-writer", choices=("process", "thread"), default="process",
                     help="who writes an async save's files (checkpoint.async_writer; default: process, the trainer's default)")
@@ -283,8 +290,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if args.reps < 5:
-        ap.error("--reps must be at least 5 (the median of fewer pairs is noise on a shared machine)")
+    if args.reps < 5 or args.load_reps < 5:
+        ap.error("--reps and --load-reps must be at least 5 (the median of fewer pairs is noise on a shared machine)")
     presets = [p for p in args.presets.split(",") if p]
     try:
         ranks = [int(x) for x in args.ranks.split(",") if x]
@@ -306,7 +313,7 @@ def main() -> int:
     try:
         for preset in presets:
             for n in ranks:
-                res = one_config(preset, n, args.reps, work, url, secret.encode(), env, args.async_writer)
+                res = one_config(preset, n, args.reps, args.load_reps, work, url, secret.encode(), env, args.async_writer)
                 results.append({"preset": preset, "ranks": n, **res})
                 print(f"{preset} x{n}: done in {res['wall_seconds']:.0f} s: " + ", ".join(
                     f"{k} {res[k]['median']:.3f}" for k in TARGETS), file=sys.stderr, flush=True)
@@ -321,12 +328,14 @@ def main() -> int:
     out = {"results": results, "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
            "targets_met": all((r[k]["median"] >= v) if op == ">=" else (r[k]["median"] <= v)
                               for r in results for k, (op, v) in TARGETS.items()),
-           "reps": args.reps, "async_writer": args.async_writer, "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
+           "reps": args.reps, "load_reps": args.load_reps, "async_writer": args.async_writer,
+           "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
            "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0], "disk_dir": str(args.dir or tempfile.gettempdir())}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"checkpoint cost: median of {args.reps} ABBA pairs, async writer: {args.async_writer}, {out['cpus']} CPUs, "
+    print(f"checkpoint cost: median of {args.reps} ABBA pairs ({args.load_reps} for the load), "
+          f"async writer: {args.async_writer}, {out['cpus']} CPUs, "
           f"load avg {out['load_avg_1m']:.1f}, "
           f"scratch on {out['disk_dir']}, {out['wall_seconds']:.0f} s")
     print("| preset | ranks | figure | median (min-max) | target | arm a median | arm b median | bytes |")
