@@ -133,6 +133,16 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, scale, s_b, s_h, s_t, n_heads, T,
     _put_rows(DQ, base, offs_m, s_t, offs_d, in_m, dq * scale)
 
 
+# warps per program. The backward's programs hold two tiles of fp32 sums (dK and dV, or dQ and its
+# inputs): at 4 warps ``_dkdv`` spilled registers on sm_90 in bfloat16 with head_dim 64 (255 registers
+# and 224 bytes of stack, built ahead of time with triton's own ptxas), at 8 it does not (248). The
+# forward needs no more than 4 (168). tests/trainer/test_attention_triton.py builds them so, no GPU.
+FWD_WARPS, BWD_WARPS = 4, 8
+# multiply-adds fused (FMA), as Triton 3.9 does by default and 3.10 will not: pinned, so the bits a
+# run's kernels give do not change with Triton's default
+FP_FUSION = True
+
+
 def _block(T: int, D: int) -> int:
     """The tile size, queries and keys alike: 64 on a GPU (tensor-core tiles; 32 for head_dim 128, to
     fit the registers), smaller for short sequences; ``tl.dot`` needs 16 at least."""
@@ -152,7 +162,8 @@ class _Attention(torch.autograd.Function):
         o = torch.empty_like(q)
         lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
         _fwd[(triton.cdiv(T, ctx.block), B * H)](q, k, v, o, lse, ctx.scale, q.stride(0), q.stride(1), q.stride(2), H, T,
-                                                 BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D)
+                                                 BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D, num_warps=FWD_WARPS,
+                                                 enable_fp_fusion=FP_FUSION)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 
@@ -164,7 +175,7 @@ class _Attention(torch.autograd.Function):
         delta = (do.float() * o.float()).sum(-1)  # rowsum(dO * O): the softmax's backward term, per row
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         args = (ctx.scale, q.stride(0), q.stride(1), q.stride(2), H, T)
-        tiles = dict(BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D)
+        tiles = dict(BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D, num_warps=BWD_WARPS, enable_fp_fusion=FP_FUSION)
         grid = (triton.cdiv(T, ctx.block), B * H)
         _dkdv[grid](q, k, v, do, lse, delta, dk, dv, *args, **tiles)
         _dq[grid](q, k, v, do, lse, delta, dq, *args, **tiles)

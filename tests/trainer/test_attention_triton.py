@@ -1,7 +1,8 @@
 """``trainer/attention_triton.py``, the fused causal attention whose backward repeats bit for bit, run
 on the CPU by Triton's interpreter: its output and its gradients against torch's math attention,
 across shapes that end inside a tile, and the same gradients on every pass. On a GPU the same
-kernels are compiled; their speed is ``bench/determinism_cost.py``'s to measure.
+kernels are compiled; the last test builds them for sm_90 ahead of time, without a GPU, and checks
+that they spill no registers; their speed is ``bench/determinism_cost.py``'s to measure.
 
 The interpreter is chosen when triton is imported (``TRITON_INTERPRET=1``: its own ``tl.max`` and
 ``tl.sum`` are kernels too), so one child process runs every case of the tables below, and each
@@ -97,6 +98,48 @@ def test_matches_torch_attention_and_repeats_bit_for_bit(results, shape, dtype):
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_shapes_it_cannot_take_are_one_line_errors(results, case):
     assert BAD[case][2] in results[case] and "\n" not in results[case], results[case]
+
+
+SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one program may take on an H100 / H200
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])  # gpt2-124m's, and the largest the launcher takes
+def test_the_kernels_build_for_hopper_without_spilling_registers(head_dim):
+    """Ahead of time, without a GPU: triton's compiler and the ptxas it ships build each kernel for
+    sm_90 (H100, H200) in bfloat16, at the tile size and warps the launcher uses for a long sequence.
+    ``cuobjdump`` then reports no stack (registers spilled to local memory slow a kernel several
+    fold), and each takes shared memory an SM has. The interpreter above checks what they compute;
+    this checks that a GPU can run them as built."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        skip_or_fail("the triton package (the test extra installs it)")
+    import shutil
+    import tempfile
+
+    from trainer import attention_triton as at
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists() and not shutil.which("cuobjdump"):
+        skip_or_fail("cuobjdump (triton's NVIDIA backend ships it)")
+    block = at._block(1024, head_dim)
+    kernels = {at._fwd: ("Q K V OUT", at.FWD_WARPS), at._dkdv: ("Q K V DO DK DV", at.BWD_WARPS),
+               at._dq: ("Q K V DO DQ", at.BWD_WARPS)}
+    for kernel, (tensors, warps) in kernels.items():
+        signature = {n: "constexpr" if n in ("BLOCK_M", "BLOCK_N", "D") else "*fp32" if n in ("LSE", "DELTA")
+                     else "fp32" if n == "scale" else "*bf16" if n in tensors.split() else "i32" for n in kernel.arg_names}
+        built = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK_M": block, "BLOCK_N": block, "D": head_dim}),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": at.FP_FUSION})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(built.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(cuobjdump) if cuobjdump.exists() else "cuobjdump", "-res-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        fields = dict(kv.split(":", 1) for line in usage.splitlines() if "REG:" in line for kv in line.split() if ":" in kv)
+        assert fields and fields["STACK"] == "0" and fields["LOCAL"] == "0", (kernel.__name__, usage)
+        assert int(fields["REG"]) <= 255 and built.metadata.shared <= SM90_SHARED_BYTES, (kernel.__name__, usage, built.metadata.shared)
 
 
 if __name__ == "__main__":
