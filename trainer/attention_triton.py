@@ -18,7 +18,8 @@ for bit. The price is recomputing the scores once more than a kernel with atomic
 does (causal, no dropout, the default scale). It needs the ``triton`` package; on the CPU it runs
 under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it against
 torch's math attention without a GPU. The model uses it on CUDA when ``model.attention`` is
-``triton`` (``trainer/model.py``).
+``triton`` (``trainer/model.py``). There the trainer's autocast hands it bfloat16; fp32 tiles, given
+directly, multiply in TF32 on a GPU (``tl.dot``'s default), not in full fp32 as the math kernel does.
 """
 
 from __future__ import annotations
