@@ -173,6 +173,7 @@ class BusClient(DirectiveIntake):
         self._step_time = 0.0
         self._hb_sent = 0.0
         self._hb_step: int | None = None
+        self._hb_paused = False  # the paused flag the last heartbeat written carried
         self._paused = False
         self._closed = False
         self._last_logged: dict[str, float] = {}
@@ -274,8 +275,7 @@ class BusClient(DirectiveIntake):
         with self._lock:
             changed = self._paused != bool(paused)
             self._paused = bool(paused)
-            if changed:
-                self._hb_step = None  # refresh the heartbeat at the next I/O iteration
+            if changed:  # the next I/O iteration sees the flag differ from the one last written, and writes it
                 # the pause/resume is progress of a kind: the time a pause lasted is no hang after a resume
                 self._step_time = time.time()
         self._wake.set()
@@ -488,8 +488,10 @@ class BusClient(DirectiveIntake):
             with self._lock:
                 step, step_time, paused = self._step, self._step_time, self._paused
             # a new step refreshes the heartbeat at most every HB_STEP_GAP_S (not at every iteration: one SET
-            # less per round trip); a forced refresh (pause / resume: _hb_step None) goes out at once
-            hb = step is not None and (self._hb_step is None or now - self._hb_sent >= (
+            # less per round trip); a forced refresh (flush: _hb_step None) goes out at once, and so does a
+            # pause or resume: compared with the flag last written, not flagged by set_paused, which a round
+            # trip in flight when it was called would clear (the ack then landed before the paused heartbeat)
+            hb = step is not None and (self._hb_step is None or paused != self._hb_paused or now - self._hb_sent >= (
                 min(HB_STEP_GAP_S, self._hb_every) if step != self._hb_step else self._hb_every))
             if hb:
                 beat = {"step": step, "time": step_time, "sent": now, "pid": os.getpid(), "paused": paused}
@@ -528,7 +530,7 @@ class BusClient(DirectiveIntake):
             if isinstance(res, Exception):
                 self._log_limited("state", "control bus refused a checkpoint/skip-list/heartbeat write: %s", _short(res))
         if hb:
-            self._hb_sent, self._hb_step = now, step
+            self._hb_sent, self._hb_step, self._hb_paused = now, step, paused
         if registering:
             self._registered(results[len(results) - read_dirs - (not info_sent) - 1], info, info_sent)
         if read_dirs:

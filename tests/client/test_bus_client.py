@@ -79,6 +79,36 @@ def test_checkpoints_skiplist_acks_events(redis_url, unique_run, client_for):
     assert bus.decode(bus.Entry(k.events, *r.xrange(k.events)[0])).message == "resumed from 100"
 
 
+
+@pytest.mark.parametrize("flag", [True, False], ids=["pause", "resume"])
+def test_a_pause_acked_is_on_the_heartbeat_even_when_a_round_trip_was_in_flight(redis_url, unique_run, client_for,
+                                                                                monkeypatch, flag):
+    """The control loop calls set_paused, then acks. A round trip already in flight when set_paused ran wrote
+    the old flag: the next one (the ack's) must write the new one, or ``sentinel pause`` returns while
+    ``sentinel status`` still says live (CI, 2026-11-30). The interleaving is forced, not waited for."""
+    import sentinel.client.bus as client_bus
+
+    c = client_for(redis_url, unique_run, heartbeat_ttl_s=30)
+    c.set_paused(not flag)
+    c.publish_step(step_record(unique_run, 1))
+    assert c.flush(10)
+    real, armed = client_bus.round_trip, [True]
+
+    def in_flight(r, conn, cmds):  # set_paused lands while this iteration's commands are on the wire
+        if armed and any(cmd[0] == "XADD" for cmd in cmds):
+            armed.clear()
+            c.set_paused(flag)
+        return real(r, conn, cmds)
+
+    monkeypatch.setattr(client_bus, "round_trip", in_flight)
+    c.publish_step(step_record(unique_run, 2))
+    assert c.flush(10) and not armed
+    c.ack(Ack(run=unique_run, directive_id="d1", kind="pause" if flag else "resume", status="applied", step=2))
+    assert c.flush(10)
+    beat = json.loads(bus.connect(redis_url).get(Keys(unique_run).heartbeat))
+    assert beat["paused"] is flag and beat["step"] == 2, beat
+
+
 def test_signed_directive_is_delivered(redis_url, unique_run, client_for):
     c = client_for(redis_url, unique_run)
     r = bus.connect(redis_url)
