@@ -118,19 +118,13 @@ def _skip_range(text: str) -> list[int]:
 def _yaml_value(key: str, text: str):
     """The value of ``--set KEY=TEXT``, parsed as YAML with the safe loader (plain data: no
     ``!!python/...`` tags); anything it refuses is one line, not the parser's multi-line report."""
-    import yaml
-
+    from sentinel.contract.yamlio import YamlError, parse_yaml
     from trainer.config import ConfigError
 
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or (str(e).splitlines() or ["unreadable"])[0]
-        raise ConfigError(f"--set {key}: not a valid YAML value ({problem}{where})") from None
-    except RecursionError:
-        raise ConfigError(f"--set {key}: not a valid YAML value (nested too deep)") from None
+        return parse_yaml(text)
+    except YamlError as e:
+        raise ConfigError(f"--set {key}: not a valid YAML value ({e.reason})") from None
 
 
 def _not_utf8(args) -> str | None:

@@ -14,7 +14,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES, read_regular_file
+from sentinel.contract.yamlio import YamlError, read_yaml
+from sentinel.protocol import MAX_SAMPLE_ID, MAX_STATE_BYTES
 
 MAX_SEED = 2**62  # seed + 1000003 * rank must stay an int64 for torch.manual_seed
 MAX_LR = 10.0  # AdamW's peak LR: far above any recipe (3e-3 .. 6e-4); 1e300 is a typo, not a schedule
@@ -379,19 +380,13 @@ def _format_validation(e: ValidationError, source: str) -> str:
 def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     try:  # bounded: a FIFO, /dev/zero or a huge file is refused in one line, not read until OOM
-        data = yaml.safe_load(read_regular_file(p, MAX_STATE_BYTES).decode("utf-8")) or {}
+        data = read_yaml(p, MAX_STATE_BYTES) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {p}") from None
     except OSError as e:
         raise ConfigError(f"{p}: unreadable ({e.strerror or e})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"{p}: invalid YAML{where}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not UTF-8 text") from None
-    except RecursionError:  # [[[[... 50,000 deep: the parser recurses per level
-        raise ConfigError(f"{p}: invalid YAML (nested too deep)") from None
+    except YamlError as e:  # not UTF-8, not YAML, [[[[... 50,000 deep
+        raise ConfigError(f"{p}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping")
     return data

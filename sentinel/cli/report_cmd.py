@@ -53,21 +53,16 @@ def load_incidents(ref) -> tuple[list, str]:
 
 def build(ref, incident_id: str | None = None):
     """The :class:`sentinel.report.ReportData` of a run (zoomed on ``incident_id`` if given)."""
-    import yaml
-
     from sentinel import rundir
     from sentinel.report import STATE_WORDS, gather
 
     run_dir = ref.run_dir
     rejected: list[str] = []
     incs, source = load_incidents(ref)
-    try:
-        cfg = yaml.safe_load((run_dir / rundir.CONFIG).read_text()) if (run_dir / rundir.CONFIG).is_file() else None
-    except (OSError, ValueError, RecursionError, yaml.YAMLError):  # not UTF-8, nested 50,000 deep: no phases from it
-        cfg = None
+    cfg = rundir.run_config(run_dir)  # {} when unreadable (not UTF-8, nested 50,000 deep): no phases from it
     # the log is streamed into the figure's data: a long run's is never held whole
     data = gather(ref.run, rundir.read_records(run_dir, rejected), skiplist=rundir.read_skiplist(run_dir), incidents=incs,
-                  directives=rundir.read_directives_log(run_dir), config=cfg if isinstance(cfg, dict) else None)
+                  directives=rundir.read_directives_log(run_dir), config=cfg or None)
     if not data.segments:
         why = f" ({len(rejected)} malformed line(s); first: {rejected[0]})" if rejected else ""
         raise SentinelError(f"{run_dir / rundir.STEPS} has no step records yet: nothing to draw{why}")

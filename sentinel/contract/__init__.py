@@ -14,6 +14,7 @@ third-party tool can depend on it. One module per job:
 * ``rundir``: the run directory's file names and small state-file formats;
 * ``checkpoints``: the checkpoint manifest and train-state schemas, and ``check_manifest``;
 * ``fsio``: atomic write, directory fsync, sha256 of a file, bounded regular-file read;
+* ``yamlio``: the one YAML loader (libyaml's when there), bounded reads, one-line errors;
 * ``targets``: the rollback-target rule.
 
 ``sentinel.protocol`` re-exports the names most callers use, for compatibility.

