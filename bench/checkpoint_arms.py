@@ -373,8 +373,8 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     return floor_load
 
 
-def measure(t, env, reps: int, load_reps: int) -> dict:
+def measure(t, env, reps: int, load_reps: int, save_reps: int) -> dict:
     """The three in-process figures, in this order (the load arm reads the newest checkpoint they leave)."""
     w = Worker(t, env)
-    return {"save_vs_raw": save_vs_raw(w, reps), "async_stall_vs_sync": async_stall_vs_sync(w, reps),
+    return {"save_vs_raw": save_vs_raw(w, save_reps), "async_stall_vs_sync": async_stall_vs_sync(w, reps),
             "load_vs_raw": load_vs_raw(w, load_reps)}

@@ -1,10 +1,10 @@
 """Recovery cost: checkpoint save, async save, load and in-process rollback, each against its yardstick.
 
-    python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--load-reps 25] [--json]
+    python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--save-reps 15] [--load-reps 25] [--json]
 
 For every preset and rank count (2 ranks: ``torchrun --standalone``, gloo on CPU) it reports four
 ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), the median over
-``--reps`` pairs (``--load-reps`` for the load, whose pairs cost milliseconds), printed with the bytes and
+``--reps`` pairs (``--save-reps`` for the save and ``--load-reps`` for the load, whose pairs cost milliseconds), printed with the bytes and
 seconds it is made of:
 
 ``save_vs_raw`` (target >= 0.8)
@@ -138,7 +138,7 @@ def worker(args) -> int:
         if env.is_main:  # the rollback/resume arms start from this run dir, as it is now
             shutil.copytree(run_dir, Path(args.pristine), ignore=shutil.ignore_patterns(".lock*", "*.lock"))
         env.barrier()
-        out = measure(t, env, args.reps, args.load_reps)
+        out = measure(t, env, args.reps, args.load_reps, args.save_reps)
     finally:
         tdist.shutdown()
     if env.is_main:
@@ -276,14 +276,15 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
                           "b = cold --resume, process start -> its first step")
 
 
-def one_config(preset: str, ranks: int, reps: int, load_reps: int, work: Path, url: str, secret: bytes, env: dict,
+def one_config(preset: str, ranks: int, reps: int, load_reps: int, save_reps: int, work: Path, url: str, secret: bytes, env: dict,
                writer: str) -> dict:
     w = work / f"{preset}-{ranks}"
     w.mkdir()
     out = w / "worker.json"
     log = w / "worker.log"
     cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--worker", "--preset", preset, "--run-dir", str(w / "run"),
-           "--pristine", str(w / "pristine"), "--reps", str(reps), "--load-reps", str(load_reps), "--out", str(out),
+           "--pristine", str(w / "pristine"), "--reps", str(reps), "--load-reps", str(load_reps), "--save-reps", str(save_reps),
+           "--out", str(out),
            "--async-writer", writer]
     t0 = time.monotonic()
     c = subprocess.run(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -305,6 +306,9 @@ def main() -> int:
     ap.add_argument("--load-reps", type=int, default=25,
                     help="pairs (triples, with the floor) for load_vs_raw, which cost milliseconds each (default 25, at least 5): "
                          "its median of 5 moved by 0.05-0.1 from run to run")
+    ap.add_argument("--save-reps", type=int, default=15,
+                    help="triples for save_vs_raw (save, raw write, floor: ~0.15 s each on small; default 15, at least 5): "
+                         "its median of 5 read 0.79 in a run whose pairs spread from 0.42 to 2.72 (the disk's fsyncs)")
     ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary directory)")
     ap.add_argument("--async-writer", choices=("process", "thread"), default="process",
                     help="who writes an async save's files (checkpoint.async_writer; default: process, the trainer's default)")
@@ -317,8 +321,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if args.reps < 5 or args.load_reps < 5:
-        ap.error("--reps and --load-reps must be at least 5 (the median of fewer pairs is noise on a shared machine)")
+    if min(args.reps, args.load_reps, args.save_reps) < 5:
+        ap.error("--reps, --save-reps and --load-reps must be at least 5 (the median of fewer pairs is noise on a shared machine)")
     presets = [p for p in args.presets.split(",") if p]
     try:
         ranks = [int(x) for x in args.ranks.split(",") if x]
@@ -340,7 +344,7 @@ def main() -> int:
     try:
         for preset in presets:
             for n in ranks:
-                res = one_config(preset, n, args.reps, args.load_reps, work, url, secret.encode(), env, args.async_writer)
+                res = one_config(preset, n, args.reps, args.load_reps, args.save_reps, work, url, secret.encode(), env, args.async_writer)
                 results.append({"preset": preset, "ranks": n, **res})
                 print(f"{preset} x{n}: done in {res['wall_seconds']:.0f} s: " + ", ".join(
                     f"{k} {res[k]['median']:.3f}" for k in TARGETS), file=sys.stderr, flush=True)
@@ -358,13 +362,13 @@ def main() -> int:
            "targets_met": all((r[k]["median"] >= v) if op == ">=" else (r[k]["median"] <= v)
                               for r in results for k, (op, v) in TARGETS.items()),
            "proposed_met": all(f["met"] for r in results for f in r["proposed"].values()),
-           "reps": args.reps, "load_reps": args.load_reps, "async_writer": args.async_writer,
+           "reps": args.reps, "save_reps": args.save_reps, "load_reps": args.load_reps, "async_writer": args.async_writer,
            "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
            "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0], "disk_dir": str(args.dir or tempfile.gettempdir())}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"checkpoint cost: median of {args.reps} ABBA pairs ({args.load_reps} for the load), "
+    print(f"checkpoint cost: median of {args.reps} ABBA pairs ({args.save_reps} for the save, {args.load_reps} for the load), "
           f"async writer: {args.async_writer}, {out['cpus']} CPUs, "
           f"load avg {out['load_avg_1m']:.1f}, "
           f"scratch on {out['disk_dir']}, {out['wall_seconds']:.0f} s")

@@ -218,6 +218,7 @@ class Checkpointer:
         log: Callable[[str], None] = print,
         idle_writer: bool = False,
         async_writer: str = "thread",
+        hash_thread: bool = True,
     ):
         self.root = Path(run_dir) / "checkpoints"
         self.rank, self.world_size = rank, world_size
@@ -228,6 +229,9 @@ class Checkpointer:
         # (trainer/checkpoint_writer.py: none of the pickling holds this process's GIL), or "thread", the
         # save's thread itself. A writer that cannot start or dies turns it to "thread" for good
         self.async_writer = async_writer
+        # a large write's checksum is computed on a second thread while it is written (checkpoint_io), when
+        # the rank has a core for it (HASH_THREAD_MIN_CORES): else inline, before the write
+        self.hash_thread = hash_thread
         self._proc = None  # the WriterProcess, started by the first async save that uses it
         # async saves run one at a time on one long-lived thread: starting a thread per save waited for it
         # to boot (~45 us of the loop's time); a queue hand-over is ~4 us
@@ -469,7 +473,8 @@ class Checkpointer:
 
     def _write_in_process(self, proc, tmp: Path, step: int, meta: dict, structure: dict) -> dict:
         reply = proc.write({"run_dir": str(self.root.parent), "rank": self.rank, "world_size": self.world_size,
-                            "keep_last": self.keep_last, "keep_every": self.keep_every, "tmp": str(tmp), "step": step,
+                            "keep_last": self.keep_last, "keep_every": self.keep_every, "hash_thread": self.hash_thread,
+                            "tmp": str(tmp), "step": step,
                             "meta": meta, "shared": structure["shared"], "per_rank": structure["per_rank"]})
         for line in reply["logs"]:
             self.log(line)
@@ -502,7 +507,8 @@ class Checkpointer:
             files.update(shared)
         digests = {}
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") if self.hash_thread else None
+            with pool or contextlib.nullcontext() as hasher:
                 for name, obj in files.items():
                     digests[name] = write_file(tmp / name, obj, sync=False, hasher=hasher)
             return digests

@@ -44,7 +44,8 @@ def _serve(sock: socket.socket) -> None:
         req = msg[1]
         logs: list[str] = []
         ck = Checkpointer(Path(req["run_dir"]), rank=req["rank"], world_size=req["world_size"], keep_last=req["keep_last"],
-                          keep_every=req["keep_every"], barrier=lambda: None, all_ok=lambda ok: ok, log=logs.append)
+                          keep_every=req["keep_every"], barrier=lambda: None, all_ok=lambda ok: ok, log=logs.append,
+                          hash_thread=req["hash_thread"])
         reply: dict = {"ok": False, "info": None, "last_error": None, "logs": logs}
         try:
             reply.update(ck.write_async_files(Path(req["tmp"]), req["step"], req["meta"],

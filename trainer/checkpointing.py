@@ -26,6 +26,7 @@ from trainer.checkpoint import (
     step_dir_name,
     verify_share,
 )
+from trainer.checkpoint_io import HASH_THREAD_MIN_CORES
 from trainer.dist import intra_op_threads
 from trainer.errors import TrainingError
 from trainer.piece_files import load_file, piece_path
@@ -48,6 +49,7 @@ class TrainerCheckpoints:
             tr.run_dir, rank=env.rank, world_size=env.world_size, keep_last=c.keep_last, keep_every=c.keep_every,
             barrier=env.barrier, all_ok=env.all_ok, log=lambda m: print(m, flush=True),
             idle_writer=c.async_priority == "idle", async_writer=c.async_writer,
+            hash_thread=env.core_share() >= HASH_THREAD_MIN_CORES,
         )
         self.last_time: float | None = None  # when the newest checkpoint of this state was saved
         # the newest valid checkpoint (step, time) and consecutive failed saves since: bounds the work a

@@ -395,9 +395,11 @@ def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs, monkeyp
     """model.pt and optim.pt are loaded with mmap: every tensor is copied out (into the live model and
     moments on a rollback, into private memory on a cold resume), so no checkpoint file stays mapped
     (retention could not free its disk space) and the values are exactly the file's. The copies run on
-    the rank's share of the cores, and the run's own thread count is back after the load."""
+    the rank's share of the cores, and the run's own thread count is back after the load. The same share
+    decides whether a save hashes on a second thread."""
     import trainer.train as train_mod
     from trainer import state as state_mod
+    from trainer.checkpoint_io import HASH_THREAD_MIN_CORES
     from trainer.config import load_yaml, resolve
     from trainer.dist import DistEnv, usable_cpus
 
@@ -417,6 +419,8 @@ def test_a_load_keeps_no_checkpoint_file_mapped(tmp_path, dataset, refs, monkeyp
     try:
         assert tr.load_checkpoint(12) == 12 and tr.opt.state.get(next(tr.raw_model.parameters())) is not None
         assert threads_in_copy == [usable_cpus()] and torch.get_num_threads() == 1
+        # and a save hashes its large writes on a second thread only with a core for it (2 here: inline)
+        assert tr.checkpoints.ckpt.hash_thread == (usable_cpus() >= HASH_THREAD_MIN_CORES)
     finally:
         torch.set_num_threads(before)
     assert mapped() == [], "a cold load left a checkpoint file mapped"
@@ -625,18 +629,25 @@ def test_a_crash_while_retention_deletes_a_checkpoint_leaves_no_step_without_its
     assert not list(root.glob(".trash-*")) and [s for s, _ in list_checkpoints(root, strays=True)] == [3, 2]
 
 
-@pytest.mark.parametrize("async_save,idle,writer", [(False, False, "thread"), (True, False, "thread"), (True, True, "thread"),
-                                                    (True, False, "process"), (True, True, "process")],
-                         ids=["sync", "async", "async-idle", "async-process", "async-process-idle"])
-def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, async_save, idle, writer):
+@pytest.mark.parametrize("async_save,idle,writer,hash_thread", [
+    (False, False, "thread", True), (False, False, "thread", False), (True, False, "thread", True), (True, True, "thread", True),
+    (True, False, "process", True), (True, True, "process", True), (True, False, "process", False)],
+    ids=["sync", "sync-inline", "async", "async-idle", "async-process", "async-process-idle", "async-process-inline"])
+def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, monkeypatch, async_save, idle,
+                                                                                  writer, hash_thread):
     """The manifest's checksums (computed from the bytes as they were written) match the files on disk,
-    for tensors large enough to be hashed on the other thread and for small writes gathered together.
+    for tensors large enough to be hashed on the other thread (``hash_thread``: a rank with a core for it)
+    or inline, before each write (fewer cores), and for small writes gathered together.
     An async save is handed the live tensors: once ``fence()`` returns, changing them in place (what the
     optimizer step does) must not reach the checkpoint, whether the save's thread writes the files or the
     writer process does (over its copy in shared memory). With ``idle_writer`` (checkpoint.async_priority:
     idle) the save's thread, and the writer process, run at SCHED_IDLE and still finish."""
-    ck = _direct_checkpointer(tmp_path, idle_writer=idle, async_writer=writer)
-    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it
+    from sentinel.contract.fsio import Checksum
+
+    hashed_on, update = set(), Checksum.update
+    monkeypatch.setattr(Checksum, "update", lambda self, data: (hashed_on.add(threading.current_thread().name), update(self, data))[1])
+    ck = _direct_checkpointer(tmp_path, idle_writer=idle, async_writer=writer, hash_thread=hash_thread)
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it (hash_thread)
     small = {f"w{i}": torch.full((7,), float(i)) for i in range(50)}  # many small records
     expect = {"big": big.clone(), **{k: v.clone() for k, v in small.items()}}
     built_on = []  # a file given as a callable (a live piece's state_dict) is built by the save: off the loop if async
@@ -664,6 +675,8 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
     if async_save:  # one long-lived thread runs every async save, at the priority asked for
         assert os.sched_getscheduler(ck._writer.native_id) == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the loop's thread keeps its own
+    if writer == "thread":  # (the writer process hashes out of sight)
+        assert any(n.startswith("ckpt-hash") for n in hashed_on) == hash_thread, hashed_on
     if writer == "process":  # and one long-lived writer process, at that priority too
         assert ck.async_writer == "process" and ck._proc.alive()
         assert os.sched_getscheduler(ck._proc.proc.pid) == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
