@@ -35,9 +35,9 @@ _SMALL = 1 << 16  # smaller writes are gathered (zip headers, pickle data), then
 # a core is free, a scheduler slice when none is) costs more than hashing inline (256 KiB: ~150 us)
 _THREAD = 1 << 18
 # ... and only when the rank has this many cores to itself (``DistEnv.core_share``; the caller passes no hasher
-# otherwise). With two, the hand-off waits for the other core to wake: on the project's 2-vCPU VM a third of
-# `small`'s saves (39 MB) took 75 ms instead of 24, the hashing thread starting 25-50 ms late; hashed inline,
-# every save took 27-28 ms (bench/checkpoint_cost.py's save_vs_raw, 2026-11-30)
+# otherwise). With two, the hand-off often waits for the other core to wake: on the project's 2-vCPU VM, 5-7 of
+# 40 `small` saves (39 MB) took ~75 ms, not ~22, the hashing thread starting 25-50 ms late. Hashed inline: median
+# 27 ms (not 22), the same mean (28-30 ms), p90 28-29 ms (not 69-73), 1-2 of 40 slow (2026-11-30)
 HASH_THREAD_MIN_CORES = 3
 _WRITEBACK = 1 << 22  # start the disk write every 4 MiB
 _SYNC_FILE_RANGE_WRITE = 2
