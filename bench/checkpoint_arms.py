@@ -319,7 +319,6 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     byte positions worked out before the clock; the RNGs set; with 2 ranks, one vote. Nothing is
     parsed, checked or validated: raw seconds / floor seconds is the most a loader in Python can
     reach on this disk, whatever it overlaps. Not for the FSDP2 shards (``dcp/``)."""
-
     import torch
 
     from sentinel.contract.fsio import checksums_match, map_file
@@ -362,7 +361,7 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
         assert env.all_ok(ok)
         srcs, dsts = [], []
         for name, tensors in plan:
-            mapped = hashed[ck / name] if ck / name in hashed else map_file(ck / name)
+            mapped = hashed.get(ck / name) or map_file(ck / name)
             for at, dst in tensors:
                 srcs.append(torch.frombuffer(mapped, dtype=dst.dtype, count=dst.numel(), offset=at).view(dst.shape))
                 dsts.append(dst)

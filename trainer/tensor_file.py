@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from sentinel.contract.fsio import map_file
+
 FORMAT = "sentinel.tensor-tree/1"
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
@@ -246,20 +248,17 @@ def load(path: Path, *, fmt: str = FORMAT, mapped: bool = True, mapping: mmap.mm
     mapping of the file, which lasts as long as one of them does, so the caller copies them into live
     tensors and lets them go; else of one read into fresh memory. ``mapping``: that mapping, made
     already (the one its checksum was computed through: ``sentinel.contract.fsio.map_file``)."""
-    if mapped and mapping is not None:
+    if mapped and (mapping := mapping if mapping is not None else map_file(path)) is not None:
         return read(mapping, fmt=fmt)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))  # not mapped, or empty (map_file: None)
     try:
         size = os.fstat(fd).st_size
-        if mapped and size:
-            buf: Any = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        else:
-            buf = bytearray(size)
-            view, got = memoryview(buf), 0
-            while got < size and (k := os.readv(fd, [view[got:]])):
-                got += k
-            if got != size:
-                raise TensorFileError("changed size while it was read")
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size and (k := os.readv(fd, [view[got:]])):
+            got += k
+        if got != size:
+            raise TensorFileError("changed size while it was read")
     finally:
         os.close(fd)
     return read(buf, fmt=fmt)
