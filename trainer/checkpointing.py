@@ -32,6 +32,8 @@ from trainer.errors import TrainingError
 from trainer.piece_files import load_file, piece_path
 from trainer.state import DCP_DIR, TRAIN_STATE, CheckpointState
 
+_ELSEWHERE = " (a file fails its checks there, or the ranks see different files)"
+
 
 def _log(env, msg: str) -> None:
     if env.is_main:
@@ -135,8 +137,9 @@ class TrainerCheckpoints:
         else:
             candidates = list_checkpoints(self.ckpt.root, strays=True)
         self.unloadable = []
+        whole = self._verify_whole()
         for ck_step, path in candidates:
-            verified, why = self._verify_together(path)
+            verified, why, fingerprint = self._verify_together(path, whole)
             loaded = None
             if why is None:
                 try:
@@ -144,38 +147,56 @@ class TrainerCheckpoints:
                     verified = None  # the mappings the checksums left: in ``loaded`` now, or let go
                 except CheckpointError as e:
                     why = str(e)
-            if env.all_ok(why is None):
+            if env.all_ok(why is None, same=fingerprint):
                 self._restore(loaded, restore_skiplist=restore_skiplist)
                 return ck_step
-            why = why or f"{path.name}: rejected by another rank"
+            why = why or f"{path.name}: rejected by another rank" + (_ELSEWHERE if whole else "")
             if step is not None:
                 raise CheckpointError(why)
             self.unloadable.append(why)
             _log(env, f"warning: checkpoint {why}; falling back to the previous one")
         return None
 
-    def _verify_together(self, path: Path) -> tuple[tuple[dict, dict, dict] | None, str | None]:
+    def _verify_whole(self) -> bool:
+        """Whether every rank checks every file it reads itself, so that a load takes one vote (after the
+        read, before anything is applied) instead of two: for a state of up to
+        ``checkpoint.verify_whole_max_bytes`` (the parameters and their two Adam moments, from the live
+        model, so that every rank decides alike without reading a file; never with FSDP2, whose shards
+        DCP checks). A vote is a collective on the control group: 0.7-1.1 ms between the two ranks of
+        this 2-core VM, more across nodes. Below a few MB, hashing the files another rank would have
+        hashed costs less: a 2-rank load of ``tiny`` took 4.5-4.6 ms with one vote, 5.3-5.5 ms with two
+        (``bench/probes/load_votes.py``; docs/benchmarks/checkpoint-cost.md)."""
+        tr = self.tr
+        if not tr.env.distributed or tr.cfg.parallelism == "fsdp":
+            return False
+        params = sum(p.numel() * p.element_size() for p in tr.model.parameters())
+        return 3 * params <= tr.cfg.checkpoint.verify_whole_max_bytes
+
+    def _verify_together(self, path: Path, whole: bool) -> tuple[tuple[dict, dict, dict] | None, str | None, int]:
         """Verify ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its train state, the
-        mappings its checksums were computed through, by path), None) if it passed on every rank, else
-        (None, why).
+        mappings its checksums were computed through, by path), None, fingerprint) if it passed, else
+        (None, why, fingerprint). ``fingerprint``: the files this rank saw (names and sizes), for the
+        load's last vote to compare; 0 once compared here.
 
         A node's ranks read the same files, so each hashes a share of them (``checksum_share``: on a
         2-rank node, half the bytes each instead of all of them twice), and no rank loads a file until
-        every rank's share has passed and all saw the same files (names and sizes; a collective).
-        Ranks of other nodes verify their own copy: nothing says two nodes see one file system."""
+        every rank's share has passed and all saw the same files (a vote here). Ranks of other nodes
+        verify their own copy: nothing says two nodes see one file system. With ``whole``
+        (``_verify_whole``), every rank hashes every file and nothing is voted here: each reads only
+        what it checked itself, and the load's one vote compares the files the ranks saw."""
         env = self.tr.env
-        share = (env.local_rank, env.local_world_size) if env.distributed else None
+        share = (0, 1) if whole else (env.local_rank, env.local_world_size) if env.distributed else None
         verified, fingerprint, why, mappings = None, 0, None, {}
         try:
             manifest, fingerprint, state = verify_share(path, share, mappings)
             verified = (manifest, state, mappings)
         except CheckpointError as e:
             why = str(e)
-        if not env.distributed:
-            return verified, why
+        if not env.distributed or whole:
+            return verified, why, fingerprint
         if env.all_ok(why is None, same=fingerprint):
-            return verified, None
-        return None, why or f"{path.name}: rejected by another rank (a file fails its checksum there, or the ranks see different files)"
+            return verified, None, 0
+        return None, why or f"{path.name}: rejected by another rank" + _ELSEWHERE, 0
 
     def _read(self, path: Path, manifest: dict, ts: dict, mappings: dict) -> dict:
         """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after

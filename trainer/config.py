@@ -142,6 +142,12 @@ class CheckpointConfig(_Strict):
         "training process. A writer process that cannot start or dies leaves thread for the rest of the run (said "
         "in one line)",
     )
+    verify_whole_max_bytes: int = Field(
+        8 << 20, ge=0, description="with several ranks, a state (parameters and their two Adam moments) up to this "
+        "size is verified whole by every rank, so that a load takes one vote instead of two (a collective costs "
+        "more than hashing a few MB); a larger one is hashed in shares, each rank a part of the files, and voted "
+        "on before any rank reads a file it did not hash. 0: always in shares",
+    )
     max_age_steps: int = Field(
         0, ge=0, description="when saves fail, stop (non-zero exit) once the newest valid checkpoint is more than N "
         "steps old; 0: the save interval (one failed save is retried at the next interval)",

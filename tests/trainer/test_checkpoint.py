@@ -195,6 +195,28 @@ def test_corrupt_newest_checkpoint_falls_back_and_stays_exact(tmp_path, dataset,
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith((".tmp", ".trash"))]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("verify", ["whole", "shares"])
+def test_two_ranks_fall_back_together_from_a_file_only_one_rank_would_catch(tmp_path, dataset, refs, verify):
+    """2 ranks, the newest checkpoint's model file corrupt. ``whole`` (``tiny``'s state is under
+    ``checkpoint.verify_whole_max_bytes``): each rank hashes every file and the load takes one vote, so
+    rank 0 names the file itself. ``shares`` (the knob at 0): each hashes a share, the model file is
+    rank 1's, and rank 0 (which logs) learns it in the vote before either reads a file. Either way both
+    ranks fall back to the same checkpoint and the run stays bitwise exact."""
+    ref = refs("--max-steps", "16", "--ckpt-every", "2", *COMMON, nproc=2)
+    run = copy_run(ref, tmp_path / "run")
+    _flip_byte(run / "checkpoints" / "step-00000016" / "model.safetensors")
+    knob = ["--set", "checkpoint.verify_whole_max_bytes=0"] if verify == "shares" else []
+    out = (p := run_trainer(run, *knob, nproc=2, data_dir=dataset, check=True)).stdout + p.stderr
+    assert "Traceback" not in out
+    warn = [ln for ln in out.splitlines() if "step-00000016" in ln and "falling back" in ln]
+    assert len(warn) == 1, out
+    said = "model.safetensors fails its checksum" if verify == "whole" else "rejected by another rank (a file fails"
+    assert said in warn[0], warn[0]
+    assert "resumed from checkpoint step 14" in out
+    assert_same_trajectory(ref, run, 16)
+
+
 class _Evil:
     """Unpickling this runs ``touch MARKER`` — unless the loader refuses arbitrary globals."""
 
