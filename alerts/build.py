@@ -73,17 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a generated rule file is stale")
     ap.add_argument("--out", type=Path, default=HERE, help="output directory (default: alerts/)")
     args = ap.parse_args(argv)
+    return write_or_check([(args.out / src.name, render(src)) for src in sources()], check=args.check,
+                          regenerate="python -m alerts.build")
+
+
+def write_or_check(outputs: list[tuple[Path, str]], *, check: bool, regenerate: str) -> int:
+    """Generated files, as (path, text): written, each said; with ``check``, compared instead: exit
+    status 1 and one line naming the stale ones and ``regenerate`` (the command that remakes them), else
+    0. The rule and dashboard builders share it (``dashboards/build.py``)."""
     stale = []
-    for src in sources():
-        out, text = args.out / src.name, render(src)
-        if args.check:
-            if not out.is_file() or out.read_text() != text:
-                stale.append(out.name)
+    for path, text in outputs:
+        if check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(path.name)
         else:
-            out.write_text(text)
-            print(f"wrote {out}")
+            path.write_text(text)
+            print(f"wrote {path}")
     if stale:
-        print(f"stale: {', '.join(stale)} - run `python -m alerts.build`", file=sys.stderr)
+        print(f"stale: {', '.join(stale)} - run `{regenerate}`", file=sys.stderr)
         return 1
     return 0
 

@@ -36,7 +36,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dash_m
 
-from alerts.build import runbook_url
+from alerts.build import runbook_url, write_or_check
 from dashboards.common import (
     RATE,
     RUN,
@@ -465,19 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a committed JSON is stale")
     ap.add_argument("--out", type=Path, default=HERE, help="output directory (default: dashboards/)")
     args = ap.parse_args(argv)
-    stale = []
-    for name in DASHBOARDS:
-        path, text = args.out / name, render(name)
-        if args.check:
-            if not path.is_file() or path.read_text() != text:
-                stale.append(name)
-        else:
-            path.write_text(text)
-            print(f"wrote {path}")
-    if stale:
-        print(f"stale: {', '.join(stale)} - run `python -m dashboards.build`", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check([(args.out / name, render(name)) for name in DASHBOARDS], check=args.check,
+                          regenerate="python -m dashboards.build")
 
 
 if __name__ == "__main__":
