@@ -350,6 +350,19 @@ def run_has_stopped(run_dir: Path | None) -> bool:
     return mt is None or time.time() - mt >= STEPS_QUIET_S
 
 
+def files_source_line(run: dict, source: str):
+    """The line a view prints above what it read from ``source`` in the run directory instead of the bus
+    (``run["source"] == "files"``): the bus's note (``offline_note``) in yellow; for a run that has stopped,
+    whose bus is down by design, a dim line with nothing to warn of. None when the view read the bus."""
+    from rich.text import Text
+
+    if run["source"] != "files":
+        return None
+    if run.get("note"):
+        return Text(f"{run['run']}: {run['note']}; from {source}:", style="yellow")
+    return Text(f"{run['run']}: the run has stopped; from {source}:", style="dim")
+
+
 def offline_note(ref) -> str | None:
     """The note a view prints about the missing bus: ``ref.bus_note``, except for a run that has
     stopped read without an explicit bus (--redis-url, SENTINEL_REDIS_URL): its own embedded bus is

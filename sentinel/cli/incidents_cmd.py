@@ -23,6 +23,7 @@ from sentinel.cli.common import (
     count_bus_entries,
     emit_json,
     emit_runs,
+    files_source_line,
     fmt_clock,
     friendly_errors,
     json_option,
@@ -168,10 +169,8 @@ def _render(runs: list[dict]):
 
     parts = []
     for run in runs:
-        if run["source"] == "files" and run.get("note"):
-            parts.append(Text(f"{run['run']}: no control bus ({run['note']}); from the run directory:", style="yellow"))
-        elif run["source"] == "files":  # a run that has stopped: its bus is down by design, nothing to warn of
-            parts.append(Text(f"{run['run']}: the run has stopped; from the run directory:", style="dim"))
+        if (line := files_source_line(run, "the run directory")) is not None:
+            parts.append(line)
         if not run["incidents"]:
             parts.extend(_no_incidents(run))
             continue

@@ -12,6 +12,7 @@ import click
 from sentinel.cli.common import (
     count_bus_entries,
     emit_runs,
+    files_source_line,
     fmt_clock,
     friendly_errors,
     json_option,
@@ -70,10 +71,8 @@ def _render(runs: list[dict]):
 
     parts = []
     for run in runs:
-        if run["source"] == "files" and run.get("note"):
-            parts.append(Text(f"{run['run']}: {run['note']}; from the run directory's pages.jsonl:", style="yellow"))
-        elif run["source"] == "files":  # a run that has stopped: its bus is down by design, nothing to warn of
-            parts.append(Text(f"{run['run']}: the run has stopped; from the run directory's pages.jsonl:", style="dim"))
+        if (line := files_source_line(run, "the run directory's pages.jsonl")) is not None:
+            parts.append(line)
         if not run["pages"]:
             parts.append(Text(f"{run['run']}: no pages", style="green"))
             continue
