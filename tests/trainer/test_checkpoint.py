@@ -880,13 +880,20 @@ def _all_ok_worker(rank: int, port: int, out: str) -> None:
     env = DistEnv(rank, rank, 2, torch.device("cpu"), dist.group.WORLD, local_world_size=2)
     got = [env.all_ok(True, same=7), env.all_ok(rank == 0, same=7), env.all_ok(True, same=7 + rank),
            env.all_ok(True, same=2**62 + 5)]
+    from trainer.dist import BROADCAST_INLINE_BYTES
+
+    sent = [[], None, "x" * (BROADCAST_INLINE_BYTES - 30), "y" * (BROADCAST_INLINE_BYTES + 1), list(range(50_000)),
+            {"kind": "skip", "ranges": [[3, 40]]}]
+    got.append([env.broadcast_object(obj if rank == 0 else "not rank 0's") == obj for obj in sent])
     dist.destroy_process_group()
     Path(out, f"rank{rank}").write_text(json.dumps(got))
 
 
 def test_all_ok_needs_every_rank_ok_and_the_same_fingerprint(tmp_path):
     """The vote a shared checkpoint verification ends with: one failed share, or ranks that saw
-    different files (another fingerprint), fail it on every rank."""
+    different files (another fingerprint), fail it on every rank. And ``broadcast_object`` (every step's
+    directives): rank 0's object on both ranks, whether its pickle fits the one broadcast or needs the
+    second, around the boundary and far past it."""
     import socket
 
     import torch.multiprocessing as tmp
@@ -896,7 +903,7 @@ def test_all_ok_needs_every_rank_ok_and_the_same_fingerprint(tmp_path):
         port = s.getsockname()[1]
     tmp.spawn(_all_ok_worker, args=(port, str(tmp_path)), nprocs=2)
     for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}").read_text()) == [True, False, False, True]
+        assert json.loads((tmp_path / f"rank{rank}").read_text()) == [True, False, False, True, [True] * 6]
 
 
 def test_async_finalize_waits_for_a_rank_marker_being_written(tmp_path):
