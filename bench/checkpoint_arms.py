@@ -239,6 +239,22 @@ def async_stall_vs_sync(w: Worker, reps: int) -> dict:
         next_step_slowdown_vs_sync=[round(r, 4) for r in slowdown])
 
 
+def drop_from_page_cache(files) -> None:
+    """Drop clean (fsynced) files from the page cache, so that the next read goes to the disk."""
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def read_through(files) -> None:
+    """The raw arm of a load: every file read sequentially, once, in 4 MiB reads."""
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(1 << 22):
+                pass
+
+
 def load_vs_raw(w: Worker, reps: int) -> dict:
     t = w.t
     step = t.state.step
@@ -247,16 +263,10 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
 
     def evict():  # both arms read from the disk, not from the page cache (the files are clean: fsynced)
         if w.rank0:
-            for p in files:
-                fd = os.open(p, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            drop_from_page_cache(files)
 
     def raw_read():
-        for p in files:
-            with open(p, "rb", buffering=0) as f:
-                while f.read(1 << 22):
-                    pass
+        read_through(files)
 
     def load():
         assert t.load_checkpoint(step) == step

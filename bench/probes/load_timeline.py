@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 import statistics
 import sys
@@ -21,7 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: checkpoint_arms
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from checkpoint_arms import drop_from_page_cache
 
 import sentinel.contract.fsio as fsio
 import trainer.checkpoint as ck
@@ -73,10 +75,7 @@ def main() -> int:
     seen: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
     for _ in range(args.rounds):
         if not args.warm:
-            for p in files:
-                fd = os.open(p, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            drop_from_page_cache(files)
         marks.clear()
         start[0] = time.perf_counter()
         t.load_checkpoint(3)

@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(args) -> None:
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import torch
     import torch.distributed as dist
+    from checkpoint_arms import drop_from_page_cache, read_through
 
     from trainer import dist as tdist
     from trainer.checkpoint import step_dir_name
@@ -45,18 +46,6 @@ def worker(args) -> None:
     env.barrier()
     files = [p for p in (run_dir / "checkpoints" / step_dir_name(3)).iterdir() if p.is_file()]
 
-    def evict():
-        for p in files:
-            fd = os.open(p, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-    def raw():
-        for p in files:
-            with open(p, "rb", buffering=0) as f:
-                while f.read(1 << 22):
-                    pass
-
     arms = {"one vote": 1 << 62, "two votes": 0, "raw read": None}
     took: dict[str, list[float]] = {k: [] for k in arms}
     names = list(arms)
@@ -64,11 +53,11 @@ def worker(args) -> None:
         for name in names if i % 2 == 0 else names[::-1]:
             if arms[name] is not None:
                 t.cfg.checkpoint.verify_whole_max_bytes = arms[name]
-            evict()
+            drop_from_page_cache(files)
             env.barrier()
             t0 = time.perf_counter()
             if arms[name] is None:
-                raw()
+                read_through(files)
             else:
                 assert t.load_checkpoint(3) == 3
             x = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
