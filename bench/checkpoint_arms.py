@@ -240,7 +240,11 @@ def async_stall_vs_sync(w: Worker, reps: int) -> dict:
 
 
 def drop_from_page_cache(files) -> None:
-    """Drop clean (fsynced) files from the page cache, so that the next read goes to the disk."""
+    """Drop clean (fsynced) files from the page cache, so that the next read goes to the disk. A page
+    that a mapping still holds stays: the loads' mappings this process let go are unmapped first."""
+    from sentinel.contract.fsio import wait_released
+
+    wait_released()
     for p in files:
         fd = os.open(p, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -262,6 +266,8 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
     a, b, ratio = [], [], []
 
     def evict():  # both arms read from the disk, not from the page cache (the files are clean: fsynced)
+        wait_released()  # every rank's last load unmapped first: a page still mapped stays in the cache
+        w.env.barrier()
         if w.rank0:
             drop_from_page_cache(files)
 
@@ -275,6 +281,7 @@ def load_vs_raw(w: Worker, reps: int) -> dict:
     # files this rank restores (tensor files: the header, views of the bytes). It holds the GIL, so no other
     # core shares its time: raw read / deserialisation bounds load_vs_raw from above, whatever the reading
     # and hashing overlap
+    from sentinel.contract.fsio import wait_released
     from trainer import tensor_file
 
     blobs = {p.name: p.read_bytes() for p in files}
@@ -334,7 +341,7 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     from sentinel.contract.fsio import checksums_match, map_file
     from trainer import rng, tensor_file
     from trainer.checkpoint import checksum_share
-    from trainer.dist import intra_op_threads
+    from trainer.dist import copy_threads, intra_op_threads
     from trainer.flat_state import tiled_base
 
     t, env, ck = w.t, w.env, w.newest()
@@ -362,6 +369,7 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     if env.distributed and env.local_world_size > 1:
         names = checksum_share(names, [(ck / n).stat().st_size for n in names], env.local_rank, env.local_world_size)
     rng_file = ck / f"rng-rank{env.rank}.safetensors"
+    threads = copy_threads(int(json.loads((ck / "manifest.json").read_bytes()).get("bytes", 0)), env.core_share())
 
     def floor_load() -> None:
         recorded = json.loads((ck / "manifest.json").read_bytes())["files"]
@@ -375,7 +383,7 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
             for at, dst in tensors:
                 srcs.append(torch.frombuffer(mapped, dtype=dst.dtype, count=dst.numel(), offset=at).view(dst.shape))
                 dsts.append(dst)
-        with torch.no_grad(), intra_op_threads(env.core_share()):  # on the rank's cores, as the loader copies
+        with torch.no_grad(), intra_op_threads(threads, exact=True):  # on the threads the loader copies with
             torch._foreach_copy_(dsts, srcs)
         rng.restore(tensor_file.load(rng_file, mapped=True, mapping=hashed.get(rng_file)))
 

@@ -15,11 +15,15 @@ directory durable, and renames the directory into place (then fsyncs its parent)
 temporary directory is fsynced before it. The fsyncs, the manifest's included, run concurrently (the
 file system commits them together: one journal round trip for all the files, not one per file;
 bench/checkpoint_cost.py measured 7 sequential fsyncs as two thirds of a small checkpoint's save).
-Loading verifies checksums *before* any file is parsed (``trainer/piece_files.py``). The ranks
-of one node share that work (``checksum_share``: each hashes part of the files) and vote on the result,
-with a fingerprint of the files each saw, before any of them loads a file
-(``trainer.checkpointing.TrainerCheckpoints.load``). The model's and the optimizer's files are then
-mapped and copied into the live tensors.
+Loading (``trainer.checkpointing.TrainerCheckpoints.load``; the reading side is
+``trainer/checkpoint_verify.py``) applies nothing until every checksum has passed on every rank. While
+the disk reads, it parses each tensor file's JSON header (and dry-runs the RNG state) just before
+hashing that file: a format without pickle, whose reader refuses hostile input in one line, and a file
+whose checksum then fails is never used. Torch's format (``.pt``, checkpoints from before tensor files)
+is opened only after its checksum passed, with ``torch.load(weights_only=True)``
+(``trainer/piece_files.py``). The ranks of one node hash every file each (a small state: one vote) or
+share the hashing (``checksum_share``) and vote before any uses a file another rank hashed. The
+model's and the optimizer's files are mapped and copied into the live tensors.
 
 Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
 first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the
@@ -32,8 +36,6 @@ it shares, ``trainer/checkpoint_writer.py``) or by the thread itself (``"thread"
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import queue
 import shutil
@@ -42,155 +44,31 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from sentinel.contract.checkpoints import (
-    ManifestError,
-    TrainStateFile,
-    check_manifest,
-    first_error,
     manifest_digest,  # noqa: F401  (re-exported)
 )
-from sentinel.contract.fsio import checksums_match, clear_trash, file_checksum, move_to_trash, remove_dir, sha256_file  # noqa: F401  (sha256_file: re-exported)
+from sentinel.contract.fsio import clear_trash, file_checksum, move_to_trash, remove_dir, sha256_file  # noqa: F401  (sha256_file: re-exported)
 from sentinel.contract.fsio import fsync_dir as _fsync  # by name: a file's data, or a directory's names
 from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
-from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
 from sentinel.contract.rundir import checkpoint_dir_name
 from trainer.checkpoint_io import write_file, write_json
 from trainer.checkpoint_thread import _run_jobs, built, host_copy
-
-
-class CheckpointError(Exception):
-    """One-line problem with a checkpoint (corrupt, missing, incompatible)."""
-
+from trainer.checkpoint_verify import (  # noqa: F401  (re-exported: the reading side)
+    CheckpointError,
+    ValidCheckpoint,
+    checksum_share,
+    files_fingerprint,
+    list_checkpoints,
+    read_train_state,
+    verify,
+    verify_share,
+)
 
 step_dir_name = checkpoint_dir_name
-
-
-@dataclass
-class ValidCheckpoint:
-    step: int
-    path: Path
-    manifest: dict
-
-    @property
-    def bytes(self) -> int:
-        return int(self.manifest.get("bytes", 0))
-
-
-def _read_json(path: Path, what: str, data: bytes | None = None):
-    try:
-        return json.loads(path.read_bytes() if data is None else data)
-    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8/JSON, or nested past the parser
-        raise CheckpointError(f"{path.parent.name}: {what} is unreadable") from None
-
-
-def checksum_share(names: list[str], sizes: list[int], index: int, count: int) -> list[str]:
-    """The files the ``index``-th of ``count`` ranks of one node hashes when they verify a checkpoint
-    together: largest first, each to the rank with the fewest bytes so far (ties: the fewest files,
-    then the lowest index). A function of the names and sizes alone, so the node's ranks agree on it
-    without talking."""
-    load, nfiles = [0] * count, [0] * count
-    mine = []
-    for size, name in sorted(zip(sizes, names), key=lambda x: (-x[0], x[1])):
-        r = min(range(count), key=lambda i: (load[i], nfiles[i], i))
-        load[r] += size
-        nfiles[r] += 1
-        if r == index:
-            mine.append(name)
-    return mine
-
-
-def files_fingerprint(names: list[str], sizes: list[int]) -> int:
-    """63 bits naming the files a rank sees (names and sizes): ranks that verify a share each must see
-    the same files, or one rank's check would vouch for a file another rank reads."""
-    text = "\n".join(f"{n}\t{size}" for n, size in sorted(zip(names, sizes)))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
-
-
-def verify(path: Path) -> dict:
-    """Check a checkpoint directory against its manifest; return the manifest or raise CheckpointError.
-
-    Valid means: a well-formed manifest naming this step, listing every file the step needs
-    (``sentinel.contract.checkpoints.check_manifest``), each present with a matching checksum, and a
-    ``train_state.json`` that passes its strict schema. Checksums run before any parsing of the
-    files they cover, and nothing here unpickles anything."""
-    return verify_share(path)[0]
-
-
-def verify_share(path: Path, share: tuple[int, int] | None = None, keep: dict | None = None) -> tuple[dict, int, dict]:
-    """``verify``, hashing only this rank's share of the files with ``share=(index, count)``
-    (``checksum_share``); returns the manifest, the fingerprint of the files seen (0 without a
-    share) and ``train_state.json`` as ``read_train_state`` gives it. The caller combines every
-    rank's verdict, and checks that all saw the same files, before any file is loaded
-    (``trainer.checkpointing.TrainerCheckpoints.load``). The rest is checked in full. With ``keep``
-    (a dict), each small file hashed through a mapping leaves that mapping there, by path, for its
-    reader (``sentinel.contract.fsio.checksums_match``); ``train_state.json`` is parsed from it."""
-    if not path.is_dir():
-        what = "a dangling link" if os.path.islink(path) and not path.exists() else "a file, not a directory"
-        raise CheckpointError(f"{path.name}: is {what} (not a checkpoint)")
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{path.name}: incomplete (no manifest)")
-    raw = _read_json(mpath, "manifest")
-    try:
-        manifest = check_manifest(raw, path.name)
-    except ManifestError as e:
-        raise CheckpointError(f"{path.name}: {e}") from None
-    files = manifest.files
-    for name in sorted(files):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path.name}: {name} " + ("is no regular file" if os.path.lexists(f) else "is missing"))
-    names = sorted(files)
-    fingerprint = 0
-    if share is not None:
-        sizes = [(path / n).stat().st_size for n in names]
-        fingerprint = files_fingerprint(names, sizes)
-        index, count = share
-        if 0 <= index < count and count > 1:  # else (one rank, or a launcher's odd local rank): every file
-            names = checksum_share(names, sizes, index, count)
-    if names:
-        ok = checksums_match([(path / n, files[n]) for n in names], keep)
-        for name, good in zip(names, ok):
-            if not good:
-                raise CheckpointError(f"{path.name}: {name} fails its checksum (corrupt or truncated)")
-    hashed = keep.pop(path / "train_state.json", None) if keep is not None else None
-    state = read_train_state(path, manifest.step, None if hashed is None else bytes(hashed))
-    if state["world_size"] != manifest.world_size:
-        raise CheckpointError(f"{path.name}: train_state.json world_size {state['world_size']} differs from the manifest's {manifest.world_size}")
-    return raw, fingerprint, state
-
-
-def read_train_state(path: Path, step: int | None = None, data: bytes | None = None) -> dict:
-    """``train_state.json`` of a checkpoint, validated (types, ranges, consistency with ``step``);
-    ``data``: its bytes, already read (and hashed)."""
-    try:
-        state = TrainStateFile.model_validate(_read_json(path / "train_state.json", "train_state.json", data))
-    except ValidationError as e:
-        raise CheckpointError(f"{path.name}: train_state.json is malformed ({first_error(e)})") from None
-    if step is not None and state.step != step:
-        raise CheckpointError(f"{path.name}: train_state.json says step {state.step}, the checkpoint is step {step}")
-    return state.model_dump()
-
-
-def list_checkpoints(ckpt_root: Path, *, strays: bool = False) -> list[tuple[int, Path]]:
-    """All step directories (valid or not), newest first. ``strays``: also what bears a step
-    directory's name but is none (a plain file, a FIFO, a dangling link), so that a resume names it
-    when it passes it over instead of skipping it in silence."""
-    if not ckpt_root.is_dir():
-        return []
-    out = []
-    for p in ckpt_root.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and (strays or p.is_dir()):
-            out.append((int(m.group(1)), p))
-    return sorted(out, reverse=True)
 
 
 def _read_mark(path: Path) -> str | None:

@@ -65,20 +65,22 @@ def _scratch_generators() -> tuple:
     return random.Random(0), np.random.RandomState(0), torch.Generator()
 
 
-def check_rng(saved: Any, what: str) -> None:
-    """Dry-run every RNG restore on throwaway generators, so the live restore cannot fail."""
-    import numpy as np
+def check_rng(saved: Any, what: str) -> Any:
+    """Dry-run every RNG restore on throwaway generators, so the live restore cannot fail; returns the
+    states converted (``trainer.rng.prepare``), for that restore to set without converting them again."""
+    from trainer import rng
 
     py, npy, tg = _scratch_generators()
     try:
-        p, n = saved["python"], saved["numpy"]
-        py.setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
-        keys = n["keys"]
+        keys = saved["numpy"]["keys"]
         if not isinstance(keys, torch.Tensor) or keys.numel() != 624 or keys.min() < 0 or keys.max() >= 2**32:
             raise ValueError("numpy keys")
-        npy.set_state((n["kind"], keys.numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-        tg.set_state(saved["torch"])
-        if "cuda" in saved and not (isinstance(saved["cuda"], list) and all(isinstance(t, torch.Tensor) for t in saved["cuda"])):
+        prepared = rng.prepare(saved)
+        py.setstate(prepared.python)
+        npy.set_state(prepared.numpy)
+        tg.set_state(prepared.torch)
+        if prepared.cuda is not None and not (isinstance(prepared.cuda, list) and all(isinstance(t, torch.Tensor) for t in prepared.cuda)):
             raise ValueError("cuda")
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError):
         raise CheckpointError(f"{what} is not a valid RNG state") from None
+    return prepared

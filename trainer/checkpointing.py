@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from sentinel.contract.fsio import release_later
 from sentinel.protocol import SKIP_REMOVED, CheckpointInfo
+from trainer import tensor_file
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -27,7 +29,7 @@ from trainer.checkpoint import (
     verify_share,
 )
 from trainer.checkpoint_io import HASH_THREAD_MIN_CORES
-from trainer.dist import intra_op_threads
+from trainer.dist import copy_threads, intra_op_threads
 from trainer.errors import TrainingError
 from trainer.piece_files import load_file, piece_path
 from trainer.state import DCP_DIR, TRAIN_STATE, CheckpointState
@@ -144,11 +146,12 @@ class TrainerCheckpoints:
             if why is None:
                 try:
                     loaded = self._read(path, *verified)
-                    verified = None  # the mappings the checksums left: in ``loaded`` now, or let go
                 except CheckpointError as e:
                     why = str(e)
             if env.all_ok(why is None, same=fingerprint):
                 self._restore(loaded, restore_skiplist=restore_skiplist)
+                release_later((loaded, verified))  # the mappings, unmapped after the load instead of in it
+                del loaded, verified
                 return ck_step
             why = why or f"{path.name}: rejected by another rank" + (_ELSEWHERE if whole else "")
             if step is not None:
@@ -172,7 +175,7 @@ class TrainerCheckpoints:
         params = sum(p.numel() * p.element_size() for p in tr.model.parameters())
         return 3 * params <= tr.cfg.checkpoint.verify_whole_max_bytes
 
-    def _verify_together(self, path: Path, whole: bool) -> tuple[tuple[dict, dict, dict] | None, str | None, int]:
+    def _verify_together(self, path: Path, whole: bool) -> tuple[tuple[dict, dict, dict, dict] | None, str | None, int]:
         """Verify ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its train state, the
         mappings its checksums were computed through, by path), None, fingerprint) if it passed, else
         (None, why, fingerprint). ``fingerprint``: the files this rank saw (names and sizes), for the
@@ -186,10 +189,10 @@ class TrainerCheckpoints:
         what it checked itself, and the load's one vote compares the files the ranks saw."""
         env = self.tr.env
         share = (0, 1) if whole else (env.local_rank, env.local_world_size) if env.distributed else None
-        verified, fingerprint, why, mappings = None, 0, None, {}
+        verified, fingerprint, why, mappings, early = None, 0, None, {}, {}
         try:
-            manifest, fingerprint, state = verify_share(path, share, mappings)
-            verified = (manifest, state, mappings)
+            manifest, fingerprint, state = verify_share(path, share, mappings, lambda file, mapped: self._parse_early(file, mapped, early))
+            verified = (manifest, state, mappings, early)
         except CheckpointError as e:
             why = str(e)
         if not env.distributed or whole:
@@ -198,7 +201,42 @@ class TrainerCheckpoints:
             return verified, None, 0
         return None, why or f"{path.name}: rejected by another rank" + _ELSEWHERE, 0
 
-    def _read(self, path: Path, manifest: dict, ts: dict, mappings: dict) -> dict:
+    def _parse_early(self, file: Path, mapped, early: dict) -> None:
+        """While the disk reads what ``verify_share`` announced, just before ``file`` is hashed: parse and
+        check it as ``_read`` would if it is one of this rank's tensor files (``mapped``: the mapping its
+        checksum is about to be computed through), into ``early`` (by path: what ``check`` prepared, or
+        the exception it raised, which ``_read`` raises in its turn). Only its header is read, and the
+        RNGs' few KB for their dry run; nothing is applied, and a file whose checksum then fails is never
+        used. On ``tiny``, the parsing (0.5 ms) overlaps the read instead of following it
+        (docs/benchmarks/checkpoint-cost.md)."""
+        if file.name == TRAIN_STATE:  # ``mapped``: the state read from it; its pieces' checks
+            try:
+                early[TRAIN_STATE] = (mapped, self._check_train_state(mapped, file.parent.name))
+            except Exception as e:  # noqa: BLE001  (raised by ``_read``)
+                early[TRAIN_STATE] = (mapped, e)
+            return
+        piece = next((p for p in self.state.layout(sharded=False).values() if p.maps_file and p.file == file.name), None)
+        if piece is None or file.suffix != tensor_file.SUFFIX:  # torch's format: never before its checksum
+            return
+        try:
+            sd = load_file(file, mapped=True, mapping=mapped)
+            prepared = piece.check(sd, file.parent.name)
+            early[file] = sd if prepared is None else prepared
+        except Exception as e:  # noqa: BLE001  (raised by ``_read``, in the order it checks)
+            early[file] = e
+
+    def _check_train_state(self, ts: dict, ckpt: str) -> dict:
+        """The pieces kept in ``train_state.json`` (the same in both layouts), checked: name -> what their
+        ``load_state_dict`` is given."""
+        out = {}
+        for name, piece in self.state.states.items():
+            if piece.file == TRAIN_STATE:
+                sd = {k: ts[k] for k in piece.keys}
+                prepared = piece.check(sd, ckpt)
+                out[name] = sd if prepared is None else prepared
+        return out
+
+    def _read(self, path: Path, manifest: dict, ts: dict, mappings: dict, early: dict) -> dict:
         """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after
         ``_verify_together``, which read ``ts``, ``train_state.json``). The pieces in ``train_state.json``
         first: their checks are the cheapest. The tensor files are mapped, not read (``Piece.maps_file``:
@@ -206,14 +244,21 @@ class TrainerCheckpoints:
         checksum was computed through where there is one (``mappings``, by path): the bytes parsed are
         the bytes hashed, and their pages are in place."""
         pieces = self.state.layout(sharded=(path / DCP_DIR).is_dir())
-        read: dict = {}
-        for name, piece in pieces.items():
-            if piece.file == TRAIN_STATE:
-                read[name] = {k: ts[k] for k in piece.keys}
-                piece.check(read[name], path.name)
+        state, checked = early.pop(TRAIN_STATE, (None, None))
+        if state is not ts:  # not checked while the disk read
+            checked = self._check_train_state(ts, path.name)
+        elif isinstance(checked, Exception):
+            raise checked
+        read: dict = dict(checked)
         for name, piece in pieces.items():
             if piece.file not in (TRAIN_STATE, DCP_DIR):  # DCP reads its shards when loading
                 file = piece_path(path, piece.file, manifest["files"])
+                if file in early and file in mappings:  # parsed while the disk read (``_parse_early``)
+                    mappings.pop(file)
+                    if isinstance(done := early.pop(file), Exception):
+                        raise done
+                    read[name] = done
+                    continue
                 sd = load_file(file, mapped=piece.maps_file, mapping=mappings.pop(file, None) if piece.maps_file else None)
                 prepared = piece.check(sd, path.name)
                 read[name] = sd if prepared is None else prepared
@@ -221,9 +266,11 @@ class TrainerCheckpoints:
 
     def _restore(self, ck: dict, *, restore_skiplist: bool) -> None:
         """Apply what ``_read`` checked. The copies into the live tensors use this rank's share of the
-        node's cores (``intra_op_threads``): ``small``'s 39 MB took 6.9 ms on one thread, 2.5 ms on two."""
+        node's cores (``intra_op_threads``) from ``COPY_THREADS_MIN_BYTES`` up, else one thread
+        (``trainer.dist.copy_threads``)."""
         path = ck["path"]
-        with intra_op_threads(self.tr.env.core_share()):
+        threads = copy_threads(int(ck["manifest"].get("bytes", 0)), self.tr.env.core_share())
+        with intra_op_threads(threads, exact=True):
             for name, piece, sd in ck["pieces"]:  # in the layout's order: the tensors first
                 if name == "skiplist" and not restore_skiplist:
                     continue

@@ -88,7 +88,7 @@ class StepGuard:
     def load_state_dict(self, sd: dict) -> None:
         if sd["window"] != self.loss.numel():
             raise ValueError(f"guard window changed ({sd['window']} -> {self.loss.numel()}); cannot resume exactly")
-        self.loss.copy_(torch.tensor(sd["loss"], dtype=torch.float32))
-        self.grad.copy_(torch.tensor(sd["grad"], dtype=torch.float32))
+        self.loss.copy_(torch.as_tensor(sd["loss"], dtype=torch.float32))  # a list, or a tensor (``GuardPiece.check``)
+        self.grad.copy_(torch.as_tensor(sd["grad"], dtype=torch.float32))
         self.count.fill_(int(sd["count"]))
         self.streak.fill_(int(sd.get("streak", 0)))

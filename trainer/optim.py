@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 
@@ -126,7 +127,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
         """``load_state_dict`` of a file laid out as this optimizer holds its state
         (``trainer.flat_state.copy_plan``): torch's hyper-parameters (a deep copy of the file's, with
         the live parameters, as torch builds them), then one copy into each flat tensor."""
-        self.param_groups = [{k: live["params"] if k == "params" else copy.deepcopy(v) for k, v in saved.items()}
+        self.param_groups = [{k: live["params"] if k == "params" else _copied(v) for k, v in saved.items()}
                              for live, saved in zip(self.param_groups, plan.param_groups)]
         for live, saved in plan.copies:
             live.copy_(saved)
@@ -166,6 +167,17 @@ class SkipStepAdamW(torch.optim.Optimizer):
                 self.state[p].update(step=steps[i], exp_avg=m[offset:offset + n].view(p.shape),
                                      exp_avg_sq=v[offset:offset + n].view(p.shape))
                 offset += n
+
+
+_IMMUTABLE = (int, float, bool, str, type(None))
+
+
+def _copied(v: Any) -> Any:
+    """``copy.deepcopy(v)``, without its machinery for the immutable values hyper-parameters are (a float,
+    a tuple of floats): those are themselves."""
+    if type(v) in _IMMUTABLE or (type(v) is tuple and all(type(x) in _IMMUTABLE for x in v)):
+        return v
+    return copy.deepcopy(v)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> SkipStepAdamW:

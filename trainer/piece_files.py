@@ -1,9 +1,11 @@
-"""Reading a checkpoint's piece files, only after their checksums passed (``trainer.checkpoint.verify``).
+"""Reading a checkpoint's piece files (their checksums: ``trainer.checkpoint_verify``).
 
 ``model.safetensors``, ``optim.safetensors`` and ``rng-rankN.safetensors`` are tensor files
 (``trainer/tensor_file.py``): a JSON header and the tensors' bytes, no pickle. A checkpoint written
 before them holds ``.pt`` files of torch's format instead, and still loads: through
-``torch.load(weights_only=True)``, which refuses every global but tensors and plain containers.
+``torch.load(weights_only=True)``, which refuses every global but tensors and plain containers, and
+only once its checksum passed (a tensor file's header may be parsed while the file is hashed:
+``trainer.checkpointing.TrainerCheckpoints._parse_early``).
 Either way a file that cannot be read whole is one line (``CheckpointError``) naming the checkpoint
 and the file.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,14 +28,35 @@ def capture() -> dict:
     return out
 
 
-def restore(st: dict) -> None:
-    p = st["python"]
-    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss"]))
-    n = st["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+class Prepared(NamedTuple):
+    """A captured state, converted to what each generator's setter takes (``prepare``)."""
+
+    python: tuple
+    numpy: tuple
+    torch: torch.Tensor
+    cuda: list | None
+
+
+def prepare(st: dict) -> Prepared:
+    """``st`` (``capture``'s form) in the form ``apply`` sets; raises what the conversions raise on a
+    malformed state (``trainer.checkpoint_checks.check_rng`` dry-runs it before anything is applied)."""
+    p, n = st["python"], st["numpy"]
+    return Prepared((p["version"], tuple(p["state"].tolist()), p["gauss"]),
+                    # the keys as a list: numpy's setter reads a list in 2 us, an array in 34 us
+                    (n["kind"], n["keys"].tolist(), n["pos"], n["has_gauss"], n["gauss"]),
+                    st["torch"], st.get("cuda"))
+
+
+def apply(pr: Prepared) -> None:
+    random.setstate(pr.python)
+    np.random.set_state(pr.numpy)
+    torch.set_rng_state(pr.torch)
+    if pr.cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(pr.cuda)
+
+
+def restore(st: dict | Prepared) -> None:
+    apply(st if isinstance(st, Prepared) else prepare(st))
 
 
 def seed_all(seed: int, rank: int) -> None:

@@ -148,10 +148,10 @@ class RngPiece(Piece):
     def state_dict(self) -> dict:
         return rng.capture()
 
-    def check(self, sd, ckpt: str) -> None:
-        check_rng(sd, f"{ckpt}: {self.file}")  # a dry run on throwaway generators
+    def check(self, sd, ckpt: str) -> rng.Prepared:
+        return check_rng(sd, f"{ckpt}: {self.file}")  # a dry run on throwaway generators
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict | rng.Prepared) -> None:
         rng.restore(sd)
 
 
@@ -234,10 +234,12 @@ class GuardPiece(Piece):
     def state_dict(self) -> dict:
         return {"guard": self.tr.guard.state_dict()}
 
-    def check(self, sd: dict, ckpt: str) -> None:
+    def check(self, sd: dict, ckpt: str) -> dict:
         window, want = sd["guard"]["window"], self.tr.cfg.guard.window
         if window != want:
             raise TrainingError(f"checkpoint {ckpt} has a guard window of {window}, this run {want}; cannot resume exactly")
+        g = sd["guard"]  # its windows as tensors already, for the load to copy
+        return {"guard": {**g, "loss": torch.tensor(g["loss"], dtype=torch.float32), "grad": torch.tensor(g["grad"], dtype=torch.float32)}}
 
     def load_state_dict(self, sd: dict) -> None:
         self.tr.guard.load_state_dict(sd["guard"])

@@ -27,6 +27,7 @@ from checkpoint_arms import drop_from_page_cache
 
 import sentinel.contract.fsio as fsio
 import trainer.checkpoint as ck
+import trainer.checkpoint_verify as cv
 import trainer.checkpointing as cp
 from trainer import dist as tdist
 from trainer.config import resolve
@@ -64,10 +65,11 @@ def main() -> int:
 
         setattr(owner, name, timed)
 
-    wrap(ck, "_read_json", lambda a: f"{Path(a[0]).name} read")
-    wrap(ck, "check_manifest", "manifest checked")
+    wrap(cv, "_read_json", lambda a: f"{Path(a[0]).name} read")
+    wrap(cv, "check_manifest", "manifest checked")
     wrap(fsio, "announce", "files announced", before="announcing")
     wrap(fsio, "_mapped_checksum_matches", lambda a: f"{Path(a[0]).name} hashed")
+    wrap(cp.TrainerCheckpoints, "_parse_early", "headers parsed while reading (_parse_early)")
     wrap(cp, "verify_share", "verified")
     wrap(cp.TrainerCheckpoints, "_read", "pieces parsed and checked (_read)")
     wrap(cp.TrainerCheckpoints, "_restore", "pieces applied (_restore)")

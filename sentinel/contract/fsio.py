@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import hashlib
@@ -23,7 +24,9 @@ import mmap
 import os
 import shutil
 import stat
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,8 +35,8 @@ import blake3
 from sentinel.contract.limits import MAX_STATE_BYTES
 
 __all__ = ["ANNOUNCE_MAX_BYTES", "CHECKSUM_PREFIX", "MAX_STATE_BYTES", "TRASH_PREFIX", "Checksum", "UnreadableFileError",
-           "announce", "atomic_write_text", "checksum_matches", "checksums_match", "clear_trash", "file_checksum", "fsync_dir",
-           "map_file", "move_to_trash", "open_regular", "read_regular_file", "remove_dir", "sha256_file"]
+           "announce", "announce_dir", "atomic_write_text", "checksum_matches", "checksums_match", "clear_trash", "file_checksum", "fsync_dir",
+           "map_file", "move_to_trash", "open_regular", "read_regular_file", "release_later", "remove_dir", "sha256_file", "wait_released"]
 
 CHECKSUM_PREFIX = "blake3:"
 # BLAKE3 rather than sha256: as collision-resistant (a manifest's digest, carried signed on the bus,
@@ -86,6 +89,53 @@ def _hash_pool() -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_hash_pool.cache_clear)  # a forked child has none of the parent's threads
 
 
+# what ``release_later`` was given, let go by a thread that looks every RELEASE_EVERY_SECONDS: waking a
+# thread to do it (a queue, a pool) cost the load 40 us of its 2 ms on this VM, the unmapping 70-130 us
+RELEASE_EVERY_SECONDS = 0.05
+_pending: collections.deque = collections.deque()
+_releasing = threading.Lock()
+
+
+@functools.cache
+def _releaser() -> threading.Thread:
+    th = threading.Thread(target=_release_forever, name="release", daemon=True)
+    th.start()
+    return th
+
+
+def _release_forever() -> None:
+    while True:
+        time.sleep(RELEASE_EVERY_SECONDS)
+        if _pending:
+            wait_released()
+
+
+def _forget_in_child() -> None:  # a forked child has none of the parent's threads
+    _releaser.cache_clear()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def release_later(obj) -> None:
+    """Let go of ``obj`` (what holds a load's mappings: the tensors that view them) within
+    ``RELEASE_EVERY_SECONDS``, on a thread of its own, so that the unmapping and the tensors' freeing
+    follow the load instead of ending it. The caller keeps no reference of its own.
+    ``wait_released`` lets go of everything handed over, at once."""
+    _releaser()
+    _pending.append(obj)
+
+
+def wait_released() -> None:
+    """Let go of everything given to ``release_later`` so far, on this thread, and return once it is
+    (its pages unmapped: a page still mapped stays in the page cache, which a benchmark's eviction
+    must not find)."""
+    with _releasing:
+        while _pending:
+            _pending.popleft()
+
+
 # a file up to this size is announced to the kernel before any is read (``announce``); a larger one
 # is read at the disk's bandwidth by the kernel's own readahead, which an announcement only delays
 ANNOUNCE_MAX_BYTES = 4 << 20
@@ -97,7 +147,9 @@ def announce(paths) -> None:
     after another. A checkpoint of small files is latency-bound: the checksums of ``tiny``'s four
     files (1.5 MB) read from a cold cache in 1.39-1.45 ms announced, 1.68-1.84 ms not (a plain
     sequential read of them: 1.45-1.60 ms). Announcing the 13 and 26 MB files of ``small`` cost
-    1-3 ms of 24 (docs/benchmarks/checkpoint-cost.md). Advice only: a failure is ignored."""
+    1-3 ms of 24 (docs/benchmarks/checkpoint-cost.md). Each file is asked for whole: asking for the
+    first 64 KiB of every file before the rest of any made ``tiny``'s load 0.1 ms slower. Advice
+    only: a failure is ignored."""
     if not hasattr(os, "posix_fadvise"):
         return
     for path in paths:
@@ -115,6 +167,22 @@ def announce(paths) -> None:
             os.close(fd)
 
 
+def announce_dir(path) -> set:
+    """``announce`` every regular file of the directory ``path`` (not its links or subdirectories), the
+    smallest first, before anything names them: a checkpoint's manifest is read while its files are
+    already on their way, so their reads start one round trip earlier (on ``tiny``, the manifest's read
+    and check took 0.25 ms of a 2 ms load before any other file was asked for). Returns the paths
+    announced, for ``checksums_match(announced=...)`` not to announce them again."""
+    try:
+        with os.scandir(path) as it:
+            found = [(e.stat(follow_symlinks=False).st_size, Path(e.path)) for e in it if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return set()
+    small = [p for size, p in sorted(found, key=lambda x: x[0]) if 0 < size <= ANNOUNCE_MAX_BYTES]
+    announce(small)
+    return set(small)
+
+
 def map_file(path) -> mmap.mmap | None:
     """A private (copy-on-write) mapping of the regular file at ``path``; None for an empty file or
     anything else (a FIFO, a device). Raises OSError as ``open`` does."""
@@ -128,21 +196,19 @@ def map_file(path) -> mmap.mmap | None:
         os.close(fd)
 
 
-def _mapped_checksum_matches(path, recorded: str, keep: dict | None = None) -> bool:
+def _mapped_checksum_matches(path, recorded: str, keep: dict | None = None, mapped: mmap.mmap | None = None) -> bool:
     """``checksum_matches`` of a small regular file mapped into memory and hashed in one call: no
     1 MiB reads through Python. With ``keep``, a file that matches leaves its mapping there
     (``keep[path]``), so that its reader parses the very bytes that were hashed, from the pages the
     hash faulted in, instead of opening the path again (on ``tiny``, 1.87 -> 1.64 ms for the model's
-    and the optimizer's files, hashed, parsed and copied from a cold cache). A sha256 manifest, an
-    empty file or a file gone takes the plain path. Like every mapping of a checkpoint's file, this
-    assumes that nothing truncates a committed checkpoint's file while it is read (a mapping read past
-    its end faults)."""
+    and the optimizer's files, hashed, parsed and copied from a cold cache). ``mapped``: that mapping,
+    made already (``checksums_match``). A sha256 manifest, an empty file or a file gone takes the plain
+    path. Like every mapping of a checkpoint's file, this assumes that nothing truncates a committed
+    checkpoint's file while it is read (a mapping read past its end faults)."""
     if not recorded.startswith(CHECKSUM_PREFIX):
         return checksum_matches(path, recorded)
-    try:
-        mapped = map_file(path)
-    except (OSError, ValueError):
-        mapped = None
+    if mapped is None:
+        mapped = _map_or_none(path)
     if mapped is None:
         return checksum_matches(path, recorded)
     ok = hmac.compare_digest(CHECKSUM_PREFIX + blake3.blake3().update(mapped).hexdigest(), recorded)
@@ -151,33 +217,53 @@ def _mapped_checksum_matches(path, recorded: str, keep: dict | None = None) -> b
     return ok
 
 
-def _is_small_file(path) -> bool:
+def _map_or_none(path) -> mmap.mmap | None:
+    try:
+        return map_file(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _small_size(path) -> int | None:
+    """The size of a small regular file (up to ``ANNOUNCE_MAX_BYTES``); None for anything else."""
     try:
         st = os.stat(path)
     except OSError:
-        return False  # the plain path reports it
-    return stat.S_ISREG(st.st_mode) and st.st_size <= ANNOUNCE_MAX_BYTES
+        return None  # the plain path reports it
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_size <= ANNOUNCE_MAX_BYTES else None
 
 
-def checksums_match(files: list[tuple[Path, str]], keep: dict | None = None) -> list[bool]:
+def checksums_match(files: list[tuple[Path, str]], keep: dict | None = None,
+                    meanwhile: Callable[[Path, mmap.mmap], None] | None = None, announced: set = frozenset()) -> list[bool]:
     """``checksum_matches`` of each (path, recorded) pair. The small files (regular, up to
-    ``ANNOUNCE_MAX_BYTES``) are announced (``announce``), then mapped and hashed on this thread (with
-    ``keep``, the mapping of each that matches is left in it, by path: ``_mapped_checksum_matches``); the
-    others, a file per core (hashing and reading release the GIL), on threads kept from call to call
-    (starting a pool per checkpoint load cost more than hashing all of ``tiny``'s 1.5 MB). On
-    ``tiny``'s four files (1.5 MB) the checksums took 1.28-1.31 ms from a cold cache all on the
-    threads, 1.14-1.17 ms so; from the page cache 0.82-0.84 ms and 0.39-0.42 ms: a thread's turn
-    costs more than a small file's hash."""
-    small = [_is_small_file(p) for p, _ in files]
-    big = [i for i, s in enumerate(small) if not s]
-    announce([p for (p, _), s in zip(files, small) if s])
+    ``ANNOUNCE_MAX_BYTES``) are announced (``announce``), the smallest first, then mapped and hashed
+    on this thread in that order (with ``keep``, the mapping of each that matches is left in it, by
+    path: ``_mapped_checksum_matches``); the others, a file per core (hashing and reading release the
+    GIL), on threads kept from call to call (starting a pool per checkpoint load cost more than hashing
+    all of ``tiny``'s 1.5 MB). On ``tiny``'s four files (1.5 MB) the checksums took 1.28-1.31 ms from
+    a cold cache all on the threads, 1.14-1.17 ms so; from the page cache 0.82-0.84 ms and
+    0.39-0.42 ms: a thread's turn costs more than a small file's hash.
+
+    ``meanwhile(path, mapping)``: work for this thread while the disk reads, called for each small
+    file mapped, just before it is hashed: its first pages have arrived by then, its last ones often
+    not, and the hash follows them as they come. What it reads is not verified yet: it may parse and
+    check, never apply (``trainer.checkpointing``: a load parses each file's header there). It must
+    not raise; the mapping stays the one hashed. ``announced``: paths announced already
+    (``announce_dir``)."""
+    sizes = [_small_size(p) for p, _ in files]
+    big = [i for i, n in enumerate(sizes) if n is None]
+    small = sorted((i for i, n in enumerate(sizes) if n is not None), key=lambda i: sizes[i])  # as announced
+    announce([files[i][0] for i in small if files[i][0] not in announced])
     out = [False] * len(files)
     pending = _hash_pool().map(lambda i: checksum_matches(*files[i]), big) if len(big) > 1 else ()
     if len(big) == 1:
         out[big[0]] = checksum_matches(*files[big[0]])
-    for i, s in enumerate(small):
-        if s:
-            out[i] = _mapped_checksum_matches(*files[i], keep)
+    for i in small:
+        path, recorded = files[i]
+        mapped = _map_or_none(path) if recorded.startswith(CHECKSUM_PREFIX) else None
+        if meanwhile is not None and mapped is not None:
+            meanwhile(path, mapped)
+        out[i] = _mapped_checksum_matches(path, recorded, keep, mapped)
     for i, ok in zip(big, pending):
         out[i] = ok
     return out

@@ -195,6 +195,62 @@ def test_checksums_of_small_and_large_files_in_either_form(tmp_path):
     assert checksums_match([(big, file_checksum(big))]) == [True]  # one large file: hashed on this thread
 
 
+def test_meanwhile_sees_each_small_file_before_its_hash_smallest_first(tmp_path):
+    """``checksums_match(meanwhile=...)``: the caller's work while the disk reads (a load parses each
+    file's header there). It is called once per small file hashed through a mapping, in the order the
+    files were announced (the smallest first), each time before that file is hashed and with the very
+    mapping that is then hashed and kept; never for a large file, an empty one or a sha256 record. A
+    file it saw may still fail its checksum: what it read is not verified."""
+    import hashlib
+
+    from sentinel.contract.fsio import ANNOUNCE_MAX_BYTES, checksums_match, file_checksum
+
+    mid, tiny, big = _file(tmp_path / "mid", b"m" * 9000), _file(tmp_path / "tiny", b"t" * 10), _file(tmp_path / "big", b"", size=ANNOUNCE_MAX_BYTES + 8)
+    empty, legacy, bad = _file(tmp_path / "empty", b""), _file(tmp_path / "legacy", b"l" * 100), _file(tmp_path / "bad", b"b" * 50)
+    seen: list = []
+    keep: dict = {}
+
+    def meanwhile(path, mapped):
+        seen.append((path, bytes(mapped), path in keep))  # not hashed yet: nothing kept for it so far
+
+    files = [(mid, file_checksum(mid)), (big, file_checksum(big)), (empty, file_checksum(empty)),
+             (legacy, hashlib.sha256(b"l" * 100).hexdigest()), (bad, "blake3:" + "0" * 64), (tiny, file_checksum(tiny))]
+    assert checksums_match(files, keep, meanwhile) == [True, True, True, True, False, True]
+    assert seen == [(tiny, b"t" * 10, False), (bad, b"b" * 50, False), (mid, b"m" * 9000, False)]
+    assert list(keep) == [tiny, mid] and bytes(keep[mid]) == b"m" * 9000
+
+
+@pytest.mark.parametrize("how", ["wait_released", "the releasing thread"])
+def test_release_later_lets_go_after_the_caller_returns(how):
+    """``release_later``: a load's mappings are let go after it, not in it: by ``wait_released`` at once,
+    or by the releasing thread within its period (50 ms) when nobody waits."""
+    import gc
+    import time
+    import weakref
+
+    from sentinel.contract.fsio import release_later, wait_released
+
+    class Held:
+        pass
+
+    obj = Held()
+    gone = weakref.ref(obj)
+    gc.disable()  # the reference must drop by the releaser, not by a collection
+    try:
+        release_later([obj])
+        del obj
+        if how == "wait_released":
+            wait_released()
+            assert gone() is None
+        else:
+            deadline = time.monotonic() + 5
+            while gone() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert gone() is None, "the releasing thread never let go"
+    finally:
+        gc.enable()
+
+
 def test_remove_dir_leaves_nothing_under_the_name_when_the_delete_dies_and_clear_trash_finishes_it(tmp_path, monkeypatch):
     """The contract's rule for deleting a checkpoint directory (the trainer's retention and re-save, the
     Lightning integration's pruning): renamed out of the step names first, so a kill inside the delete
