@@ -369,7 +369,7 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     if env.distributed and env.local_world_size > 1:
         names = checksum_share(names, [(ck / n).stat().st_size for n in names], env.local_rank, env.local_world_size)
     rng_file = ck / f"rng-rank{env.rank}.safetensors"
-    threads = copy_threads(int(json.loads((ck / "manifest.json").read_bytes()).get("bytes", 0)), env.core_share())
+    threads = copy_threads(int(json.loads((ck / "manifest.json").read_bytes()).get("bytes", 0)), env)
 
     def floor_load() -> None:
         recorded = json.loads((ck / "manifest.json").read_bytes())["files"]

@@ -138,9 +138,10 @@ def intra_op_threads(n: int, *, exact: bool = False):
 COPY_THREADS_MIN_BYTES = 8 << 20
 
 
-def copy_threads(nbytes: int, share: int) -> int:
-    """The intra-op threads for copying ``nbytes`` into live tensors, with ``share`` cores to use."""
-    return share if nbytes >= COPY_THREADS_MIN_BYTES else 1
+def copy_threads(nbytes: int, env: DistEnv) -> int:
+    """The intra-op threads for copying ``nbytes`` into live tensors: the rank's share of the cores
+    (``DistEnv.core_share``, which reads the cgroup's quota: 20 us) from ``COPY_THREADS_MIN_BYTES`` up."""
+    return env.core_share() if nbytes >= COPY_THREADS_MIN_BYTES else 1
 
 
 def shutdown() -> None:

@@ -5,8 +5,9 @@
 Trains ``--preset`` for 3 steps, saves, then loads that checkpoint ``--rounds`` times, each time with
 its files dropped from the page cache first (``--warm``: left in it), and prints the median time from
 the start of the load at which each mark was reached: the manifest read and checked, the files
-announced, each file's checksum, verification done, every piece parsed and checked (``_read``),
-applied (``_restore``), the load returned. Findings: docs/benchmarks/checkpoint-cost.md.
+announced, each file parsed while it is read (``_parse_early``) and its checksum, verification done,
+every piece gathered (``_read``), applied (``_restore``), the load returned. Findings:
+docs/benchmarks/checkpoint-cost.md.
 """
 
 from __future__ import annotations
