@@ -134,7 +134,7 @@ class TrainerCheckpoints:
         self.ckpt.wait()
         if step is not None:
             path = self.ckpt.root / step_dir_name(step)
-            if not path.is_dir():
+            if not os.path.isdir(path):
                 raise CheckpointError(f"no checkpoint at step {step} in {self.ckpt.root}")
             candidates = [(step, path)]
         else:
