@@ -391,6 +391,47 @@ def test_signed_but_malformed_checkpoint_is_rejected_in_one_line(tmp_path, datas
         tr.load_checkpoint(12)
 
 
+# a load parses each tensor file's header while the file is read, before its checksum is known: a file
+# whose header (or the train state's JSON) is what was damaged must still be reported by its checksum
+HEADER_DAMAGE = {
+    "model header": ("model.safetensors", 12),
+    "optim header": ("optim.safetensors", 40),
+    "rng header": ("rng-rank0.safetensors", 30),
+    "train state": ("train_state.json", 5),
+    "model length prefix": ("model.safetensors", 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_DAMAGE))
+def test_a_damaged_header_is_reported_by_its_checksum(tmp_path, dataset, refs, case, monkeypatch):
+    """The header a load parses early is damaged, so its parse fails before the checksum is computed:
+    the checksum's verdict is the one reported, the load falls back in one line, nothing is applied."""
+    import trainer.checkpointing as checkpointing_mod
+    import trainer.train as train_mod
+    from trainer.config import load_yaml, resolve
+    from trainer.dist import DistEnv
+
+    name, at = HEADER_DAMAGE[case]
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    f = run / "checkpoints" / "step-00000012" / name
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0x5A
+    f.write_bytes(bytes(data))
+    cfg = resolve(preset=None, config_file=None, saved=load_yaml(run / "config.yaml"), overrides={"data.dir": str(dataset)})
+    tr = train_mod.Trainer(cfg, run, DistEnv(0, 0, 1, torch.device("cpu")), offline=True)
+    parsed: list[str] = []
+    parse_early = checkpointing_mod.TrainerCheckpoints._parse_early
+    monkeypatch.setattr(checkpointing_mod.TrainerCheckpoints, "_parse_early",
+                        lambda self, file, mapped, early: (parsed.append(file.name), parse_early(self, file, mapped, early))[1])
+    logged: list[str] = []
+    monkeypatch.setattr(checkpointing_mod, "_log", lambda env, msg: logged.append(msg))
+    before = [p.detach().clone() for p in tr.raw_model.parameters()]
+    assert tr.load_checkpoint() == 8
+    assert logged == [f"warning: checkpoint step-00000012: {name} fails its checksum (corrupt or truncated); falling back to the previous one"]
+    assert name in parsed or name == "train_state.json"  # the damaged file was parsed before its hash
+    assert not all(torch.equal(a, b) for a, b in zip(before, tr.raw_model.parameters()))  # step 8's state, applied
+
+
 def test_a_checkpoint_of_torchs_format_loads_to_the_same_state(tmp_path, dataset, refs):
     """A checkpoint written before tensor files (``model.pt``, ``optim.pt``, ``rng-rank0.pt``) verifies and
     loads to exactly the state its tensor-file twin loads to."""
