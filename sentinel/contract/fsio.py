@@ -246,10 +246,11 @@ def checksums_match(files: list[tuple[Path, str]], keep: dict | None = None,
 
     ``meanwhile(path, mapping)``: work for this thread while the disk reads, called for each small
     file mapped, just before it is hashed: its first pages have arrived by then, its last ones often
-    not, and the hash follows them as they come. What it reads is not verified yet: it may parse and
-    check, never apply (``trainer.checkpointing``: a load parses each file's header there). It must
-    not raise; the mapping stays the one hashed. ``announced``: paths announced already
-    (``announce_dir``)."""
+    not, and the hash follows them as they come; then, when the threads hash several large files, for
+    each of those, with a mapping of its own, while they do. What it reads is not verified yet: it may
+    parse and check, never apply (``trainer.checkpointing``: a load parses each file's header there).
+    It must not raise; a small file's mapping stays the one hashed. ``announced``: paths announced
+    already (``announce_dir``)."""
     sizes = [_small_size(p) for p, _ in files]
     big = [i for i, n in enumerate(sizes) if n is None]
     small = sorted((i for i, n in enumerate(sizes) if n is not None), key=lambda i: sizes[i])  # as announced
@@ -264,6 +265,10 @@ def checksums_match(files: list[tuple[Path, str]], keep: dict | None = None,
         if meanwhile is not None and mapped is not None:
             meanwhile(path, mapped)
         out[i] = _mapped_checksum_matches(path, recorded, keep, mapped)
+    if meanwhile is not None and pending:  # the large files, while the threads hash them: a mapping of each
+        for i in big:
+            if (mapped := _map_or_none(files[i][0])) is not None:
+                meanwhile(files[i][0], mapped)
     for i, ok in zip(big, pending):
         out[i] = ok
     return out

@@ -199,8 +199,10 @@ def test_meanwhile_sees_each_small_file_before_its_hash_smallest_first(tmp_path)
     """``checksums_match(meanwhile=...)``: the caller's work while the disk reads (a load parses each
     file's header there). It is called once per small file hashed through a mapping, in the order the
     files were announced (the smallest first), each time before that file is hashed and with the very
-    mapping that is then hashed and kept; never for a large file, an empty one or a sha256 record. A
-    file it saw may still fail its checksum: what it read is not verified."""
+    mapping that is then hashed and kept; never for an empty file or a sha256 record. Large files are
+    seen after the small ones, each through a mapping of its own, while the threads hash them: only
+    when there are several (one is hashed on the caller's thread, first). A file it saw may still fail
+    its checksum: what it read is not verified."""
     import hashlib
 
     from sentinel.contract.fsio import ANNOUNCE_MAX_BYTES, checksums_match, file_checksum
@@ -218,6 +220,15 @@ def test_meanwhile_sees_each_small_file_before_its_hash_smallest_first(tmp_path)
     assert checksums_match(files, keep, meanwhile) == [True, True, True, True, False, True]
     assert seen == [(tiny, b"t" * 10, False), (bad, b"b" * 50, False), (mid, b"m" * 9000, False)]
     assert list(keep) == [tiny, mid] and bytes(keep[mid]) == b"m" * 9000
+    # two large files: both seen, after the small ones, in the order given; neither kept
+    big2 = _file(tmp_path / "big2", b"x", size=ANNOUNCE_MAX_BYTES + 16)
+    seen.clear()
+    keep = {}
+    assert checksums_match([(big2, file_checksum(big2)), (tiny, file_checksum(tiny)), (big, "blake3:" + "0" * 64)],
+                           keep, meanwhile) == [True, True, False]
+    assert [(p, len(b), k) for p, b, k in seen] == [(tiny, 10, False), (big2, ANNOUNCE_MAX_BYTES + 16, False),
+                                                     (big, ANNOUNCE_MAX_BYTES + 8, False)]
+    assert list(keep) == [tiny]
 
 
 @pytest.mark.parametrize("how", ["wait_released", "the releasing thread"])

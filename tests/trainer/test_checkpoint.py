@@ -402,15 +402,21 @@ HEADER_DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(HEADER_DAMAGE))
+@pytest.mark.parametrize("case", sorted(HEADER_DAMAGE) + ["model header, large files", "optim header, large files"])
 def test_a_damaged_header_is_reported_by_its_checksum(tmp_path, dataset, refs, case, monkeypatch):
     """The header a load parses early is damaged, so its parse fails before the checksum is computed:
-    the checksum's verdict is the one reported, the load falls back in one line, nothing is applied."""
+    the checksum's verdict is the one reported, the load falls back in one line, nothing is applied.
+    ``large files``: the model's and optimizer's files over the announcement's limit (lowered here), so
+    that threads hash them while the load parses them through mappings of their own."""
+    import sentinel.contract.fsio as fsio
     import trainer.checkpointing as checkpointing_mod
     import trainer.train as train_mod
     from trainer.config import load_yaml, resolve
     from trainer.dist import DistEnv
 
+    if case.endswith(", large files"):
+        monkeypatch.setattr(fsio, "ANNOUNCE_MAX_BYTES", 50_000)  # model and optim are larger, the rest not
+        case = case.removesuffix(", large files")
     name, at = HEADER_DAMAGE[case]
     run = copy_run(refs(*REF12), tmp_path / "run")
     f = run / "checkpoints" / "step-00000012" / name
