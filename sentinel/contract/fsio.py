@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import functools
@@ -134,6 +135,13 @@ def wait_released() -> None:
     with _releasing:
         while _pending:
             _pending.popleft()
+
+
+# before the interpreter finalises, its main thread lets go of what is left, after the releaser's turn in
+# progress if there is one (``wait_released``'s lock): a daemon thread still inside torch's deleter when
+# finalisation begins is ended there by ``pthread_exit``, and its C++ frames abort the process
+# ("terminate called without an active exception", exit -6: a trainer that stopped right after a load)
+atexit.register(wait_released)
 
 
 # a file up to this size is announced to the kernel before any is read (``announce``); a larger one

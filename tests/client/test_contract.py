@@ -262,6 +262,32 @@ def test_release_later_lets_go_after_the_caller_returns(how):
         gc.enable()
 
 
+def test_a_process_that_exits_while_the_releaser_unmaps_exits_cleanly():
+    """A process that exits right after a load (a trainer resumed and then stopped at once): the
+    releasing thread may be inside torch's deleter, unmapping, when the interpreter finalises. The exit
+    waits for it and lets go of the rest on the main thread (``atexit``); before, the daemon thread was
+    ended inside C++ frames and the process aborted ("terminate called without an active exception",
+    exit -6). Here a 256 MB mapping (its unmapping outlasts the releaser's 50 ms) is handed over just
+    before the exit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import mmap, time, torch\n"
+        "import sentinel.contract.fsio as fsio\n"
+        "m = mmap.mmap(-1, 256 << 20)\n"
+        "t = torch.frombuffer(m, dtype=torch.uint8)\n"
+        "t.fill_(1)\n"
+        "fsio.release_later(t)\n"
+        "del t, m\n"
+        "time.sleep(fsio.RELEASE_EVERY_SECONDS + 0.01)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0 and "terminate called" not in p.stderr, p.stderr[-2000:]
+
+
 def test_remove_dir_leaves_nothing_under_the_name_when_the_delete_dies_and_clear_trash_finishes_it(tmp_path, monkeypatch):
     """The contract's rule for deleting a checkpoint directory (the trainer's retention and re-save, the
     Lightning integration's pruning): renamed out of the step names first, so a kill inside the delete
