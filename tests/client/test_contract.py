@@ -269,9 +269,7 @@ def test_a_process_that_exits_while_the_releaser_unmaps_exits_cleanly():
     ended inside C++ frames and the process aborted ("terminate called without an active exception",
     exit -6). Here a 256 MB mapping (its unmapping outlasts the releaser's 50 ms) is handed over just
     before the exit."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.helpers import python_c
 
     script = (
         "import mmap, time, torch\n"
@@ -283,8 +281,7 @@ def test_a_process_that_exits_while_the_releaser_unmaps_exits_cleanly():
         "del t, m\n"
         "time.sleep(fsio.RELEASE_EVERY_SECONDS + 0.01)\n"
     )
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[2])
+    p = python_c(script)
     assert p.returncode == 0 and "terminate called" not in p.stderr, p.stderr[-2000:]
 
 

@@ -22,6 +22,7 @@ import blake3
 import pytest
 import torch
 
+from tests.helpers import python_c
 from tests.helpers.trainer import (
     BASE_ARGS,
     REPO,
@@ -833,8 +834,7 @@ def test_the_writer_process_ends_with_the_training_process_that_started_it(tmp_p
         "print(ck._proc.proc.pid, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = python_c(script)
     assert out.returncode == -9, out.stderr
     pid = int(out.stdout.split()[-1])
     assert (tmp_path / "checkpoints" / "step-00000001" / "manifest.json").is_file()
