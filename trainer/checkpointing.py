@@ -178,9 +178,10 @@ class TrainerCheckpoints:
 
     def _verify_together(self, path: Path, whole: bool) -> tuple[tuple[dict, dict, dict, dict] | None, str | None, int]:
         """Verify ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its train state, the
-        mappings its checksums were computed through, by path), None, fingerprint) if it passed, else
-        (None, why, fingerprint). ``fingerprint``: the files this rank saw (names and sizes), for the
-        load's last vote to compare; 0 once compared here.
+        mappings its checksums were computed through, by path, what ``_parse_early`` parsed while the
+        disk read, by name), None, fingerprint) if it passed, else (None, why, fingerprint).
+        ``fingerprint``: the files this rank saw (names and sizes), for the load's last vote to compare;
+        0 once compared here.
 
         A node's ranks read the same files, so each hashes a share of them (``checksum_share``: on a
         2-rank node, half the bytes each instead of all of them twice), and no rank loads a file until
