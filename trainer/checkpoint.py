@@ -21,9 +21,10 @@ the disk reads, it parses each tensor file's JSON header (and dry-runs the RNG s
 hashing that file: a format without pickle, whose reader refuses hostile input in one line, and a file
 whose checksum then fails is never used. Torch's format (``.pt``, checkpoints from before tensor files)
 is opened only after its checksum passed, with ``torch.load(weights_only=True)``
-(``trainer/piece_files.py``). The ranks of one node hash every file each (a small state: one vote) or
-share the hashing (``checksum_share``) and vote before any uses a file another rank hashed. The
-model's and the optimizer's files are mapped and copied into the live tensors.
+(``trainer/piece_files.py``). The ranks of one node share the hashing (``checksum_share``), each parses
+what it restores, and one vote says that every share passed and every rank's files parsed and checked,
+before any rank applies a byte (torch's format is hashed by each rank that reads it). The model's and
+the optimizer's files are mapped and copied into the live tensors.
 
 Async saves (``async_save``) take the live tensors: the background thread copies them to host memory
 first, and ``Checkpointer.fence`` (called before the optimizer step) waits for that copy, so the
@@ -58,6 +59,7 @@ from sentinel.contract.rundir import checkpoint_dir_name
 from trainer.checkpoint_io import write_file, write_json
 from trainer.checkpoint_thread import _run_jobs, built, host_copy
 from trainer.checkpoint_verify import (  # noqa: F401  (re-exported: the reading side)
+    TORCH_SUFFIX,
     CheckpointError,
     ValidCheckpoint,
     checksum_share,

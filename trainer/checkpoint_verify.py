@@ -21,6 +21,10 @@ from sentinel.contract.fsio import announce_dir, checksums_match
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import STEP_DIR_RE as STEP_DIR
 
+# torch's format (a checkpoint written before tensor files): ``torch.load`` never opens bytes its reader
+# has not hashed itself, so each rank hashes every such file instead of its share (``verify_share``)
+TORCH_SUFFIX = ".pt"
+
 
 class CheckpointError(Exception):
     """One-line problem with a checkpoint (corrupt, missing, incompatible)."""
@@ -82,10 +86,11 @@ def verify(path: Path) -> dict:
 def verify_share(path: Path, share: tuple[int, int] | None = None, keep: dict | None = None,
                  meanwhile: Callable[[Path, Any], None] | None = None) -> tuple[dict, int, dict]:
     """``verify``, hashing only this rank's share of the files with ``share=(index, count)``
-    (``checksum_share``); returns the manifest, the fingerprint of the files seen (0 without a
-    share) and ``train_state.json`` as ``read_train_state`` gives it. The caller combines every
-    rank's verdict, and checks that all saw the same files, before any file is loaded
-    (``trainer.checkpointing.TrainerCheckpoints.load``). The rest is checked in full. With ``keep``
+    (``checksum_share``), and every file of torch's format (``TORCH_SUFFIX``); returns the manifest,
+    the fingerprint of the files seen (0 without a share) and ``train_state.json`` as
+    ``read_train_state`` gives it. The caller combines every rank's verdict, and checks that all saw
+    the same files, before anything is applied (``trainer.checkpointing.TrainerCheckpoints.load``).
+    The rest is checked in full. With ``keep``
     (a dict), each small file hashed through a mapping leaves that mapping there, by path, for its
     reader (``sentinel.contract.fsio.checksums_match``); ``train_state.json`` is parsed from it.
     ``meanwhile(file, mapping)``: ``checksums_match``'s, work for while the disk reads, before each file's hash
@@ -114,7 +119,8 @@ def verify_share(path: Path, share: tuple[int, int] | None = None, keep: dict | 
         fingerprint = files_fingerprint(names, sizes)
         index, count = share
         if 0 <= index < count and count > 1:  # else (one rank, or a launcher's odd local rank): every file
-            names = checksum_share(names, sizes, index, count)
+            mine = set(checksum_share(names, sizes, index, count))
+            names = [n for n in names if n in mine or n.endswith(TORCH_SUFFIX)]
     ts_path, early = path / "train_state.json", []
 
     def during(file: Path, mapped) -> None:  # before each file's hash, while the disk reads

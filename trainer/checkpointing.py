@@ -35,7 +35,7 @@ from trainer.errors import TrainingError
 from trainer.piece_files import load_file, piece_path
 from trainer.state import DCP_DIR, TRAIN_STATE, CheckpointState
 
-_ELSEWHERE = " (a file fails its checks there, or the ranks see different files)"
+_VERIFY, _READ = 0, 1  # where a load turned a checkpoint down: its checksums (first), or its files' checks
 
 
 def _log(env, msg: str) -> None:
@@ -128,7 +128,9 @@ class TrainerCheckpoints:
 
         Every candidate is verified and fully read and checked in memory before any state is touched;
         one that fails on any rank is reported in one line and the previous one is tried (an exact
-        ``step`` fails instead). All ranks take the same decision at each candidate."""
+        ``step`` fails instead). All ranks take the same decision at each candidate: one vote (a
+        collective on the control group) says that every rank's share of the checksums passed, every
+        rank's files parsed and checked, and all saw the same files."""
         tr = self.tr
         env = tr.env
         self.ckpt.wait()
@@ -140,68 +142,66 @@ class TrainerCheckpoints:
         else:
             candidates = list_checkpoints(self.ckpt.root, strays=True)
         self.unloadable = []
-        whole = self._verify_whole()
         for ck_step, path in candidates:
-            verified, why, fingerprint = self._verify_together(path, whole)
-            loaded = None
+            verified, why, fingerprint = self._verify(path)
+            loaded, stage = None, _VERIFY
             if why is None:
                 try:
                     loaded = self._read(path, *verified)
                 except CheckpointError as e:
-                    why = str(e)
+                    why, stage = str(e), _READ
             if env.all_ok(why is None, same=fingerprint):
                 self._restore(loaded, restore_skiplist=restore_skiplist)
                 release_later((loaded, verified))  # the mappings, unmapped after the load instead of in it
                 del loaded, verified
                 return ck_step
-            why = why or f"{path.name}: rejected by another rank" + (_ELSEWHERE if whole else "")
+            why = self._rejection(path, why, stage)
             if step is not None:
                 raise CheckpointError(why)
             self.unloadable.append(why)
             _log(env, f"warning: checkpoint {why}; falling back to the previous one")
         return None
 
-    def _verify_whole(self) -> bool:
-        """Whether every rank checks every file it reads itself, so that a load takes one vote (after the
-        read, before anything is applied) instead of two: for a state of up to
-        ``checkpoint.verify_whole_max_bytes`` (the parameters and their two Adam moments, from the live
-        model, so that every rank decides alike without reading a file; never with FSDP2, whose shards
-        DCP checks). A vote is a collective on the control group: 0.7-1.1 ms between the two ranks of
-        this 2-core VM, more across nodes. Below a few MB, hashing the files another rank would have
-        hashed costs less: a 2-rank load of ``tiny`` took 4.5-4.6 ms with one vote, 5.3-5.5 ms with two
-        (``bench/probes/load_votes.py``; docs/benchmarks/checkpoint-cost.md)."""
-        tr = self.tr
-        if not tr.env.distributed or tr.cfg.parallelism == "fsdp":
-            return False
-        params = sum(p.numel() * p.element_size() for p in tr.model.parameters())
-        return 3 * params <= tr.cfg.checkpoint.verify_whole_max_bytes
-
-    def _verify_together(self, path: Path, whole: bool) -> tuple[tuple[dict, dict, dict, dict] | None, str | None, int]:
-        """Verify ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its train state, the
-        mappings its checksums were computed through, by path, what ``_parse_early`` parsed while the
-        disk read, by name), None, fingerprint) if it passed, else (None, why, fingerprint).
-        ``fingerprint``: the files this rank saw (names and sizes), for the load's last vote to compare;
-        0 once compared here.
+    def _verify(self, path: Path) -> tuple[tuple[dict, dict, dict, dict] | None, str | None, int]:
+        """Verify this rank's share of ``path`` (``trainer.checkpoint.verify_share``): ((its manifest, its
+        train state, the mappings its checksums were computed through, by path, what ``_parse_early``
+        parsed while the disk read, by name), None, fingerprint) if it passed, else (None, why,
+        fingerprint). ``fingerprint``: the files this rank saw (names and sizes), for the load's vote
+        to compare.
 
         A node's ranks read the same files, so each hashes a share of them (``checksum_share``: on a
-        2-rank node, half the bytes each instead of all of them twice), and no rank loads a file until
-        every rank's share has passed and all saw the same files (a vote here). Ranks of other nodes
-        verify their own copy: nothing says two nodes see one file system. With ``whole``
-        (``_verify_whole``), every rank hashes every file and nothing is voted here: each reads only
-        what it checked itself, and the load's one vote compares the files the ranks saw."""
+        2-rank node, half the bytes each instead of all of them twice), and ``_read`` then parses the
+        rest of what this rank restores, hashed by another rank: a tensor file's parser and the JSON
+        reader take any bytes and refuse what is wrong in one line, and nothing is applied before the
+        vote says that every share passed. Torch's format is hashed by each rank that reads it. One
+        vote a load: a collective costs 0.6-1.0 ms between the two ranks of this 2-core VM, more than
+        hashing a few MB, and a rank that hashed everything itself still had to vote
+        (docs/benchmarks/checkpoint-cost.md, change 26). Ranks of other nodes verify their own copy:
+        nothing says two nodes see one file system."""
         env = self.tr.env
-        share = (0, 1) if whole else (env.local_rank, env.local_world_size) if env.distributed else None
-        verified, fingerprint, why, mappings, early = None, 0, None, {}, {}
+        share = (env.local_rank, env.local_world_size) if env.distributed else None
+        early: dict = {}
+        mappings: dict = {}
         try:
             manifest, fingerprint, state = verify_share(path, share, mappings, lambda file, mapped: self._parse_early(file, mapped, early))
-            verified = (manifest, state, mappings, early)
         except CheckpointError as e:
-            why = str(e)
-        if not env.distributed or whole:
-            return verified, why, fingerprint
-        if env.all_ok(why is None, same=fingerprint):
-            return verified, None, 0
-        return None, why or f"{path.name}: rejected by another rank" + _ELSEWHERE, 0
+            return None, str(e), 0
+        return (manifest, state, mappings, early), None, fingerprint
+
+    def _rejection(self, path: Path, why: str | None, stage: int) -> str:
+        """Why the ranks turned ``path`` down, the same line on every rank: this rank's ``why``, or with
+        several, the first failure of any rank, a checksum's before a parse's (a file another rank
+        found corrupt may fail this rank's parser first), naming the rank. A collective, on the rare
+        path only (``trainer.dist.DistEnv.gather``)."""
+        env = self.tr.env
+        if not env.distributed:
+            return why or f"{path.name}: rejected"
+        said = env.gather(None if why is None else (stage, why))
+        found = sorted((s, r, w) for r, x in enumerate(said) if x is not None for s, w in [x])
+        if not found:  # every rank passed: the vote's fingerprints differed
+            return f"{path.name}: the ranks see different files (names or sizes)"
+        _, rank, first = found[0]
+        return first if rank == env.rank else f"{first} (on rank {rank})"
 
     def _parse_early(self, file: Path, mapped, early: dict) -> None:
         """While the disk reads what ``verify_share`` announced, just before ``file`` is hashed: parse and
@@ -240,8 +240,9 @@ class TrainerCheckpoints:
 
     def _read(self, path: Path, manifest: dict, ts: dict, mappings: dict, early: dict) -> dict:
         """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after
-        ``_verify_together``, which read ``ts``, ``train_state.json``). The pieces in ``train_state.json``
-        first: their checks are the cheapest. The tensor files are mapped, not read (``Piece.maps_file``:
+        ``_verify``, which read ``ts``, ``train_state.json``; with several ranks, the files another rank
+        hashed are read here unverified by this one: the vote that follows covers them). The pieces in
+        ``train_state.json`` first: their checks are the cheapest. The tensor files are mapped, not read (``Piece.maps_file``:
         their ``load_state_dict`` copies the tensors into the live ones), through the mapping their
         checksum was computed through where there is one (``mappings``, by path): the bytes parsed are
         the bytes hashed, and their pages are in place."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -116,6 +116,16 @@ class EvalConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: Any) -> Any:
+        """``verify_whole_max_bytes`` (2026-11-29 to 11-30) chose between two ways of verifying a load on
+        several ranks; since every load hashes in shares with one vote, it has nothing to choose. A run
+        directory saved with it (every ``config.yaml`` of those days) still resumes: it is dropped."""
+        if isinstance(data, dict) and "verify_whole_max_bytes" in data:
+            data = {k: v for k, v in data.items() if k != "verify_whole_max_bytes"}
+        return data
+
     every: int = Field(50, ge=0, description="save every K steps; 0 disables periodic saves")
     keep_last: int = Field(3, ge=1)
     keep_every: int = Field(0, ge=0, description="also keep every K-th step forever; 0 disables")
@@ -141,12 +151,6 @@ class CheckpointConfig(_Strict):
         "trainer loads its checkpoint), at async_priority, and dies with it. thread: the save's own thread, in the "
         "training process. A writer process that cannot start or dies leaves thread for the rest of the run (said "
         "in one line)",
-    )
-    verify_whole_max_bytes: int = Field(
-        8 << 20, ge=0, description="with several ranks, a state (parameters and their two Adam moments) up to this "
-        "size is verified whole by every rank, so that a load takes one vote instead of two (a collective costs "
-        "more than hashing a few MB); a larger one is hashed in shares, each rank a part of the files, and voted "
-        "on before any rank reads a file it did not hash. 0: always in shares",
     )
     max_age_steps: int = Field(
         0, ge=0, description="when saves fail, stop (non-zero exit) once the newest valid checkpoint is more than N "

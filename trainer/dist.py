@@ -47,6 +47,15 @@ class DistEnv:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
         return int(t[0]) == 0 and int(t[1]) == same and int(t[2]) == -same
 
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), by rank: a collective on the control group, for the rare path
+        (why a checkpoint was turned down), never a step's."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control_group)
+        return out
+
     def core_share(self) -> int:
         """This rank's share of the CPUs it may run on (``usable_cpus``, split among the node's ranks)."""
         return max(1, usable_cpus() // self.local_world_size)

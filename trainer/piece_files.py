@@ -19,9 +19,7 @@ from typing import Any
 import torch
 
 from trainer import tensor_file
-from trainer.checkpoint import CheckpointError
-
-TORCH_SUFFIX = ".pt"
+from trainer.checkpoint import TORCH_SUFFIX, CheckpointError
 
 
 def legacy_name(name: str) -> str:

@@ -196,24 +196,33 @@ def test_corrupt_newest_checkpoint_falls_back_and_stays_exact(tmp_path, dataset,
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith((".tmp", ".trash"))]
 
 
+def _flip_header_byte(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[8] ^= 0xFF  # the first byte of a tensor file's JSON header: its parser refuses it
+    p.write_bytes(bytes(data))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("verify", ["whole", "shares"])
-def test_two_ranks_fall_back_together_from_a_file_only_one_rank_would_catch(tmp_path, dataset, refs, verify):
-    """2 ranks, the newest checkpoint's model file corrupt. ``whole`` (``tiny``'s state is under
-    ``checkpoint.verify_whole_max_bytes``): each rank hashes every file and the load takes one vote, so
-    rank 0 names the file itself. ``shares`` (the knob at 0): each hashes a share, the model file is
-    rank 1's, and rank 0 (which logs) learns it in the vote before either reads a file. Either way both
-    ranks fall back to the same checkpoint and the run stays bitwise exact."""
+@pytest.mark.parametrize("file, damage, found_by", [
+    ("model.safetensors", _flip_byte, 1),  # rank 1's share of the checksums: rank 0 parses it unverified, and passes
+    ("model.safetensors", _flip_header_byte, 1),  # rank 0's parser refuses it too: the checksum is what is said
+    ("optim.safetensors", _flip_byte, 0),  # rank 0's own share
+], ids=["other-rank", "other-rank-header", "own-share"])
+def test_two_ranks_fall_back_together_from_a_file_only_one_rank_would_catch(tmp_path, dataset, refs, file, damage, found_by):
+    """2 ranks, the newest checkpoint's model or optimizer file corrupt. Each rank hashes a share of the
+    files (``checksum_share``: on ``tiny``, rank 0 the optimizer's, rank 1 the rest) and parses what it
+    restores; one vote turns the checkpoint down before either applies a byte. Rank 0 (which logs) names
+    the file even when rank 1 found it, a checksum's failure before its own parser's, and both ranks fall
+    back to the same checkpoint: the run stays bitwise exact."""
     ref = refs("--max-steps", "16", "--ckpt-every", "2", *COMMON, nproc=2)
     run = copy_run(ref, tmp_path / "run")
-    _flip_byte(run / "checkpoints" / "step-00000016" / "model.safetensors")
-    knob = ["--set", "checkpoint.verify_whole_max_bytes=0"] if verify == "shares" else []
-    out = (p := run_trainer(run, *knob, nproc=2, data_dir=dataset, check=True)).stdout + p.stderr
+    damage(run / "checkpoints" / "step-00000016" / file)
+    out = (p := run_trainer(run, nproc=2, data_dir=dataset, check=True)).stdout + p.stderr
     assert "Traceback" not in out
     warn = [ln for ln in out.splitlines() if "step-00000016" in ln and "falling back" in ln]
     assert len(warn) == 1, out
-    said = "model.safetensors fails its checksum" if verify == "whole" else "rejected by another rank (a file fails"
-    assert said in warn[0], warn[0]
+    assert f"{file} fails its checksum" in warn[0], warn[0]
+    assert ("(on rank 1)" in warn[0]) == (found_by == 1), warn[0]
     assert "resumed from checkpoint step 14" in out
     assert_same_trajectory(ref, run, 16)
 
@@ -282,6 +291,30 @@ def test_planted_pickle_with_matching_manifest_is_refused(tmp_path, dataset, ref
     warn = [ln for ln in out.splitlines() if "step-00000012" in ln]
     assert len(warn) == 1 and warn[0].startswith("warning: ") and "weights_only" in warn[0], out
     assert "resumed from checkpoint step 8" in out
+
+
+def test_the_ranks_of_a_node_share_the_checksums_but_each_hashes_torch_files_it_reads(tmp_path, refs):
+    """``verify_share`` on the two ranks of a node: the tensor files and JSON split between them (each
+    parses the other's unverified, and the load's vote covers it), every file hashed once; a checkpoint
+    of torch's format is hashed whole by each rank, since ``torch.load`` never opens bytes its reader did
+    not hash itself. Both see the same files (one fingerprint)."""
+    from trainer.checkpoint import verify_share
+
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    ck = run / "checkpoints" / "step-00000012"
+
+    def hashed(rank: int) -> tuple[set, int]:
+        seen: set = set()
+        _, fingerprint, _ = verify_share(ck, (rank, 2), {}, lambda f, mapped: seen.add(f.name))
+        return seen, fingerprint
+
+    (a, fa), (b, fb) = hashed(0), hashed(1)
+    files = set(json.loads((ck / "manifest.json").read_text())["files"])
+    assert a and b and not a & b and a | b == files and fa == fb != 0
+    _to_legacy(ck)
+    (a, fa), (b, fb) = hashed(0), hashed(1)
+    torch_files = {n for n in json.loads((ck / "manifest.json").read_text())["files"] if n.endswith(".pt")}
+    assert torch_files and torch_files <= a and torch_files <= b and fa == fb
 
 
 def test_manifests_of_sha256_checksums_written_before_blake3_still_verify(tmp_path, refs):
@@ -947,6 +980,7 @@ def _all_ok_worker(rank: int, port: int, out: str) -> None:
     sent = [[], None, "x" * (BROADCAST_INLINE_BYTES - 30), "y" * (BROADCAST_INLINE_BYTES + 1), list(range(50_000)),
             {"kind": "skip", "ranges": [[3, 40]]}]
     got.append([env.broadcast_object(obj if rank == 0 else "not rank 0's") == obj for obj in sent])
+    got.append(env.gather(None if rank == 0 else (0, "rank 1's reason")))
     dist.destroy_process_group()
     Path(out, f"rank{rank}").write_text(json.dumps(got))
 
@@ -955,7 +989,8 @@ def test_all_ok_needs_every_rank_ok_and_the_same_fingerprint(tmp_path):
     """The vote a shared checkpoint verification ends with: one failed share, or ranks that saw
     different files (another fingerprint), fail it on every rank. And ``broadcast_object`` (every step's
     directives): rank 0's object on both ranks, whether its pickle fits the one broadcast or needs the
-    second, around the boundary and far past it."""
+    second, around the boundary and far past it. ``gather`` (why a load turned a checkpoint down):
+    every rank's object, by rank, on every rank."""
     import socket
 
     import torch.multiprocessing as tmp
@@ -965,7 +1000,8 @@ def test_all_ok_needs_every_rank_ok_and_the_same_fingerprint(tmp_path):
         port = s.getsockname()[1]
     tmp.spawn(_all_ok_worker, args=(port, str(tmp_path)), nprocs=2)
     for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}").read_text()) == [True, False, False, True, [True] * 6]
+        assert json.loads((tmp_path / f"rank{rank}").read_text()) == [True, False, False, True, [True] * 6,
+                                                                        [None, [0, "rank 1's reason"]]]
 
 
 def test_async_finalize_waits_for_a_rank_marker_being_written(tmp_path):

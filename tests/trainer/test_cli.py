@@ -206,6 +206,23 @@ def test_missing_data_dir(tmp_path):
     assert "no-such-data" in line
 
 
+def test_a_run_dir_saved_with_a_retired_key_still_loads(tmp_path):
+    """``checkpoint.verify_whole_max_bytes`` (in every ``config.yaml`` saved on 2026-11-29 and 30) is
+    dropped, not refused, whether the run's config is read or resolved for a resume; a key that never
+    existed is still refused in one line."""
+    from trainer.config import ConfigError, dump, load_run_config, load_yaml, resolve
+
+    cfg = resolve(preset="tiny")
+    text = dump(cfg)
+    assert "\ncheckpoint:\n" in text and "verify_whole_max_bytes" not in text
+    (tmp_path / "config.yaml").write_text(text.replace("\ncheckpoint:\n", "\ncheckpoint:\n  verify_whole_max_bytes: 8388608\n", 1))
+    assert load_run_config(tmp_path) == cfg
+    assert resolve(saved=load_yaml(tmp_path / "config.yaml")) == cfg
+    (tmp_path / "config.yaml").write_text(text.replace("\ncheckpoint:\n", "\ncheckpoint:\n  verify_half_max_bytes: 1\n", 1))
+    with pytest.raises(ConfigError, match="checkpoint.verify_half_max_bytes: unknown key"):
+        load_run_config(tmp_path)
+
+
 def test_corrupt_saved_run_config(tmp_path, dataset, refs):
     run = copy_run(refs(*REF12), tmp_path / "run")
     (run / "config.yaml").write_text("max_steps: [\n")
