@@ -393,5 +393,5 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
 def measure(t, env, reps: int, load_reps: int, save_reps: int) -> dict:
     """The three in-process figures, in this order (the load arm reads the newest checkpoint they leave)."""
     w = Worker(t, env)
-    return {"save_vs_raw": save_vs_raw(w, save_reps), "async_stall_vs_sync": async_stall_vs_sync(w, reps),
+    return {"save_vs_raw": save_vs_raw(w, save_reps), "async_stall_vs_sync": async_stall_vs_sync(w, save_reps),
             "load_vs_raw": load_vs_raw(w, load_reps)}

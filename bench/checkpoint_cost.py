@@ -4,8 +4,8 @@
 
 For every preset and rank count (2 ranks: ``torchrun --standalone``, gloo on CPU) it reports four
 ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), the median over
-``--reps`` pairs (``--save-reps`` for the save and ``--load-reps`` for the load, whose pairs cost milliseconds), printed with the bytes and
-seconds it is made of:
+``--reps`` pairs (``--save-reps`` for the save and the async save, ``--load-reps`` for the load, whose
+pairs cost milliseconds), printed with the bytes and seconds it is made of:
 
 ``save_vs_raw`` (target >= 0.8)
     ``Trainer.save_checkpoint()`` (sync; every file written and fsynced, a manifest of checksums, directory
@@ -327,8 +327,10 @@ def main() -> int:
                     help="pairs (triples, with the floor) for load_vs_raw, which cost milliseconds each (default 100, at least 5): "
                          "tiny's median of 25 read 0.62-0.81 in four runs of one hour, of 100 0.73-0.77 in three")
     ap.add_argument("--save-reps", type=int, default=15,
-                    help="triples for save_vs_raw (save, raw write, floor: ~0.15 s each on small; default 15, at least 5): "
-                         "its median of 5 read 0.79 in a run whose pairs spread from 0.42 to 2.72 (the disk's fsyncs)")
+                    help="triples for save_vs_raw (save, raw write, floor: ~0.15 s each on small) and for async_stall_vs_sync "
+                         "(sync save, async save, plain step; default 15, at least 5): save_vs_raw's median of 5 read 0.79 in a "
+                         "run whose pairs spread from 0.42 to 2.72 (the disk's fsyncs), tiny's async_stall_vs_sync 0.106 in one "
+                         "whose five spread from 0.065 to 0.130")
     ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary directory)")
     ap.add_argument("--async-writer", choices=("process", "thread"), default="process",
                     help="who writes an async save's files (checkpoint.async_writer; default: process, the trainer's default)")
@@ -390,7 +392,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"checkpoint cost: median of {args.reps} ABBA pairs ({args.save_reps} for the save, {args.load_reps} for the load), "
+    print(f"checkpoint cost: median of {args.reps} ABBA pairs ({args.save_reps} for the saves, {args.load_reps} for the load), "
           f"async writer: {args.async_writer}, {out['cpus']} CPUs, "
           f"load avg {out['load_avg_1m']:.1f}, "
           f"scratch on {out['disk_dir']}, {out['wall_seconds']:.0f} s")
