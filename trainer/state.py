@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainer import flat_state, rng
+from trainer import byte_plan, flat_state, rng
 from trainer.checkpoint_checks import check_optimizer_state, check_rng, check_tensors
 from trainer.errors import TrainingError
 
@@ -64,6 +64,16 @@ class Piece:
         """Refuse ``sd`` (of checkpoint directory ``ckpt``) in one line if it cannot be loaded whole. May
         return the form ``load_state_dict`` is then given (what the check built already), else None: ``sd``."""
 
+    def planned(self, mapping) -> Any:
+        """What ``load_state_dict`` is given for the tensor file ``mapping`` (mapped), by the byte plan
+        ``remember`` made of an earlier file with the same header, if that plan still stands
+        (``trainer/byte_plan.py``); else None, and the file is read and checked."""
+        return None
+
+    def remember(self, mapping, prepared: Any) -> None:
+        """Keep a byte plan of ``prepared`` (what ``check`` gave for the tensor file ``mapping``), for
+        ``planned`` to restore the next file with the same header by."""
+
 
 class ModelPiece(Piece):
     file = "model.safetensors"
@@ -73,11 +83,35 @@ class ModelPiece(Piece):
     def state_dict(self) -> dict:
         return self.tr.raw_model.state_dict()  # the live tensors: an async save copies them itself
 
+    def __init__(self, tr) -> None:
+        super().__init__(tr)
+        # (plan, the model, ``registrations()``, its live tensors and their ``signature``) when made
+        self._plan: tuple | None = None
+
     def check(self, sd, ckpt: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``sd`` against the live model; returns what ``load_state_dict`` then copies: (live, saved)."""
-        live = self.tr.raw_model.state_dict()
+        """``sd`` against the live model; returns what ``load_state_dict`` then copies: (live, saved), the
+        live ones the parameters and buffers themselves (a plan checks that they still are where they were)."""
+        live = self.tr.raw_model.state_dict(keep_vars=True)
         check_tensors(sd, live, f"{ckpt}: {self.file}")
         return list(live.values()), [sd[name] for name in live]
+
+    def planned(self, mapping) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The plan stands while the model is the same object, nothing anywhere has registered a parameter,
+        buffer or submodule since it was made, and each of its tensors keeps its address, shape and dtype."""
+        if self._plan is None:
+            return None
+        plan, model, made, live, sig = self._plan
+        if model is not self.tr.raw_model or made != byte_plan.registrations() or byte_plan.signature(live) != sig:
+            self._plan = None
+            return None
+        src = plan.sources(mapping)
+        return None if src is None else (plan.dst, src)
+
+    def remember(self, mapping, prepared) -> None:
+        live, saved = prepared
+        plan = byte_plan.BytePlan.make(mapping, zip(live, saved))
+        made = byte_plan.registrations()
+        self._plan = None if plan is None else (plan, self.tr.raw_model, made, live, byte_plan.signature(live))
 
     def load_state_dict(self, sd: Any) -> None:
         """What ``Module.load_state_dict`` does for a state dict ``check`` passed (the same keys, shapes
@@ -98,6 +132,27 @@ class OptimizerPiece(Piece):
     def state_dict(self) -> dict:
         return flat_state.pack(self.tr.opt.state_dict())
 
+    def __init__(self, tr) -> None:
+        super().__init__(tr)
+        # (plan, the optimizer, the file's hyper-parameters, ``_held`` when made: what it held to, its tensors)
+        self._plan: tuple | None = None
+
+    def planned(self, mapping) -> flat_state.FlatCopy | None:
+        """The plan stands while the optimizer is the same object, with no load hooks, the same keys in
+        each group, and the same parameters and state tensors, each at its address, shape and dtype."""
+        if self._plan is None:
+            return None
+        plan, opt, groups, (held, _) = self._plan
+        if opt is not self.tr.opt or _held(opt)[0] != held:
+            self._plan = None
+            return None
+        src = plan.sources(mapping)
+        return None if src is None else flat_state.FlatCopy(groups, list(zip(plan.dst, src)))
+
+    def remember(self, mapping, prepared) -> None:
+        plan = byte_plan.BytePlan.make(mapping, prepared.copies) if isinstance(prepared, flat_state.FlatCopy) else None
+        self._plan = None if plan is None else (plan, self.tr.opt, prepared.param_groups, _held(self.tr.opt))
+
     def check(self, sd, ckpt: str) -> Any:  # torch's own format too: a checkpoint from before this one
         """A file laid out as the live state is: its ``flat_state.FlatCopy`` (an in-process rollback, or
         any load after the first). Else torch's state dict, each tensor a view of the file's."""
@@ -114,6 +169,22 @@ class OptimizerPiece(Piece):
             self.tr.opt.load_flat(sd)
         else:
             self.tr.opt.load_state_dict(sd if "state" in sd else flat_state.unpack(sd, self.file))
+
+
+def _held(opt: torch.optim.Optimizer) -> tuple[tuple, list[torch.Tensor]]:
+    """What a byte plan of the optimizer's file holds it to (``flat_state.copy_plan``'s conditions on the
+    live side, as they were when the plan was made): its load hooks, each group's keys, and its
+    parameters and state tensors, by identity and by ``byte_plan.signature``; and those tensors (a
+    plan keeps them, so that no other object takes their ids)."""
+    keys, tensors = [], []
+    for g in opt.param_groups:
+        keys.append(frozenset(g))
+        for p in g["params"]:
+            tensors.append(p)
+            if st := opt.state.get(p):
+                tensors.extend(st.values())
+    hooks = bool(getattr(opt, "_optimizer_load_state_dict_pre_hooks", None) or getattr(opt, "_optimizer_load_state_dict_post_hooks", None))
+    return (hooks, keys, list(map(id, tensors)), byte_plan.signature(tensors)), tensors
 
 
 class ShardedModelOptimizerPiece(Piece):

@@ -291,3 +291,143 @@ def test_each_piece_refuses_its_hostile_state_in_one_line_and_touches_nothing(tr
     if name == "run":
         before.pop("last_checkpoint_time"), now.pop("last_checkpoint_time")
     assert _same(before, now), f"{case}: check changed the live state"
+
+
+# ---------------------------------------------------------------------------- byte plans (trainer/byte_plan.py)
+def _write(path, obj):
+    """``obj`` as a checkpoint's tensor file (``trainer/tensor_file.py``), at ``path``."""
+    from trainer import tensor_file
+
+    header, data = tensor_file.encode(obj)
+    with open(path, "wb") as f:
+        f.write(header)
+        for d in data:
+            f.write(d)
+    return path
+
+
+@pytest.fixture(scope="module")
+def planned(trainers, tmp_path_factory, dataset):
+    """(a, c, files): ``a``'s model and optimizer files, and a fresh trainer ``c`` that loaded each the
+    plain way, which left a byte plan in each piece (the optimizer's from its second load: a fresh one
+    has no state for a file to be laid out as)."""
+    from sentinel.contract.fsio import map_file
+    from trainer.checkpointing import TrainerCheckpoints
+
+    a, _ = trainers
+    root = tmp_path_factory.mktemp("plans")
+    c = _trainer(dataset, root / "c")
+    files = {}
+    for name, file in (("model", "model.safetensors"), ("optimizer", "optim.safetensors")):
+        files[name] = _write(root / file, copy.deepcopy(a.checkpoints.state.states[name].state_dict()))
+        piece = c.checkpoints.state.states[name]
+        for _ in range(2):  # a fresh optimizer has no state to plan for before its first load
+            piece.load_state_dict(TrainerCheckpoints._prepare(piece, files[name], map_file(files[name])))
+        assert piece._plan is not None, f"{name}: the plain load made no plan"
+    return a, c, files
+
+
+def _perturb(c) -> None:
+    with torch.no_grad():
+        for t in [*c.raw_model.parameters(), *(v for st in c.opt.state.values() for v in st.values())]:
+            t.add_(1.5)
+
+
+def _restore(piece, file):
+    from sentinel.contract.fsio import map_file
+    from trainer.checkpointing import TrainerCheckpoints
+
+    piece.load_state_dict(TrainerCheckpoints._prepare(piece, file, map_file(file)))
+
+
+@pytest.mark.parametrize("name", ["model", "optimizer"])
+def test_a_file_with_the_header_of_the_last_restores_by_its_bytes_exactly(planned, name):
+    """The second file with a header seen before (a rollback's load) is cut at the plan's offsets and
+    copied into the same live bytes, nothing parsed or checked: the state is the file's, bit for bit,
+    from a live state moved away from it (every parameter and moment), and tied weights stay tied."""
+    from sentinel.contract.fsio import map_file
+
+    a, c, files = planned
+    sa, sc = a.checkpoints.state.states[name], c.checkpoints.state.states[name]
+    _restore(sc, files[name])  # a plan again if a trainer built since (registering parameters) dropped it
+    _perturb(c)
+    assert not _same(sa.state_dict(), sc.state_dict())
+    got = sc.planned(map_file(files[name]))
+    copies = got[0] if name == "model" else [dst for dst, _ in got.copies]
+    assert got is not None and all(t.dtype == torch.uint8 for t in copies), "the plan was not taken"
+    sc.load_state_dict(got)
+    assert _same(sa.state_dict(), sc.state_dict()), name
+    if name == "model":
+        assert c.raw_model.lm_head.weight is c.raw_model.wte.weight
+
+
+def _swap_data(c):
+    p = c.raw_model.wte.weight
+    p.data = torch.zeros_like(p)
+
+
+def _new_parameter(c):
+    c.raw_model.ln_f.weight = torch.nn.Parameter(torch.zeros_like(c.raw_model.ln_f.weight))
+
+
+def _moment_cloned(c):
+    st = next(iter(c.opt.state.values()))
+    st["exp_avg"] = st["exp_avg"].clone()
+
+
+def _load_hook(c):
+    c.opt.register_load_state_dict_pre_hook(lambda opt, sd: None)
+
+
+@pytest.mark.parametrize("name, change", [("model", _swap_data), ("model", _new_parameter),
+                                          ("optimizer", _moment_cloned), ("optimizer", _load_hook)],
+                         ids=["parameter-data-swapped", "parameter-registered", "moment-replaced", "load-hook"])
+def test_a_plan_whose_live_tensors_changed_is_dropped_and_the_file_loads_the_plain_way(planned, trainers, dataset, tmp_path, name, change):
+    """A live tensor that moved or was replaced, a parameter registered anywhere, a moment that is no
+    longer a view of the flat state, or a load hook: the plan would copy into the wrong bytes or skip
+    the hook, so ``planned`` refuses it; the plain path then loads the file exactly, into the live
+    tensors as they are now."""
+    a, _, files = planned
+    c = _trainer(dataset, tmp_path / "c")  # its own: the change stays in it
+    piece = c.checkpoints.state.states[name]
+    for _ in range(2):
+        _restore(piece, files[name])
+    assert piece._plan is not None
+    change(c)
+    _perturb(c)
+    from sentinel.contract.fsio import map_file
+
+    assert piece.planned(map_file(files[name])) is None and piece._plan is None
+    _restore(piece, files[name])
+    assert _same(a.checkpoints.state.states[name].state_dict(), piece.state_dict()), name
+
+
+def _header_byte(raw: bytearray) -> None:  # the JSON still parses: one tensor's name differs by a letter
+    at = raw.index(b'"wte.weight"')
+    raw[at + 1:at + 4] = b"wtf"
+
+
+def _longer(raw: bytearray) -> None:
+    raw.extend(b"\0" * 8)
+
+
+@pytest.mark.parametrize("edit", [_header_byte, _longer], ids=["header-differs", "file-longer"])
+def test_a_file_whose_header_or_size_differs_from_the_plans_is_read_and_checked(planned, tmp_path, edit):
+    """The plan stands for its header's bytes and its file's size alone: a file that differs in either
+    takes the plain path, whose check refuses it in one line, the live model untouched."""
+    from sentinel.contract.fsio import map_file
+    from trainer.checkpointing import TrainerCheckpoints
+
+    _, c, files = planned
+    piece = c.checkpoints.state.states["model"]
+    _restore(piece, files["model"])  # a plan again: a trainer built since registered parameters, which drops it
+    raw = bytearray(files["model"].read_bytes())
+    edit(raw)
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(bytes(raw))
+    before = copy.deepcopy(piece.state_dict())
+    assert piece._plan[0].sources(map_file(bad)) is None
+    with pytest.raises(CheckpointError) as e:
+        TrainerCheckpoints._prepare(piece, bad, map_file(bad))
+    assert "\n" not in str(e.value) and "model.safetensors" in str(e.value)
+    assert _same(before, piece.state_dict())
