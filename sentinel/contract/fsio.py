@@ -175,20 +175,20 @@ def announce(paths) -> None:
             os.close(fd)
 
 
-def announce_dir(path) -> set:
+def announce_dir(path) -> dict[str, int]:
     """``announce`` every regular file of the directory ``path`` (not its links or subdirectories), the
     smallest first, before anything names them: a checkpoint's manifest is read while its files are
     already on their way, so their reads start one round trip earlier (on ``tiny``, the manifest's read
-    and check took 0.25 ms of a 2 ms load before any other file was asked for). Returns the paths
-    announced, for ``checksums_match(announced=...)`` not to announce them again."""
+    and check took 0.25 ms of a 2 ms load before any other file was asked for). Returns the size of
+    each regular file found, by name: those up to ``ANNOUNCE_MAX_BYTES`` were announced, and
+    ``checksums_match(announced=...)`` neither announces them again nor asks their sizes again."""
     try:
         with os.scandir(path) as it:
-            found = [(e.stat(follow_symlinks=False).st_size, Path(e.path)) for e in it if e.is_file(follow_symlinks=False)]
+            found = {e.name: e.stat(follow_symlinks=False).st_size for e in it if e.is_file(follow_symlinks=False)}
     except OSError:
-        return set()
-    small = [p for size, p in sorted(found, key=lambda x: x[0]) if 0 < size <= ANNOUNCE_MAX_BYTES]
-    announce(small)
-    return set(small)
+        return {}
+    announce([os.path.join(path, name) for name, size in sorted(found.items(), key=lambda x: x[1]) if 0 < size <= ANNOUNCE_MAX_BYTES])
+    return found
 
 
 def map_file(path) -> mmap.mmap | None:
@@ -242,7 +242,7 @@ def _small_size(path) -> int | None:
 
 
 def checksums_match(files: list[tuple[Path, str]], keep: dict | None = None,
-                    meanwhile: Callable[[Path, mmap.mmap], None] | None = None, announced: set = frozenset()) -> list[bool]:
+                    meanwhile: Callable[[Path, mmap.mmap], None] | None = None, announced: dict | None = None) -> list[bool]:
     """``checksum_matches`` of each (path, recorded) pair. The small files (regular, up to
     ``ANNOUNCE_MAX_BYTES``) are announced (``announce``), the smallest first, then mapped and hashed
     on this thread in that order (with ``keep``, the mapping of each that matches is left in it, by
@@ -257,9 +257,10 @@ def checksums_match(files: list[tuple[Path, str]], keep: dict | None = None,
     not, and the hash follows them as they come; then, when the threads hash several large files, for
     each of those, with a mapping of its own, while they do. What it reads is not verified yet: it may
     parse and check, never apply (``trainer.checkpointing``: a load parses each file's header there).
-    It must not raise; a small file's mapping stays the one hashed. ``announced``: paths announced
-    already (``announce_dir``)."""
-    sizes = [_small_size(p) for p, _ in files]
+    It must not raise; a small file's mapping stays the one hashed. ``announced``: regular files whose
+    sizes are known, by path, those up to ``ANNOUNCE_MAX_BYTES`` announced already (``announce_dir``)."""
+    announced = announced or {}
+    sizes = [_small_size(p) if (n := announced.get(p)) is None else n if n <= ANNOUNCE_MAX_BYTES else None for p, _ in files]
     big = [i for i, n in enumerate(sizes) if n is None]
     small = sorted((i for i, n in enumerate(sizes) if n is not None), key=lambda i: sizes[i])  # as announced
     announce([files[i][0] for i in small if files[i][0] not in announced])

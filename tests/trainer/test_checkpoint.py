@@ -317,6 +317,39 @@ def test_the_ranks_of_a_node_share_the_checksums_but_each_hashes_torch_files_it_
     assert torch_files and torch_files <= a and torch_files <= b and fa == fb
 
 
+def _replace_with(make):
+    def edit(p: Path) -> None:
+        kept = p.with_name("kept")
+        p.rename(kept)
+        make(p, kept)
+    return edit
+
+
+@pytest.mark.parametrize("edit, why", [
+    (_replace_with(lambda p, kept: p.mkdir()), "model.safetensors is no regular file"),
+    (_replace_with(lambda p, kept: os.mkfifo(p)), "model.safetensors is no regular file"),
+    (_replace_with(lambda p, kept: p.symlink_to(p.with_name("gone"))), "model.safetensors is no regular file"),
+    (_replace_with(lambda p, kept: None), "model.safetensors is missing"),
+    (_replace_with(lambda p, kept: p.symlink_to(kept)), None),
+], ids=["a-directory", "a-fifo", "a-dangling-link", "missing", "a-link-to-it"])
+def test_a_listed_file_that_is_no_regular_file_is_named_alike_by_a_load_and_by_verify(tmp_path, refs, edit, why):
+    """A load checks the files the manifest lists against its scan of the directory (``announce_dir``),
+    ``verify`` against the file system: both name a file that is missing or no regular file in one
+    line, and follow a link to the file as a reader would."""
+    from trainer.checkpoint import verify_share
+
+    run = copy_run(refs(*REF12), tmp_path / "run")
+    ck = run / "checkpoints" / "step-00000012"
+    edit(ck / "model.safetensors")
+    for check in (lambda: verify_share(ck, None, {}), lambda: verify(ck)):
+        if why is None:
+            check()
+            continue
+        with pytest.raises(CheckpointError) as e:
+            check()
+        assert str(e.value) == f"step-00000012: {why}"
+
+
 def test_manifests_of_sha256_checksums_written_before_blake3_still_verify(tmp_path, refs):
     """Checkpoints saved before BLAKE3 record bare sha256 digests: they verify, and a flipped byte fails."""
     from sentinel.runfiles.checkpoints import check_checkpoint
@@ -1065,3 +1098,25 @@ def test_usable_cpus_reads_a_containers_cpu_quota(tmp_path, cpu_max, limit):
     affinity = len(os.sched_getaffinity(0))
     assert usable_cpus(f) == (min(affinity, limit) if limit else affinity)
     assert usable_cpus(tmp_path / "absent") == affinity
+
+
+@pytest.mark.parametrize("data", [b"\xff\xfe not utf-8", b"not json", b"[" * 100_000 + b"]" * 100_000, b"[1, 2]",
+                                  b'{"step": 3}', b'{"step": "3"}', b""],
+                         ids=["not-utf8", "not-json", "nested", "not-an-object", "fields-missing", "step-as-string", "empty"])
+def test_train_state_bytes_hashed_already_fail_as_the_file_read_from_disk_does(tmp_path, data):
+    """A load validates ``train_state.json`` from the bytes its checksum was computed over (pydantic's
+    JSON reader); a file read from the disk goes through ``json.loads``. Either way hostile bytes give
+    one line, that says the same of the same field (pydantic words a wrong type differently from JSON
+    than from a dict: "should be an object", "should be a valid dictionary")."""
+    from trainer.checkpoint_verify import read_train_state
+
+    ck = tmp_path / "step-00000003"
+    ck.mkdir()
+    (ck / "train_state.json").write_bytes(data)
+    errors = []
+    for given in (data, None):
+        with pytest.raises(CheckpointError) as e:
+            read_train_state(ck, 3, given)
+        errors.append(str(e.value))
+    assert errors[0].rsplit(": ", 1)[0] == errors[1].rsplit(": ", 1)[0], errors
+    assert "\n" not in errors[0] and errors[0].startswith("step-00000003: train_state.json is ")
