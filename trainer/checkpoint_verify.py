@@ -42,9 +42,22 @@ class ValidCheckpoint:
         return int(self.manifest.get("bytes", 0))
 
 
+def _read_bytes(path: Path) -> bytes:
+    """A small file's bytes through ``os.read``, without the buffered file object ``Path.read_bytes``
+    builds around it (a checkpoint's manifest: 10.7 us that way, 3.3 us this)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _read_json(path: Path, what: str, data: bytes | None = None):
     try:
-        return json.loads(path.read_bytes() if data is None else data)
+        return json.loads(_read_bytes(path) if data is None else data)
     except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8/JSON, or nested past the parser
         raise CheckpointError(f"{path.parent.name}: {what} is unreadable") from None
 
@@ -84,7 +97,7 @@ def verify(path: Path) -> dict:
 
 
 def verify_share(path: Path, share: tuple[int, int] | None = None, keep: dict | None = None,
-                 meanwhile: Callable[[Path, Any], None] | None = None) -> tuple[dict, int, dict]:
+                 meanwhile: Callable[[Path, Any], None] | None = None, ready: Callable[[], None] | None = None) -> tuple[dict, int, dict]:
     """``verify``, hashing only this rank's share of the files with ``share=(index, count)``
     (``checksum_share``), and every file of torch's format (``TORCH_SUFFIX``); returns the manifest,
     the fingerprint of the files seen (0 without a share) and ``train_state.json`` as
@@ -94,11 +107,15 @@ def verify_share(path: Path, share: tuple[int, int] | None = None, keep: dict | 
     (a dict), each small file hashed through a mapping leaves that mapping there, by path, for its
     reader (``sentinel.contract.fsio.checksums_match``); ``train_state.json`` is parsed from it.
     ``meanwhile(file, mapping)``: ``checksums_match``'s, work for while the disk reads, before each file's hash
-    (for ``train_state.json`` with ``keep``, the state read from it instead, the one returned)."""
+    (for ``train_state.json`` with ``keep``, the state read from it instead, the one returned).
+    ``ready()``: work that needs no file, for while the disk fetches the manifest (called once the
+    directory is announced, before the manifest is read: a cold read's first round trip)."""
     if not os.path.isdir(path):  # os.path's: pathlib's checks cost 25 us each, on every load
         what = "a dangling link" if os.path.islink(path) and not path.exists() else "a file, not a directory"
         raise CheckpointError(f"{path.name}: is {what} (not a checkpoint)")
     seen = announce_dir(path) if keep is not None else {}  # the manifest is read while the rest arrives
+    if ready is not None:
+        ready()
     mpath = path / MANIFEST
     if not os.path.isfile(mpath):
         raise CheckpointError(f"{path.name}: incomplete (no manifest)")

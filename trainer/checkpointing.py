@@ -183,11 +183,17 @@ class TrainerCheckpoints:
         share = (env.local_rank, env.local_world_size) if env.distributed else None
         early: dict = {}
         mappings: dict = {}
+        standing: dict = {}  # piece -> whether its byte plan stands (asked while the manifest is on its way)
+
+        def ready() -> None:
+            standing.update((piece, piece.stands()) for piece in self.state.mapped.values())
+
         try:
-            manifest, fingerprint, state = verify_share(path, share, mappings, lambda file, mapped: self._parse_early(file, mapped, early))
+            manifest, fingerprint, state = verify_share(path, share, mappings, lambda file, mapped: self._parse_early(file, mapped, early, standing),
+                                                        ready)
         except CheckpointError as e:
             return None, str(e), 0
-        return (manifest, state, mappings, early), None, fingerprint
+        return (manifest, state, mappings, early, standing), None, fingerprint
 
     def _rejection(self, path: Path, why: str | None, stage: int) -> str:
         """Why the ranks turned ``path`` down, the same line on every rank: this rank's ``why``, or with
@@ -204,7 +210,7 @@ class TrainerCheckpoints:
         _, rank, first = found[0]
         return first if rank == env.rank else f"{first} (on rank {rank})"
 
-    def _parse_early(self, file: Path, mapped, early: dict) -> None:
+    def _parse_early(self, file: Path, mapped, early: dict, standing: dict) -> None:
         """While the disk reads what ``verify_share`` announced, just before ``file`` is hashed: parse and
         check it as ``_read`` would if it is one of this rank's tensor files (``mapped``: the mapping its
         checksum is about to be computed through), into ``early`` (by name: what ``check`` prepared, or
@@ -222,21 +228,22 @@ class TrainerCheckpoints:
         if piece is None or file.suffix != tensor_file.SUFFIX:  # torch's format: never before its checksum
             return
         try:
-            early[file.name] = self._prepare(piece, file, mapped)
+            early[file.name] = self._prepare(piece, file, mapped, standing.get(piece))
         except Exception as e:  # noqa: BLE001  (raised by ``_read``, in the order it checks)
             early[file.name] = e
 
     @staticmethod
-    def _prepare(piece, file: Path, mapping) -> Any:
+    def _prepare(piece, file: Path, mapping, stands: bool | None = None) -> Any:
         """``file`` (a piece's file that ``maps_file``; ``mapping``: its mapping, or None) as the piece's
         ``load_state_dict`` takes it. A tensor file by the piece's byte plan where its header is the one
-        the plan was made for (``trainer/byte_plan.py``: on ``tiny``, 0.6 ms less of a 2.3 ms load); else
-        read and checked, and a plan made of it for the next."""
+        the plan was made for (``trainer/byte_plan.py``: on ``tiny``, 0.6 ms less of a 2.3 ms load;
+        ``stands``: whether the plan stands, asked earlier in the load); else read and checked, and a
+        plan made of it for the next."""
         if file.suffix == tensor_file.SUFFIX:
             if mapping is None:  # hashed by another rank: mapped here (a failure is ``load_file``'s to report)
                 with contextlib.suppress(OSError, ValueError):
                     mapping = map_file(file)
-            if mapping is not None and (planned := piece.planned(mapping)) is not None:
+            if mapping is not None and (planned := piece.planned(mapping, stands)) is not None:
                 return planned
         sd = load_file(file, mapped=True, mapping=mapping)
         prepared = piece.check(sd, file.parent.name)
@@ -256,7 +263,7 @@ class TrainerCheckpoints:
                 out[name] = sd if prepared is None else prepared
         return out
 
-    def _read(self, path: Path, manifest: dict, ts: dict, mappings: dict, early: dict) -> dict:
+    def _read(self, path: Path, manifest: dict, ts: dict, mappings: dict, early: dict, standing: dict) -> dict:
         """Every piece of one checkpoint this rank needs, read and checked, nothing applied yet (after
         ``_verify``, which read ``ts``, ``train_state.json``; with several ranks, the files another rank
         hashed are read here unverified by this one: the vote that follows covers them). The pieces in
@@ -280,7 +287,7 @@ class TrainerCheckpoints:
                     continue
                 file = piece_path(path, piece.file, manifest["files"])
                 if piece.maps_file:
-                    read[name] = self._prepare(piece, file, mappings.pop(file, None))
+                    read[name] = self._prepare(piece, file, mappings.pop(file, None), standing.get(piece))
                     continue
                 sd = load_file(file)
                 prepared = piece.check(sd, path.name)

@@ -64,10 +64,16 @@ class Piece:
         """Refuse ``sd`` (of checkpoint directory ``ckpt``) in one line if it cannot be loaded whole. May
         return the form ``load_state_dict`` is then given (what the check built already), else None: ``sd``."""
 
-    def planned(self, mapping) -> Any:
+    def stands(self) -> bool:
+        """Whether this piece has a byte plan (``remember``) that the live side still allows; one that it
+        does not is dropped. A load asks while the disk fetches the checkpoint's manifest."""
+        return False
+
+    def planned(self, mapping, stands: bool | None = None) -> Any:
         """What ``load_state_dict`` is given for the tensor file ``mapping`` (mapped), by the byte plan
         ``remember`` made of an earlier file with the same header, if that plan still stands
-        (``trainer/byte_plan.py``); else None, and the file is read and checked."""
+        (``trainer/byte_plan.py``; ``stands``: what ``stands()`` said earlier in this load, else asked
+        now); else None, and the file is read and checked."""
         return None
 
     def remember(self, mapping, prepared: Any) -> None:
@@ -95,15 +101,21 @@ class ModelPiece(Piece):
         check_tensors(sd, live, f"{ckpt}: {self.file}")
         return list(live.values()), [sd[name] for name in live]
 
-    def planned(self, mapping) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    def stands(self) -> bool:
         """The plan stands while the model is the same object, nothing anywhere has registered a parameter,
         buffer or submodule since it was made, and each of its tensors keeps its address, shape and dtype."""
         if self._plan is None:
+            return False
+        _, model, made, live, sig = self._plan
+        if model is self.tr.raw_model and made == byte_plan.registrations() and byte_plan.signature(live) == sig:
+            return True
+        self._plan = None
+        return False
+
+    def planned(self, mapping, stands: bool | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        if self._plan is None or not (self.stands() if stands is None else stands):
             return None
-        plan, model, made, live, sig = self._plan
-        if model is not self.tr.raw_model or made != byte_plan.registrations() or byte_plan.signature(live) != sig:
-            self._plan = None
-            return None
+        plan = self._plan[0]
         src = plan.sources(mapping)
         return None if src is None else (plan.dst, src)
 
@@ -137,15 +149,21 @@ class OptimizerPiece(Piece):
         # (plan, the optimizer, the file's hyper-parameters, ``_held`` when made: what it held to, its tensors)
         self._plan: tuple | None = None
 
-    def planned(self, mapping) -> flat_state.FlatCopy | None:
+    def stands(self) -> bool:
         """The plan stands while the optimizer is the same object, with no load hooks, the same keys in
         each group, and the same parameters and state tensors, each at its address, shape and dtype."""
         if self._plan is None:
+            return False
+        _, opt, _, (held, _) = self._plan
+        if opt is self.tr.opt and _held(opt)[0] == held:
+            return True
+        self._plan = None
+        return False
+
+    def planned(self, mapping, stands: bool | None = None) -> flat_state.FlatCopy | None:
+        if self._plan is None or not (self.stands() if stands is None else stands):
             return None
-        plan, opt, groups, (held, _) = self._plan
-        if opt is not self.tr.opt or _held(opt)[0] != held:
-            self._plan = None
-            return None
+        plan, _, groups, _ = self._plan
         src = plan.sources(mapping)
         return None if src is None else flat_state.FlatCopy(groups, list(zip(plan.dst, src)))
 

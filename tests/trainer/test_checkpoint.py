@@ -495,7 +495,7 @@ def test_a_damaged_header_is_reported_by_its_checksum(tmp_path, dataset, refs, c
     parsed: list[str] = []
     parse_early = checkpointing_mod.TrainerCheckpoints._parse_early
     monkeypatch.setattr(checkpointing_mod.TrainerCheckpoints, "_parse_early",
-                        lambda self, file, mapped, early: (parsed.append(file.name), parse_early(self, file, mapped, early))[1])
+                        lambda self, file, mapped, *rest: (parsed.append(file.name), parse_early(self, file, mapped, *rest))[1])
     logged: list[str] = []
     monkeypatch.setattr(checkpointing_mod, "_log", lambda env, msg: logged.append(msg))
     before = [p.detach().clone() for p in tr.raw_model.parameters()]
