@@ -64,9 +64,18 @@ class Piece:
         """Refuse ``sd`` (of checkpoint directory ``ckpt``) in one line if it cannot be loaded whole. May
         return the form ``load_state_dict`` is then given (what the check built already), else None: ``sd``."""
 
+    # (``byte_plan.BytePlan``, what the piece holds the live side to) as ``remember`` made it, or None
+    _plan: tuple | None = None
+
     def stands(self) -> bool:
-        """Whether this piece has a byte plan (``remember``) that the live side still allows; one that it
-        does not is dropped. A load asks while the disk fetches the checkpoint's manifest."""
+        """Whether this piece has a byte plan (``remember``) that the live side still allows
+        (``_unchanged``); one that it does not is dropped. A load asks while the disk fetches the
+        checkpoint's manifest."""
+        if self._plan is None:
+            return False
+        if self._unchanged():
+            return True
+        self._plan = None
         return False
 
     def planned(self, mapping, stands: bool | None = None) -> Any:
@@ -74,11 +83,22 @@ class Piece:
         ``remember`` made of an earlier file with the same header, if that plan still stands
         (``trainer/byte_plan.py``; ``stands``: what ``stands()`` said earlier in this load, else asked
         now); else None, and the file is read and checked."""
-        return None
+        if self._plan is None or not (self.stands() if stands is None else stands):
+            return None
+        src = self._plan[0].sources(mapping)
+        return None if src is None else self._from_plan(src)
 
     def remember(self, mapping, prepared: Any) -> None:
         """Keep a byte plan of ``prepared`` (what ``check`` gave for the tensor file ``mapping``), for
         ``planned`` to restore the next file with the same header by."""
+
+    def _unchanged(self) -> bool:
+        """The live side is as it was when the plan was made."""
+        return False
+
+    def _from_plan(self, src: list[torch.Tensor]) -> Any:
+        """What ``load_state_dict`` takes, from the plan's cut of a file's data (``BytePlan.sources``)."""
+        raise NotImplementedError
 
 
 class ModelPiece(Piece):
@@ -89,11 +109,6 @@ class ModelPiece(Piece):
     def state_dict(self) -> dict:
         return self.tr.raw_model.state_dict()  # the live tensors: an async save copies them itself
 
-    def __init__(self, tr) -> None:
-        super().__init__(tr)
-        # (plan, the model, ``registrations()``, its live tensors and their ``signature``) when made
-        self._plan: tuple | None = None
-
     def check(self, sd, ckpt: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``sd`` against the live model; returns what ``load_state_dict`` then copies: (live, saved), the
         live ones the parameters and buffers themselves (a plan checks that they still are where they were)."""
@@ -101,25 +116,16 @@ class ModelPiece(Piece):
         check_tensors(sd, live, f"{ckpt}: {self.file}")
         return list(live.values()), [sd[name] for name in live]
 
-    def stands(self) -> bool:
-        """The plan stands while the model is the same object, nothing anywhere has registered a parameter,
-        buffer or submodule since it was made, and each of its tensors keeps its address, shape and dtype."""
-        if self._plan is None:
-            return False
+    def _unchanged(self) -> bool:
+        """The same model object, nothing anywhere registered (a parameter, buffer or submodule) since the
+        plan was made, and each of its tensors at its address, shape and dtype."""
         _, model, made, live, sig = self._plan
-        if model is self.tr.raw_model and made == byte_plan.registrations() and byte_plan.signature(live) == sig:
-            return True
-        self._plan = None
-        return False
+        return model is self.tr.raw_model and made == byte_plan.registrations() and byte_plan.signature(live) == sig
 
-    def planned(self, mapping, stands: bool | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        if self._plan is None or not (self.stands() if stands is None else stands):
-            return None
-        plan = self._plan[0]
-        src = plan.sources(mapping)
-        return None if src is None else (plan.dst, src)
+    def _from_plan(self, src):
+        return self._plan[0].dst, src
 
-    def remember(self, mapping, prepared) -> None:
+    def remember(self, mapping, prepared) -> None:  # (plan, the model, registrations(), its live tensors, their signature)
         live, saved = prepared
         plan = byte_plan.BytePlan.make(mapping, zip(live, saved))
         made = byte_plan.registrations()
@@ -144,30 +150,17 @@ class OptimizerPiece(Piece):
     def state_dict(self) -> dict:
         return flat_state.pack(self.tr.opt.state_dict())
 
-    def __init__(self, tr) -> None:
-        super().__init__(tr)
-        # (plan, the optimizer, the file's hyper-parameters, ``_held`` when made: what it held to, its tensors)
-        self._plan: tuple | None = None
-
-    def stands(self) -> bool:
-        """The plan stands while the optimizer is the same object, with no load hooks, the same keys in
-        each group, and the same parameters and state tensors, each at its address, shape and dtype."""
-        if self._plan is None:
-            return False
+    def _unchanged(self) -> bool:
+        """The same optimizer object, with no load hooks, the same keys in each group, and the same
+        parameters and state tensors, each at its address, shape and dtype."""
         _, opt, _, (held, _) = self._plan
-        if opt is self.tr.opt and _held(opt)[0] == held:
-            return True
-        self._plan = None
-        return False
+        return opt is self.tr.opt and _held(opt)[0] == held
 
-    def planned(self, mapping, stands: bool | None = None) -> flat_state.FlatCopy | None:
-        if self._plan is None or not (self.stands() if stands is None else stands):
-            return None
+    def _from_plan(self, src):
         plan, _, groups, _ = self._plan
-        src = plan.sources(mapping)
-        return None if src is None else flat_state.FlatCopy(groups, list(zip(plan.dst, src)))
+        return flat_state.FlatCopy(groups, list(zip(plan.dst, src)))
 
-    def remember(self, mapping, prepared) -> None:
+    def remember(self, mapping, prepared) -> None:  # (plan, the optimizer, the file's hyper-parameters, _held(opt))
         plan = byte_plan.BytePlan.make(mapping, prepared.copies) if isinstance(prepared, flat_state.FlatCopy) else None
         self._plan = None if plan is None else (plan, self.tr.opt, prepared.param_groups, _held(self.tr.opt))
 
