@@ -408,6 +408,26 @@ def sentinel_latency_panel() -> timeseries.Panel:
             .with_target(query(p99, "p99", "A")))
 
 
+def sentinel_verdict_panel() -> timeseries.Panel:
+    # daemon-wide series (no run label), shown for the sentinel(s) leading the selected runs
+    leading = f"and on (instance) (max by (instance) (sentinel_leader{{{RUN}}}) == 1)"
+
+    def p(q: str) -> str:
+        return (f"histogram_quantile({q}, sum by (instance, le) (rate(sentinel_verdict_latency_seconds_bucket[{RATE}]))) "
+                f"{leading}")
+    return (default_timeseries("s", (None, "green"), (0.25, "orange"), (1, "red"), alerts=("SentinelVerdictsSlow",))
+            .title("Verdict latency and CPU (the leading sentinel)")
+            .description("From a step record's XADD to the rules' verdict, p50 and p99 over every run the sentinel "
+                         "leads, and the daemon's CPU in cores (right axis). One Python process: past ~0.85 of a core "
+                         "its bursts queue and the p99 climbs from tens of ms towards seconds; split its runs over "
+                         "more sentinels.")
+            .with_target(query(p("0.5"), "{{instance}} p50", "A", per_run=False))
+            .with_target(query(p("0.99"), "{{instance}} p99", "B", per_run=False))
+            .with_target(query(f'rate(process_cpu_seconds_total{{job="sentinel"}}[{RATE}]) {leading}',
+                               "{{instance}} CPU (cores)", "C", per_run=False))
+            .override_by_query("C", right_axis("C", "none")).span(24))
+
+
 def sentinel_bus_errors_panel() -> timeseries.Panel:
     return (default_timeseries("short", alerts=("SentinelBusErrors",)).title("Bus errors and last action age")
             .description("Control-bus errors (each retried; daemon-wide, no run label), and seconds since each "
@@ -449,6 +469,7 @@ def sentinel_dashboard() -> dash_b.Dashboard:
         .with_panel(sentinel_latency_panel())
         .with_panel(sentinel_bus_errors_panel())
         .with_panel(sentinel_bus_input_panel())
+        .with_panel(sentinel_verdict_panel())
     )
 
 
