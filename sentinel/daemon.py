@@ -41,6 +41,7 @@ from sentinel.daemon_options import (  # noqa: F401 - the daemon's public names,
     DIRECTIVE_TTL_S,
     DISCOVER_PER_PASS,
     LIVE_PROBE,
+    PACE_MAX_S,
     POLL_IDLE_S,
     Options,
     _id_seconds,
@@ -374,6 +375,7 @@ class Daemon:
         self._last_discovery = 0.0
         self._last_lease = 0.0
         self._last_probe = 0.0
+        self.next_read_at = 0.0  # monotonic: the earliest the next step read is due (``Options.pace_per_run_s``)
 
     def _discover(self) -> None:
         if self.fixed_runs is not None:
@@ -448,8 +450,9 @@ class Daemon:
         """One pass: leases, one XREADGROUP over every led run's stream, one pipeline of side reads
         for the runs to poll (those with new entries, and the others every ``POLL_IDLE_S``), every
         run judged, then one pipeline of their state saves and XACKs. No run's verdict waits for
-        another run's round trips: a round trip per phase, whatever the number of runs."""
-        now = time.time()
+        another run's round trips: a round trip per phase, whatever the number of runs. Sets
+        ``next_read_at``, which the caller waits for (``Options.pace_per_run_s``)."""
+        started, now = time.monotonic(), time.time()
         if now - self._last_discovery > 2.0 or not self.watchers:
             self._discover()
             self._last_discovery = now
@@ -480,12 +483,15 @@ class Daemon:
         for e in entries:
             grouped[e.stream].append(e)
         mono, now = time.monotonic(), time.time()
-        todo = []
+        todo, behind = [], False
         for s, w in by_stream.items():
             w.behind = len(grouped[s]) >= self.opts.batch  # a full batch: more is waiting
+            behind = behind or w.behind
             w._delivered += len(grouped[s])
             if grouped[s] or not entries or not w._recovered or mono - w.last_poll >= POLL_IDLE_S:
                 todo.append(w)
+        if entries and not behind:  # (a read that came back empty has waited its block_ms already)
+            self.next_read_at = started + min(PACE_MAX_S, self.opts.pace_per_run_s * len(led))
         prefetch(self.r, todo, now)
         for w in todo:
             w.check_overload(now)
@@ -528,6 +534,9 @@ class Daemon:
         try:
             while not self.stop_requested:
                 try:
+                    wait = self.next_read_at - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
                     self.iterate()
                     backoff = 0.5
                 except (bus.BusError, redis.RedisError) as e:

@@ -20,6 +20,7 @@ LIVE_PROBE = 16  # newest steps entries looked at for one the trainer signed
 SENT_KEPT = 1024  # directives this sentinel sent, remembered (id -> stream entry) to tell their acks apart
 EVENT_KEYS_KEPT = 4096  # keys of the newest events on the bus, remembered to publish each event once
 SENT_SAVED = 256  # ... and how many of them the persisted state carries to a successor
+PACE_MAX_S = 0.02  # ``Options.pace_per_run_s`` adds at most this much to a verdict's latency
 POLL_IDLE_S = 0.1  # a run with no new step record is still polled (acks, approvals, the clock) this often
 
 
@@ -94,3 +95,9 @@ class Options:
     # failover and judged again from the saved state; an event, an ack, an approval or a checkpoint
     # saves at the end of the poll, and every directive and page is preceded by a save of its own
     state_save_s: float = 0.0
+    # the least time from one step read to the next, per run this daemon leads, up to ``PACE_MAX_S``
+    # (0: read again at once). A read that names N streams costs Redis and this process O(N) however
+    # little it returns: with records always waiting (a fleet of 300 runs), back-to-back reads took ~18
+    # records each, and the read and the side reads ~2 ms of each ~5.5 ms iteration
+    # (docs/benchmarks/daemon-scale.md). Not after a full batch: a backlog is read at once
+    pace_per_run_s: float = 0.0

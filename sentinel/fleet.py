@@ -48,10 +48,10 @@ class Fleet:
         self.stop_requested = False
 
     def iterate(self) -> None:
-        """One pass over every member that is not backing off; sleeps briefly when all are."""
+        """One pass over every member that is not backing off or paced; sleeps briefly when all are."""
         now = time.monotonic()
         block_ms = max(10, 100 // max(1, len(self.members)))
-        ready = [m for m in self.members if now >= m.next_try]
+        ready = [m for m in self.members if now >= m.next_try and now >= m.daemon.next_read_at]
         for m in ready:
             try:
                 m.daemon.iterate(block_ms=block_ms)
@@ -62,8 +62,8 @@ class Fleet:
                 self.log(f"internal error on {m.label} ({e.__class__.__name__}: {str(e)[:200]}); retrying in {m.backoff:.1f}s")
                 m.next_try = time.monotonic() + m.backoff
                 m.backoff = min(m.backoff * 2, 10.0)
-        if not ready:
-            time.sleep(min(0.1, max(0.0, min(m.next_try for m in self.members) - now)))
+        if not ready:  # each member backing off, or paced (``Options.pace_per_run_s``)
+            time.sleep(min(0.1, max(0.0, min(max(m.next_try, m.daemon.next_read_at) for m in self.members) - now)))
 
     def _failed(self, m: Member, e: BaseException) -> None:
         self.m.bus_errors.inc()

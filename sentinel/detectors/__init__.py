@@ -38,6 +38,7 @@ from sentinel.detectors.robust import (
     is_nonfinite,
     largest_between,
     median_of,
+    slope_median,
 )
 from sentinel.detectors.spike import ELEVATED, NONFINITE, NORMAL, SPIKE, WARMUP, KOfN, Persistence, SpikeDetector
 
@@ -61,5 +62,6 @@ __all__ = [
     "largest_between",
     "median_of",
     "rank_outlier",
+    "slope_median",
     "straggler",
 ]

@@ -6,7 +6,7 @@ from collections import deque
 from typing import Any
 
 from sentinel.detectors.packed import pack, unpack
-from sentinel.detectors.robust import MAD_TO_SIGMA, median_of
+from sentinel.detectors.robust import MAD_TO_SIGMA, median_of, slope_median
 
 
 class DescentJump:
@@ -60,7 +60,7 @@ class DescentJump:
     hides the jump. ``onset()`` is ``t0``: at the jump, or up to half a ``post`` window before it
     (the line after then still holds a few losses from before). Cost: nothing outside its range
     of steps; inside it an O(1) append per step and, every ``stride`` steps, medians of
-    ``C(pre, 2) + C(post, 2)`` slopes (~550, ~0.05 ms), on ~100 steps of a run. The noise (as
+    ``C(pre, 2) + C(post, 2)`` slopes (~550; ``slope_median``, in numpy), on ~100 steps of a run. The noise (as
     much again) is measured only where the jump clears ``MIN_RISE``, which a healthy run's rarely does.
     """
 
@@ -110,8 +110,8 @@ class DescentJump:
         key = tuple(pre)
         s_pre = memo.get(key)
         if s_pre is None:
-            s_pre = median_of(_slopes(pre))
-        s_post = median_of(_slopes(post))
+            s_pre = slope_median(pre)
+        s_post = slope_median(post)
         # ``post`` / ``stride`` points later, these ``post`` losses are the ``pre`` ones: their line is kept
         memo[tuple(post)] = s_post
         if len(memo) > self.post // self.stride + 2:
@@ -197,10 +197,3 @@ class DescentJump:
         self.reset()
         self._x.extend(unpack(d["window"], "if"))
         self._n = int(d["n"])
-
-
-def _slopes(v: list[float]) -> list[float]:
-    """Every pairwise slope (v[j] - v[i]) / (j - i), i < j."""
-    n = len(v)
-    return [(v[j] - v[i]) / (j - i) for i in range(n - 1) for j in range(i + 1, n)]
-

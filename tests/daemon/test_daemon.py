@@ -324,6 +324,43 @@ def test_a_deferred_state_save_loses_nothing_and_sends_nothing_twice(redis_url, 
     assert len(directives(r, run)) == 1 and not a.watchers[run]._sent  # a never sent anything
 
 
+def test_step_reads_are_paced_by_the_runs_led_but_a_backlog_is_read_at_once(redis_url, unique_run):
+    """``pace_per_run_s`` (``sentinel run``: 50 µs a run, 15 ms at 300 runs): a read that returned
+    records sets ``next_read_at`` that far after the iteration began, capped at ``PACE_MAX_S``; a
+    full batch (more waiting) or an empty read does not; and a fleet does not read a paced member
+    again before then."""
+    from sentinel.daemon import PACE_MAX_S
+    from sentinel.fleet import Fleet, Member
+
+    r = bus.connect(redis_url)
+    run = unique_run
+    d = make_daemon(r, run, "a", pace_per_run_s=0.01, batch=10)
+    pump(d, until=lambda: d.watchers[run].leader)
+    publish_steps(r, run, range(1, 4))
+    t0 = time.monotonic()
+    assert d.iterate(block_ms=20) == 3
+    assert t0 < d.next_read_at <= time.monotonic() + 0.01  # one run led: 10 ms after the iteration began
+    paced = d.next_read_at
+    assert d.iterate(block_ms=20) == 0 and d.next_read_at == paced  # an empty read waited its block already
+    publish_steps(r, run, range(4, 30))  # 26 records, batches of 10: the first read is full
+    before = d.next_read_at
+    assert d.iterate(block_ms=20) == 10 and d.next_read_at == before  # behind: read again at once
+    # a fleet leaves a paced member alone until its time
+    fleet = Fleet([Member(d, redis_url)], d.m, log=lambda _m: None)
+    d.next_read_at = time.monotonic() + 60.0
+    fleet.iterate()
+    assert sample(d, "sentinel_steps_processed_total", run=run) == 13
+    d.next_read_at = 0.0
+    fleet.iterate()
+    assert sample(d, "sentinel_steps_processed_total", run=run) == 23
+    # capped: however many runs, a verdict waits at most PACE_MAX_S for its read
+    d.opts.pace_per_run_s = 10.0
+    publish_steps(r, run, range(30, 31))
+    t0 = time.monotonic()
+    assert d.iterate(block_ms=20) == 7  # steps 24-30: not a full batch
+    assert t0 + PACE_MAX_S <= d.next_read_at <= time.monotonic() + PACE_MAX_S
+
+
 def test_recovered_spikes_are_annotated_and_their_pattern_is_a_metric(redis_url, unique_run):
     """Spikes that recover send nothing; they are counted as recovered episodes, and a fixed
     interval between them shows as sentinel_spike_pattern{pattern="periodic"} = 1."""

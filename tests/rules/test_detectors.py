@@ -678,6 +678,40 @@ def test_descent_jump_catches_a_jump_in_the_early_descent_with_its_onset(onset):
     assert caught >= 6
 
 
+def _slopes_median_by_definition(v: list[float]) -> float:
+    """The Theil-Sen slope as the detector computed it before numpy: every pair in Python."""
+    return d.median_of([(v[j] - v[i]) / (j - i) for i in range(len(v) - 1) for j in range(i + 1, len(v))])
+
+
+@pytest.mark.parametrize("v", [
+    [4.0, 3.9],  # two values: one slope
+    [1.0, 1.0, 1.0, 1.0],  # flat: every slope 0
+    [2.0, 1.0, 2.0, 1.0, 2.0],  # C(5, 2) = 10 slopes, ties everywhere
+    [1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0],  # 21 slopes: odd count, the middle one
+    [-0.0, 0.0, -0.0, 0.0],  # signed zeros
+    [5e-324, -5e-324, 1e-320, 0.0, 2e-323],  # subnormals
+    [1e308, -1e308, 1.7e308, -1.7e308],  # differences that overflow to +-inf
+    [round(6.0 - 0.02 * k + 0.1 * ((k * 7919) % 13 - 6) / 6, 2) for k in range(24)],  # the detector's 24, rounded: ties
+    [6.0 * math.exp(-k / 40) + 0.05 * math.sin(k * 1.7) for k in range(24)],
+    [3.0 + 1e-9 * k for k in range(48)],  # tiny slopes, many windows' worth
+], ids=["two", "flat", "ties", "odd", "signed-zeros", "subnormal", "overflow", "rounded-24", "descent-24", "tiny-48"])
+def test_slope_median_is_the_median_of_every_pairwise_slope_bit_for_bit(v):
+    """``DescentJump``'s Theil-Sen fit in numpy gives the float the Python definition gives (each
+    slope one IEEE subtraction and division, the middle two averaged alike): the verdicts did not move."""
+    got, want = d.slope_median(v), _slopes_median_by_definition(v)
+    assert math.copysign(1.0, got) == math.copysign(1.0, want) and (got == want or (math.isnan(got) and math.isnan(want)))
+
+
+def test_slope_median_agrees_on_random_windows_and_refuses_one_value():
+    rng = random.Random(5)
+    for n in range(2, 40):
+        for _ in range(20):
+            v = [rng.gauss(4.0, 0.1) for _ in range(n)]
+            assert d.slope_median(v) == _slopes_median_by_definition(v)
+    with pytest.raises(ValueError):
+        d.slope_median([1.0])
+
+
 def test_descent_jump_judges_only_its_range_of_onsets():
     for onset in (40, 300):  # the pre window would reach into the plunge; past ``until``
         xs = [x + (1.0 if i + 1 >= onset else 0.0) for i, x in enumerate(early_steps(3, 500))]
