@@ -361,6 +361,36 @@ def test_step_reads_are_paced_by_the_runs_led_but_a_backlog_is_read_at_once(redi
     assert t0 + PACE_MAX_S <= d.next_read_at <= time.monotonic() + PACE_MAX_S
 
 
+def test_a_fleet_collects_once_after_a_pass_that_added_many_watchers(redis_url, unique_run):
+    """``Fleet._settle``: the pass that created 20 watchers ends in one full collection (their
+    objects old at once, not walked by every collection of the young generations); the next pass,
+    with no watcher added, collects nothing in full."""
+    import gc
+
+    from sentinel.daemon import Daemon
+    from sentinel.fleet import Fleet, Member
+    from sentinel.metrics import SentinelMetrics
+
+    r = bus.connect(redis_url)
+    d = Daemon(r, make_daemon(r, unique_run).opts, runs=[f"{unique_run}-{i}" for i in range(20)], metrics=SentinelMetrics(),
+               log=lambda _m: None)
+    fleet = Fleet([Member(d, redis_url)], d.m, log=lambda _m: None)
+    full: list[int] = []
+
+    def seen(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            full.append(len(d.watchers))
+
+    gc.callbacks.append(seen)
+    try:
+        fleet.iterate()
+        assert len(d.watchers) == 20 and full == [20]
+        fleet.iterate()
+        assert full == [20]
+    finally:
+        gc.callbacks.remove(seen)
+
+
 def test_recovered_spikes_are_annotated_and_their_pattern_is_a_metric(redis_url, unique_run):
     """Spikes that recover send nothing; they are counted as recovered episodes, and a fixed
     interval between them shows as sentinel_spike_pattern{pattern="periodic"} = 1."""
