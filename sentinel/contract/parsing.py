@@ -10,6 +10,8 @@ import json
 import math
 from typing import Any
 
+from pydantic_core import from_json
+
 from sentinel.contract.limits import MAX_JSON_DEPTH, MAX_RECORD_BYTES
 
 # Why each record was refused: a small fixed vocabulary, used as a metric label on both sides.
@@ -79,16 +81,28 @@ def loads_bounded(data: str | bytes, what: str = "record") -> Any:
     if len(data) > MAX_RECORD_BYTES:
         raise SchemaError(f"{what}: {len(data)} characters, over the {MAX_RECORD_BYTES} limit", "too_large")
     try:
-        obj = json.loads(data)
-    except RecursionError:
-        raise SchemaError(f"{what}: JSON nested too deep", "too_deep") from None
-    except ValueError as e:  # JSONDecodeError, and int strings over the digit limit
-        raise SchemaError(f"{what}: not valid JSON ({getattr(e, 'msg', None) or str(e)[:80]})") from None
+        # pydantic-core's parser first: where it succeeds it gives what json.loads gives (the same
+        # floats bit for bit, big ints, NaN and the infinities, the last of a repeated key), in a
+        # third of the time (a step record: 4.1 against 10.4 us). Where it fails (malformed text,
+        # a lone surrogate escape it refuses, nesting past 200) json.loads decides, and says why
+        obj = from_json(data)
+    except ValueError:
+        obj = _loads_or_why(data, what)
     # a document with no more opening brackets than the limit cannot nest deeper (a step record has
     # about five): the walk, a tenth of a record's judging, is left for the rest
     if data.count("[") + data.count("{") > MAX_JSON_DEPTH and _depth_exceeds(obj, MAX_JSON_DEPTH):
         raise SchemaError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH}", "too_deep")
     return obj
+
+
+def _loads_or_why(data: str, what: str) -> Any:
+    """``json.loads``, its failures as a ``SchemaError`` with a reason."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise SchemaError(f"{what}: JSON nested too deep", "too_deep") from None
+    except ValueError as e:  # JSONDecodeError, and int strings over the digit limit
+        raise SchemaError(f"{what}: not valid JSON ({getattr(e, 'msg', None) or str(e)[:80]})") from None
 
 
 _PLAIN = {  # pydantic's error types, in the words of a config or a log line's reader

@@ -420,3 +420,36 @@ def test_read_yaml_is_bounded_and_refuses_what_is_no_regular_file(tmp_path):
         read_yaml(fifo)
     with pytest.raises(FileNotFoundError):
         read_yaml(tmp_path / "missing.yaml")
+
+
+JSON_TEXTS = [  # (text, what json.loads makes of it: "same" when it parses, else the SchemaError reason)
+    ('{"a":1.00000000000000000000000000001,"b":2.2250738585072011e-308,"c":4.9406564584124654e-324}', "same"),
+    ('{"a":1,"a":2}', "same"),  # the last of a repeated key
+    ('{"a":NaN,"b":Infinity,"c":-Infinity,"d":1e400,"e":-0.0}', "same"),
+    ('{"a":' + "9" * 4300 + "}", "same"),  # an int of the most digits json reads
+    ('{"a":' + "9" * 4301 + "}", "malformed"),
+    ('{"a":"\\ud800"}', "same"),  # a lone surrogate escape: pydantic-core refuses it, json.loads reads it
+    ('{"a":"\\ud83d\\ude00\\u0000"}', "same"),
+    ("[" * 300 + "]" * 300, "too_deep"),  # past pydantic-core's nesting limit: json.loads and the walk decide
+    ("[" * 17 + "]" * 17, "too_deep"),
+    ('{"a":1} x', "malformed"),
+    ('{"a":01}', "malformed"),
+    ("\ufeff{}", "malformed"),
+    ('{"a":"tab\there"}', "malformed"),
+]
+
+
+@pytest.mark.parametrize("text,want", JSON_TEXTS, ids=range(len(JSON_TEXTS)))
+def test_json_is_read_as_json_loads_reads_it_or_refused_with_a_reason(text, want):
+    """``loads_bounded`` parses with pydantic-core first (a third of json.loads's time on a step
+    record) and falls back to json.loads where that fails: what it returns is what json.loads
+    returns (NaN compared as NaN), and what it refuses it refuses with the reason it always gave."""
+    from sentinel.contract.parsing import SchemaError, loads_bounded
+
+    if want == "same":
+        got = loads_bounded(text)
+        assert json.dumps(got) == json.dumps(json.loads(text)) and repr(got) == repr(json.loads(text))
+    else:
+        with pytest.raises(SchemaError) as e:
+            loads_bounded(text)
+        assert e.value.reason == want
