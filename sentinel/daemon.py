@@ -91,11 +91,6 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self._delivered = 0  # entries delivered to us by ">" reads since then
         self._next_overload_check = 0.0
         self.prefetched: dict[str, object] = {}  # this iteration's side reads (sentinel/prefetch.py)
-        # whether this poll reads the side keys (checkpoints, acks, approvals, heartbeat): prefetch
-        # clears it for a run read less than ``opts.side_read_s`` ago; the heartbeat last read stands in
-        self.side_due = True
-        self._next_side_read = 0.0
-        self._heartbeat: float | None = None
         self._next_run_dir_lookup = 0.0  # when prefetch next asks for the run dir the trainer registered
         self._trimmed_unlogged = 0
         self._replaying = False
@@ -177,8 +172,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             return 0
         self.last_poll = time.monotonic()
         marks = (self.acks_id, self.approvals_id, len(self.checkpoints_seen))  # moved: saved at once
-        if self.side_due:
-            self._refresh_checkpoints()
+        self._refresh_checkpoints()
         done = self._judge(self._gather(entries))
         if done:
             self.last_read = time.time()
@@ -186,7 +180,6 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             self._mirror_dir()  # the trainer registers its run dir with its first steps (looked up every 2 s: prefetch)
         n_events = self._react()
         self._commit(done, bool(n_events) or marks != (self.acks_id, self.approvals_id, len(self.checkpoints_seen)), pipe)
-        self.side_due = True  # a poll outside ``Daemon.iterate`` reads them (prefetch decides for the next one)
         return len(done)
 
     def _gather(self, entries: list[bus.Entry]) -> list[bus.Entry]:
@@ -254,11 +247,9 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
     def _react(self) -> int:
         """Acks, approvals, the clock-driven rules; then the events out, the pages kept up.
         Returns how many events were drained."""
-        if self.side_due:
-            self._read_acks()
-            self._read_approvals()
-            self._heartbeat = self._heartbeat_time()
-        self._execute(self.policy.on_tick(time.time(), self._heartbeat), None)
+        self._read_acks()
+        self._read_approvals()
+        self._execute(self.policy.on_tick(time.time(), self._heartbeat_time()), None)
         n_events = self._flush_events()
         self.pager.tick(time.time(), self._incident_open)
         return n_events

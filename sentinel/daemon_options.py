@@ -101,8 +101,3 @@ class Options:
     # records each, and the read and the side reads ~2 ms of each ~5.5 ms iteration
     # (docs/benchmarks/daemon-scale.md). Not after a full batch: a backlog is read at once
     pace_per_run_s: float = 0.0
-    # a run's side keys (checkpoints, acks, approvals, heartbeat) read at most this often, jittered
-    # (0: at every poll). They change every few seconds at most, while a run at 10 steps/s is polled
-    # ten times a second: their share of each iteration's side-read round trip, and their replies
-    # parsed, were about a tenth of a 300-run sentinel's CPU (docs/benchmarks/daemon-scale.md)
-    side_read_s: float = 0.0

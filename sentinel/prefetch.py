@@ -20,7 +20,6 @@ if the script itself fails (a server that refuses EVAL).
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from sentinel import bus, bus_streams
@@ -38,28 +37,19 @@ _STREAM_READS = (("acks", "acks_id", 1000), ("approvals", "approvals_id", 100))
 
 
 def prefetch(r, watchers, now: float) -> None:
-    """Read the watchers' side keys in one pipeline; store the replies (or the per-command error,
-    such as WRONGTYPE) in ``watcher.prefetched`` by the name ``_read_trusting_type`` uses (and, for a
-    watcher whose overload check is due at ``now``, its XINFO replies). A watcher whose side keys
-    were read less than ``opts.side_read_s`` ago gets ``side_due`` False, and its poll skips them."""
+    """Read every watcher's side keys in one pipeline; store the replies (or the per-command
+    error, such as WRONGTYPE) in ``watcher.prefetched`` by the name ``_read_trusting_type`` uses
+    (and, for a watcher whose overload check is due at ``now``, its XINFO replies)."""
     if not watchers:
         return
-    due = []
-    for w in watchers:  # the side keys of a run read less than ``opts.side_read_s`` ago are not read again yet
-        w.side_due = now >= w._next_side_read
-        if w.side_due:
-            due.append(w)
-            if w.opts.side_read_s > 0:  # jittered: runs found together drift apart
-                w._next_side_read = now + w.opts.side_read_s * (0.75 + 0.5 * random.random())
     pipe = bus.raw(r).pipeline(transaction=False)
     plan: list[tuple[Any, str]] = []
-    if due:
-        for what, pos, count in _STREAM_READS:
-            pipe.xread({getattr(w.keys, what): getattr(w, pos) for w in due}, count=count)
-            plan.append((None, what))
-        side = [key for w in due for key in (w.keys.checkpoints, w.keys.heartbeat)]
-        pipe.eval(_SIDE_READS, len(side), *side)
-        plan.append((None, "side"))
+    for what, pos, count in _STREAM_READS:
+        pipe.xread({getattr(w.keys, what): getattr(w, pos) for w in watchers}, count=count)
+        plan.append((None, what))
+    side = [key for w in watchers for key in (w.keys.checkpoints, w.keys.heartbeat)]
+    pipe.eval(_SIDE_READS, len(side), *side)
+    plan.append((None, "side"))
     for w in watchers:
         k = w.keys
         if now >= w._next_overload_check or w.behind:  # RunWatcher.check_overload: about once a second
@@ -72,28 +62,26 @@ def prefetch(r, watchers, now: float) -> None:
             w._next_run_dir_lookup = now + RUN_DIR_LOOKUP_S
             pipe.hget(k.info, "run_dir")
             plan.append((w, "info"))
-    for w in watchers:
-        w.prefetched = {}
-    if not plan:
-        return
     with bus.bus_errors(r):
         replies = pipe.execute(raise_on_error=False)
+    for w in watchers:
+        w.prefetched = {}
     retry = []
     for (w, what), reply in zip(plan, replies):
         if w is not None:
             w.prefetched[what] = reply
         elif what == "side":
-            _take_side(r, due, reply)
+            _take_side(r, watchers, reply)
         elif isinstance(reply, Exception):  # a stream of another type among them: read them one by one
             retry.append(what)
         else:
             by_stream: dict[str, list] = {}
             for e in bus_streams.entries(reply):
                 by_stream.setdefault(e.stream, []).append(e)
-            for x in due:
+            for x in watchers:
                 x.prefetched[what] = by_stream.get(getattr(x.keys, what), [])
     if retry:
-        _one_by_one(r, due, retry)
+        _one_by_one(r, watchers, retry)
 
 
 def _take_side(r, watchers, reply) -> None:

@@ -19,12 +19,9 @@ from sentinel.logs import ENV_FORMAT, LOG_FORMATS, configure, daemon_log
 # 4 s of records a run: ~40 at 10 steps/s)
 STATE_SAVE_S = 4.0
 # a step read at most every 50 µs per run led (15 ms at 300 runs; at most PACE_MAX_S, 20 ms): a read
-# names every stream, so back to back at 300 runs each took ~18 records, and the daemon needed
-# 0.81-0.86 of a core where paced it needs 0.70-0.73 (docs/benchmarks/daemon-scale.md, 2026-11-30 evening)
+# names every stream, so back to back at 300 runs each took ~18 records: paced, 0.70-0.73 of a core
+# against 0.83-0.84 unpaced, alternated (docs/benchmarks/daemon-scale.md, 2026-11-30 evening)
 PACE_PER_RUN_S = 50e-6
-# a run's checkpoints, acks, approvals and heartbeat read at most every ~0.5 s (jittered), not at each of
-# its polls: a new checkpoint or an ack is seen up to 0.6 s later (Options.side_read_s)
-SIDE_READ_S = 0.5
 
 
 def _check_alertmanager_url(url: str) -> None:
@@ -140,7 +137,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
                    alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs, state_save_s=STATE_SAVE_S,
-                   pace_per_run_s=PACE_PER_RUN_S, side_read_s=SIDE_READ_S,
+                   pace_per_run_s=PACE_PER_RUN_S,
                    run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer
