@@ -33,7 +33,6 @@ After ``--warmup`` seconds (the daemon's first reads, lease, consumer groups) it
   the publisher's XADDs left out) per record published; ``redis_calls`` has them by command.
 - ``keeps_up``: the daemon judged at least 97 % of what was published in the window, and the
   backlog left when publishing stops drains within 2 s plus one second per 1,000 records.
-
 - ``cpu_dips``: how steady the machine's CPU was just before the window (``cpu_steadiness``: 3 s of
   a fixed loop, counted in 50 ms buckets; a dip is a bucket at under half the median pace). On the
   project's VM on 2026-11-30 both vCPUs slowed to 13-48 % for 50-100 ms every ~1.5 s, with nothing
