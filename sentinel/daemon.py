@@ -196,7 +196,8 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             todo = claimed + todo
             self._recovered = True
         # the recovery reads return what the ">" read just delivered too: each entry once
-        todo = sorted({e.id: e for e in todo}.values(), key=lambda e: _stream_id_tuple(e.id))
+        if len(todo) > 1:
+            todo = sorted({e.id: e for e in todo}.values(), key=lambda e: _stream_id_tuple(e.id))
         if entries and _stream_id_tuple(entries[0].id) <= _stream_id_tuple(self.last_id):
             self._check_stream_restart()
         return todo
@@ -207,9 +208,11 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         done: list[str] = []
         future = False
         self.policy.begin_batch()
+        last, until = _stream_id_tuple(self.last_id), _stream_id_tuple(self._history_until)  # ids as numbers, once a poll
         for e in todo:
             done.append(e.id)
-            if _stream_id_tuple(e.id) <= _stream_id_tuple(self.last_id):
+            position = _stream_id_tuple(e.id)
+            if position <= last:
                 continue  # already covered by the persisted state
             if bus.is_future_id(e.id):
                 future = True
@@ -219,10 +222,9 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
                 # entry with the largest possible id must not put everything after it out of reach
                 self._rejected("steps", v)
                 continue
-            self.last_id = e.id
+            self.last_id, last = e.id, position
             rec = v.record
-            history = (_stream_id_tuple(e.id) <= _stream_id_tuple(self._history_until)
-                       and rec.time < time.time() - self.opts.backlog_age_s)
+            history = position <= until and rec.time < time.time() - self.opts.backlog_age_s
             try:
                 self._feed(rec, history, e.id)
                 if not history:
@@ -262,7 +264,8 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         ``opts.state_save_s`` (what is judged meanwhile stays pending: a successor judges it again)."""
         self._unacked += done
         now = time.monotonic()
-        if changed or (self._unacked and now >= self._next_save):
+        saving = changed or (self._unacked and now >= self._next_save)
+        if saving:
             # jittered: runs that fell due together (after a stall) drift apart again, not saving in one iteration for good
             self._next_save = now + self.opts.state_save_s * (0.75 + 0.5 * random.random())
             out = pipe if pipe is not None else bus.raw(self.r).pipeline(transaction=False)
@@ -273,8 +276,9 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             if pipe is None:
                 with bus.bus_errors(self.r):
                     out.execute()
-        self._open.set(
-            sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
+        if saving:  # an incident opens or closes with an event, which saves the state
+            self._open.set(
+                sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
 
 
     def _check_stream_restart(self) -> None:

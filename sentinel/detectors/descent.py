@@ -64,7 +64,7 @@ class DescentJump:
     much again) is measured only where the jump clears ``MIN_RISE``, which a healthy run's rarely does.
     """
 
-    __slots__ = ("_gated", "_memo", "_n", "_points", "_t0", "_x", "first", "post", "pre", "rise", "sigmas", "stride", "tally", "until", "z")
+    __slots__ = ("_gated", "_memo", "_n", "_points", "_steps", "_t0", "_x", "first", "post", "pre", "rise", "sigmas", "stride", "tally", "until", "z")
 
     HISTORY = 64  # losses for the level noise and the rawness check
     LAG = 8  # the level noise: spread of second differences of losses this many steps apart
@@ -89,16 +89,17 @@ class DescentJump:
         per-step sigma and spike verdict) are not used: see the class docstring."""
         if step > self.until + self.post or step < self.first:
             return False
-        xs = self._x
-        xs.append((step, x))
+        steps, xs = self._steps, self._x
+        steps.append(step)
+        xs.append(x)
         self._n += 1
         if self._n % self.stride or len(xs) < self.pre + self.post:
             return False
-        vals = [v for _, v in xs]
-        t0_index = len(vals) - self.post
-        t0 = xs[t0_index][0]
-        if xs[t0_index - self.pre][0] < self.first or t0 > self.until:
+        t0_index = len(xs) - self.post
+        t0 = steps[t0_index]
+        if steps[t0_index - self.pre] < self.first or t0 > self.until:
             return False
+        vals = list(xs)
         self.z = self.rise = 0.0
         self._points += 1
         gate = self._gate(vals, t0_index) if self.tally else None
@@ -175,12 +176,16 @@ class DescentJump:
         return self._t0
 
     def rewind(self, keep_through_step: int) -> None:
-        xs = self._x
-        while xs and xs[-1][0] > keep_through_step:
+        steps, xs = self._steps, self._x
+        while steps and steps[-1] > keep_through_step:
+            steps.pop()
             xs.pop()
 
     def reset(self) -> None:
-        self._x: deque[tuple[int, float]] = deque(maxlen=max(self.pre + self.post, self.HISTORY + self.post))
+        # the steps and their losses, side by side (the losses are copied to a list at each verdict point)
+        n = max(self.pre + self.post, self.HISTORY + self.post)
+        self._steps: deque[int] = deque(maxlen=n)
+        self._x: deque[float] = deque(maxlen=n)
         self._n = 0
         # the Theil-Sen slope of each recent ``post`` window, by its losses (a cache: equal losses,
         # equal slope, whatever was rewound; not saved)
@@ -191,9 +196,11 @@ class DescentJump:
         self._gated = 0  # ... of which skipped because the log did not look raw
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": pack(self._x, "if"), "n": self._n}
+        return {"window": pack(zip(self._steps, self._x), "if"), "n": self._n}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.reset()
-        self._x.extend(unpack(d["window"], "if"))
+        for step, x in unpack(d["window"], "if"):
+            self._steps.append(step)
+            self._x.append(x)
         self._n = int(d["n"])

@@ -454,3 +454,40 @@ def test_json_is_read_as_json_loads_reads_it_or_refused_with_a_reason(text, want
         with pytest.raises(SchemaError) as e:
             loads_bounded(text)
         assert e.value.reason == want
+
+
+STEP_FIELD_VALUES = [  # hostile values for every field of a step record: the one-pass parse must agree with the two steps
+    "1e400", "-1e400", "9" * 400, "-" + "9" * 400, "9" * 4301, "Infinity", "-Infinity", "NaN", '"1.5"', '"5"', '"inf"', '"nan"',
+    "true", "false", "null", "5.0", "5.5", "1e2", "-0.0", '"-0"', "-1", "1" + "0" * 30, '"\\ud800"', '"x"', "[]", "{}", "[1.0, 2]",
+    "[true]", '["1"]', "[1e400]", '" 5"', '"1_000"', '"+5"', '"5e0"', '""', '{"data_wait": "1"}', '{"data_wait": 1e400}',
+    '{"x": {"y": [[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]}}',
+]
+STEP_FIELDS = ["v", "kind", "run", "step", "timeline", "loss", "loss_max_rank", "grad_norm", "lr", "tokens", "batch_tokens",
+               "batch_fingerprint", "sample_ids", "skipped", "skip_reason", "time", "phases", "rank_losses", "rank_phases",
+               "world_size", "source_loss", "mfu", "unknown"]
+
+
+@pytest.mark.parametrize("value", STEP_FIELD_VALUES, ids=range(len(STEP_FIELD_VALUES)))
+def test_a_step_line_parses_in_one_pass_as_it_does_in_two(value):
+    """``parse_step_line`` validates a step record straight from its text: whatever a hostile value
+    in any field, it returns what ``loads_bounded`` + ``StepRecord.from_json`` return (the same
+    record, the same reason for a refusal). The two differ where this one pass is left out: ``v``
+    given as true, 1.0 or "1" (lax int), and an integer literal of 309 digits in a float field
+    (infinite in one pass, refused in the other)."""
+    from sentinel.contract.parsing import SchemaError, loads_bounded
+    from sentinel.contract.records import StepRecord, parse_step_line
+
+    base = StepRecord(run="r", step=5, timeline=1, loss=3.0, loss_max_rank=3.0, grad_norm=1.0, lr=3e-4, tokens=10,
+                      batch_fingerprint="ab", sample_ids=[1, 2, 3], time=1.7e9, phases={"data_wait": 0.1}).to_json()
+    assert parse_step_line(base) == StepRecord.model_validate_json(base) == StepRecord.from_json(base)
+    for field in STEP_FIELDS:
+        text = base[:-1] + f', "{field}": {value}}}'
+        try:
+            want = repr(StepRecord.from_json(loads_bounded(text)).model_dump())
+        except SchemaError as e:
+            want = e.reason
+        try:
+            got = repr(parse_step_line(text).model_dump())
+        except SchemaError as e:
+            got = e.reason
+        assert got == want, (field, value)
