@@ -218,7 +218,9 @@ def publish_history(r, runs: list[str], steps: int, args, secret: bytes, port: i
     return time.monotonic() - t_start
 
 
-def one_size(n: int, args, work: Path, env: dict) -> dict:
+def one_size(n: int, args, work: Path, env: dict, floor_us: float | None = None) -> dict:
+    """One fleet size: ``sentinel run`` as the consumer, or with ``floor_us`` the floor arm
+    (``bench/fleet_floor.py``: the same reads, that much fixed work a record instead of judging)."""
     from sentinel import bus
     from sentinel.protocol import Keys
 
@@ -237,9 +239,13 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
         records = build_records(runs, args.rate, total, t0, args.ids_per_step, secret, first_step=args.history + 1)
         build_s = time.monotonic() - t_build
         prof = ["-m", "cProfile", "-o", str(Path(args.profile) / f"daemon-{n}.prof")] if args.profile else []
+        consumer = [sys.executable, *prof, "-m", "sentinel", "run", *runs, "--redis-url", url, "--secret-file", str(secret_file),
+                    "--consumer", "bench", "--metrics-port", "0"]
+        if floor_us is not None:
+            consumer = [sys.executable, str(ROOT / "bench" / "fleet_floor.py"), *runs, "--redis-url", url,
+                        "--work-us", str(floor_us)]
         daemon = subprocess.Popen(
-            [sys.executable, *prof, "-m", "sentinel", "run", *runs, "--redis-url", url, "--secret-file", str(secret_file),
-             "--consumer", "bench", "--metrics-port", "0"],
+            consumer,
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
         deadline = time.monotonic() + 60
         port = None
@@ -300,7 +306,8 @@ def one_size(n: int, args, work: Path, env: dict) -> dict:
         keeps_up = drained and judged >= 0.97 * published_in_window
         return {
             "runs": n, "records_per_s": published_in_window / wall, "judged_per_s": judged / wall,
-            "cpu_cores": cpu, "cpu_per_run_ms_per_s": 1000 * cpu / n, "rss_mib": rss, "peak_rss_mib": peak,
+            "cpu_cores": cpu, "cpu_per_run_ms_per_s": 1000 * cpu / n,
+            "cpu_us_per_record": 1e6 * cpu * wall / max(1, judged), "rss_mib": rss, "peak_rss_mib": peak,
             "verdict_p50_ms": None if p50 is None else 1000 * p50, "verdict_p99_ms": None if p99 is None else 1000 * p99,
             "redis_calls_per_record": sum(calls.values()) / max(1, published_in_window), "redis_calls": calls,
             "keeps_up": keeps_up, "drain_seconds": time.monotonic() - t_stop if drained else None,
@@ -331,6 +338,10 @@ def main() -> int:
     ap.add_argument("--history", type=int, default=0, metavar="N",
                     help="steps each run has behind it before the window (published as fast as the daemon judges "
                          "them): a fleet in mid-run (default 0: every run starts at step 1)")
+    ap.add_argument("--floor-us", default="", metavar="US,...",
+                    help="after each size, the floor arm with each of these amounts of work a record (microseconds): "
+                         "bench/fleet_floor.py reads the same streams the same way and only spends that work, so its "
+                         "p99 is what any consumer of that CPU a record gets on this machine (default: none)")
     ap.add_argument("--profile", metavar="DIR", help="run the daemon under cProfile, one daemon-N.prof per size in DIR")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     args = ap.parse_args()
@@ -338,6 +349,12 @@ def main() -> int:
         sizes = [int(x) for x in args.runs.split(",") if x]
     except ValueError:
         ap.error(f"--runs: not a list of integers: {args.runs!r}")
+    try:
+        floors = [float(x) for x in args.floor_us.split(",") if x]
+    except ValueError:
+        ap.error(f"--floor-us: not a list of numbers: {args.floor_us!r}")
+    if any(not 0 <= w <= 1e5 for w in floors):
+        ap.error("--floor-us: each amount of work must be 0 to 100000 microseconds")
     if not sizes or min(sizes) < 1 or args.rate <= 0 or args.seconds < 2 or args.warmup < 1 or args.ids_per_step < 1 \
             or args.history < 0:
         ap.error("need --runs >= 1, --rate > 0, --seconds >= 2, --warmup >= 1, --ids-per-step >= 1, --history >= 0")
@@ -361,6 +378,14 @@ def main() -> int:
             results.append(res)
             print(f"N={n}: cpu {res['cpu_cores']:.3f} cores, p99 {res['verdict_p99_ms']} ms, keeps up {res['keeps_up']}",
                   file=sys.stderr, flush=True)
+            for w in floors:
+                steady = cpu_steadiness()
+                f = one_size(n, args, work, env, floor_us=w)
+                res.setdefault("floor", []).append({
+                    "work_us": w, **{k: f[k] for k in ("cpu_cores", "cpu_us_per_record", "verdict_p50_ms", "verdict_p99_ms",
+                                                       "keeps_up", "load_avg_1m")}, "cpu_dips": steady})
+                print(f"N={n} floor {w:g} us: cpu {f['cpu_cores']:.3f} cores, p99 {f['verdict_p99_ms']} ms",
+                      file=sys.stderr, flush=True)
     except BaseException:
         print(f"(scratch kept for a look: {work})", file=sys.stderr)
         raise
@@ -389,6 +414,18 @@ def main() -> int:
               f"{ms(r['verdict_p50_ms'])} | {ms(r['verdict_p99_ms'])} | {'yes' if r['keeps_up'] else 'no'} | "
               f"{r['load_avg_1m']:.1f} | {r['cpu_dips']['dips']} in {r['cpu_dips']['seconds']:g} s "
               f"(slowest {100 * r['cpu_dips']['slowest_ratio']:.0f} %) |")
+    floor_rows = [(r, f) for r in results for f in r.get("floor", [])]
+    if floor_rows:
+        print("\nThe floor arm (bench/fleet_floor.py: the same reads, a fixed amount of work a record), beside the daemon:")
+        print("| runs | consumer | CPU a record | CPU (cores) | verdict p50 | verdict p99 | keeps up | load | CPU dips before |")
+        print("|---:|---|---:|---:|---:|---:|---|---:|---|")
+        for r, f in [(r, None) for r in results if r.get("floor")] + floor_rows:
+            x = f or r
+            name = "`sentinel run`" if f is None else f"floor, {f['work_us']:g} µs of work"
+            p50 = "n/a" if x["verdict_p50_ms"] is None else f"{x['verdict_p50_ms']:.1f} ms"
+            p99 = "n/a" if x["verdict_p99_ms"] is None else f"{x['verdict_p99_ms']:.1f} ms"
+            print(f"| {r['runs']} | {name} | {x['cpu_us_per_record']:.0f} µs | {x['cpu_cores']:.3f} | {p50} | {p99} | "
+                  f"{'yes' if x['keeps_up'] else 'no'} | {x['load_avg_1m']:.1f} | {x['cpu_dips']['dips']} |")
     return 0
 
 
