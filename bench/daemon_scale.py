@@ -24,7 +24,8 @@ After ``--warmup`` seconds (the daemon's first reads, lease, consumer groups) it
 ``--seconds``:
 
 - ``cpu_cores``: the daemon's CPU seconds (``/proc/PID/stat``, user + system, every thread) per
-  wall second; ``cpu_per_run_ms_per_s``: that over N, in CPU milliseconds per second per run.
+  wall second; ``cpu_per_run_ms_per_s``: that over N, in CPU milliseconds per second per run;
+  ``cpu_us_per_record``: CPU microseconds per record judged.
 - ``rss_mib`` / ``peak_rss_mib``: the daemon's resident memory at the end (``VmRSS``, ``VmHWM``).
 - ``verdict_p50_ms`` / ``p99``: from each record's XADD (its stream id, Redis's clock, millisecond
   resolution) to the rules' verdict on it, from the daemon's own histogram
@@ -39,6 +40,12 @@ After ``--warmup`` seconds (the daemon's first reads, lease, consumer groups) it
   else running; each dip is a backlog the daemon then drains at its spare CPU, so at 0.7 of a core
   the verdicts queued for 100-250 ms, every 1.5 s (docs/benchmarks/daemon-scale.md). A p99 read
   with dips is the machine's as much as the daemon's.
+
+- ``floor`` (with ``--floor-us``): after each size, the same fleet read by ``bench/fleet_floor.py``
+  instead of the daemon, once per amount of work given: the same reads, paced the same, and a fixed
+  amount of work a record instead of judging it. Each arm reports its ``cpu_cores``,
+  ``cpu_us_per_record``, p50 and p99: the latency any consumer of that CPU gets on this machine, to
+  set the daemon's beside.
 
 Target: 300 runs on one core (``cpu_cores`` <= 1 at N = 300) with p99 <= 50 ms. This machine's
 cores are shared with other jobs: the load average is printed with each figure.
