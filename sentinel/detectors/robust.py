@@ -202,8 +202,8 @@ def median_of(xs: list[float]) -> float:
     return s[h] if n & 1 else 0.5 * (s[h - 1] + s[h])
 
 
-_PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-_HALF_MAX = 8.0e307  # two floats under this in magnitude differ by a finite float  # n -> (i, j, j - i) of every pair i < j
+_PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # n -> (i, j, j - i) of every pair i < j
+_HALF_MAX = 8.0e307  # two floats under this in magnitude differ by a finite float
 
 
 def slope_median(v: list[float]) -> float:
