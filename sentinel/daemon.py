@@ -83,7 +83,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         # the dashboard shows "none" rather than "no data" (labels per stream and reason are made on use)
         for c in (metrics.trimmed, metrics.bus_restarts, metrics.steps, metrics.internal_errors):
             c.labels(run)
-        self._steps_judged, self._open = metrics.steps.labels(run), metrics.incidents_open.labels(run)  # per record, per poll
+        self._steps_judged, self._open = metrics.steps.labels(run), metrics.incidents_open.labels(run)  # per record; at each state save
         self._recovered = False
         self.internal_errors = 0  # polls in a row that raised (``internal_error``)
         self._history_until = "0-0"  # stream head when the lease was taken: entries up to it may be history
