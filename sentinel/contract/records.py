@@ -12,7 +12,8 @@ import math
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator
 
@@ -215,19 +216,45 @@ def parse_step_line(line: str | bytes) -> StepRecord | TimelineRecord | MarkerRe
     return TimelineRecord.from_json(obj)
 
 
+def _float_fields(model: type[BaseModel]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """A model's float fields by shape, read from its annotations (so a field added later is
+    checked too): scalars, lists of floats, dicts of floats, lists of dicts of floats. A float in
+    any other shape raises at import: ``_all_finite`` would not see it."""
+    def bare(t):
+        args = [a for a in get_args(t) if a is not type(None)]
+        return args[0] if get_origin(t) in (Union, UnionType) and len(args) == 1 else t
+
+    shapes: dict[object, list[str]] = {float: [], list[float]: [], dict[str, float]: [], list[dict[str, float]]: []}
+    for name, field in model.model_fields.items():
+        t = bare(field.annotation)
+        if t in shapes:
+            shapes[t].append(name)
+        elif "float" in repr(t):
+            raise TypeError(f"{model.__name__}.{name}: a float field of a shape _all_finite does not read ({t!r})")
+    return tuple(tuple(v) for v in shapes.values())  # type: ignore[return-value]
+
+
+_STEP_SCALARS, _STEP_LISTS, _STEP_DICTS, _STEP_DICT_LISTS = _float_fields(StepRecord)
+
+
 def _all_finite(rec: StepRecord) -> bool:
     """True when every float of a step record is finite (a sum is: an inf or a NaN in it is not,
     and a sum of finite floats that overflows only sends a record the slow way)."""
-    total = rec.loss + rec.loss_max_rank + rec.grad_norm + rec.lr + rec.time
-    for x in (rec.step_seconds, rec.tokens_per_second, rec.mfu, rec.val_loss, rec.val_ppl, rec.checkpoint_age_seconds,
-              rec.effective_token_ratio):
+    total = 0.0
+    for name in _STEP_SCALARS:
+        x = getattr(rec, name)
         if x is not None:
             total += x
-    for xs in (rec.rank_losses, rec.rank_step_seconds):
+    for name in _STEP_LISTS:
+        xs = getattr(rec, name)
         if xs:
             total += sum(xs)
-    for d in (rec.phases, rec.source_loss, rec.val_slice_loss, rec.probe_loss, *(rec.rank_phases or ())):
+    for name in _STEP_DICTS:
+        d = getattr(rec, name)
         if d:
+            total += sum(d.values())
+    for name in _STEP_DICT_LISTS:
+        for d in getattr(rec, name) or ():
             total += sum(d.values())
     return math.isfinite(total)
 
