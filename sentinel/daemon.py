@@ -264,8 +264,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         ``opts.state_save_s`` (what is judged meanwhile stays pending: a successor judges it again)."""
         self._unacked += done
         now = time.monotonic()
-        saving = changed or (self._unacked and now >= self._next_save)
-        if saving:
+        if changed or (self._unacked and now >= self._next_save):
             # jittered: runs that fell due together (after a stall) drift apart again, not saving in one iteration for good
             self._next_save = now + self.opts.state_save_s * (0.75 + 0.5 * random.random())
             out = pipe if pipe is not None else bus.raw(self.r).pipeline(transaction=False)
@@ -276,7 +275,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             if pipe is None:
                 with bus.bus_errors(self.r):
                     out.execute()
-        if saving:  # an incident opens or closes with an event, which saves the state
+            # set with each save: an incident opens or closes with an event, which saves the state
             self._open.set(
                 sum(1 for i in self.policy.recent_incidents() if i.state not in ("healthy", "escalated") and i.closed_at is None))
 
