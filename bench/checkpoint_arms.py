@@ -47,6 +47,8 @@ class Worker:
 
         self.torch, self.t, self.env = torch, t, env
         self.root, self.rank0 = t.ckpt.root, env.is_main
+        # on a GPU every timed arm ends when the device's work is done, not when the host has queued it
+        self.sync = torch.cuda.synchronize if env.device.type == "cuda" else (lambda: None)
 
     def newest(self) -> Path:
         return max((p for p in self.root.iterdir() if p.name.startswith("step-")), key=lambda p: p.name)
@@ -65,6 +67,7 @@ class Worker:
         self.env.barrier()
         t0 = time.perf_counter()
         fn()
+        self.sync()
         self.env.barrier()
         return time.perf_counter() - t0
 
@@ -82,6 +85,7 @@ class Worker:
         self.env.barrier()
         t0 = time.perf_counter()
         fn()
+        self.sync()
         return self.slowest(time.perf_counter() - t0)
 
     def save(self, async_save: bool = False) -> None:
@@ -93,6 +97,7 @@ class Worker:
         t = self.t
         ids, _, micro, micro_ids = t.next_batch()
         t.train_step(micro, micro_ids, t.lr_for(t.state.step, ids))
+        self.sync()
 
 
 def save_vs_raw(w: Worker, reps: int) -> dict:

@@ -147,10 +147,12 @@ def worker(args) -> int:
     from trainer.train import Trainer
 
     overrides = {"max_steps": TRAIN_STEPS, "checkpoint.every": TRAIN_STEPS, "checkpoint.keep_last": 1000,
-                 "checkpoint.initial": False, "telemetry.enabled": False, "eval.every": 0, "device": "cpu",
+                 "checkpoint.initial": False, "telemetry.enabled": False, "eval.every": 0, "device": args.device,
                  "checkpoint.async_writer": args.async_writer}
+    if args.data:
+        overrides["data.dir"] = args.data
     cfg = resolve(preset=args.preset, config_file=None, saved=None, overrides=overrides)
-    env = tdist.init("cpu")
+    env = tdist.init(args.device)
     run_dir = Path(args.run_dir)
     try:
         t = Trainer(cfg, run_dir, env)
@@ -297,15 +299,14 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
 
 
 def one_config(preset: str, ranks: int, reps: int, load_reps: int, save_reps: int, work: Path, url: str, secret: bytes, env: dict,
-               writer: str) -> dict:
+               writer: str, device: str = "cpu", data: str | None = None) -> dict:
     w = work / f"{preset}-{ranks}"
     w.mkdir()
     out = w / "worker.json"
     log = w / "worker.log"
     cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--worker", "--preset", preset, "--run-dir", str(w / "run"),
            "--pristine", str(w / "pristine"), "--reps", str(reps), "--load-reps", str(load_reps), "--save-reps", str(save_reps),
-           "--out", str(out),
-           "--async-writer", writer]
+           "--out", str(out), "--async-writer", writer, "--device", device, *(["--data", data] if data else [])]
     t0 = time.monotonic()
     c = subprocess.run(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if c.returncode:
@@ -334,6 +335,10 @@ def main() -> int:
     ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary directory)")
     ap.add_argument("--async-writer", choices=("process", "thread"), default="process",
                     help="who writes an async save's files (checkpoint.async_writer; default: process, the trainer's default)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model trains (default cpu; cuda: one GPU per rank, NCCL with 2 ranks)")
+    ap.add_argument("--data", metavar="DIR", help="prepared dataset dir (python -m trainer.data prepare; default: the bundled "
+                                                  "Shakespeare corpus)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--preset", help=argparse.SUPPRESS)
@@ -366,7 +371,8 @@ def main() -> int:
     try:
         for preset in presets:
             for n in ranks:
-                res = one_config(preset, n, args.reps, args.load_reps, args.save_reps, work, url, secret.encode(), env, args.async_writer)
+                res = one_config(preset, n, args.reps, args.load_reps, args.save_reps, work, url, secret.encode(), env, args.async_writer,
+                                 args.device, args.data and str(Path(args.data).resolve()))
                 results.append({"preset": preset, "ranks": n, **res})
                 print(f"{preset} x{n}: done in {res['wall_seconds']:.0f} s: " + ", ".join(
                     f"{k} {res[k]['median']:.3f}" for k in TARGETS), file=sys.stderr, flush=True)
@@ -388,7 +394,8 @@ def main() -> int:
            "proposed_met": all(f["met"] for r in results for f in r["proposed"].values()),
            "reps": args.reps, "save_reps": args.save_reps, "load_reps": args.load_reps, "async_writer": args.async_writer,
            "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
-           "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0], "disk_dir": str(args.dir or tempfile.gettempdir())}
+           "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0], "device": args.device,
+           "disk_dir": str(args.dir or tempfile.gettempdir())}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

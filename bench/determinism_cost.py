@@ -74,6 +74,13 @@ def kernel_probe(preset: str, device: str, repeats: int) -> list[dict]:
         attention(q, k, v).backward(dout)
         return torch.cat([t.grad.flatten() for t in (q, k, v)])
 
+    # the yardstick of every kernel's gradients: torch's math kernel in float32 on the same inputs
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        F.scaled_dot_product_attention(q32, k32, v32, is_causal=True).backward(dout.float())
+    ref = torch.cat([t.grad.flatten() for t in (q32, k32, v32)])
+    del q32, k32, v32
+
     kernels = [(b.name.lower(), grads, b) for b in backends]
     if device == "cuda":
         kernels.append(("triton (ours)", ours, None))
@@ -82,14 +89,16 @@ def kernel_probe(preset: str, device: str, repeats: int) -> list[dict]:
         try:
             first = run(backend)
             same = all(torch.equal(first, run(backend)) for _ in range(repeats - 1))
+            err = float((first.float() - ref).abs().max() / ref.abs().max())
             sync()
             t = time.perf_counter()
             for _ in range(10):
                 run(backend)
             sync()
-            rows.append({"kernel": name, "repeats_bitwise": same, "forward_backward_ms": (time.perf_counter() - t) * 100})
-        except (RuntimeError, ImportError, ValueError) as e:  # not available for this device, dtype or shape
-            rows.append({"kernel": name, "unavailable": str(e).splitlines()[0][:120]})
+            rows.append({"kernel": name, "repeats_bitwise": same, "forward_backward_ms": (time.perf_counter() - t) * 100,
+                         "grad_error_vs_fp32_math": err})
+        except Exception as e:  # not available for this device, dtype or shape (or our kernel failing to build)
+            rows.append({"kernel": name, "unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"})
     return rows
 
 
@@ -104,8 +113,9 @@ def train_once(args, deterministic: bool, workdir: Path, index: int) -> dict:
     if deterministic and args.det_attention == "triton":
         cmd += ["--set", "model.attention=triton"]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}")
+    if proc.returncode != 0:  # reported, and the other arm still runs: a failed arm is a finding too
+        print(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}", file=sys.stderr, flush=True)
+        return {"deterministic": deterministic, "failed": proc.returncode, "log_tail": proc.stdout[-3000:]}
     out = steady_throughput(run_dir / "steps.jsonl", args.warmup)
     recs = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     mfus = [r["mfu"] for r in recs if r.get("kind") == "step" and r["step"] > args.warmup and r.get("mfu") is not None]
@@ -136,22 +146,31 @@ def main(argv=None) -> None:
             print(f"attention {r['kernel']:<20} unavailable: {r['unavailable']}")
         else:
             print(f"attention {r['kernel']:<20} repeats bit for bit: {r['repeats_bitwise']!s:<5}  "
-                  f"forward+backward {r['forward_backward_ms']:.2f} ms")
+                  f"forward+backward {r['forward_backward_ms']:.2f} ms  "
+                  f"gradient error vs float32 math {r['grad_error_vs_fp32_math']:.1e}", flush=True)
     runs = []
     with tempfile.TemporaryDirectory(prefix="determinism-bench-") as tmp:
         for i in range(args.pairs):
             for det in ((True, False) if i % 2 == 0 else (False, True)):
                 r = train_once(args, det, Path(tmp), i)
                 runs.append(r)
+                if "failed" in r:
+                    print(f"pair {i + 1}/{args.pairs} deterministic={str(det).lower():<5}  failed ({r['failed']})", flush=True)
+                    continue
                 mfu = f"{r['mfu']:.4f}" if r["mfu"] is not None else "-"
                 print(f"pair {i + 1}/{args.pairs} deterministic={str(det).lower():<5}  {r['tokens_per_second']:>12,.0f} tok/s  "
                       f"{r['seconds_per_step'] * 1e3:8.1f} ms/step  MFU {mfu}", flush=True)
-    det = statistics.median(r["tokens_per_second"] for r in runs if r["deterministic"])
-    fast = statistics.median(r["tokens_per_second"] for r in runs if not r["deterministic"])
-    print(f"deterministic / fast throughput: {det / fast:.3f} (median tokens/s {det:,.0f} against {fast:,.0f})")
+    dets = [r["tokens_per_second"] for r in runs if r["deterministic"] and "failed" not in r]
+    fasts = [r["tokens_per_second"] for r in runs if not r["deterministic"] and "failed" not in r]
+    ratio = statistics.median(dets) / statistics.median(fasts) if dets and fasts else None
+    if ratio is not None:
+        print(f"deterministic / fast throughput: {ratio:.3f} (median tokens/s {statistics.median(dets):,.0f} "
+              f"against {statistics.median(fasts):,.0f})")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"config": vars(args), "machine": machine(), "attention": kernels,
-                                                   "runs": runs, "ratio_deterministic_fast": det / fast}, indent=2))
+                                                   "runs": runs, "ratio_deterministic_fast": ratio}, indent=2))
+    if len(dets) + len(fasts) < len(runs):
+        raise SystemExit("error: some runs failed (above)")
 
 
 if __name__ == "__main__":
