@@ -197,8 +197,10 @@ def numerics_flags() -> Iterator[None]:
 
     b = torch.backends.cuda
     saved = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled(),
-             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
     yield
+    torch.utils.deterministic.fill_uninitialized_memory = saved[6]
     b.enable_flash_sdp(saved[0])
     b.enable_mem_efficient_sdp(saved[1])
     b.enable_cudnn_sdp(saved[2])

@@ -152,38 +152,60 @@ def _block(T: int, D: int) -> int:
     return 16 if T <= 16 else 32 if T <= 32 or D == 128 else 64
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v):
-        # contiguous: one set of (B, H, T, D) strides for all, unit stride along D (the model's q, k and
-        # v are transposed views of one projection; the copies cost less than the math kernel's T x T)
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        B, H, T, D = q.shape
-        ctx.block, ctx.scale = _block(T, D), 1.0 / math.sqrt(D)
-        o = torch.empty_like(q)
-        lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
-        _fwd[(triton.cdiv(T, ctx.block), B * H)](q, k, v, o, lse, ctx.scale, q.stride(0), q.stride(1), q.stride(2), H, T,
-                                                 BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D, num_warps=FWD_WARPS,
-                                                 enable_fp_fusion=FP_FUSION)
-        ctx.save_for_backward(q, k, v, o, lse)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        do = do.to(q.dtype).contiguous()  # the strides of q, k, v and o
-        B, H, T, D = q.shape
-        delta = (do.float() * o.float()).sum(-1)  # rowsum(dO * O): the softmax's backward term, per row
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        args = (ctx.scale, q.stride(0), q.stride(1), q.stride(2), H, T)
-        tiles = dict(BLOCK_M=ctx.block, BLOCK_N=ctx.block, D=D, num_warps=BWD_WARPS, enable_fp_fusion=FP_FUSION)
-        grid = (triton.cdiv(T, ctx.block), B * H)
-        _dkdv[grid](q, k, v, do, lse, delta, dk, dv, *args, **tiles)
-        _dq[grid](q, k, v, do, lse, delta, dq, *args, **tiles)
-        return dq, dk, dv
+# Two custom operators (torch.library), so that torch.compile keeps the model in one graph: the graph
+# treats each as one opaque call and compiles everything around it. The autograd.Function these replace
+# cost a graph break per layer; on an H200, gpt2-124m's compiled deterministic step took 245 ms against
+# 260 ms without compile (the fast path's: 145 against 188 ms). Both take q, k, v (and o, dO) contiguous
+# with one set of strides, unit stride along D: ``attention`` makes them so, inside the graph.
+@torch.library.custom_op("sentinel::causal_attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    block = _block(T, D)
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+    _fwd[(triton.cdiv(T, block), B * H)](q, k, v, o, lse, 1.0 / math.sqrt(D), q.stride(0), q.stride(1), q.stride(2), H, T,
+                                         BLOCK_M=block, BLOCK_N=block, D=D, num_warps=FWD_WARPS, enable_fp_fusion=FP_FUSION)
+    return o, lse
 
 
-@torch.compiler.disable  # left out of torch.compile's graphs (a graph break per call): its kernels are Triton already
+@_attention_fwd.register_fake
+def _(q, k, v):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("sentinel::causal_attention_bwd", mutates_args=())
+def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    block = _block(T, D)
+    delta = (do.float() * o.float()).sum(-1)  # rowsum(dO * O): the softmax's backward term, per row
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = (1.0 / math.sqrt(D), q.stride(0), q.stride(1), q.stride(2), H, T)
+    tiles = dict(BLOCK_M=block, BLOCK_N=block, D=D, num_warps=BWD_WARPS, enable_fp_fusion=FP_FUSION)
+    grid = (triton.cdiv(T, block), B * H)
+    _dkdv[grid](q, k, v, do, lse, delta, dk, dv, *args, **tiles)
+    _dq[grid](q, k, v, do, lse, delta, dq, *args, **tiles)
+    return dq, dk, dv
+
+
+@_attention_bwd.register_fake
+def _(q, k, v, o, lse, do):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return _attention_bwd(q, k, v, o, lse, do.to(q.dtype).contiguous())  # the strides of q, k, v and o
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax attention of (batch, heads, T, head_dim) tensors, scale 1/sqrt(head_dim), no
     dropout: ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, with a backward that
@@ -191,4 +213,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     if not (q.shape == k.shape == v.shape and q.dim() == 4):
         raise ValueError(f"q, k and v must share one (batch, heads, T, head_dim) shape; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    return _Attention.apply(q, k, v)
+    _block(q.shape[2], q.shape[3])  # an unsupported head size is refused here, in one line
+    # contiguous: one set of (B, H, T, D) strides for all, unit stride along D (the model's q, k and v are
+    # transposed views of one projection; the copies cost less than the math kernel's T x T)
+    o, _ = _attention_fwd(q.contiguous(), k.contiguous(), v.contiguous())
+    return o

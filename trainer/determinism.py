@@ -15,7 +15,7 @@ def make_deterministic(device_type: str) -> None:
 
     - ``torch.use_deterministic_algorithms(True, warn_only=True)``: deterministic variants where
       they exist (embedding backward, scatter/index ops); a warning, not an error, for an op with
-      none, so a run never dies of it.
+      none, so a run never dies of it. Without its NaN fill of uninitialised memory.
     - ``CUBLAS_WORKSPACE_CONFIG``: cuBLAS picks the same reduction order every call.
     - Scaled-dot-product attention on CUDA: the flash, memory-efficient and cuDNN kernels all
       accumulate their backward with atomics. Measured on an H100 at gpt2-124m's shapes (bf16,
@@ -31,6 +31,10 @@ def make_deterministic(device_type: str) -> None:
       and stay as they are.
     """
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # which torch pairs with filling every torch.empty with NaN, a debugging aid against reads of
+    # uninitialised memory; it changes no result of code that writes before it reads, and it cost
+    # ~2,900 fill kernels and ~21 ms a step of gpt2-124m on an H200 (docs/benchmarks/checkpoint-cost.md, "On a GPU")
+    torch.utils.deterministic.fill_uninitialized_memory = False
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if device_type == "cuda":
         torch.backends.cuda.enable_flash_sdp(False)

@@ -62,6 +62,23 @@ def _cases() -> dict:  # in the child, under the interpreter
             same = all(all(torch.equal(a, b) for a, b in zip(run(attention, q, k, v, dout), got)) for _ in range(2))
             out[f"{name}-{'x'.join(map(str, shape))}"] = {"errors": errors, "bitwise": same,
                                                          "dtypes": sorted({str(t.dtype) for t in got})}
+    # torch.compile keeps it in one graph (custom operators, not a graph break per layer): traced with
+    # fullgraph=True, forward and backward through AOT autograd, the same bits as eagerly
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    dout = torch.randn(2, 2, 40, 16, generator=g)
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    layer = lambda a, b, c: attention(a * 1.5, b, c) * 2  # noqa: E731  (ops on both sides of it, in the graph)
+    eager = run(layer, q, k, v, dout)
+    traced = run(torch.compile(layer, backend=count, fullgraph=True), q, k, v, dout)
+    aot = run(torch.compile(layer, backend="aot_eager", fullgraph=True), q, k, v, dout)
+    out["compiled"] = {"graphs": len(graphs), "same_bits": all(torch.equal(a, b) for a, b in zip(eager, traced)),
+                       "aot_same_bits": all(torch.equal(a, b) for a, b in zip(eager, aot))}
     for name, (qs, ks, _) in BAD.items():
         try:
             attention(torch.zeros(qs), torch.zeros(ks), torch.zeros(ks))
@@ -93,6 +110,13 @@ def test_matches_torch_attention_and_repeats_bit_for_bit(results, shape, dtype):
     assert r["dtypes"] == [{"fp32": "torch.float32", "fp16": "torch.float16"}[dtype]]
     assert all(err < DTYPES[dtype] for err in r["errors"].values()), r["errors"]
     assert r["bitwise"], "a second pass gave other bits"
+
+
+def test_torch_compile_traces_it_in_one_graph_with_the_same_bits(results):
+    """``torch.compile(fullgraph=True)`` of a layer around it: one graph (a graph break would raise), and
+    the output and the three gradients as the eager call gives them, bit for bit, with Dynamo alone and
+    with AOT autograd's traced backward."""
+    assert results["compiled"] == {"graphs": 1, "same_bits": True, "aot_same_bits": True}, results["compiled"]
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
