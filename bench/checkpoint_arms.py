@@ -124,10 +124,14 @@ def save_vs_raw(w: Worker, reps: int) -> dict:
     # fsyncs) bounds save_vs_raw from above on any checkpoint in this format
     from trainer import tensor_file
     from trainer.checkpoint_io import _no_zip_crc
+    from trainer.checkpoint_thread import HostStage
+
+    stage = HostStage()  # on a GPU the save first copies its device tensors to the host this way, and so does this arm
 
     def serialise_in_memory() -> float:
         shared, per_rank = w.t.checkpoints.state.files(shared_files=rank0)
         t0 = time.perf_counter()
+        shared, per_rank = stage.stage(shared, per_rank)
         with _no_zip_crc():
             for name, obj in {**shared, **per_rank}.items():
                 if name.endswith(".json"):
@@ -395,8 +399,10 @@ def _load_floor(w: Worker):  # -> the floor arm, or None (FSDP2 shards)
     return floor_load
 
 
-def measure(t, env, reps: int, load_reps: int, save_reps: int) -> dict:
-    """The three in-process figures, in this order (the load arm reads the newest checkpoint they leave)."""
+def measure(t, env, reps: int, load_reps: int, save_reps: int,
+            figures: tuple[str, ...] = ("save_vs_raw", "async_stall_vs_sync", "load_vs_raw")) -> dict:
+    """The in-process figures asked for, in this order (the load arm reads the newest checkpoint there is)."""
     w = Worker(t, env)
-    return {"save_vs_raw": save_vs_raw(w, save_reps), "async_stall_vs_sync": async_stall_vs_sync(w, save_reps),
-            "load_vs_raw": load_vs_raw(w, load_reps)}
+    arms = {"save_vs_raw": lambda: save_vs_raw(w, save_reps), "async_stall_vs_sync": lambda: async_stall_vs_sync(w, save_reps),
+            "load_vs_raw": lambda: load_vs_raw(w, load_reps)}
+    return {k: arm() for k, arm in arms.items() if k in figures}

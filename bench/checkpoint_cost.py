@@ -1,6 +1,7 @@
 """Recovery cost: checkpoint save, async save, load and in-process rollback, each against its yardstick.
 
     python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--save-reps 15] [--load-reps 100] [--json]
+                                    [--device cpu|cuda] [--data DIR] [--figures save_vs_raw,...] [--dir SCRATCH]
 
 For every preset and rank count (2 ranks: ``torchrun --standalone``, gloo on CPU) it reports four
 ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), the median over
@@ -111,17 +112,20 @@ LARGE_BYTES = 32 << 20
 
 def proposed(r: dict) -> dict:
     """The proposed figures of one configuration: name -> (value, op, bound, met)."""
-    sv, ld = r["save_vs_raw"], r["load_vs_raw"]
+    sv, ld = r.get("save_vs_raw"), r.get("load_vs_raw")  # (--figures: either may not have run)
     out = {}
-    if sv["bytes"] >= LARGE_BYTES:
+    large = (sv or ld or {}).get("bytes", 0) >= LARGE_BYTES
+    if sv and large:
         out["save_vs_raw"] = (sv["median"], ">=", 0.8)
-    else:
+    elif sv:
         out["save_seconds"] = (sv["a_seconds_median"], "<=", 0.015)
+    if ld and not large:
         out["load_seconds"] = (ld["a_seconds_median"], "<=", 0.020)
-    if ld.get("load_vs_floor_median") is not None:  # every size and rank count since change 27 (0.6 for tiny, 1 rank, before)
+    if ld and ld.get("load_vs_floor_median") is not None:  # every size and rank count since change 27
         out["load_vs_floor"] = (ld["load_vs_floor_median"], ">=", 0.85)
     for k in ("async_stall_vs_sync", "rollback_vs_resume"):
-        out[k] = (r[k]["median"], *TARGETS[k])
+        if k in r:
+            out[k] = (r[k]["median"], *TARGETS[k])
     return {k: {"value": v, "target": f"{op} {b}", "met": v >= b if op == ">=" else v <= b} for k, (v, op, b) in out.items()}
 
 
@@ -132,6 +136,8 @@ def verdicts(r: dict) -> dict:
     itself short of it, so that no saver or loader that keeps those could have met it in that run."""
     out = {}
     for k, (op, bound) in TARGETS.items():
+        if k not in r:  # not asked for (--figures)
+            continue
         value, floor = r[k]["median"], r[k].get("floor_ratio_median")
         if (value >= bound) if op == ">=" else (value <= bound):
             out[k] = "met"
@@ -160,7 +166,7 @@ def worker(args) -> int:
         if env.is_main:  # the rollback/resume arms start from this run dir, as it is now
             shutil.copytree(run_dir, Path(args.pristine), ignore=shutil.ignore_patterns(".lock*", "*.lock"))
         env.barrier()
-        out = measure(t, env, args.reps, args.load_reps, args.save_reps)
+        out = measure(t, env, args.reps, args.load_reps, args.save_reps, tuple(args.figures.split(",")))
     finally:
         tdist.shutdown()
     if env.is_main:
@@ -299,21 +305,23 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
 
 
 def one_config(preset: str, ranks: int, reps: int, load_reps: int, save_reps: int, work: Path, url: str, secret: bytes, env: dict,
-               writer: str, device: str = "cpu", data: str | None = None) -> dict:
+               writer: str, device: str = "cpu", data: str | None = None, figures: tuple[str, ...] = tuple(TARGETS)) -> dict:
     w = work / f"{preset}-{ranks}"
     w.mkdir()
     out = w / "worker.json"
     log = w / "worker.log"
     cmd = [*launcher(ranks), str(Path(__file__).resolve()), "--worker", "--preset", preset, "--run-dir", str(w / "run"),
            "--pristine", str(w / "pristine"), "--reps", str(reps), "--load-reps", str(load_reps), "--save-reps", str(save_reps),
-           "--out", str(out), "--async-writer", writer, "--device", device, *(["--data", data] if data else [])]
+           "--out", str(out), "--async-writer", writer, "--device", device, *(["--data", data] if data else []),
+           "--figures", ",".join(figures)]
     t0 = time.monotonic()
     c = subprocess.run(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if c.returncode:
         raise SystemExit(f"worker failed ({c.returncode}): {log.read_text()[-2000:]}")
     res = json.loads(out.read_text())
     shutil.rmtree(w / "run", ignore_errors=True)
-    res["rollback_vs_resume"] = rollback_vs_resume(w / "pristine", w, ranks, reps, url, secret, env)
+    if "rollback_vs_resume" in figures:
+        res["rollback_vs_resume"] = rollback_vs_resume(w / "pristine", w, ranks, reps, url, secret, env)
     res["wall_seconds"] = time.monotonic() - t0
     shutil.rmtree(w, ignore_errors=True)
     return res
@@ -339,6 +347,8 @@ def main() -> int:
                     help="where the model trains (default cpu; cuda: one GPU per rank, NCCL with 2 ranks)")
     ap.add_argument("--data", metavar="DIR", help="prepared dataset dir (python -m trainer.data prepare; default: the bundled "
                                                   "Shakespeare corpus)")
+    ap.add_argument("--figures", default=",".join(TARGETS),
+                    help="comma-separated figures to measure (default: all four; e.g. save_vs_raw,load_vs_raw)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--preset", help=argparse.SUPPRESS)
@@ -350,6 +360,9 @@ def main() -> int:
         return worker(args)
     if min(args.reps, args.load_reps, args.save_reps) < 5:
         ap.error("--reps, --save-reps and --load-reps must be at least 5 (the median of fewer pairs is noise on a shared machine)")
+    figures = tuple(f for f in args.figures.split(",") if f)
+    if not figures or set(figures) - set(TARGETS):
+        ap.error(f"--figures takes a comma-separated subset of {', '.join(TARGETS)} (got {args.figures!r})")
     presets = [p for p in args.presets.split(",") if p]
     try:
         ranks = [int(x) for x in args.ranks.split(",") if x]
@@ -372,10 +385,10 @@ def main() -> int:
         for preset in presets:
             for n in ranks:
                 res = one_config(preset, n, args.reps, args.load_reps, args.save_reps, work, url, secret.encode(), env, args.async_writer,
-                                 args.device, args.data and str(Path(args.data).resolve()))
+                                 args.device, args.data and str(Path(args.data).resolve()), figures)
                 results.append({"preset": preset, "ranks": n, **res})
                 print(f"{preset} x{n}: done in {res['wall_seconds']:.0f} s: " + ", ".join(
-                    f"{k} {res[k]['median']:.3f}" for k in TARGETS), file=sys.stderr, flush=True)
+                    f"{k} {res[k]['median']:.3f}" for k in TARGETS if k in res), file=sys.stderr, flush=True)
     except BaseException:
         print(f"(scratch kept for a look: {work})", file=sys.stderr)
         raise
@@ -389,10 +402,10 @@ def main() -> int:
         r["verdicts"] = verdicts(r)
     out = {"results": results, "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
            "targets_met": all((r[k]["median"] >= v) if op == ">=" else (r[k]["median"] <= v)
-                              for r in results for k, (op, v) in TARGETS.items()),
+                              for r in results for k, (op, v) in TARGETS.items() if k in r),
            "targets_met_where_reachable": all(v != "missed" for r in results for v in r["verdicts"].values()),
            "proposed_met": all(f["met"] for r in results for f in r["proposed"].values()),
-           "reps": args.reps, "save_reps": args.save_reps, "load_reps": args.load_reps, "async_writer": args.async_writer,
+           "figures": list(figures), "reps": args.reps, "save_reps": args.save_reps, "load_reps": args.load_reps, "async_writer": args.async_writer,
            "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(),
            "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0], "device": args.device,
            "disk_dir": str(args.dir or tempfile.gettempdir())}
@@ -407,10 +420,14 @@ def main() -> int:
     print("|---|---:|---|---:|---:|---|---:|---:|---:|")
     for r in results:
         for k, (op, v) in TARGETS.items():
+            if k not in r:
+                continue
             f, verdict = r[k], r["verdicts"][k]
             print(f"| {r['preset']} | {r['ranks']} | `{k}` | {f['median']:.3f} ({f['min']:.3f}-{f['max']:.3f}) | {op} {v} | "
                   f"{verdict if verdict == 'met' else f'**{verdict}**'} | "
                   f"{f['a_seconds_median'] * 1000:.1f} ms | {f['b_seconds_median'] * 1000:.1f} ms | {f['bytes']:,} |")
+        if not all(k in r for k in ("save_vs_raw", "async_stall_vs_sync", "load_vs_raw")):
+            continue  # the detail rows below: with every in-process figure only
         print(f"| {r['preset']} | {r['ranks']} | async save: extra host memory (the snapshot) | "
               f"{r['async_stall_vs_sync']['async_snapshot_bytes'] / 1e6:.1f} MB | | | | |")
         sv, st, ld = r["save_vs_raw"], r["async_stall_vs_sync"], r["load_vs_raw"]

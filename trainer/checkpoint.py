@@ -57,7 +57,7 @@ from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import checkpoint_dir_name
 from trainer.checkpoint_io import write_file, write_json
-from trainer.checkpoint_thread import _run_jobs, built, host_copy
+from trainer.checkpoint_thread import HostStage, _run_jobs, built, host_copy
 from trainer.checkpoint_verify import (  # noqa: F401  (re-exported: the reading side)
     TORCH_SUFFIX,
     CheckpointError,
@@ -113,6 +113,7 @@ class Checkpointer:
         # the rank has a core for it (HASH_THREAD_MIN_CORES): else inline, before the write
         self.hash_thread = hash_thread
         self._proc = None  # the WriterProcess, started by the first async save that uses it
+        self._host_stage = HostStage()  # a sync save's host copy of its device tensors (kept between saves)
         # async saves run one at a time on one long-lived thread: starting a thread per save waited for it
         # to boot (~45 us of the loop's time); a queue hand-over is ~4 us
         self._jobs: queue.SimpleQueue | None = None
@@ -275,7 +276,7 @@ class Checkpointer:
             self._submit(job)
             return
 
-        written = self._write_files(tmp, shared, per_rank)
+        written = self._write_files(tmp, *self._host_stage.stage(shared if self.rank == 0 else {}, per_rank))
         ok = written is not None
         if ok and dcp_writer is not None:
             try:

@@ -37,6 +37,48 @@ def host_copy(obj):
     return map_leaves(obj, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
 
 
+class HostStage:
+    """A sync save's copy of its device tensors to the host: into buffers kept from one save to the next
+    (pinned where CUDA is there), all copies queued, then one wait. ``tensor_file`` would otherwise copy
+    each tensor on its own into fresh pageable memory: on an H200 that took 0.95 s of a gpt2-124m save
+    (1.5 GB), against 0.10 s for an async save's copy into its writer's arena. Views of the same memory
+    (tied weights) get the same host tensor, so the file still writes them once."""
+
+    def __init__(self, device_type: str = "cuda"):
+        self.device_type = device_type  # whose tensors are copied ("cpu" in a test: copies of host tensors)
+        self.specs: list | None = None
+        self.buffers: list[torch.Tensor] = []
+
+    def stage(self, *objs):
+        found: dict[tuple, int] = {}
+        tensors: list[torch.Tensor] = []
+
+        def key(t: torch.Tensor) -> tuple:
+            return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == self.device_type and found.setdefault(key(t), len(tensors)) == len(tensors):
+                tensors.append(t)
+            return t
+
+        for obj in objs:
+            map_leaves(obj, torch.Tensor, collect)
+        if not tensors:
+            return objs
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        if specs != self.specs:
+            self.buffers = []  # the old ones go before the new ones are taken
+            pin = self.device_type == "cuda"
+            self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in specs]
+            self.specs = specs
+        for dst, src in zip(self.buffers, tensors):
+            dst.copy_(src.detach(), non_blocking=True)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(tensors[0].device)
+        return tuple(map_leaves(obj, torch.Tensor, lambda t: self.buffers[found[key(t)]] if t.device.type == self.device_type else t)
+                     for obj in objs)
+
+
 # While an async save runs, a thread that waits for the GIL asks the save's thread for it after this long, not
 # after Python's 5 ms. The loop's thread waits for it after every collective and every torch op (they release
 # it), and the save's thread holds it while it pickles: with 2 ranks on 2 cores, every wait of a rank's loop

@@ -174,3 +174,30 @@ def test_what_no_tensor_file_can_hold_is_refused_when_it_is_written(tmp_path):
                      ({(1, 2): 3}, "not a plain value")):
         with pytest.raises(TypeError, match=why):
             tensor_file.encode(obj)
+
+
+def test_a_sync_saves_host_stage_keeps_ties_reuses_its_buffers_and_writes_the_same_file(tmp_path):
+    """``HostStage`` (a sync save's copy of its device tensors into kept buffers; CUDA in a run, the CPU's
+    own tensors here): the values as they were, one host tensor for two names of the same memory (a tied
+    weight, written once), the same buffers at the next save of the same shapes, new ones when a shape
+    changes, and the bytes of the file exactly those of the unstaged state's."""
+    from trainer.checkpoint_thread import HostStage
+
+    emb = torch.randn(10, 4)
+    state = {"wte": emb, "lm_head": emb, "ln": torch.randn(4), "t": emb.t()}
+    per_rank = {"rng": [torch.arange(3)], "n": 5}
+    stage = HostStage(device_type="cpu")
+    shared, mine = stage.stage(state, per_rank)
+    assert shared["wte"] is shared["lm_head"] and shared["wte"] is not emb and torch.equal(shared["wte"], emb)
+    assert torch.equal(shared["t"], emb.t()) and torch.equal(mine["rng"][0], per_rank["rng"][0]) and mine["n"] == 5
+    ptrs = [b.data_ptr() for b in stage.buffers]
+    write_tensors(tmp_path / "staged.safetensors", shared)
+    write_tensors(tmp_path / "live.safetensors", state)
+    assert (tmp_path / "staged.safetensors").read_bytes() == (tmp_path / "live.safetensors").read_bytes()
+
+    emb.add_(1)  # the next save: the same shapes, new values, the same buffers
+    again, _ = stage.stage(state, per_rank)
+    assert [b.data_ptr() for b in stage.buffers] == ptrs and torch.equal(again["wte"], emb)
+    grown, _ = stage.stage({**state, "ln": torch.randn(8)}, per_rank)
+    assert grown["ln"].shape == (8,) and len(stage.buffers) == len(ptrs)
+    assert stage.stage({"n": 1}, {}) == ({"n": 1}, {})  # nothing to copy: the objects as they were
