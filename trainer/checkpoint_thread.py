@@ -42,12 +42,24 @@ class HostStage:
     (pinned where CUDA is there), all copies queued, then one wait. ``tensor_file`` would otherwise copy
     each tensor on its own into fresh pageable memory: on an H200 that took 0.95 s of a gpt2-124m save
     (1.5 GB), against 0.10 s for an async save's copy into its writer's arena. Views of the same memory
-    (tied weights) get the same host tensor, so the file still writes them once."""
+    (tied weights) get the same host tensor, so the file still writes them once.
+
+    The buffers are kept only while they take at most ``KEEP_BYTES`` and an eighth of the host's memory:
+    a larger state is copied into buffers of its own save, dropped with it (pageable: pinning that much
+    for a moment costs more than it saves). Where the host refuses pinned memory (a locked-memory
+    limit), the kept buffers are pageable."""
+
+    KEEP_BYTES = 8 << 30
 
     def __init__(self, device_type: str = "cuda"):
         self.device_type = device_type  # whose tensors are copied ("cpu" in a test: copies of host tensors)
         self.specs: list | None = None
         self.buffers: list[torch.Tensor] = []
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (OSError, ValueError):
+            host = 0
+        self.keep_bytes = min(self.KEEP_BYTES, host // 8) if host else self.KEEP_BYTES
 
     def stage(self, *objs):
         found: dict[tuple, int] = {}
@@ -66,17 +78,29 @@ class HostStage:
         if not tensors:
             return objs
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
-        if specs != self.specs:
-            self.buffers = []  # the old ones go before the new ones are taken
-            pin = self.device_type == "cuda"
-            self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape, dtype in specs]
-            self.specs = specs
-        for dst, src in zip(self.buffers, tensors):
+        if sum(t.numel() * t.element_size() for t in tensors) > self.keep_bytes:
+            self.specs, self.buffers = None, []
+            buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]  # this save's own
+        else:
+            if specs != self.specs:
+                self.buffers = []  # the old ones go before the new ones are taken
+                self.buffers = self._allocate(specs)
+                self.specs = specs
+            buffers = self.buffers
+        for dst, src in zip(buffers, tensors):
             dst.copy_(src.detach(), non_blocking=True)
         if self.device_type == "cuda":
             torch.cuda.synchronize(tensors[0].device)
-        return tuple(map_leaves(obj, torch.Tensor, lambda t: self.buffers[found[key(t)]] if t.device.type == self.device_type else t)
+        return tuple(map_leaves(obj, torch.Tensor, lambda t: buffers[found[key(t)]] if t.device.type == self.device_type else t)
                      for obj in objs)
+
+    def _allocate(self, specs: list) -> list[torch.Tensor]:
+        if self.device_type == "cuda":
+            try:
+                return [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in specs]
+            except RuntimeError:  # no pinned memory to be had here: pageable, still kept
+                pass
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
 
 
 # While an async save runs, a thread that waits for the GIL asks the save's thread for it after this long, not

@@ -180,7 +180,8 @@ def test_a_sync_saves_host_stage_keeps_ties_reuses_its_buffers_and_writes_the_sa
     """``HostStage`` (a sync save's copy of its device tensors into kept buffers; CUDA in a run, the CPU's
     own tensors here): the values as they were, one host tensor for two names of the same memory (a tied
     weight, written once), the same buffers at the next save of the same shapes, new ones when a shape
-    changes, and the bytes of the file exactly those of the unstaged state's."""
+    changes, none kept for a state over its cap, and the bytes of the file exactly those of the unstaged
+    state's."""
     from trainer.checkpoint_thread import HostStage
 
     emb = torch.randn(10, 4)
@@ -201,3 +202,6 @@ def test_a_sync_saves_host_stage_keeps_ties_reuses_its_buffers_and_writes_the_sa
     grown, _ = stage.stage({**state, "ln": torch.randn(8)}, per_rank)
     assert grown["ln"].shape == (8,) and len(stage.buffers) == len(ptrs)
     assert stage.stage({"n": 1}, {}) == ({"n": 1}, {})  # nothing to copy: the objects as they were
+    stage.keep_bytes = 100  # a state larger than what is kept: buffers of its own save, none kept
+    big, _ = stage.stage(state, per_rank)
+    assert big["wte"] is big["lm_head"] and torch.equal(big["wte"], emb) and stage.buffers == [] and stage.specs is None
