@@ -168,14 +168,27 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         through the gate and the policy; actions sent as they are decided) → ``_react`` (acks,
         approvals, the clock, events, pages) → ``_commit`` (save the state, XACK: queued on
         ``pipe`` when given, which the daemon sends for all its runs at once, else sent now)."""
+        judged = self.judge(entries)
+        return 0 if judged is None else self.settle(judged, pipe)
+
+    def judge(self, entries: list[bus.Entry]) -> tuple | None:
+        """``poll``'s first half: the records judged (their verdicts, actions sent). The daemon judges
+        every run's records before it settles any run (``settle``), so no verdict waits for another
+        run's acks, clock, events and state save. None when this sentinel does not lead the run."""
         if not self.leader:
-            return 0
+            return None
         self.last_poll = time.monotonic()
         marks = (self.acks_id, self.approvals_id, len(self.checkpoints_seen))  # moved: saved at once
         self._refresh_checkpoints()
         done = self._judge(self._gather(entries))
         if done:
             self.last_read = time.time()
+        return done, marks
+
+    def settle(self, judged: tuple, pipe=None) -> int:
+        """``poll``'s second half: the run dir, acks, approvals, the clock, events and pages, then the
+        state saved and the entries acknowledged (queued on ``pipe``); returns how many were judged."""
+        done, marks = judged
         if done and self._run_dir is None and (self.run in self.opts.run_dirs or "info" in self.prefetched):
             self._mirror_dir()  # the trainer registers its run dir with its first steps (looked up every 2 s: prefetch)
         n_events = self._react()
@@ -500,13 +513,23 @@ class Daemon:
             w.check_overload(now)
         done = 0
         pipe = bus.raw(self.r).pipeline(transaction=False)  # every run's state save and XACK: one round trip
+        judged = []  # every run's verdicts first, then each run settled (RunWatcher.judge / settle)
         for w in todo:  # one run's failure must not cost the others their batch
             try:
-                done += w.poll(grouped[w.keys.steps], pipe)
-                w.internal_errors = 0
+                j = w.judge(grouped[w.keys.steps])
+                if j is not None:
+                    judged.append((w, j))
             except (bus.BusError, redis.RedisError):
                 raise  # the bus's own failure: the caller backs off and every watcher reads its pending entries again
             except Exception as e:  # noqa: BLE001 - a bug or a state no check foresaw, in this run only
+                w.internal_error(e)
+        for w, j in judged:
+            try:
+                done += w.settle(j, pipe)
+                w.internal_errors = 0
+            except (bus.BusError, redis.RedisError):
+                raise
+            except Exception as e:  # noqa: BLE001
                 w.internal_error(e)
         if len(pipe):
             with bus.bus_errors(self.r):
