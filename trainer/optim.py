@@ -87,7 +87,7 @@ class SkipStepAdamW(torch.optim.Optimizer):
     def _fused_step(self, group: dict, lr: float, factor: torch.Tensor) -> bool:
         """The update of ``group`` by ``torch._fused_adamw_``, or False where it does not apply (then the
         loop runs). The same update as the loop's, to rounding (a max difference of ~1e-7 in 50 steps of
-        float32, tests/trainer/test_state.py), and the same skip: ``found_inf`` = (factor == 0) makes the
+        float32, tests/trainer/test_checkpoint.py), and the same skip: ``found_inf`` = (factor == 0) makes the
         kernel return before it touches anything, and the step counts were advanced by ``factor`` (0), so a
         skipped step leaves the state bit for bit as it was, non-finite gradients included."""
         ps = [p for p in group["params"] if p.grad is not None]
