@@ -5,7 +5,8 @@ Loop body (one iteration, one round trip per phase whatever the number of runs):
 reads of the runs to poll (one pipeline: ``prefetch``) → per run: refresh checkpoints, its records
 (own pending entries first after a new term, then those a dead consumer left behind via
 XAUTOCLAIM, then the new ones) through the gate and the policy, its actions executed, acks and
-approvals, the clock tick → every run's state save and XACK (one pipeline; with
+approvals, the clock tick (with ``Options.side_read_s``, a healthy run's at most that often) →
+every run's state save and XACK (one pipeline; with
 ``Options.state_save_s``, a state moved by step records alone is saved at most that often).
 
 Exactly-once effects over at-least-once delivery:
@@ -18,7 +19,8 @@ One daemon acts per run: a leader lease (SET NX PX, renewed by compare-and-set) 
 The parts: ``daemon_options`` (settings), ``daemon_lease`` (the lease, who leads), ``daemon_state``
 (the saved state), ``daemon_failover`` (a new term), ``daemon_reads`` (checkpoints, acks, approvals,
 heartbeat), ``daemon_actions`` (directives, pages, events, incidents), ``daemon_pages`` (Alertmanager),
-``daemon_mirrors`` (the run dir). ``RunWatcher`` is one run; ``Daemon`` watches many.
+``daemon_mirrors`` (the run dir), ``daemon_discovery`` (which runs to watch). ``RunWatcher`` is one run;
+``Daemon`` watches many.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import redis
 
 from sentinel import bus, rundir
 from sentinel.daemon_actions import ActionsMixin
+from sentinel.daemon_discovery import DiscoveryMixin
 from sentinel.daemon_failover import FailoverMixin
 from sentinel.daemon_lease import Lease, standby_probe_s
 from sentinel.daemon_mirrors import MirrorsMixin
@@ -50,7 +53,7 @@ from sentinel.daemon_options import (  # noqa: F401 - the daemon's public names,
 from sentinel.daemon_pages import Pager
 from sentinel.daemon_reads import ReadsMixin
 from sentinel.daemon_state import StateMixin
-from sentinel.ingest import StepGate, Verdict, is_authentic
+from sentinel.ingest import StepGate, Verdict
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import RunPolicy
 from sentinel.prefetch import prefetch
@@ -65,6 +68,20 @@ from sentinel.protocol import (
 
 class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMixin):
     """Everything the daemon does for one run."""
+
+    # bumped whenever any watcher gains or loses its lease: ``Daemon`` keeps the list of the runs it
+    # leads between changes instead of filtering every watcher at every iteration
+    leadership_changes = 0
+
+    @property
+    def leader(self) -> bool:
+        return self._leader
+
+    @leader.setter
+    def leader(self, value: bool) -> None:
+        if value != getattr(self, "_leader", None):
+            RunWatcher.leadership_changes += 1
+        self._leader = value
 
     def __init__(self, r: redis.Redis, run: str, opts: Options, metrics: SentinelMetrics, log: Callable[[str], None]):
         self.r, self.run, self.opts, self.m, self.log = r, run, opts, metrics, log
@@ -114,6 +131,8 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self.last_poll = 0.0  # when this run was last polled (Daemon.iterate: idle runs every POLL_IDLE_S)
         self._unacked: list[str] = []  # step entries judged, waiting for the state save that covers them
         self._next_save = 0.0  # monotonic: when only step records moved the state, save no earlier (opts.state_save_s)
+        self.side_read = True  # this poll reads acks and approvals and runs the clock rules (``side_reads_due``)
+        self._next_side_read = 0.0  # wall clock: when a healthy run's side reads are next due (opts.side_read_s)
         self.ensure_steps()
 
     def ensure_steps(self) -> None:
@@ -179,7 +198,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             return None
         self.last_poll = time.monotonic()
         marks = (self.acks_id, self.approvals_id, len(self.checkpoints_seen))  # moved: saved at once
-        self._refresh_checkpoints()
+        self._refresh_checkpoints()  # at every poll: a checkpoint registered before a record is known when it is judged
         done = self._judge(self._gather(entries))
         if done:
             self.last_read = time.time()
@@ -193,7 +212,19 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             self._mirror_dir()  # the trainer registers its run dir with its first steps (looked up every 2 s: prefetch)
         n_events = self._react()
         self._commit(done, bool(n_events) or marks != (self.acks_id, self.approvals_id, len(self.checkpoints_seen)), pipe)
+        self.side_read = True  # a poll without prefetch (``poll`` alone) reads them all
         return len(done)
+
+    def side_reads_due(self, now: float) -> bool:
+        """Whether this poll reads the run's acks and approvals and runs its clock rules (with the
+        heartbeat): at most every ``opts.side_read_s`` (jittered, so a fleet's fall in different
+        iterations) for a healthy run; at every poll for a run in an incident or just sent an
+        action (its acks and the operator's approval are awaited). Its checkpoints are read at
+        every poll whatever this says. Set on ``side_read`` by ``prefetch``."""
+        if self.opts.side_read_s <= 0 or now >= self._next_side_read or self.policy.state != "healthy":
+            self._next_side_read = now + self.opts.side_read_s * (0.5 + random.random())
+            return True
+        return False
 
     def _gather(self, entries: list[bus.Entry]) -> list[bus.Entry]:
         """The entries to judge: after a new term, our own pending ones and those a dead consumer
@@ -222,12 +253,13 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         future = False
         self.policy.begin_batch()
         last, until = _stream_id_tuple(self.last_id), _stream_id_tuple(self._history_until)  # ids as numbers, once a poll
+        ahead_ms = time.time() * 1000 + bus.FUTURE_ID_MS  # bus.is_future_id, from the position read once
         for e in todo:
             done.append(e.id)
             position = _stream_id_tuple(e.id)
             if position <= last:
                 continue  # already covered by the persisted state
-            if bus.is_future_id(e.id):
+            if position[0] > ahead_ms:
                 future = True
             v = self.gate.check(e)
             if v.record is None:
@@ -260,11 +292,12 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         return done
 
     def _react(self) -> int:
-        """Acks, approvals, the clock-driven rules; then the events out, the pages kept up.
+        """Acks, approvals, the clock-driven rules (when ``side_read``); then the events out, the pages kept up.
         Returns how many events were drained."""
-        self._read_acks()
-        self._read_approvals()
-        self._execute(self.policy.on_tick(time.time(), self._heartbeat_time()), None)
+        if self.side_read:
+            self._read_acks()
+            self._read_approvals()
+            self._execute(self.policy.on_tick(time.time(), self._heartbeat_time()), None)
         n_events = self._flush_events()
         self.pager.tick(time.time(), self._incident_open)
         return n_events
@@ -374,7 +407,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
     # ------------------------------------------------------------------ actions
 
 
-class Daemon:
+class Daemon(DiscoveryMixin):
     """Watches the given runs (or every registered run) until asked to stop."""
 
     def __init__(self, r: redis.Redis, opts: Options, *, runs: list[str] | None = None,
@@ -392,75 +425,12 @@ class Daemon:
         self._last_lease = 0.0
         self._last_probe = 0.0
         self.next_read_at = 0.0  # monotonic: the earliest the next step read is due (``Options.pace_per_run_s``)
+        self._led: tuple | None = None  # ``_leading``'s lists, and what they were built from
+        self._behind: list[RunWatcher] = []  # watchers whose last read was a full batch
+        self._next_sweep = 0.0  # monotonic: when ``iterate`` next looks for idle runs due a poll
 
-    def _discover(self) -> None:
-        if self.fixed_runs is not None:
-            for run in self.fixed_runs:
-                if run not in self.watchers:
-                    self.watchers[run] = RunWatcher(self.r, run, self.opts, self.m, self.log)
-                    self.log(f"watching run {run}")
-            return
-        self._retire_idle()
-        now = time.monotonic()
-        new = [run for run in bus.list_runs(self.r) if run not in self.watchers and self._not_before.get(run, (0.0,))[0] <= now]
-        unwatched = 0
-        for run in self._live_runs(new[:DISCOVER_PER_PASS]):
-            if len(self.watchers) >= self.opts.max_runs:
-                unwatched += 1
-                self._later(run)
-                continue
-            self.watchers[run] = RunWatcher(self.r, run, self.opts, self.m, self.log)
-            self.log(f"watching run {run}")
-        self.m.runs_unwatched.set(unwatched)
-        if unwatched and now >= self._cap_logged:
-            self._cap_logged = now + 60.0
-            self.log(f"{unwatched} more live runs on the bus than --max-runs {self.opts.max_runs}: not watched "
-                     "(start another sentinel, or raise --max-runs)")
-
-    def _live_runs(self, names: list[str]) -> list[str]:
-        """The registered names whose steps stream holds a record the trainer signed in the last
-        ``opts.idle_s``. The registry is a set anyone with bus access can SADD to: a junk name
-        must not cost a watcher, a consumer group, a lease and metric series. The rest are looked
-        at again in a minute."""
-        if not names:
-            return []
-        pipe = bus.raw(self.r).pipeline(transaction=False)
-        for run in names:
-            pipe.xrevrange(Keys(run).steps, count=LIVE_PROBE)
-            pipe.exists(Keys(run).heartbeat)
-        res = pipe.execute(raise_on_error=False)
-        out, now = [], time.time()
-        for run, entries, beating in zip(names, res[::2], res[1::2]):
-            if isinstance(entries, redis.ResponseError) and "WRONGTYPE" in str(entries):
-                entries = []
-            elif isinstance(entries, Exception):
-                raise entries
-            signed = [bus.to_entry(Keys(run).steps, eid, f) for eid, f in entries]
-            signed = [e for e in signed if is_authentic(e, self.opts.secret)]
-            # a paused run publishes no step, but its heartbeat goes on
-            if signed and (beating is True or beating == 1 or now - _id_seconds(signed[0].id) <= self.opts.idle_s):
-                out.append(run)
-            else:
-                self._later(run)
-        if len(self._not_before) > 100_000:  # names come and go; a flood of them must not grow this
-            self._not_before.clear()
-        return out
-
-    def _later(self, run: str) -> None:
-        wait = min(60.0, 2.0 * self._not_before.get(run, (0.0, 1.0))[1])
-        self._not_before[run] = (time.monotonic() + wait, wait)
-
-    def _retire_idle(self) -> None:
-        """Stop watching a run with no step record for ``opts.idle_s`` and no heartbeat (it ended,
-        or its name was junk): its state is saved and its lease released; a record brings it back."""
-        now = time.time()
-        for run, w in list(self.watchers.items()):
-            if now - w.last_read <= self.opts.idle_s or w._heartbeat_time() is not None:
-                continue
-            w.release()
-            del self.watchers[run]
-            self._not_before[run] = (time.monotonic() + 60.0, 60.0)
-            self.log(f"run {run}: no step record for {self.opts.idle_s / 3600:.0f} h and no heartbeat: no longer watched")
+    def _new_watcher(self, run: str) -> RunWatcher:  # DiscoveryMixin's
+        return RunWatcher(self.r, run, self.opts, self.m, self.log)
 
     def iterate(self, block_ms: int = 100) -> int:
         """One pass: leases, one XREADGROUP over every led run's stream, one pipeline of side reads
@@ -476,18 +446,17 @@ class Daemon:
             self._renew_leases(list(self.watchers.values()))
             self._last_lease = self._last_probe = now
         else:  # standbys try more often: a lapsed lease (or a dead holder's) is taken at once
-            standby = [w for w in self.watchers.values() if not w.leader]
+            standby = self._leading()[3]
             if standby and now - self._last_probe > standby_probe_s(len(standby)):
                 for w in standby:
                     w.renew_lease()
                 self._last_probe = now
-        led = [w for w in self.watchers.values() if w.leader]
+        led, by_stream, streams, _standby = self._leading()
         if not led:
             time.sleep(block_ms / 1000.0)
             return 0
-        by_stream = {w.keys.steps: w for w in led}
         try:
-            entries = bus.read_group(self.r, list(by_stream), STEP_CONSUMER_GROUP, self.opts.consumer,
+            entries = bus.read_group(self.r, streams, STEP_CONSUMER_GROUP, self.opts.consumer,
                                      count=self.opts.batch, block_ms=block_ms)
         except bus.BusError as e:
             if "WRONGTYPE" not in str(e):
@@ -495,17 +464,29 @@ class Daemon:
             for w in led:  # a steps key turned into another type under us
                 w.ensure_steps()
             return 0
-        grouped: dict[str, list[bus.Entry]] = {s: [] for s in by_stream}
+        grouped: dict[str, list[bus.Entry]] = {}
         for e in entries:
-            grouped[e.stream].append(e)
+            got = grouped.get(e.stream)
+            if got is None:
+                grouped[e.stream] = got = []
+            got.append(e)
         mono, now = time.monotonic(), time.time()
-        todo, behind = [], False
-        for s, w in by_stream.items():
-            w.behind = len(grouped[s]) >= self.opts.batch  # a full batch: more is waiting
-            behind = behind or w.behind
-            w._delivered += len(grouped[s])
-            if grouped[s] or not entries or not w._recovered or mono - w.last_poll >= POLL_IDLE_S:
-                todo.append(w)
+        for w in self._behind:
+            w.behind = False
+        todo, self._behind = [by_stream[s] for s in grouped], []
+        for w in todo:
+            w._delivered += len(grouped[w.keys.steps])
+            if len(grouped[w.keys.steps]) >= self.opts.batch:  # a full batch: more is waiting
+                w.behind = True
+                self._behind.append(w)
+        behind = bool(self._behind)
+        # the runs with no new record: polled every POLL_IDLE_S (acks, approvals, the clock), and at
+        # once after an empty read or a new term; looked for in a sweep of every run led, not at each
+        # iteration (a loop over 300 runs was ~0.5 ms of each ~45-record iteration)
+        if not entries or mono >= self._next_sweep:
+            self._next_sweep = mono + POLL_IDLE_S / 4
+            todo += [w for w in led if w.keys.steps not in grouped
+                     and (not entries or not w._recovered or mono - w.last_poll >= POLL_IDLE_S)]
         if entries and not behind:  # (a read that came back empty has waited its block_ms already)
             self.next_read_at = started + min(PACE_MAX_S, self.opts.pace_per_run_s * len(led))
         prefetch(self.r, todo, now)
@@ -516,7 +497,7 @@ class Daemon:
         judged = []  # every run's verdicts first, then each run settled (RunWatcher.judge / settle)
         for w in todo:  # one run's failure must not cost the others their batch
             try:
-                j = w.judge(grouped[w.keys.steps])
+                j = w.judge(grouped.get(w.keys.steps, []))
                 if j is not None:
                     judged.append((w, j))
             except (bus.BusError, redis.RedisError):
@@ -535,6 +516,17 @@ class Daemon:
             with bus.bus_errors(self.r):
                 pipe.execute()
         return done
+
+    def _leading(self) -> tuple[list[RunWatcher], dict[str, RunWatcher], list[str], list[RunWatcher]]:
+        """(the watchers of the runs this daemon leads, them by steps stream, the streams, the
+        standbys): rebuilt when a lease changed hands or a run was added or retired, else kept."""
+        key = (RunWatcher.leadership_changes, len(self.watchers), id(self.watchers))
+        if self._led is None or self._led[0] != key:
+            led = [w for w in self.watchers.values() if w.leader]
+            by_stream = {w.keys.steps: w for w in led}
+            self._led = (key, (led, by_stream, list(by_stream), [w for w in self.watchers.values() if not w.leader]))
+            self._next_sweep = 0.0  # a new term: its pending entries are recovered at once
+        return self._led[1]
 
     def _renew_leases(self, watchers: list[RunWatcher]) -> None:
         """Every lease: those this daemon holds renewed in one round trip (``Lease.queue_keep``);
@@ -572,6 +564,7 @@ class Daemon:
                     backoff = min(backoff * 2, 10.0)
                     for w in self.watchers.values():
                         w._recovered = False
+                    self._next_sweep = 0.0
         finally:
             for w in self.watchers.values():
                 try:

@@ -24,6 +24,8 @@ from sentinel.protocol import Directive, Event
 
 class ActionsMixin:
     def _execute(self, actions: list[Action], published_at: float | None) -> None:
+        if actions:
+            self._next_side_read = 0.0  # its acks (or an operator's answer) are read at the next poll
         for a in actions:
             now = time.time()
             if a.kind in DIRECTIVE_KINDS:

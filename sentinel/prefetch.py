@@ -16,6 +16,12 @@ packing and parsing them was about a tenth of the daemon's CPU at 300 runs. When
 streams holds another Redis type, the whole XREAD fails: its runs are then read one by one (the
 run with the broken key is counted, the others read as usual); so are the hashes and heartbeats
 if the script itself fails (a server that refuses EVAL).
+
+Every polled run's checkpoints hash is read at every poll, with its step records: a checkpoint the
+trainer registered before a record is known when that record is judged (a NaN at step 5 rolls back
+to step 0's checkpoint). Its acks and approvals are read only where ``side_reads_due`` says so
+(``Options.side_read_s``): a healthy run in a fleet is polled for each step record it sends, and
+no ack or approval of it is awaited.
 """
 
 from __future__ import annotations
@@ -44,9 +50,13 @@ def prefetch(r, watchers, now: float) -> None:
         return
     pipe = bus.raw(r).pipeline(transaction=False)
     plan: list[tuple[Any, str]] = []
-    for what, pos, count in _STREAM_READS:
-        pipe.xread({getattr(w.keys, what): getattr(w, pos) for w in watchers}, count=count)
-        plan.append((None, what))
+    for w in watchers:
+        w.side_read = w.side_reads_due(now)
+    due = [w for w in watchers if w.side_read]
+    if due:
+        for what, pos, count in _STREAM_READS:
+            pipe.xread({getattr(w.keys, what): getattr(w, pos) for w in due}, count=count)
+            plan.append((None, what))
     side = [key for w in watchers for key in (w.keys.checkpoints, w.keys.heartbeat)]
     pipe.eval(_SIDE_READS, len(side), *side)
     plan.append((None, "side"))
@@ -78,10 +88,10 @@ def prefetch(r, watchers, now: float) -> None:
             by_stream: dict[str, list] = {}
             for e in bus_streams.entries(reply):
                 by_stream.setdefault(e.stream, []).append(e)
-            for x in watchers:
+            for x in due:
                 x.prefetched[what] = by_stream.get(getattr(x.keys, what), [])
     if retry:
-        _one_by_one(r, watchers, retry)
+        _one_by_one(r, due, retry)
 
 
 def _take_side(r, watchers, reply) -> None:

@@ -2,8 +2,8 @@
 
     python bench/probes/daemon_cpu.py [--runs 300] [--steps 60] [--per-iteration K] [--profile FILE]
 
-A fresh Debian ``redis-server``; one ``Daemon`` (the default rules, ``state_save_s`` 4 s (``sentinel run``'s) and the
-collector frozen, as ``sentinel run`` has them) watching N runs. Each round XADDs one signed
+A fresh Debian ``redis-server``; one ``Daemon`` (the default rules, ``sentinel run``'s ``state_save_s`` and
+``side_read_s``, and the collector frozen, as ``sentinel run`` has them) watching N runs. Each round XADDs one signed
 ``StepRecord`` per run (64 sample ids), then iterates the daemon until it judged them all: the
 process CPU time of those iterations over the records judged, after 20 rounds of warm-up.
 ``--per-iteration K`` XADDs K records at a time instead (a fleet's iteration under
@@ -43,6 +43,7 @@ def main() -> int:
         ap.error("need --runs >= 1 and --steps >= 25")
 
     from sentinel import bus
+    from sentinel.cli.run_cmd import SIDE_READ_S, STATE_SAVE_S
     from sentinel.daemon import Daemon, Options
     from sentinel.metrics import SentinelMetrics
     from sentinel.rules import default_rules
@@ -53,7 +54,8 @@ def main() -> int:
         secret, n = b"probe-secret-0123456789abcdef", args.runs
         r = bus.connect(url)
         runs = [f"cpu{i:04d}" for i in range(n)]
-        d = Daemon(r, Options(rules=default_rules(), secret=secret, consumer="probe", state_save_s=4.0), runs=runs,
+        d = Daemon(r, Options(rules=default_rules(), secret=secret, consumer="probe", state_save_s=STATE_SAVE_S,
+                           side_read_s=SIDE_READ_S), runs=runs,
                    metrics=SentinelMetrics(), log=lambda _m: None)
         d.iterate(block_ms=10)
         records = build_records(runs, 10.0, args.steps / 10.0, time.time() - 100.0, 64, secret)

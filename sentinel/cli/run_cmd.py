@@ -22,6 +22,10 @@ STATE_SAVE_S = 4.0
 # names every stream, so back to back at 300 runs each took ~18 records: paced, 0.70-0.73 of a core
 # against 0.83-0.84 unpaced, alternated (docs/benchmarks/daemon-scale.md, 2026-11-30 evening)
 PACE_PER_RUN_S = 50e-6
+# a healthy run's acks and approvals read (and its clock rules run) at most every ~0.5 s, not at
+# each of its steps (docs/benchmarks/daemon-scale.md, 2026-12-01). A run in an incident, or just
+# sent an action, reads them at every poll; checkpoints are read at every poll
+SIDE_READ_S = 0.5
 
 
 def _check_alertmanager_url(url: str) -> None:
@@ -137,7 +141,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
         raise SentinelError(str(e)) from None
     opts = Options(rules=rules, secret=b"", dry_run=dry_run, require_approval=require_approval,
                    alertmanager_url=alertmanager_url, lease_ms=lease_ms, max_runs=max_runs, state_save_s=STATE_SAVE_S,
-                   pace_per_run_s=PACE_PER_RUN_S,
+                   pace_per_run_s=PACE_PER_RUN_S, side_read_s=SIDE_READ_S,
                    run_dirs={run_id_of(Path(x)): Path(x) for x in runs if Path(x).is_dir()})
     if consumer:
         opts.consumer = consumer

@@ -7,6 +7,7 @@ A record that parses can still be absurd (a step of 10**60, a -inf loss, a negat
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 from sentinel.contract.limits import MAX_COUNT, MAX_MAGNITUDE, MAX_STEP, MAX_TIMELINE
 from sentinel.contract.records import Ack, Event, Incident, MarkerRecord, StepRecord, TimelineRecord
@@ -35,15 +36,43 @@ _STEP_FLOATS = ("loss", "loss_max_rank", "grad_norm", "lr", "time", "step_second
                 "val_loss", "val_ppl", "checkpoint_age_seconds", "effective_token_ratio")
 
 
+_STEP_INTS_OF = attrgetter(*(name for name, _, _ in _STEP_INTS))  # one C call for the lot
+_STEP_BOUNDS = tuple((lo, hi) for _, lo, hi in _STEP_INTS)
+_STEP_FLOATS_OF = attrgetter(*_STEP_FLOATS)
+
+
+def _step_in_range(rec: StepRecord) -> bool:
+    """True when every number of a step record passes the plain comparison (a NaN fails it): the
+    daemon reads thousands a second, and all but a forger's pass. False decides nothing:
+    ``_step_range_error`` then looks again, and says what, or that a NaN or +inf is allowed there."""
+    for x, (lo, hi) in zip(_STEP_INTS_OF(rec), _STEP_BOUNDS):
+        if not lo <= x <= hi:
+            return False
+    ids = rec.sample_ids
+    if ids and (min(ids) < 0 or max(ids) > MAX_COUNT):  # min/max in C: a step carries the batch's ids
+        return False
+    for x in _STEP_FLOATS_OF(rec):
+        if x is not None and not 0.0 <= x <= MAX_MAGNITUDE:
+            return False
+    for xs in (rec.rank_losses, rec.rank_step_seconds, (rec.phases or {}).values(),
+               [x for ph in rec.rank_phases or () for x in ph.values()]):
+        for x in xs or ():
+            if not 0.0 <= x <= MAX_MAGNITUDE:
+                return False
+    return True
+
+
 def _step_range_error(rec: StepRecord) -> str | None:
-    """The first number of a step record out of range, in field order. One pass that only builds a
-    message for a value the plain comparison refuses: the daemon reads thousands a second."""
+    """The first number of a step record out of range, in field order; None at once where
+    ``_step_in_range`` says every number is (a message is built only for a value refused)."""
+    if _step_in_range(rec):
+        return None
     for name, lo, hi in _STEP_INTS:
         x = getattr(rec, name)
         if not lo <= x <= hi:
             return _bad_int(name, x, lo, hi)
     ids = rec.sample_ids
-    if ids and (min(ids) < 0 or max(ids) > MAX_COUNT):  # min/max in C: a step carries the batch's ids
+    if ids and (min(ids) < 0 or max(ids) > MAX_COUNT):
         return next(_bad_int("sample_ids", i, 0, MAX_COUNT) for i in ids if not 0 <= i <= MAX_COUNT)
     for name in _STEP_FLOATS:
         x = getattr(rec, name)

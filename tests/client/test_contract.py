@@ -351,8 +351,10 @@ STEP_RANGES = [
 @pytest.mark.parametrize("change,want", STEP_RANGES, ids=[str(sorted(c))[:60] for c, _ in STEP_RANGES])
 def test_a_step_records_numbers_are_range_checked_in_one_pass(change, want):
     """``record_range_error`` checks a step record in one pass that builds a message only for a value
-    the plain comparison refuses: a NaN or +inf loss passes, anything else out of range is named."""
-    from sentinel.contract.bounds import record_range_error
+    the plain comparison refuses: a NaN or +inf loss passes, anything else out of range is named.
+    Its fast path (``_step_in_range``, every number by the plain comparison) passes no record the
+    full check refuses."""
+    from sentinel.contract.bounds import _step_in_range, record_range_error
 
     rec = _step(**change)
     got = record_range_error(rec)
@@ -360,6 +362,18 @@ def test_a_step_records_numbers_are_range_checked_in_one_pass(change, want):
         assert got is None
     else:
         assert got is not None and want in got, got
+        assert not _step_in_range(rec)
+    nonfinite = any(v != v or v == INF for v in _numbers(change))  # allowed where a NaN or +inf is a signal
+    assert _step_in_range(rec) == (want is None and not nonfinite)
+
+
+def _numbers(x):
+    """Every number in a (nested) change."""
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in _numbers(v)]
+    if isinstance(x, list):
+        return [n for v in x for n in _numbers(v)]
+    return [x] if isinstance(x, (int, float)) else []
 
 
 # sentinel.contract.yamlio: (document, the value, or the reason in the YamlError's brackets)

@@ -324,6 +324,39 @@ def test_a_deferred_state_save_loses_nothing_and_sends_nothing_twice(redis_url, 
     assert len(directives(r, run)) == 1 and not a.watchers[run]._sent  # a never sent anything
 
 
+def test_a_healthy_runs_acks_wait_for_their_cadence_and_an_incidents_are_read_at_every_poll(redis_url, unique_run):
+    """``side_read_s`` (``sentinel run``: 0.5 s): a healthy run's acks and approvals are read, and
+    its clock rules run, at most that often, not at each step; once due they are read. A run sent
+    a directive reads its acks at the next poll, and at every poll while its incident is open. Its
+    checkpoints are read at every poll whatever the cadence."""
+    r = bus.connect(redis_url)
+    run, k = unique_run, Keys(unique_run)
+    d = make_daemon(r, run, "a", side_read_s=3600.0)
+    pump(d, until=lambda: d.watchers[run].leader)
+    w = d.watchers[run]
+    publish_steps(r, run, range(1, 6))
+    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 5)  # the first poll read them: due at 0
+    acks_before = w.acks_id
+    # an operator's directive acknowledged by the trainer: nothing this sentinel awaits
+    bus.publish(r, k.acks, Ack(run=run, directive_id="op-1", kind="pause", status="applied", step=5, timeline=0), secret=SECRET)
+    register_checkpoints(r, run)
+    publish_steps(r, run, range(6, 16))
+    pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 15)
+    assert w.checkpoints_seen == set(CKPTS) and w.policy.state == "healthy"
+    assert w.acks_id == acks_before  # not due for an hour
+    w._next_side_read = 0.0  # the cadence came round
+    publish_steps(r, run, range(16, 17))
+    pump(d, until=lambda: w.acks_id != acks_before, timeout=2.0)
+    publish_steps(r, run, range(17, NAN_STEP + 1), nan_at=NAN_STEP)
+    pump(d, until=lambda: r.xlen(k.directives) > 0)
+    (dv,) = directives(r, run)
+    assert dv.to_step == TARGET and w.policy.state != "healthy"
+    acks_before = w.acks_id
+    bus.publish(r, k.acks, Ack(run=run, directive_id=dv.id, kind="rollback", status="applied", step=TARGET, timeline=1), secret=SECRET)
+    pump(d, until=lambda: w.acks_id != acks_before, timeout=2.0)  # no step record: the idle polls read it
+    assert any(f"ack rollback {dv.id[:8]}: applied" in line for line in d.logs)
+
+
 def test_step_reads_are_paced_by_the_runs_led_but_a_backlog_is_read_at_once(redis_url, unique_run):
     """``pace_per_run_s`` (``sentinel run``: 50 µs a run, 15 ms at 300 runs): a read that returned
     records sets ``next_read_at`` that far after the iteration began, capped at ``PACE_MAX_S``; a
@@ -365,10 +398,14 @@ def test_a_checkpoint_registered_before_a_record_is_known_when_the_record_is_jud
     """Every poll reads its run's checkpoints hash, with the step read: a checkpoint the trainer
     registered before it wrote a step record is known when that record is judged (a NaN at step 5
     rolls back to step 0's checkpoint, tests/e2e/test_sentinel_e2e.py). Reading the side keys every
-    ~0.5 s instead saved ~7 % of a 300-run sentinel's CPU and broke that, so it was reverted."""
+    ~0.5 s instead saved ~7 % of a 300-run sentinel's CPU and broke that, so it was reverted; the
+    acks' and approvals' cadence (``side_read_s``, set here as ``sentinel run`` sets it) leaves the
+    checkpoints out."""
+    from sentinel.cli.run_cmd import SIDE_READ_S
+
     r = bus.connect(redis_url)
     run = unique_run
-    d = make_daemon(r, run, "a")
+    d = make_daemon(r, run, "a", side_read_s=SIDE_READ_S)
     pump(d, until=lambda: d.watchers[run].leader)
     w = d.watchers[run]
     publish_steps(r, run, range(1, 3))
@@ -564,6 +601,40 @@ def test_bus_outage_is_counted_and_survived(redis_server, unique_run):
         th.join(10)
     assert not th.is_alive()
     assert any("control bus error" in line for line in d.logs)
+
+
+@pytest.mark.parametrize("values", [
+    [0.0, 0.001, 0.0010001, 0.05, 0.0499999, 10.0, 10.5],  # on and beside the bounds, and above the last
+    [float("inf"), float("nan"), 1e-300, 0.2],
+    [i / 997 for i in range(2000)],
+    [],
+])
+def test_the_verdict_histogram_exposes_what_prometheus_clients_does(values):
+    """``LoopHistogram`` (the verdict latency, observed at every step record without a lock) is
+    exposed line for line as prometheus-client's ``Histogram`` of the same buckets exposes it."""
+    import math
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from sentinel.metrics import VERDICT_BUCKETS, LoopHistogram
+
+    ours_reg, ref_reg = CollectorRegistry(), CollectorRegistry()
+    ours = LoopHistogram("sentinel_verdict_latency_seconds", "doc", VERDICT_BUCKETS, ours_reg)
+    ref = Histogram("sentinel_verdict_latency_seconds", "doc", buckets=VERDICT_BUCKETS, registry=ref_reg)
+    for v in values:
+        ours.observe(v)
+        ref.observe(v)
+
+    def lines(reg):
+        return [x for x in generate_latest(reg).decode().splitlines() if "_created" not in x]
+
+    if any(math.isnan(v) for v in values):  # a NaN sum prints alike, but NaN != NaN: compare the rest
+        assert [x for x in lines(ours_reg) if "_sum" not in x] == [x for x in lines(ref_reg) if "_sum" not in x]
+        assert "NaN" in next(x for x in lines(ours_reg) if x.startswith("sentinel_verdict_latency_seconds_sum"))
+    else:
+        assert lines(ours_reg) == lines(ref_reg)
+    counted = sum(1 for v in values if not math.isnan(v))
+    assert f'_bucket{{le="+Inf"}} {float(counted)}' in generate_latest(ours_reg).decode()
 
 
 def test_promtool_accepts_the_exposition(embedded_bus, unique_run):
