@@ -18,10 +18,13 @@ from sentinel.logs import ENV_FORMAT, LOG_FORMATS, configure, daemon_log
 # (docs/benchmarks/daemon-scale.md); a successor judges the unacknowledged ones again (at most
 # 4 s of records a run: ~40 at 10 steps/s)
 STATE_SAVE_S = 4.0
-# a step read at most every 50 µs per run led (15 ms at 300 runs; at most PACE_MAX_S, 20 ms): a read
+# a step read at most every 25 µs per run led (7.5 ms at 300 runs; at most PACE_MAX_S, 20 ms): a read
 # names every stream, so back to back at 300 runs each took ~18 records: paced, 0.70-0.73 of a core
-# against 0.83-0.84 unpaced, alternated (docs/benchmarks/daemon-scale.md, 2026-11-30 evening)
-PACE_PER_RUN_S = 50e-6
+# against 0.83-0.84 unpaced, alternated (docs/benchmarks/daemon-scale.md, 2026-11-30 evening). 50 µs
+# until 2026-12-01, when the iterations' own cost had fallen: 25 µs took the p50 from ~13 to ~7.5 ms
+# and the p99 at 300 runs from a mean of 69.7 to 58.7 ms for ~5 % more CPU; 12.5 µs added ~8 % more
+# CPU for a gain the noise did not settle
+PACE_PER_RUN_S = 25e-6
 # a healthy run's acks and approvals read (and its clock rules run) at most every ~0.5 s, not at
 # each of its steps (docs/benchmarks/daemon-scale.md, 2026-12-01). A run in an incident, or just
 # sent an action, reads them at every poll; checkpoints are read at every poll

@@ -358,7 +358,7 @@ def test_a_healthy_runs_acks_wait_for_their_cadence_and_an_incidents_are_read_at
 
 
 def test_step_reads_are_paced_by_the_runs_led_but_a_backlog_is_read_at_once(redis_url, unique_run):
-    """``pace_per_run_s`` (``sentinel run``: 50 µs a run, 15 ms at 300 runs): a read that returned
+    """``pace_per_run_s`` (``sentinel run``: 25 µs a run, 7.5 ms at 300 runs): a read that returned
     records sets ``next_read_at`` that far after the iteration began, capped at ``PACE_MAX_S``; a
     full batch (more waiting) or an empty read does not; and a fleet does not read a paced member
     again before then."""
