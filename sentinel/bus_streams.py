@@ -234,10 +234,16 @@ def repair_stream_ids(r: redis.Redis, stream: str) -> int:
         return int(r.eval(_REPAIR_IDS, 2, stream, stream + ":repair", FUTURE_ID_MS))
 
 
+def future_after_ms(now: float | None = None) -> float:
+    """The millisecond stamp beyond which an entry id is stamped too far ahead of ``now`` (this
+    machine's clock): ``is_future_id``'s bound, for a reader that has the id's number already."""
+    return (time.time() if now is None else now) * 1000 + FUTURE_ID_MS
+
+
 def is_future_id(eid: str, now: float | None = None) -> bool:
     """An entry id stamped more than a day ahead of ``now`` (this machine's clock)."""
     ms, _, _ = eid.partition("-")
-    return len(ms) > 15 or (ms.isdigit() and int(ms) > ((time.time() if now is None else now) * 1000 + FUTURE_ID_MS))
+    return len(ms) > 15 or (ms.isdigit() and int(ms) > future_after_ms(now))
 
 
 def publish_own(r: redis.Redis, stream: str, record: Any, maxlen: int | None = 100_000) -> str:

@@ -253,7 +253,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         future = False
         self.policy.begin_batch()
         last, until = _stream_id_tuple(self.last_id), _stream_id_tuple(self._history_until)  # ids as numbers, once a poll
-        ahead_ms = time.time() * 1000 + bus.FUTURE_ID_MS  # bus.is_future_id, from the position read once
+        ahead_ms = bus.future_after_ms()  # bus.is_future_id's bound, against the id parsed once
         for e in todo:
             done.append(e.id)
             position = _stream_id_tuple(e.id)
