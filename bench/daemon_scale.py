@@ -120,19 +120,50 @@ def command_calls(r) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
 
 
-def proc_cpu_seconds(pid: int) -> float:
+def _stat(pid: int) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return f.read().rpartition(")")[2].split()  # fields from the state on: [1] ppid, [11] utime, [12] stime
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live children (``sentinel run --workers``: the supervisor and its workers)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and d != str(pid):
+            try:
+                if int(_stat(int(d))[1]) == pid:
+                    kids.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return [pid, *kids]
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live workers, and of the workers it reaped."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = _stat(p)
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if p == pid else 0)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def proc_mem_mib(pid: int) -> tuple[float, float]:
-    vals = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                vals[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
+    """Resident memory (VmRSS) and its peak (VmHWM) of ``pid`` and its live workers, summed."""
+    rss = hwm = 0.0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        rss += int(line.split()[1]) / 1024
+                    elif line.startswith("VmHWM:"):
+                        hwm += int(line.split()[1]) / 1024
+        except OSError:
+            pass
+    return rss, hwm
 
 
 def cpu_steadiness(seconds: float = 3.0, bucket_s: float = 0.05) -> dict:
@@ -225,7 +256,7 @@ def publish_history(r, runs: list[str], steps: int, args, secret: bytes, port: i
     return time.monotonic() - t_start
 
 
-def one_size(n: int, args, work: Path, env: dict, floor_us: float | None = None) -> dict:
+def one_size(n: int, args, work: Path, env: dict, floor_us: float | None = None, workers: int = 1) -> dict:
     """One fleet size: ``sentinel run`` as the consumer, or with ``floor_us`` the floor arm
     (``bench/fleet_floor.py``: the same reads, that much fixed work a record instead of judging)."""
     from sentinel import bus
@@ -247,7 +278,7 @@ def one_size(n: int, args, work: Path, env: dict, floor_us: float | None = None)
         build_s = time.monotonic() - t_build
         prof = ["-m", "cProfile", "-o", str(Path(args.profile) / f"daemon-{n}.prof")] if args.profile else []
         consumer = [sys.executable, *prof, "-m", "sentinel", "run", *runs, "--redis-url", url, "--secret-file", str(secret_file),
-                    "--consumer", "bench", "--metrics-port", "0"]
+                    "--consumer", "bench", "--metrics-port", "0", "--workers", str(workers)]
         if floor_us is not None:
             consumer = [sys.executable, str(ROOT / "bench" / "fleet_floor.py"), *runs, "--redis-url", url,
                         "--work-us", str(floor_us)]
@@ -257,7 +288,7 @@ def one_size(n: int, args, work: Path, env: dict, floor_us: float | None = None)
         deadline = time.monotonic() + 60
         port = None
         while port is None:
-            m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", log.read_text(errors="replace"))
+            m = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", log.read_text(errors="replace"))
             port = int(m.group(1)) if m else None
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"sentinel did not start: {log.read_text()[-2000:]}")
@@ -312,7 +343,7 @@ def one_size(n: int, args, work: Path, env: dict, floor_us: float | None = None)
         p50, p99 = quantile(snap0[2], snap1[2], 0.50), quantile(snap0[2], snap1[2], 0.99)
         keeps_up = drained and judged >= 0.97 * published_in_window
         return {
-            "runs": n, "records_per_s": published_in_window / wall, "judged_per_s": judged / wall,
+            "runs": n, "workers": workers, "records_per_s": published_in_window / wall, "judged_per_s": judged / wall,
             "cpu_cores": cpu, "cpu_per_run_ms_per_s": 1000 * cpu / n,
             "cpu_us_per_record": 1e6 * cpu * wall / max(1, judged), "rss_mib": rss, "peak_rss_mib": peak,
             "verdict_p50_ms": None if p50 is None else 1000 * p50, "verdict_p99_ms": None if p99 is None else 1000 * p99,
@@ -349,6 +380,9 @@ def main() -> int:
                     help="after each size, the floor arm with each of these amounts of work a record (microseconds): "
                          "bench/fleet_floor.py reads the same streams the same way and only spends that work, so its "
                          "p99 is what any consumer of that CPU a record gets on this machine (default: none)")
+    ap.add_argument("--workers", default="1,2", metavar="K,...",
+                    help="`sentinel run --workers K` for each K at each size of 100 runs or more (smaller sizes: "
+                         "1 worker) (default: 1,2)")
     ap.add_argument("--profile", metavar="DIR", help="run the daemon under cProfile, one daemon-N.prof per size in DIR")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     args = ap.parse_args()
@@ -360,6 +394,14 @@ def main() -> int:
         floors = [float(x) for x in args.floor_us.split(",") if x]
     except ValueError:
         ap.error(f"--floor-us: not a list of numbers: {args.floor_us!r}")
+    try:
+        worker_counts = [int(x) for x in args.workers.split(",") if x]
+    except ValueError:
+        ap.error(f"--workers: not a list of integers: {args.workers!r}")
+    if not worker_counts or any(not 1 <= k <= 64 for k in worker_counts):
+        ap.error("--workers: each count must be 1 to 64")
+    if args.profile and worker_counts != [1]:
+        ap.error("--profile profiles one process: give --workers 1")
     if any(not 0 <= w <= 1e5 for w in floors):
         ap.error("--floor-us: each amount of work must be 0 to 100000 microseconds")
     if not sizes or min(sizes) < 1 or args.rate <= 0 or args.seconds < 2 or args.warmup < 1 or args.ids_per_step < 1 \
@@ -379,16 +421,19 @@ def main() -> int:
     results = []
     try:
         for n in sizes:
-            steady = cpu_steadiness()
-            res = one_size(n, args, work, env)
-            res["cpu_dips"] = steady
-            results.append(res)
-            print(f"N={n}: cpu {res['cpu_cores']:.3f} cores, p99 {res['verdict_p99_ms']} ms, keeps up {res['keeps_up']}",
-                  file=sys.stderr, flush=True)
+            one_process = None  # the floor arm stands beside one process (the first count given)
+            for k in (worker_counts if n >= 100 else [1]):
+                steady = cpu_steadiness()
+                res = one_size(n, args, work, env, workers=k)
+                res["cpu_dips"] = steady
+                results.append(res)
+                one_process = one_process or res
+                print(f"N={n}, {k} worker(s): cpu {res['cpu_cores']:.3f} cores, p99 {res['verdict_p99_ms']} ms, "
+                      f"keeps up {res['keeps_up']}", file=sys.stderr, flush=True)
             for w in floors:
                 steady = cpu_steadiness()
                 f = one_size(n, args, work, env, floor_us=w)
-                res.setdefault("floor", []).append({
+                one_process.setdefault("floor", []).append({
                     "work_us": w, **{k: f[k] for k in ("cpu_cores", "cpu_us_per_record", "verdict_p50_ms", "verdict_p99_ms",
                                                        "keeps_up", "load_avg_1m")}, "cpu_dips": steady})
                 print(f"N={n} floor {w:g} us: cpu {f['cpu_cores']:.3f} cores, p99 {f['verdict_p99_ms']} ms",
@@ -410,13 +455,13 @@ def main() -> int:
     history = f" after {args.history:,} steps of history" if args.history else ""
     print(f"`sentinel run` watching N runs at {args.rate:g} steps/s each ({args.ids_per_step} ids/step), {args.seconds:g} s "
           f"window{history}, redis-server {version}, hiredis {'yes' if out['hiredis'] else 'no'}, {out['cpus']} CPUs")
-    print("| runs | records/s | daemon CPU (cores) | CPU per run | RSS | Redis calls per record | verdict p50 | verdict p99 | keeps up "
+    print("| runs | workers | records/s | daemon CPU (cores) | CPU per run | RSS | Redis calls per record | verdict p50 | verdict p99 | keeps up "
           "| load | CPU dips before |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for r in results:
         def ms(v):
             return "n/a" if v is None else f"{v:.1f} ms"
-        print(f"| {r['runs']} | {r['records_per_s']:.0f} | {r['cpu_cores']:.3f} | {r['cpu_per_run_ms_per_s']:.2f} ms/s | "
+        print(f"| {r['runs']} | {r['workers']} | {r['records_per_s']:.0f} | {r['cpu_cores']:.3f} | {r['cpu_per_run_ms_per_s']:.2f} ms/s | "
               f"{r['rss_mib']:.0f} MiB | {r['redis_calls_per_record']:.2f} | "
               f"{ms(r['verdict_p50_ms'])} | {ms(r['verdict_p99_ms'])} | {'yes' if r['keeps_up'] else 'no'} | "
               f"{r['load_avg_1m']:.1f} | {r['cpu_dips']['dips']} in {r['cpu_dips']['seconds']:g} s "

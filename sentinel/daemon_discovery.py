@@ -15,6 +15,7 @@ from sentinel import bus
 from sentinel.daemon_options import DISCOVER_PER_PASS, LIVE_PROBE, _id_seconds
 from sentinel.ingest import is_authentic
 from sentinel.protocol import Keys
+from sentinel.shards import in_shard
 
 
 class DiscoveryMixin:
@@ -27,7 +28,8 @@ class DiscoveryMixin:
             return
         self._retire_idle()
         now = time.monotonic()
-        new = [run for run in bus.list_runs(self.r) if run not in self.watchers and self._not_before.get(run, (0.0,))[0] <= now]
+        new = [run for run in bus.list_runs(self.r) if run not in self.watchers and self._not_before.get(run, (0.0,))[0] <= now
+               and in_shard(run, self.opts.shard)]
         unwatched = 0
         for run in self._live_runs(new[:DISCOVER_PER_PASS]):
             if len(self.watchers) >= self.opts.max_runs:

@@ -110,3 +110,6 @@ class Options:
     # neither is awaited while nothing is going on. A run with an incident open, or that was just
     # sent a directive or page, reads them at every poll; its checkpoints are read at every poll
     side_read_s: float = 0.0
+    # (index, count) of ``sentinel run --workers``: this daemon discovers only the runs whose id hashes
+    # to its index (``sentinel.shards``); (0, 1): every run
+    shard: tuple[int, int] = (0, 1)

@@ -11,6 +11,7 @@ import click
 
 from sentinel.cli.common import ConsumerName, SentinelError, friendly_errors, not_empty, redis_url_option
 from sentinel.logs import ENV_FORMAT, LOG_FORMATS, configure, daemon_log
+from sentinel.shards import MAX_WORKERS
 
 # a run's state saved (and its step entries acknowledged) at most every 4 s when only step records
 # moved it: at 10 steps/s per run, a save per step would cost a fleet of 300 runs more than the
@@ -82,6 +83,17 @@ def _run_dir_problem(path: str, created: list[str]) -> str | None:
     return None
 
 
+def _shard_option(ctx, param, value):
+    if value is None:
+        return None
+    from sentinel.shards import parse_shard
+
+    try:
+        return parse_shard(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.command("run")
 @click.argument("runs", nargs=-1, metavar="[RUN_DIR_OR_ID]...", callback=not_empty)
 @redis_url_option
@@ -95,7 +107,8 @@ def _run_dir_problem(path: str, created: list[str]) -> str | None:
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve sentinel_* metrics on this port (0: a free port).")
 @click.option("--consumer", type=ConsumerName(),
               help="Consumer name in the group (default: host-pid). Reuse it to resume exactly this consumer's pending work.")
-@click.option("--alertmanager-url", help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093).")
+@click.option("--alertmanager-url", envvar="SENTINEL_ALERTMANAGER_URL", show_envvar=True,
+              help="Post pages to this Alertmanager (e.g. http://127.0.0.1:9093; basic auth in the URL is never shown).")
 @click.option("--lease-seconds", type=click.FloatRange(0.5, 3600.0), default=None,
               help="Leader lease period in seconds [default: 10]. One sentinel acts per run; a standby takes "
                    "over within this after the leader's last renewal, at once when the leader was a "
@@ -105,17 +118,24 @@ def _run_dir_problem(path: str, created: list[str]) -> str | None:
 @click.option("--max-runs", type=click.IntRange(1, 100_000), default=1024, show_default=True,
               help="With no run named: watch at most this many live runs (a run is live when its trainer signed a step "
                    "record in the last day, or its heartbeat is on).")
+@click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=1, show_default=True, envvar="SENTINEL_WORKERS",
+              show_envvar=True,
+              help="Worker processes, each watching its share of the runs (a hash of the run id), one metrics endpoint "
+                   "for all (a worker label on each series). One per spare core for large fleets: at 300 runs on 2 "
+                   "vCPUs, 2 workers held the verdict p99 near 40 ms where one process read 60-85 ms. --max-runs is per worker.")
+@click.option("--worker", "shard", callback=_shard_option, hidden=True)  # set by the supervisor: this worker's I/K
 @click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
               envvar=ENV_FORMAT, show_envvar=True,
               help="text: a console on a terminal, plain lines elsewhere; json: one object per line "
                    "(time, level, logger, message, run) for Loki or ELK.")
 @friendly_errors
 def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, metrics_host, metrics_port, consumer,
-        alertmanager_url, lease_seconds, lease_ms, max_runs, log_format):
+        alertmanager_url, lease_seconds, lease_ms, max_runs, workers, shard, log_format):
     """Watch every step of the given runs (run dirs or run ids; none: every run on the bus) and act.
 
     The first SIGTERM/Ctrl-C finishes the current batch, saves state and releases leases (warm
-    stop); a second one exits at once (cold stop).
+    stop); a second one exits at once (cold stop). With --workers, the signals are passed on to
+    every worker.
     """
     from dataclasses import replace
 
@@ -151,6 +171,22 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     log = daemon_log(configure(log_format))
     for d in created:
         log(f"created {d}: the run has not started yet; its trainer will find the bus waiting there")
+    if workers > 1 and shard is None:
+        sys.exit(_supervise(runs, workers, opts.consumer, dict(
+            redis_url=redis_url, rules_file=rules_file, secret_file=secret_file, dry_run=dry_run,
+            require_approval=require_approval, alertmanager_url=alertmanager_url, lease_ms=lease_ms,
+            max_runs=max_runs, log_format=log_format), metrics_host, metrics_port, log))
+    if shard is not None:
+        from sentinel.shards import in_shard
+        from sentinel.workers import watch_parent
+
+        watch_parent()
+        mine = [x for x in runs if in_shard(run_id_of(Path(x)) if Path(x).is_dir() else x, shard)]
+        if runs and not mine:
+            raise SentinelError(f"worker {shard[0]}/{shard[1]}: none of the runs named is its share")
+        runs = tuple(mine)
+        # a fleet's reads as often as one process's: each worker leads about 1/K of the runs
+        opts = replace(opts, shard=shard, pace_per_run_s=PACE_PER_RUN_S * shard[1])
     metrics = SentinelMetrics()
     members = []
     for (url, secret, run_dir), ids in _bus_groups(runs, redis_url, secret_file).items():
@@ -193,6 +229,56 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     gc.set_threshold(20_000, 10, 10)
     fleet.run_forever()
     log("stopped")
+
+
+def _supervise(runs, count: int, consumer: str, given: dict, metrics_host: str, metrics_port: int | None, log) -> int:
+    """``--workers K``: start worker I of K for each share that holds a run named (every share when
+    none is: each discovers its own), serve their metrics as one, pass signals on; the exit status."""
+    import os
+
+    from sentinel.client.metrics import MetricsRegistry
+    from sentinel.metrics_http import serve
+    from sentinel.rundir import run_id_of
+    from sentinel.shards import shard_of
+    from sentinel.workers import Supervisor
+    from sentinel.workers_metrics import WorkersCollector
+
+    env = dict(os.environ)
+    if given["redis_url"]:  # through the environment, as the secrets go: never in a process list
+        env["SENTINEL_REDIS_URL"] = given["redis_url"]
+    if given["alertmanager_url"]:
+        env["SENTINEL_ALERTMANAGER_URL"] = given["alertmanager_url"]
+    base = [sys.executable, "-m", "sentinel", "run", *runs, "--consumer", consumer, "--lease-ms", str(given["lease_ms"]),
+            "--max-runs", str(given["max_runs"]), "--log-format", given["log_format"]]
+    base += ["--rules", given["rules_file"]] if given["rules_file"] else []
+    base += ["--secret-file", given["secret_file"]] if given["secret_file"] else []
+    base += ["--dry-run"] if given["dry_run"] else []
+    base += ["--require-approval"] if given["require_approval"] else []
+    base += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"] if metrics_port is not None else []
+    ids = [run_id_of(Path(x)) if Path(x).is_dir() else x for x in runs]
+    shares = sorted({shard_of(r, count) for r in ids}) if ids else list(range(count))
+    sup = Supervisor({i: [*base, "--worker", f"{i}/{count}"] for i in shares}, count, log, env)
+    if metrics_port is not None:
+        registry = MetricsRegistry()
+        registry.register(WorkersCollector(sup.ports, sup.restart_counts))
+        try:
+            _server, port = serve(registry, metrics_host, metrics_port)
+        except OSError as e:
+            raise SentinelError(f"cannot serve metrics on {metrics_host!r} port {metrics_port}: {e.strerror or e}") from None
+        log(f"sentinel metrics on http://{metrics_host}:{port}/metrics")
+    log(f"sentinel {consumer}: {len(shares)} worker(s) of {count}"
+        + (f" for {len(ids)} runs" if ids else ", each discovering its share of the registered runs"))
+
+    def on_signal(signum, frame):
+        log("warm stop requested: passed on to the workers (signal again to stop them now)" if not sup.stops
+            else "cold stop: passed on to the workers")
+        sup.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = sup.run()
+    log("stopped")
+    return code
 
 
 def _bus_groups(runs, redis_url, secret_file) -> dict[tuple[str, bytes, Path | None], list[str]]:
