@@ -415,15 +415,17 @@ def sentinel_verdict_panel() -> timeseries.Panel:
     def p(q: str) -> str:
         return (f"histogram_quantile({q}, sum by (instance, le) (rate(sentinel_verdict_latency_seconds_bucket[{RATE}]))) "
                 f"{leading}")
-    return (default_timeseries("s", (None, "green"), (0.25, "orange"), (1, "red"), alerts=("SentinelVerdictsSlow",))
+    return (default_timeseries("s", (None, "green"), (0.25, "orange"), (1, "red"),
+                               alerts=("SentinelVerdictsSlow", "SentinelWorkerDown"))
             .title("Verdict latency and CPU (the leading sentinel)")
             .description("From a step record's XADD to the rules' verdict, p50 and p99 over every run the sentinel "
-                         "leads, and the daemon's CPU in cores (right axis). One Python process: past ~0.85 of a core "
-                         "its bursts queue and the p99 climbs from tens of ms towards seconds; split its runs over "
+                         "leads, and the daemon's CPU in cores (right axis; its workers' summed, with --workers). One "
+                         "Python process: past ~0.85 of a core its bursts queue and the p99 climbs from tens of ms "
+                         "towards seconds; share its runs over workers (sentinel run --workers K, one per core) or "
                          "more sentinels.")
             .with_target(query(p("0.5"), "{{instance}} p50", "A", per_run=False))
             .with_target(query(p("0.99"), "{{instance}} p99", "B", per_run=False))
-            .with_target(query(f'rate(process_cpu_seconds_total{{job="sentinel"}}[{RATE}]) {leading}',
+            .with_target(query(f'sum by (instance) (rate(process_cpu_seconds_total{{job="sentinel"}}[{RATE}])) {leading}',
                                "{{instance}} CPU (cores)", "C", per_run=False))
             .override_by_query("C", right_axis("C", "none")).span(24))
 

@@ -3,15 +3,18 @@
 One Python process judges a fleet on one core at most (the GIL), and a process at half a core
 drains a backlog at half a core: after each stall of the machine (a 2-vCPU VM's CPUs dip for
 50-100 ms every ~1.5 s) its verdicts queue for as long. K workers drain their shares at once.
-At 300 runs on the project's 2-vCPU VM, 2 workers held the verdict p99 at 26-46 ms where one
-process read 72-85 ms, for ~15 % more CPU in all (docs/benchmarks/daemon-scale.md).
+At 300 runs on the project's 2-vCPU VM, 2 workers read a verdict p99 of 43.5 ms (median of 15
+runs; <= 50 ms in 10) where one process read 67.8 ms (2 of 15), for ~30 % more CPU in all
+(docs/benchmarks/daemon-scale.md).
 
 The supervisor is this process. It starts worker I of K as ``sentinel run ... --worker I/K``
 (every option as given, one consumer name for all: a restarted worker's leases and pending entries
 are its own at once), forwards their log lines, restarts one that dies (after 1, 2, 4 ... 30 s),
 and serves their metrics as one endpoint (``workers_metrics``). It gives up, stopping the others,
-when a worker exits with the usage status (2: it would every time) or dies within
-``FAST_DEATH_S`` of its start ``GIVE_UP_AFTER`` times in a row. The first SIGTERM or Ctrl-C is
+when a worker's first start ends at once with the error status (2: a setting it refuses, or a bus
+it cannot reach, as one ``sentinel run`` would exit), or a worker dies within ``FAST_DEATH_S`` of
+its start ``GIVE_UP_AFTER`` times in a row (a worker that ran a while and then exits 2, such as
+after losing its bus, is started again). The first SIGTERM or Ctrl-C is
 passed on to every worker (a warm stop: each finishes its batch, saves its state and releases its
 leases); a second one too (their cold stop). A worker whose supervisor dies stops itself
 (``watch_parent``).
@@ -47,7 +50,7 @@ class Worker:
     restarts: int = 0
     fast_deaths: int = 0
     next_start: float = 0.0
-    backoff: float = 1.0
+    backoff: float = 0.0
     pumps: list[threading.Thread] = field(default_factory=list)
 
 
@@ -56,9 +59,11 @@ class Supervisor:
     returns the exit status for ``sentinel run``."""
 
     def __init__(self, argvs: dict[int, list[str]], count: int, log: Callable[[str], None],
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, *, fast_death_s: float = FAST_DEATH_S,
+                 give_up_after: int = GIVE_UP_AFTER, first_backoff_s: float = 1.0):
         self.workers = [Worker(i, argv) for i, argv in sorted(argvs.items())]
         self.count, self.log = count, log
+        self.fast_death_s, self.give_up_after, self.first_backoff_s = fast_death_s, give_up_after, first_backoff_s
         self.env = {**(env if env is not None else os.environ), ENV_SUPERVISOR: str(os.getpid())}
         self.stops = 0
         self._failed: str | None = None
@@ -142,19 +147,20 @@ class Supervisor:
         w.proc, w.port = None, None
         if self.stops:
             return
-        if code == 2:
+        fast = lived < self.fast_death_s
+        if code == 2 and not w.restarts and fast:  # at its first start: its settings, every time
             self._failed = f"error: worker {w.index}/{self.count} exited with status 2 (an error in its settings, above): stopping"
             return
-        w.fast_deaths = w.fast_deaths + 1 if lived < FAST_DEATH_S else 0
-        if w.fast_deaths >= GIVE_UP_AFTER:
+        w.fast_deaths = w.fast_deaths + 1 if fast else 0
+        if w.fast_deaths >= self.give_up_after:
             self._failed = (f"error: worker {w.index}/{self.count} exited {w.fast_deaths} times in a row within "
-                            f"{FAST_DEATH_S:g} s of its start (last status {code}): stopping")
+                            f"{self.fast_death_s:g} s of its start (last status {code}): stopping")
             return
-        w.backoff = 1.0 if lived >= FAST_DEATH_S else min(BACKOFF_MAX_S, w.backoff * 2)
-        w.next_start = now + (w.backoff if w.fast_deaths else 0.0)
+        w.backoff = 0.0 if not fast else min(BACKOFF_MAX_S, self.first_backoff_s * 2 ** (w.fast_deaths - 1))
+        w.next_start = now + w.backoff
         w.restarts += 1
         self.log(f"worker {w.index}/{self.count} exited (status {code}) after {lived:.1f} s; starting it again"
-                 + (f" in {w.backoff:g} s" if w.fast_deaths else ""))
+                 + (f" in {w.backoff:g} s" if w.backoff else ""))
 
 
 def watch_parent() -> None:

@@ -274,3 +274,54 @@ def test_a_worker_that_cannot_start_stops_the_supervisor_with_one_line(tmp_path:
     assert res.returncode == 2, res.stderr[-2000:]
     assert "error: worker" in res.stderr and "exited with status 2" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
+
+
+# ---------------------------------------------------------------------------------------- the supervisor's rules
+_SLEEPER = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(int(sys.argv[1])))\n"
+            "print('up', flush=True)\n"
+            "time.sleep(60)\n")
+
+
+def _supervisor(codes: dict[int, str], **kw):
+    from sentinel.workers import Supervisor
+
+    lines: list[str] = []
+    argvs = {i: [sys.executable, "-c", code, "0"] for i, code in codes.items()}
+    return Supervisor(argvs, len(codes), lines.append, **kw), lines
+
+
+@pytest.mark.parametrize("code, want, said", [
+    ("import sys; sys.exit(2)", 2, "worker 0/1 exited with status 2"),  # its settings: at its first start, given up at once
+    ("import sys; sys.exit(1)", 2, "exited 3 times in a row within 5 s of its start (last status 1)"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 2, "(last status -9)"),
+])
+def test_a_worker_that_keeps_dying_is_given_up_with_one_line(code, want, said):
+    sup, lines = _supervisor({0: code}, fast_death_s=5.0, give_up_after=3, first_backoff_s=0.05)
+    assert sup.run(tick_s=0.02) == want
+    assert said in lines[-1] and lines[-1].startswith("error: ")
+    assert sup.workers[0].restarts == (0 if "status 2" in said else 2)
+    assert "starting it again in 0.1 s" in "\n".join(lines) or "status 2" in said  # the wait doubles: 0.05, then 0.1
+
+
+def test_a_stop_is_passed_on_warm_then_cold():
+    sup, lines = _supervisor({0: _SLEEPER, 1: _SLEEPER})
+    import threading
+
+    done: list[int] = []
+    t = threading.Thread(target=lambda: done.append(sup.run(tick_s=0.02)))
+    t.start()
+    assert poll(lambda: all(w.proc is not None for w in sup.workers) and all(w.proc.poll() is None for w in sup.workers), 10)
+    time.sleep(0.3)  # their handlers set
+    sup.stop()
+    t.join(20)
+    assert done == [0] and all(w.restarts == 0 for w in sup.workers)  # a stop is no death: nothing started again
+    sup2, _ = _supervisor({0: _SLEEPER})
+    t = threading.Thread(target=lambda: done.append(sup2.run(tick_s=0.02)))
+    t.start()
+    assert poll(lambda: sup2.workers[0].proc is not None, 10)
+    time.sleep(0.3)
+    sup2.stop()
+    sup2.stop()
+    t.join(20)
+    assert done == [0, 130]  # a second stop: the cold stop's status
