@@ -79,7 +79,8 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
     def run(self, tick_s: float = 0.2) -> int:
         for w in self.workers:
-            self._start(w)
+            if self._failed is None:
+                self._start(w)
         while True:
             now = time.monotonic()
             live = 0
@@ -92,7 +93,7 @@ class Supervisor:
                     self._exited(w, code, now)
                 if not self.stops and self._failed is None and w.proc is None and now >= w.next_start:
                     self._start(w)
-                    live += 1
+                    live += w.proc is not None
             if self._failed is not None and not self.stops:
                 self.stop()
             if self.stops and not live:
@@ -117,8 +118,14 @@ class Supervisor:
                     pass
 
     def _start(self, w: Worker) -> None:
-        w.proc = subprocess.Popen(w.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
-                                  start_new_session=True)  # a terminal's Ctrl-C reaches the supervisor only
+        try:
+            w.proc = subprocess.Popen(w.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
+                                      start_new_session=True)  # a terminal's Ctrl-C reaches the supervisor only
+        except OSError as e:  # no fork (EAGAIN, ENOMEM) or no interpreter: counted as a death at its start
+            w.proc, w.started = None, time.monotonic()
+            self.log(f"worker {w.index}/{self.count} could not start ({e.strerror or type(e).__name__})")
+            self._exited(w, -1, w.started)
+            return
         w.started, w.port = time.monotonic(), None
         w.pumps = [threading.Thread(target=self._pump, args=(w, stream, out), daemon=True, name=f"worker-{w.index}-{name}")
                    for stream, out, name in ((w.proc.stdout, sys.stdout, "out"), (w.proc.stderr, sys.stderr, "err"))]

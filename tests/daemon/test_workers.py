@@ -325,3 +325,14 @@ def test_a_stop_is_passed_on_warm_then_cold():
     sup2.stop()
     t.join(20)
     assert done == [0, 130]  # a second stop: the cold stop's status
+
+
+def test_a_worker_that_cannot_even_be_started_is_retried_then_given_up(tmp_path: Path):
+    from sentinel.workers import Supervisor
+
+    lines: list[str] = []
+    sup = Supervisor({0: [str(tmp_path / "no-such-python")]}, 1, lines.append, fast_death_s=5.0, give_up_after=3,
+                     first_backoff_s=0.05)
+    assert sup.run(tick_s=0.02) == 2
+    assert sum("could not start (No such file or directory)" in x for x in lines) == 3
+    assert lines[-1] == "error: worker 0/1 exited 3 times in a row within 5 s of its start (last status -1): stopping"
