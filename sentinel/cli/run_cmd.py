@@ -182,7 +182,7 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
         from sentinel.workers import watch_parent
 
         watch_parent()
-        mine = [x for x in runs if in_shard(run_id_of(Path(x)) if Path(x).is_dir() else x, shard)]
+        mine = [x for x in runs if in_shard(_run_id(x), shard)]
         if runs and not mine:
             raise SentinelError(f"worker {shard[0]}/{shard[1]}: none of the runs named is its share")
         runs = tuple(mine)
@@ -232,6 +232,13 @@ def run(runs, redis_url, rules_file, secret_file, dry_run, require_approval, met
     log("stopped")
 
 
+def _run_id(item: str) -> str:
+    """A RUN_DIR_OR_ID argument's run id (as ``_bus_groups`` reads it): a directory's, else the text."""
+    from sentinel.rundir import run_id_of
+
+    return run_id_of(Path(item)) if Path(item).is_dir() else item
+
+
 def _supervise(runs, count: int, consumer: str, given: dict, metrics_host: str, metrics_port: int | None, log) -> int:
     """``--workers K``: start worker I of K for each share that holds a run named (every share when
     none is: each discovers its own), serve their metrics as one, pass signals on; the exit status."""
@@ -239,7 +246,6 @@ def _supervise(runs, count: int, consumer: str, given: dict, metrics_host: str, 
 
     from sentinel.client.metrics import MetricsRegistry
     from sentinel.metrics_http import serve
-    from sentinel.rundir import run_id_of
     from sentinel.shards import shard_of
     from sentinel.workers import Supervisor
     from sentinel.workers_metrics import WorkersCollector
@@ -256,7 +262,7 @@ def _supervise(runs, count: int, consumer: str, given: dict, metrics_host: str, 
     base += ["--dry-run"] if given["dry_run"] else []
     base += ["--require-approval"] if given["require_approval"] else []
     base += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"] if metrics_port is not None else []
-    ids = [run_id_of(Path(x)) if Path(x).is_dir() else x for x in runs]
+    ids = [_run_id(x) for x in runs]
     shares = sorted({shard_of(r, count) for r in ids}) if ids else list(range(count))
     sup = Supervisor({i: [*base, "--worker", f"{i}/{count}"] for i in shares}, count, log, env)
     if metrics_port is not None:
