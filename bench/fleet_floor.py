@@ -4,8 +4,8 @@
 
 It reads a fleet's step streams as ``sentinel run`` does (one XREADGROUP over every run's stream
 with the same client, paced as ``sentinel run`` paces it: ``PACE_PER_RUN_S`` a run, at most
-``PACE_MAX_S``, never after a full batch), then spends a fixed amount of work on each record
-instead of judging it (``--work-us``: a loop of as many iterations as took that long when it
+``PACE_MAX_S``, never after a full batch; the oldest record first), then spends a fixed amount of
+work on each record instead of judging it (``--work-us``: a loop of as many iterations as took that long when it
 started, the median of seven timings), notes the record's latency from its XADD (its stream id,
 Redis's clock) and acknowledges what it read. It serves the two metrics ``daemon_scale.py``
 scrapes: ``sentinel_verdict_latency_seconds`` (the daemon's buckets) and
@@ -45,6 +45,11 @@ def spin(n: int) -> int:
     for _ in range(n):
         x += 1
     return x
+
+
+def _age(e) -> tuple[int, int]:
+    ms, _, seq = e.id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def iterations_per_us() -> float:
@@ -91,7 +96,7 @@ def main() -> int:
         started = time.monotonic()
         entries = bus.read_group(r, streams, STEP_CONSUMER_GROUP, CONSUMER, count=BATCH, block_ms=100)
         done: dict[str, list[str]] = {}
-        for e in entries:
+        for e in sorted(entries, key=_age):  # the oldest record first, as the daemon judges them
             spin(work)
             latency.observe(max(0.0, time.time() - int(e.id.partition("-")[0]) / 1000.0))
             done.setdefault(e.stream, []).append(e.id)

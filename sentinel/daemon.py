@@ -435,7 +435,7 @@ class Daemon(DiscoveryMixin):
     def iterate(self, block_ms: int = 100) -> int:
         """One pass: leases, one XREADGROUP over every led run's stream, one pipeline of side reads
         for the runs to poll (those with new entries, and the others every ``POLL_IDLE_S``), every
-        run judged, then one pipeline of their state saves and XACKs. No run's verdict waits for
+        run judged (the run with the oldest new record first), then one pipeline of their state saves and XACKs. No run's verdict waits for
         another run's round trips: a round trip per phase, whatever the number of runs. Sets
         ``next_read_at``, which the caller waits for (``Options.pace_per_run_s``)."""
         started, now = time.monotonic(), time.time()
@@ -473,7 +473,10 @@ class Daemon(DiscoveryMixin):
         mono, now = time.monotonic(), time.time()
         for w in self._behind:
             w.behind = False
-        todo, self._behind = [by_stream[s] for s in grouped], []
+        # the oldest record first: after a stall of the machine, the backlog is judged in the order it
+        # came (the runs' order would keep a late run's oldest record waiting behind newer ones)
+        todo = sorted((by_stream[s] for s in grouped), key=lambda w: _stream_id_tuple(grouped[w.keys.steps][0].id))
+        self._behind = []
         for w in todo:
             w._delivered += len(grouped[w.keys.steps])
             if len(grouped[w.keys.steps]) >= self.opts.batch:  # a full batch: more is waiting

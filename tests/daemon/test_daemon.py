@@ -394,6 +394,29 @@ def test_step_reads_are_paced_by_the_runs_led_but_a_backlog_is_read_at_once(redi
     assert t0 + PACE_MAX_S <= d.next_read_at <= time.monotonic() + PACE_MAX_S
 
 
+def test_an_iteration_judges_the_runs_oldest_record_first(redis_url, unique_run):
+    """After a stall the iteration's backlog spans every run: judged in the runs' order, the oldest
+    record of the last run would wait behind newer ones of the others. The runs are judged in the
+    order of their oldest new record (stream ids: the bus's clock), whatever the order they are led in."""
+    from sentinel.daemon import Daemon
+    from sentinel.metrics import SentinelMetrics
+
+    r = bus.connect(redis_url)
+    runs = [f"{unique_run}-{i}" for i in range(3)]
+    d = Daemon(r, make_daemon(r, unique_run).opts, runs=runs, metrics=SentinelMetrics(), log=lambda _m: None)
+    pump(d, until=lambda: len(d.watchers) == 3 and all(w.leader for w in d.watchers.values()))
+    led = [w.run for w in d._leading()[0]]
+    order: list[str] = []
+    for w in d.watchers.values():
+        w.judge = (lambda judge, run: lambda entries: (order.append(run), judge(entries))[1])(w.judge, w.run)
+    for step, run in ((1, led[2]), (1, led[0]), (2, led[2]), (1, led[1])):  # the last run led wrote first
+        publish_steps(r, run, [step])
+        time.sleep(0.002)  # each record its own millisecond on the bus's clock
+    assert d.iterate(block_ms=20) == 4
+    assert order == [led[2], led[0], led[1]]
+    assert all(sample(d, "sentinel_steps_processed_total", run=run) == n for run, n in zip(led, (1, 1, 2)))
+
+
 def test_a_checkpoint_registered_before_a_record_is_known_when_the_record_is_judged(redis_url, unique_run):
     """Every poll reads its run's checkpoints hash, with the step read: a checkpoint the trainer
     registered before it wrote a step record is known when that record is judged (a NaN at step 5
