@@ -1,6 +1,7 @@
 """One sentinel, a fleet: CPU, memory and verdict latency of `sentinel run` watching N runs at once.
 
-    python bench/daemon_scale.py [--runs 1,10,100,300] [--workers 1,2,3] [--rate 10] [--seconds 10] [--history N] [--json]
+    python bench/daemon_scale.py [--runs 1,10,100,300] [--workers 1,2,3] [--rate 10] [--seconds 10] [--history N]
+                                 [--cpu-dips DUTY:MS:EVERY] [--json]
 
 For each N, a fresh Debian ``redis-server`` on loopback and one ``sentinel run`` process naming N
 run ids (the default rules, ``--secret-file``, ``--metrics-port 0``). This script plays N trainers:
@@ -39,7 +40,11 @@ After ``--warmup`` seconds (the daemon's first reads, lease, consumer groups) it
   project's VM on 2026-11-30 both vCPUs slowed to 13-48 % for 50-100 ms every ~1.5 s, with nothing
   else running; each dip is a backlog the daemon then drains at its spare CPU, so at 0.7 of a core
   the verdicts queued for 100-250 ms, every 1.5 s (docs/benchmarks/daemon-scale.md). A p99 read
-  with dips is the machine's as much as the daemon's.
+  with dips is the machine's as much as the daemon's. ``--cpu-dips DUTY:MS:EVERY`` brings that
+  regime on at any hour (``bench/cpu_dips.py``: root, a cgroup CPU controller): Redis, the daemon
+  and this publisher then get DUTY % of the CPUs for MS every EVERY seconds (``25:80:1.5`` reads
+  as the VM's bad minutes do), so arms can be compared in it rather than in the minute the
+  machine gives; the JSON says what was injected (``cpu_dips_injected``).
 
 - ``floor`` (with ``--floor-us``): after each size, the same fleet read by ``bench/fleet_floor.py``
   instead of the daemon, once per amount of work given: the same reads, paced the same, and a fixed
@@ -60,6 +65,7 @@ average is printed with each figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -76,6 +82,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from cpu_dips import CpuDips, DipError, DipSpec  # bench/cpu_dips.py
 from redis_server import redis_version, start_redis  # bench/redis_server.py
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -389,6 +396,10 @@ def main() -> int:
     ap.add_argument("--workers", default="1,2,3", metavar="K,...",
                     help="`sentinel run --workers K` for each K at each size of 100 runs or more where each worker "
                          "gets 50 runs or more (smaller sizes: 1 worker) (default: 1,2,3)")
+    ap.add_argument("--cpu-dips", metavar="DUTY:MS:EVERY",
+                    help="a noisy machine on demand (root, a cgroup CPU controller; bench/cpu_dips.py): Redis, the "
+                         "daemon and the publisher get DUTY %% of the CPUs for MS every EVERY seconds, as this VM's "
+                         "bad minutes do (25:80:1.5); default: the machine as it is")
     ap.add_argument("--profile", metavar="DIR", help="run the daemon under cProfile, one daemon-N.prof per size in DIR")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     args = ap.parse_args()
@@ -414,6 +425,10 @@ def main() -> int:
             or args.history < 0:
         ap.error("need --runs >= 1, --rate > 0, --seconds >= 2, --warmup >= 1, --ids-per-step >= 1, --history >= 0")
 
+    try:
+        dips = DipSpec.parse(args.cpu_dips) if args.cpu_dips else None
+    except ValueError as e:
+        ap.error(f"--cpu-dips: {e}")
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="daemon-scale-"))
@@ -426,24 +441,29 @@ def main() -> int:
     t0 = time.monotonic()
     results = []
     try:
-        for n in sizes:
-            one_process = None  # the floor arm stands beside one process (the first count given)
-            for k in ([k for k in worker_counts if k == 1 or n // k >= 50] if n >= 100 else [1]):
-                steady = cpu_steadiness()
-                res = one_size(n, args, work, env, workers=k)
-                res["cpu_dips"] = steady
-                results.append(res)
-                one_process = one_process or res
-                print(f"N={n}, {k} worker(s): cpu {res['cpu_cores']:.3f} cores, p99 {res['verdict_p99_ms']} ms, "
-                      f"keeps up {res['keeps_up']}", file=sys.stderr, flush=True)
-            for w in floors:
-                steady = cpu_steadiness()
-                f = one_size(n, args, work, env, floor_us=w)
-                one_process.setdefault("floor", []).append({
-                    "work_us": w, **{k: f[k] for k in ("cpu_cores", "cpu_us_per_record", "verdict_p50_ms", "verdict_p99_ms",
-                                                       "keeps_up", "load_avg_1m")}, "cpu_dips": steady})
-                print(f"N={n} floor {w:g} us: cpu {f['cpu_cores']:.3f} cores, p99 {f['verdict_p99_ms']} ms",
-                      file=sys.stderr, flush=True)
+        with CpuDips(dips) if dips else contextlib.nullcontext():
+            for n in sizes:
+                one_process = None  # the floor arm stands beside one process (the first count given)
+                for k in ([k for k in worker_counts if k == 1 or n // k >= 50] if n >= 100 else [1]):
+                    steady = cpu_steadiness()
+                    res = one_size(n, args, work, env, workers=k)
+                    res["cpu_dips"] = steady
+                    results.append(res)
+                    one_process = one_process or res
+                    print(f"N={n}, {k} worker(s): cpu {res['cpu_cores']:.3f} cores, p99 {res['verdict_p99_ms']} ms, "
+                          f"keeps up {res['keeps_up']}", file=sys.stderr, flush=True)
+                for w in floors:
+                    steady = cpu_steadiness()
+                    f = one_size(n, args, work, env, floor_us=w)
+                    one_process.setdefault("floor", []).append({
+                        "work_us": w, **{k: f[k] for k in ("cpu_cores", "cpu_us_per_record", "verdict_p50_ms", "verdict_p99_ms",
+                                                           "keeps_up", "load_avg_1m")}, "cpu_dips": steady})
+                    print(f"N={n} floor {w:g} us: cpu {f['cpu_cores']:.3f} cores, p99 {f['verdict_p99_ms']} ms",
+                          file=sys.stderr, flush=True)
+    except DipError as e:
+        print(f"daemon_scale: --cpu-dips: {e}", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+        return 2
     except BaseException:
         print(f"(scratch kept for a look: {work})", file=sys.stderr)
         raise
@@ -452,13 +472,15 @@ def main() -> int:
     out = {"results": results, "target": f"300 runs on one core with p99 <= {P99_TARGET_MS:g} ms",
            "target_met": any(r["runs"] >= 300 and r["target_met"] for r in results),
            "rate_per_run": args.rate, "ids_per_step": args.ids_per_step, "window_seconds": args.seconds,
-           "history_steps": args.history,
+           "history_steps": args.history, "cpu_dips_injected": dips.as_dict() if dips else None,
            "wall_seconds": time.monotonic() - t0, "cpus": os.cpu_count(), "python": platform.python_version(),
            "redis": version, "hiredis": hiredis_available()}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     history = f" after {args.history:,} steps of history" if args.history else ""
+    if dips:
+        history += f", CPU dips injected ({dips.duty_percent:g} % of the CPUs for {dips.dip_ms:g} ms every {dips.every_s:g} s)"
     print(f"`sentinel run` watching N runs at {args.rate:g} steps/s each ({args.ids_per_step} ids/step), {args.seconds:g} s "
           f"window{history}, redis-server {version}, hiredis {'yes' if out['hiredis'] else 'no'}, {out['cpus']} CPUs")
     print("| runs | workers | records/s | daemon CPU (cores) | CPU per run | RSS | Redis calls per record | verdict p50 | verdict p99 | keeps up "
