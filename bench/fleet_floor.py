@@ -5,9 +5,9 @@
 It reads a fleet's step streams as ``sentinel run`` does (one XREADGROUP over every run's stream
 with the same client, paced as ``sentinel run`` paces it: ``PACE_PER_RUN_S`` a run, at most
 ``PACE_MAX_S``, never after a full batch; the oldest record first), then spends a fixed amount of
-work on each record instead of judging it (``--work-us``: a loop of as many iterations as took that long when it
-started, the median of seven timings), notes the record's latency from its XADD (its stream id,
-Redis's clock) and acknowledges what it read. It serves the two metrics ``daemon_scale.py``
+work on each record instead of judging it (``--work-us``: a loop of as many iterations as took
+that long when it started, the median of seven timings), notes the record's latency from its XADD
+(its stream id, Redis's clock) and acknowledges what it read. It serves the two metrics ``daemon_scale.py``
 scrapes: ``sentinel_verdict_latency_seconds`` (the daemon's buckets) and
 ``sentinel_steps_processed_total``, and it takes every run's lease key under the consumer name
 ``bench``, so the bench measures it exactly as it measures the daemon.

@@ -435,9 +435,10 @@ class Daemon(DiscoveryMixin):
     def iterate(self, block_ms: int = 100) -> int:
         """One pass: leases, one XREADGROUP over every led run's stream, one pipeline of side reads
         for the runs to poll (those with new entries, and the others every ``POLL_IDLE_S``), every
-        run judged (the run with the oldest new record first), then one pipeline of their state saves and XACKs. No run's verdict waits for
-        another run's round trips: a round trip per phase, whatever the number of runs. Sets
-        ``next_read_at``, which the caller waits for (``Options.pace_per_run_s``)."""
+        run judged (the run with the oldest new record first), then one pipeline of their state
+        saves and XACKs. No run's verdict waits for another run's round trips: a round trip per
+        phase, whatever the number of runs. Sets ``next_read_at``, which the caller waits for
+        (``Options.pace_per_run_s``)."""
         started, now = time.monotonic(), time.time()
         if now - self._last_discovery > 2.0 or not self.watchers:
             self._discover()

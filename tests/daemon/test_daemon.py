@@ -407,8 +407,17 @@ def test_an_iteration_judges_the_runs_oldest_record_first(redis_url, unique_run)
     pump(d, until=lambda: len(d.watchers) == 3 and all(w.leader for w in d.watchers.values()))
     led = [w.run for w in d._leading()[0]]
     order: list[str] = []
+
+    def note_order(w):  # each watcher's judge, noting which run it judged
+        judge = w.judge
+
+        def judged(entries):
+            order.append(w.run)
+            return judge(entries)
+        w.judge = judged
+
     for w in d.watchers.values():
-        w.judge = (lambda judge, run: lambda entries: (order.append(run), judge(entries))[1])(w.judge, w.run)
+        note_order(w)
     for step, run in ((1, led[2]), (1, led[0]), (2, led[2]), (1, led[1])):  # the last run led wrote first
         publish_steps(r, run, [step])
         time.sleep(0.002)  # each record its own millisecond on the bus's clock
