@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 from sentinel import bus
 from sentinel.cli.run_cmd import PACE_PER_RUN_S
-from sentinel.daemon_options import PACE_MAX_S, Options
+from sentinel.daemon_options import PACE_MAX_S, Options, _stream_id_tuple
 from sentinel.metrics import VERDICT_BUCKETS
 from sentinel.protocol import STEP_CONSUMER_GROUP, Keys
 
@@ -45,11 +45,6 @@ def spin(n: int) -> int:
     for _ in range(n):
         x += 1
     return x
-
-
-def _age(e) -> tuple[int, int]:
-    ms, _, seq = e.id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def iterations_per_us() -> float:
@@ -96,7 +91,7 @@ def main() -> int:
         started = time.monotonic()
         entries = bus.read_group(r, streams, STEP_CONSUMER_GROUP, CONSUMER, count=BATCH, block_ms=100)
         done: dict[str, list[str]] = {}
-        for e in sorted(entries, key=_age):  # the oldest record first, as the daemon judges them
+        for e in sorted(entries, key=lambda e: _stream_id_tuple(e.id)):  # the oldest record first, as the daemon judges them
             spin(work)
             latency.observe(max(0.0, time.time() - int(e.id.partition("-")[0]) / 1000.0))
             done.setdefault(e.stream, []).append(e.id)
