@@ -92,10 +92,7 @@ class _Group:
         self.limit(None)
 
     def limit(self, quota_us: int | None) -> None:
-        if self.version == 2:
-            (self.path / "cpu.max").write_text(f"{'max' if quota_us is None else quota_us} {PERIOD_US}")
-        else:
-            (self.path / "cpu.cfs_quota_us").write_text(str(-1 if quota_us is None else quota_us))
+        _set_quota(self.path, self.version, quota_us)
 
     def procs_file(self, path: Path | None = None) -> Path:
         return (path or self.path) / "cgroup.procs"
@@ -109,11 +106,17 @@ class _Group:
             self.path.rmdir()
 
 
-def _toggle(group_path: str, version: int, quota: int, dip_s: float, every_s: float) -> None:
+def _set_quota(group: Path, version: int, quota_us: int | None) -> None:
+    """The group's CPU time a period (None: no limit)."""
+    if version == 2:
+        (group / "cpu.max").write_text(f"{'max' if quota_us is None else quota_us} {PERIOD_US}")
+    else:
+        (group / "cpu.cfs_quota_us").write_text(str(-1 if quota_us is None else quota_us))
+
+
+def _toggle(group: Path, version: int, quota: int, dip_s: float, every_s: float) -> None:
     """The toggling process: the quota on for ``dip_s``, off, every ``every_s``; lifted at once on
     SIGTERM (the bench leaving, or dying: ``PR_SET_PDEATHSIG``)."""
-    g = _Group.__new__(_Group)
-    g.path, g.version = Path(group_path), version
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # raised in the sleep: no dip outlives the bench
     parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
@@ -121,11 +124,11 @@ def _toggle(group_path: str, version: int, quota: int, dip_s: float, every_s: fl
     try:
         while os.getppid() == parent:  # (the bench gone before the prctl took: nobody would stop us)
             time.sleep(every_s - dip_s)
-            g.limit(quota)
+            _set_quota(group, version, quota)
             time.sleep(dip_s)
-            g.limit(None)
+            _set_quota(group, version, None)
     finally:
-        g.limit(None)
+        _set_quota(group, version, None)
 
 
 class CpuDips:
@@ -142,9 +145,13 @@ class CpuDips:
         self._home = self._own_group(g)
         ctx = multiprocessing.get_context("fork")  # started before this process joins the group: it stays outside
         self._toggler = ctx.Process(target=_toggle, daemon=True, args=(
-            str(g.path), g.version, self.spec.quota_us(os.cpu_count() or 1), self.spec.dip_ms / 1000, self.spec.every_s))
+            g.path, g.version, self.spec.quota_us(os.cpu_count() or 1), self.spec.dip_ms / 1000, self.spec.every_s))
         self._toggler.start()
-        g.procs_file().write_text(str(os.getpid()))
+        try:
+            g.procs_file().write_text(str(os.getpid()))
+        except OSError as e:
+            self.__exit__(None, None, None)
+            raise DipError(f"cannot move this process into {g.path} ({e.strerror})") from None
         return self
 
     def __exit__(self, *exc) -> None:
