@@ -53,6 +53,40 @@ def raw(r: redis.Redis) -> redis.Redis:
     return cached
 
 
+def _group_reader(r: redis.Redis) -> redis.Redis:
+    """``raw(r)``'s twin on the same connections, whose XREADGROUP replies come back as Redis sent
+    them (RESP2 lists, cached on ``raw(r)``). ``read_group`` decodes them itself, entry by entry and
+    in one pass: redis-py's reply callback builds a dict of bytes per entry that ``to_entry`` then
+    built again as text, and the two were about a tenth of a daemon's CPU at 300 runs
+    (``bench/probes/daemon_cpu.py``)."""
+    rr = raw(r)
+    cached = getattr(rr, "_sentinel_group_reader", None)
+    if cached is None:
+        cached = redis.Redis(connection_pool=rr.connection_pool)
+        cached.response_callbacks.pop("XREADGROUP", None)
+        rr._sentinel_group_reader = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def _group_entries(resp) -> list[Entry]:
+    """The entries of a raw RESP2 XREADGROUP reply (``[[stream, [[id, [field, value, ...]], ...]], ...]``;
+    None when the read timed out), as ``entries`` decodes them. An entry deleted while pending
+    (no fields) is left out; a field name or value that is not UTF-8 marks its entry ``bad``."""
+    out: list[Entry] = []
+    for stream, items in resp or ():
+        s = _text(stream)  # stream names and ids are ASCII by construction
+        for eid, flat in items:
+            if flat is None:
+                continue
+            i = _text(eid)
+            it = iter(flat)
+            try:
+                out.append(Entry(s, i, {_text(k): _text(v) for k, v in zip(it, it)}))
+            except UnicodeDecodeError:
+                out.append(Entry(s, i, {}, "not_utf8"))
+    return out
+
+
 def _text(b: bytes | str) -> str:
     return b if isinstance(b, str) else b.decode("utf-8")
 
@@ -128,12 +162,13 @@ def read_group(
     ``block_ms`` is capped below the connection's socket timeout.
     """
     names = [streams] if isinstance(streams, str) else list(streams)
-    start = "0" if pending else ">"
     block = _clamp_block(r, block_ms)
+    # the arguments as redis-py's xreadgroup would send them, with its reply parsing left out (``_group_reader``)
+    args = ["GROUP", group, consumer, "COUNT", int(count)] + (["BLOCK", block] if block is not None else [])
+    args += ["STREAMS", *names, *(["0" if pending else ">"] * len(names))]
     for attempt in (0, 1):
         try:
-            resp = raw(r).xreadgroup(group, consumer, {s: start for s in names}, count=count, block=block)
-            return entries(resp)
+            return _group_entries(_group_reader(r).execute_command("XREADGROUP", *args))
         except redis.ResponseError as e:
             if str(e).startswith("NOGROUP") and attempt == 0:
                 for s in names:

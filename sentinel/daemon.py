@@ -489,8 +489,11 @@ class Daemon(DiscoveryMixin):
         # iteration (a loop over 300 runs was ~0.5 ms of each ~45-record iteration)
         if not entries or mono >= self._next_sweep:
             self._next_sweep = mono + POLL_IDLE_S / 4
-            todo += [w for w in led if w.keys.steps not in grouped
-                     and (not entries or not w._recovered or mono - w.last_poll >= POLL_IDLE_S)]
+            if entries:  # the cheap test first: in a busy fleet nearly every run was polled just now
+                due = mono - POLL_IDLE_S
+                todo += [w for w in led if (w.last_poll <= due or not w._recovered) and w.keys.steps not in grouped]
+            else:
+                todo += [w for w in led if w.keys.steps not in grouped]
         if entries and not behind:  # (a read that came back empty has waited its block_ms already)
             self.next_read_at = started + min(PACE_MAX_S, self.opts.pace_per_run_s * len(led))
         prefetch(self.r, todo, now)

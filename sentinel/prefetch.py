@@ -10,8 +10,9 @@ step read and before any record is judged; each watcher takes its answers from
 
 The acks and approvals of every polled run are one XREAD each (XREAD takes many streams, and
 answers only for those with new entries), and every polled run's checkpoints hash and heartbeat
-one script (``_SIDE_READS``: an HGETALL and a GET a run, each under ``redis.pcall``, so a key of
-another type answers its own error and the others their values). Asked as two commands a run,
+one script (``_SIDE_READS``: an HGETALL a run, and a GET of the heartbeat of each run whose side reads
+are due, each under ``redis.pcall``, so a key of another type answers its own error and the others
+their values). Asked as two commands a run,
 packing and parsing them was about a tenth of the daemon's CPU at 300 runs. When one of the
 streams holds another Redis type, the whole XREAD fails: its runs are then read one by one (the
 run with the broken key is counted, the others read as usual); so are the hashes and heartbeats
@@ -32,13 +33,12 @@ from sentinel import bus, bus_streams
 
 RUN_DIR_LOOKUP_S = 2.0  # a run whose trainer registered no (local) run dir: looked up again this often
 _SIDE_READS = """
-local out = {}
-for i = 1, #KEYS, 2 do
-  out[#out + 1] = redis.pcall('HGETALL', KEYS[i])
-  out[#out + 1] = redis.pcall('GET', KEYS[i + 1])
+local out, n = {}, tonumber(ARGV[1])
+for i = 1, #KEYS do
+  if i <= n then out[i] = redis.pcall('HGETALL', KEYS[i]) else out[i] = redis.pcall('GET', KEYS[i]) end
 end
 return out
-"""  # KEYS: checkpoints hash, heartbeat, of each run in turn; a missing heartbeat comes back as nil
+"""  # KEYS: the N (ARGV[1]) runs' checkpoints hashes, then the heartbeats asked for; a missing one comes back as nil
 _STREAM_READS = (("acks", "acks_id", 1000), ("approvals", "approvals_id", 100))
 
 
@@ -57,8 +57,9 @@ def prefetch(r, watchers, now: float) -> None:
         for what, pos, count in _STREAM_READS:
             pipe.xread({getattr(w.keys, what): getattr(w, pos) for w in due}, count=count)
             plan.append((None, what))
-    side = [key for w in watchers for key in (w.keys.checkpoints, w.keys.heartbeat)]
-    pipe.eval(_SIDE_READS, len(side), *side)
+    # the heartbeat only where the clock rules run (``_react``): a healthy run's every few polls
+    side = [w.keys.checkpoints for w in watchers] + [w.keys.heartbeat for w in due]
+    pipe.eval(_SIDE_READS, len(side), *side, len(watchers))
     plan.append((None, "side"))
     for w in watchers:
         k = w.keys
@@ -81,7 +82,7 @@ def prefetch(r, watchers, now: float) -> None:
         if w is not None:
             w.prefetched[what] = reply
         elif what == "side":
-            _take_side(r, watchers, reply)
+            _take_side(r, watchers, due, reply)
         elif isinstance(reply, Exception):  # a stream of another type among them: read them one by one
             retry.append(what)
         else:
@@ -94,21 +95,25 @@ def prefetch(r, watchers, now: float) -> None:
         _one_by_one(r, due, retry)
 
 
-def _take_side(r, watchers, reply) -> None:
-    """Each watcher's checkpoints (a dict, as HGETALL gives it) and heartbeat from the script's
-    reply; a key of another type leaves its error in its place. A failed script: read one by one."""
-    if isinstance(reply, Exception) or not isinstance(reply, list) or len(reply) != 2 * len(watchers):
+def _take_side(r, watchers, due, reply) -> None:
+    """Each watcher's checkpoints (a dict, as HGETALL gives it), and the heartbeat of each one in
+    ``due``, from the script's reply; a key of another type leaves its error in its place. A failed
+    script: read one by one."""
+    n = len(watchers)
+    if isinstance(reply, Exception) or not isinstance(reply, list) or len(reply) != n + len(due):
         pipe = bus.raw(r).pipeline(transaction=False)
         for w in watchers:
             pipe.hgetall(w.keys.checkpoints)
+        for w in due:
             pipe.get(w.keys.heartbeat)
         with bus.bus_errors(r):
             reply = pipe.execute(raise_on_error=False)
-        for w, ck, hb in zip(watchers, reply[::2], reply[1::2]):
-            w.prefetched["checkpoints"], w.prefetched["heartbeat"] = ck, hb
-        return
-    for w, ck, hb in zip(watchers, reply[::2], reply[1::2]):
-        w.prefetched["checkpoints"] = dict(zip(ck[::2], ck[1::2])) if isinstance(ck, list) else ck
+        for w, ck in zip(watchers, reply):
+            w.prefetched["checkpoints"] = ck
+    else:
+        for w, ck in zip(watchers, reply):
+            w.prefetched["checkpoints"] = dict(zip(ck[::2], ck[1::2])) if isinstance(ck, list) else ck
+    for w, hb in zip(due, reply[n:]):
         w.prefetched["heartbeat"] = hb
 
 

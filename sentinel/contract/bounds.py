@@ -54,11 +54,12 @@ def _step_in_range(rec: StepRecord) -> bool:
     for x in _STEP_FLOATS_OF(rec):
         if x is not None and not 0.0 <= x <= MAX_MAGNITUDE:
             return False
-    for xs in (rec.rank_losses, rec.rank_step_seconds, (rec.phases or {}).values(),
-               [x for ph in rec.rank_phases or () for x in ph.values()]):
-        for x in xs or ():
-            if not 0.0 <= x <= MAX_MAGNITUDE:
-                return False
+    if rec.rank_losses or rec.rank_step_seconds or rec.phases or rec.rank_phases:  # most loops log none
+        for xs in (rec.rank_losses, rec.rank_step_seconds, (rec.phases or {}).values(),
+                   [x for ph in rec.rank_phases or () for x in ph.values()]):
+            for x in xs or ():
+                if not 0.0 <= x <= MAX_MAGNITUDE:
+                    return False
     return True
 
 

@@ -6,7 +6,7 @@ from collections import deque
 from typing import Any
 
 from sentinel.detectors.packed import pack, unpack
-from sentinel.detectors.robust import MAD_TO_SIGMA, median_of, slope_median
+from sentinel.detectors.robust import HALF_MAX, MAD_TO_SIGMA, median_of, slope_median
 
 
 class DescentJump:
@@ -64,7 +64,8 @@ class DescentJump:
     much again) is measured only where the jump clears ``MIN_RISE``, which a healthy run's rarely does.
     """
 
-    __slots__ = ("_gated", "_memo", "_n", "_points", "_steps", "_t0", "_x", "first", "post", "pre", "rise", "sigmas", "stride", "tally", "until", "z")
+    __slots__ = ("_gated", "_memo", "_n", "_points", "_pre_k", "_steps", "_t0", "_wild", "_x", "first", "post", "pre", "rise", "sigmas",
+                 "stride", "tally", "until", "z")
 
     HISTORY = 64  # losses for the level noise and the rawness check
     LAG = 8  # the level noise: spread of second differences of losses this many steps apart
@@ -92,6 +93,8 @@ class DescentJump:
         steps, xs = self._steps, self._x
         steps.append(step)
         xs.append(x)
+        if not -HALF_MAX < x < HALF_MAX:
+            self._wild = self._n  # slope_median must look for an overflow while this loss is in a window
         self._n += 1
         if self._n % self.stride or len(xs) < self.pre + self.post:
             return False
@@ -109,18 +112,19 @@ class DescentJump:
         # each side's own line (Theil-Sen), both read at t0: a jump is where they part
         memo = self._memo
         key = tuple(pre)
+        bounded = self._n - self._wild > len(xs)
         s_pre = memo.get(key)
         if s_pre is None:
-            s_pre = slope_median(pre)
-        s_post = slope_median(post)
+            s_pre = slope_median(pre, bounded)
+        s_post = slope_median(post, bounded)
         # ``post`` / ``stride`` points later, these ``post`` losses are the ``pre`` ones: their line is kept
         memo[tuple(post)] = s_post
         if len(memo) > self.post // self.stride + 2:
             del memo[next(iter(memo))]
-        n_pre = self.pre
-        befores = sorted(v - s_pre * (k - n_pre) for k, v in enumerate(pre))
+        befores = sorted([v - s_pre * k for v, k in zip(pre, self._pre_k)])
         afters = [v - s_post * k for k, v in enumerate(post)]
-        before = median_of(befores)
+        h = len(befores) >> 1  # median_of(befores), sorted already
+        before = befores[h] if len(befores) & 1 else 0.5 * (befores[h - 1] + befores[h])
         jump = median_of(afters) - before
         # the rise asked of any jump needs no noise: checked first, it spares most points the
         # noise's cost (half of this test's, which was a fifth of the daemon's CPU in a young fleet)
@@ -180,6 +184,7 @@ class DescentJump:
         while steps and steps[-1] > keep_through_step:
             steps.pop()
             xs.pop()
+        self._look_for_wild()
 
     def reset(self) -> None:
         # the steps and their losses, side by side (the losses are copied to a list at each verdict point)
@@ -187,6 +192,8 @@ class DescentJump:
         self._steps: deque[int] = deque(maxlen=n)
         self._x: deque[float] = deque(maxlen=n)
         self._n = 0
+        self._wild = -n - 1  # the last loss admitted (its ``_n``) that could overflow a slope: none
+        self._pre_k = list(range(-self.pre, 0))  # the ``pre`` losses' places, counted from t0
         # the Theil-Sen slope of each recent ``post`` window, by its losses (a cache: equal losses,
         # equal slope, whatever was rewound; not saved)
         self._memo: dict[tuple[float, ...], float] = {}
@@ -204,3 +211,10 @@ class DescentJump:
             self._steps.append(step)
             self._x.append(x)
         self._n = int(d["n"])
+        self._look_for_wild()
+
+    def _look_for_wild(self) -> None:
+        """After the window changed other than by ``update``: whether a loss in it could overflow a
+        slope (then ``slope_median`` looks until a window's worth of losses came after now)."""
+        if any(not -HALF_MAX < x < HALF_MAX for x in self._x):
+            self._wild = self._n
