@@ -95,6 +95,7 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self.approvals_id = "0-0"
         self.checkpoints_seen: set[int] = set()
         self._ckpt_raw: dict[int, bytes] = {}  # the hash value last fed per step (a rollback rewrites it)
+        self._ckpt_memo: tuple | None = None  # (the hash read, the set and policy it was taken into): _refresh_checkpoints
         self.gate = StepGate(run, opts.secret)
         # counters of rare events exported at 0 from the start: increase() then sees the first one, and
         # the dashboard shows "none" rather than "no data" (labels per stream and reason are made on use)

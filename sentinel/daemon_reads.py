@@ -75,8 +75,13 @@ class ReadsMixin:
         The trainer deletes a checkpoint's entry when retention deletes the checkpoint, so a step
         that left the hash must leave the policy too (a failover must not resurrect it).
         """
+        reply = self._read_trusting_type("checkpoints", lambda r: r.hgetall(self.keys.checkpoints)) or {}
+        memo = self._ckpt_memo
+        if memo is not None and memo[0] == reply and memo[1] is self.checkpoints_seen and memo[2] is self.policy \
+                and (reply or not self.checkpoints_seen):
+            return  # the hash as this policy already took it (most polls): nothing to parse or compare
         current: dict[int, bytes] = {}
-        for k, raw in (self._read_trusting_type("checkpoints", lambda r: r.hgetall(self.keys.checkpoints)) or {}).items():
+        for k, raw in reply.items():
             try:
                 current[int(k)] = raw
             except ValueError:
@@ -108,6 +113,9 @@ class ReadsMixin:
                 continue  # left over from a branch a rollback abandoned; the trainer overwrites it in time
             self.policy.on_checkpoint(info)
             self.checkpoints_seen.add(s)
+        # what the next poll compares its reply with; a state loaded or started afresh (a new set or
+        # policy) takes the hash again
+        self._ckpt_memo = (reply, self.checkpoints_seen, self.policy)
 
     def check_overload(self, now: float) -> None:
         """Count step records the capped stream trimmed before we read them; say we cannot keep up.

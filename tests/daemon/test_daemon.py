@@ -20,6 +20,7 @@ from sentinel import bus
 from sentinel.protocol import (
     STEP_CONSUMER_GROUP,
     Ack,
+    CheckpointInfo,
     Directive,
     Event,
     Keys,
@@ -447,6 +448,16 @@ def test_a_checkpoint_registered_before_a_record_is_known_when_the_record_is_jud
     publish_steps(r, run, range(3, 4))
     assert d.iterate(block_ms=20) == 1
     assert w.checkpoints_seen == set(CKPTS)
+    # a hash found as the last poll took it is skipped whole (_refresh_checkpoints): an entry rewritten
+    # (a rollback rewrites its step's) and one deleted (retention) must still be taken at the next poll
+    s0, s1 = CKPTS[:2]
+    r.hset(Keys(run).checkpoints, str(s0), CheckpointInfo(run=run, step=s0, path="/ckpt/rewritten", created=time.time(),
+                                                           bytes=2, manifest_sha256="1" * 64, world_size=1).to_json())
+    r.hdel(Keys(run).checkpoints, str(s1))
+    publish_steps(r, run, range(4, 5))
+    assert d.iterate(block_ms=20) == 1
+    assert w.checkpoints_seen == set(CKPTS) - {s1}
+    assert w.policy._checkpoints[s0].path == "/ckpt/rewritten" and s1 not in w.policy._checkpoints
 
 
 def test_a_fleet_collects_once_after_a_pass_that_added_many_watchers(redis_url, unique_run):
