@@ -151,27 +151,31 @@ def connect(
 
 
 class _ReusingPacker:
-    """redis-py's hiredis command packer, keeping the last XREADGROUP it packed.
+    """redis-py's hiredis command packer, keeping the last XREADGROUP and the last EVALSHA it packed.
 
-    A daemon's step read names every run's stream (2N + 7 arguments) and is the same at every
-    iteration: at 300 runs, packing those 607 arguments again, about 100 times a second, was 5-7%
-    of the daemon's CPU (``bench/daemon_scale.py``). A repeat is found by comparing the arguments
-    (the same string objects: an identity check each). Every other command is packed as before.
-    Only with ``hiredis`` (a dependency): without it redis-py's own packer stays in place. The
-    numbers in a step read (COUNT, BLOCK) are ints from ``read_group``, so equal arguments pack alike."""
+    A daemon's step read names every run's stream (2N + 7 arguments; as ``bus.read_group_with_hashes``,
+    an EVALSHA of 2N + 7) and is the same at every iteration: at 300 runs, packing those 607 arguments
+    again, about 100 times a second, was 5-7% of the daemon's CPU (``bench/daemon_scale.py``). A repeat
+    is found by comparing the arguments (the same string objects: an identity check each). Every other
+    command is packed as before. Only with ``hiredis`` (a dependency): without it redis-py's own packer
+    stays in place. The numbers in a step read (COUNT, BLOCK) are ints from ``read_group``, so equal
+    arguments pack alike."""
+
+    REUSED = ("XREADGROUP", "EVALSHA")
 
     def __init__(self) -> None:
         self._inner = HiredisRespSerializer()
-        self._last: tuple[tuple, list] | None = None  # (arguments, packed): one tuple, swapped whole
+        self._last: dict[str, tuple[tuple, list]] = {}  # command -> (arguments, packed)
 
     def pack(self, *args: Any) -> list:
-        if args[0] != "XREADGROUP":
+        name = args[0]
+        if name not in self.REUSED:
             return self._inner.pack(*args)
-        last = self._last
+        last = self._last.get(name)
         if last is not None and last[0] == args:
             return last[1]
         out = self._inner.pack(*args)
-        self._last = (args, out)
+        self._last[name] = (args, out)
         return out
 
 

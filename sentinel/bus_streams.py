@@ -180,6 +180,59 @@ def read_group(
     return []  # pragma: no cover
 
 
+# XREADGROUP ... STREAMS KEYS[1..n] > ..., and for each stream that had entries an HGETALL of the hash paired
+# with it (KEYS[n + i]): one call. Errors come back in place (pcall); one from the read itself, whole
+_READ_WITH_HASHES = """
+local n = tonumber(ARGV[4])
+local args, pos = {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS'}, {}
+for i = 1, n do args[7 + i] = KEYS[i]; args[7 + n + i] = '>'; pos[KEYS[i]] = i end
+local got = redis.pcall(unpack(args))
+if type(got) == 'table' and got['err'] then return got end
+local hashes = {}
+for k, s in ipairs(got or {}) do hashes[k] = redis.pcall('HGETALL', KEYS[n + pos[s[1]]]) end
+return {got, hashes}
+"""
+
+
+def read_group_with_hashes(r: redis.Redis, streams: Sequence[str], hashes: Sequence[str], group: str, consumer: str,
+                           *, count: int = 100) -> tuple[list[Entry], dict[str, Any]] | None:
+    """``read_group`` without blocking, and with it, in the same round trip, the HGETALL of the hash
+    paired with each stream that had new entries (``hashes[i]`` with ``streams[i]``): (the entries, a
+    dict stream -> the hash as ``{field: value}`` in bytes, or the ``ResponseError`` its key gave).
+
+    A daemon reads every run's checkpoints hash before it judges the run's records (a checkpoint
+    registered before a record is known when that record is judged); asked in a second round trip,
+    that waited on Redis once more per iteration. None when the server refused the read as a whole
+    (a group that vanished, a key of another type, no scripting): ``read_group`` then reads, and says
+    what was wrong."""
+    names = list(streams)
+    reader = _group_reader(r)
+    keys = names + list(hashes)
+    sha = getattr(reader, "_sentinel_read_sha", None)
+    try:
+        for attempt in (0, 1):
+            if sha is None:
+                sha = reader._sentinel_read_sha = _text(reader.script_load(_READ_WITH_HASHES))  # type: ignore[attr-defined]
+            try:
+                reply = reader.execute_command("EVALSHA", sha, len(keys), *keys, group, consumer, int(count), len(names))
+                break
+            except redis.exceptions.NoScriptError:  # the server restarted, or flushed its scripts: load it again
+                if attempt:
+                    return None
+                sha = None
+        else:  # pragma: no cover
+            return None
+    except redis.ResponseError:
+        return None
+    except redis.RedisError as e:
+        raise translate(e, _describe(r)) from None
+    got, replies = reply
+    out: dict[str, Any] = {}
+    for (stream, _items), h in zip(got or (), replies):
+        out[_text(stream)] = dict(zip(h[::2], h[1::2])) if isinstance(h, list) else h
+    return _group_entries(got), out
+
+
 def ack(r: redis.Redis, stream: str, group: str, *ids: str) -> int:
     """XACK entries once they are fully processed (at-least-once delivery)."""
     if not ids:

@@ -1,13 +1,14 @@
 """The sentinel daemon: every step of every watched run goes through the rules; actions go out signed.
 
 Loop body (one iteration, one round trip per phase whatever the number of runs): renew leases
-(every third of the lease) → read every led run's new step records (one XREADGROUP) → the side
-reads of the runs to poll (one pipeline: ``prefetch``) → per run: refresh checkpoints, its records
-(own pending entries first after a new term, then those a dead consumer left behind via
-XAUTOCLAIM, then the new ones) through the gate and the policy, its actions executed, acks and
-approvals, the clock tick (with ``Options.side_read_s``, a healthy run's at most that often) →
-every run's state save and XACK (one pipeline; with
-``Options.state_save_s``, a state moved by step records alone is saved at most that often).
+(every third of the lease) → read every led run's new step records (one XREADGROUP; when the last
+read found records, without blocking and with the checkpoints hashes of the runs read, in one
+script) → per run: refresh checkpoints, its records (own pending entries first after a new term,
+then those a dead consumer left behind via XAUTOCLAIM, then the new ones) through the gate and the
+policy, its actions executed → the side reads settling needs (one pipeline: ``prefetch``) → per
+run: acks and approvals, the clock tick (with ``Options.side_read_s``, a healthy run's at most that
+often) → every run's state save and XACK (one pipeline; with ``Options.state_save_s``, a state
+moved by step records alone is saved at most that often).
 
 Exactly-once effects over at-least-once delivery:
 - every action carries a deterministic idempotency key; ``HSETNX applied key`` gates the XADD of its
@@ -56,7 +57,7 @@ from sentinel.daemon_state import StateMixin
 from sentinel.ingest import StepGate, Verdict
 from sentinel.metrics import SentinelMetrics
 from sentinel.policy import RunPolicy
-from sentinel.prefetch import prefetch
+from sentinel.prefetch import prefetch, prefetch_checkpoints
 from sentinel.protocol import (
     STEP_CONSUMER_GROUP,
     Keys,
@@ -429,16 +430,19 @@ class Daemon(DiscoveryMixin):
         self._led: tuple | None = None  # ``_leading``'s lists, and what they were built from
         self._behind: list[RunWatcher] = []  # watchers whose last read was a full batch
         self._next_sweep = 0.0  # monotonic: when ``iterate`` next looks for idle runs due a poll
+        self._busy = False  # the last step read found records: the next one does not block (``iterate``)
 
     def _new_watcher(self, run: str) -> RunWatcher:  # DiscoveryMixin's
         return RunWatcher(self.r, run, self.opts, self.m, self.log)
 
     def iterate(self, block_ms: int = 100) -> int:
-        """One pass: leases, one XREADGROUP over every led run's stream, one pipeline of side reads
-        for the runs to poll (those with new entries, and the others every ``POLL_IDLE_S``), every
-        run judged (the run with the oldest new record first), then one pipeline of their state
-        saves and XACKs. No run's verdict waits for another run's round trips: a round trip per
-        phase, whatever the number of runs. Sets ``next_read_at``, which the caller waits for
+        """One pass: leases, one step read over every led run's stream (with the checkpoints hashes of
+        the runs it found records of, when the last read found any: ``bus.read_group_with_hashes``),
+        every run to poll (those with new entries, and the others every ``POLL_IDLE_S``) judged (the
+        run with the oldest new record first), one pipeline of the side reads settling needs, every
+        run settled, then one pipeline of their state saves and XACKs. No run's verdict waits for
+        another run's round trips, and in a busy fleet none for its own: a round trip per phase,
+        whatever the number of runs. Sets ``next_read_at``, which the caller waits for
         (``Options.pace_per_run_s``)."""
         started, now = time.monotonic(), time.time()
         if now - self._last_discovery > 2.0 or not self.watchers:
@@ -453,13 +457,16 @@ class Daemon(DiscoveryMixin):
                 for w in standby:
                     w.renew_lease()
                 self._last_probe = now
-        led, by_stream, streams, _standby = self._leading()
+        led, by_stream, streams, _standby, ckpt_keys = self._leading()
         if not led:
             time.sleep(block_ms / 1000.0)
             return 0
-        try:
-            entries = bus.read_group(self.r, streams, STEP_CONSUMER_GROUP, self.opts.consumer,
-                                     count=self.opts.batch, block_ms=block_ms)
+        try:  # busy (the last read found records): without blocking, with the checkpoints of the runs read
+            got = self._busy and bus.read_group_with_hashes(self.r, streams, ckpt_keys, STEP_CONSUMER_GROUP,
+                                                            self.opts.consumer, count=self.opts.batch)
+            entries, checkpoints = got if got and got[0] else (bus.read_group(
+                self.r, streams, STEP_CONSUMER_GROUP, self.opts.consumer, count=self.opts.batch, block_ms=block_ms), {})
+            self._busy = bool(entries)
         except bus.BusError as e:
             if "WRONGTYPE" not in str(e):
                 raise
@@ -497,9 +504,7 @@ class Daemon(DiscoveryMixin):
                 todo += [w for w in led if w.keys.steps not in grouped]
         if entries and not behind:  # (a read that came back empty has waited its block_ms already)
             self.next_read_at = started + min(PACE_MAX_S, self.opts.pace_per_run_s * len(led))
-        prefetch(self.r, todo, now)
-        for w in todo:
-            w.check_overload(now)
+        prefetch_checkpoints(self.r, todo, checkpoints)  # a busy read brought them: no round trip before the verdicts
         done = 0
         pipe = bus.raw(self.r).pipeline(transaction=False)  # every run's state save and XACK: one round trip
         judged = []  # every run's verdicts first, then each run settled (RunWatcher.judge / settle)
@@ -512,6 +517,9 @@ class Daemon(DiscoveryMixin):
                 raise  # the bus's own failure: the caller backs off and every watcher reads its pending entries again
             except Exception as e:  # noqa: BLE001 - a bug or a state no check foresaw, in this run only
                 w.internal_error(e)
+        prefetch(self.r, todo, now)  # what only settling reads: acks, approvals, heartbeats, overload, run dirs
+        for w in todo:
+            w.check_overload(now)
         for w, j in judged:
             try:
                 done += w.settle(j, pipe)
@@ -525,14 +533,16 @@ class Daemon(DiscoveryMixin):
                 pipe.execute()
         return done
 
-    def _leading(self) -> tuple[list[RunWatcher], dict[str, RunWatcher], list[str], list[RunWatcher]]:
+    def _leading(self) -> tuple[list[RunWatcher], dict[str, RunWatcher], list[str], list[RunWatcher], list[str]]:
         """(the watchers of the runs this daemon leads, them by steps stream, the streams, the
-        standbys): rebuilt when a lease changed hands or a run was added or retired, else kept."""
+        standbys, the led runs' checkpoints keys in the streams' order): rebuilt when a lease changed
+        hands or a run was added or retired, else kept."""
         key = (RunWatcher.leadership_changes, len(self.watchers), id(self.watchers))
         if self._led is None or self._led[0] != key:
             led = [w for w in self.watchers.values() if w.leader]
             by_stream = {w.keys.steps: w for w in led}
-            self._led = (key, (led, by_stream, list(by_stream), [w for w in self.watchers.values() if not w.leader]))
+            self._led = (key, (led, by_stream, list(by_stream), [w for w in self.watchers.values() if not w.leader],
+                               [w.keys.checkpoints for w in led]))
             self._next_sweep = 0.0  # a new term: its pending entries are recovered at once
         return self._led[1]
 

@@ -203,17 +203,52 @@ def test_a_repeated_step_read_is_packed_once_and_a_changed_one_again(redis_url, 
     for i, s in enumerate(streams[:20]):
         bus.publish(r, s, _step(unique_run, i))
     first = bus.read_group(r, streams[:20], "g", "c1", count=5)
-    packed = packer._last
+    packed = packer._last["XREADGROUP"]
     assert sorted(bus.decode(e).step for e in first) == list(range(20))
     for i, s in enumerate(streams):
         bus.publish(r, s, _step(unique_run, 100 + i))
     again = bus.read_group(r, streams[:20], "g", "c1", count=5)
-    assert packer._last is packed  # the same arguments: packed once
+    assert packer._last["XREADGROUP"] is packed  # the same arguments: packed once
     assert sorted(bus.decode(e).step for e in again) == list(range(100, 120))
     wider = bus.read_group(r, streams, "g", "c1", count=5)  # twenty more streams: packed anew
-    assert packer._last is not packed and sorted(bus.decode(e).step for e in wider) == list(range(120, 140))
+    assert packer._last["XREADGROUP"] is not packed and sorted(bus.decode(e).step for e in wider) == list(range(120, 140))
     assert len(bus.read_group(r, streams, "g", "c1", count=1, pending=True)) == 40  # id 0 and COUNT 1: anew
     assert r.set(f"{unique_run}:k", "v") and r.get(f"{unique_run}:k") == "v"  # other commands as before
+
+
+def test_a_busy_step_read_brings_the_hashes_of_the_streams_it_read_in_the_same_call(redis_url, unique_run):
+    """``bus.read_group_with_hashes``: the daemon's step read when the last one found records. One
+    EVALSHA reads the group without blocking and, for each stream with new entries, the hash paired
+    with it (a key of another type answers its error in place); a stream with nothing new brings no
+    hash. The entries are delivered as ``read_group`` delivers them (">" once). A server that lost its
+    scripts gets it again; a read the server refuses as a whole (no group) is None, for ``read_group``
+    to say why. The same arguments are packed once (``_ReusingPacker``)."""
+    r = bus.connect(redis_url)
+    raw = bus.raw(r)
+    keys = [Keys(f"{unique_run}-{i}") for i in range(4)]
+    streams, hashes = [k.steps for k in keys], [k.checkpoints for k in keys]
+    for s in streams:
+        bus.ensure_group(r, s, "g")
+    r.hset(hashes[0], mapping={"10": "a", "20": "b"})
+    r.set(hashes[1], "not a hash")  # another type: its error, in its place
+    for i in (0, 1, 2):  # stream 3: nothing new, no hash asked for
+        bus.publish(r, streams[i], _step(unique_run, i))
+    entries, got = bus.read_group_with_hashes(r, streams, hashes, "g", "c1", count=5)
+    assert sorted(bus.decode(e).step for e in entries) == [0, 1, 2]
+    assert got[streams[0]] == {b"10": b"a", b"20": b"b"} and got[streams[2]] == {}
+    assert "WRONGTYPE" in str(got[streams[1]]) and streams[3] not in got
+    assert bus.read_group_with_hashes(r, streams, hashes, "g", "c1", count=5) == ([], {})  # delivered once
+    packer = raw.connection_pool.connection_kwargs["command_packer"]
+    packed = packer._last["EVALSHA"]
+    raw.script_flush()  # a restarted server: the script is loaded again
+    bus.publish(r, streams[3], _step(unique_run, 3))
+    entries, got = bus.read_group_with_hashes(r, streams, hashes, "g", "c1", count=5)
+    assert [bus.decode(e).step for e in entries] == [3] and got == {streams[3]: {}}
+    assert packer._last["EVALSHA"] is packed  # the same script and arguments: packed once
+    raw.xgroup_destroy(streams[2], "g")
+    assert bus.read_group_with_hashes(r, streams, hashes, "g", "c1", count=5) is None  # NOGROUP: read_group's to handle
+    again = bus.read_group(r, streams, "g", "c1", count=5)  # ... which makes the group again, from the stream's start
+    assert [bus.decode(e).step for e in again] == [2]
 
 
 def test_autoclaim_takes_over_a_dead_consumer(redis_url, unique_run):
