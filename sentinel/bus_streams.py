@@ -7,6 +7,7 @@ exceptions are translated into ``BusError`` (``bus_connect.bus_errors``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -194,6 +195,10 @@ return {got, hashes}
 """
 
 
+_READ_WITH_HASHES_SHA = hashlib.sha1(_READ_WITH_HASHES.encode()).hexdigest()
+SCRIPT_RETRY_S = 60.0  # a server that refused the script (an ACL without EVAL, scripting off) is asked again after this
+
+
 def read_group_with_hashes(r: redis.Redis, streams: Sequence[str], hashes: Sequence[str], group: str, consumer: str,
                            *, count: int = 100) -> tuple[list[Entry], dict[str, Any]] | None:
     """``read_group`` without blocking, and with it, in the same round trip, the HGETALL of the hash
@@ -202,27 +207,25 @@ def read_group_with_hashes(r: redis.Redis, streams: Sequence[str], hashes: Seque
 
     A daemon reads every run's checkpoints hash before it judges the run's records (a checkpoint
     registered before a record is known when that record is judged); asked in a second round trip,
-    that waited on Redis once more per iteration. None when the server refused the read as a whole
-    (a group that vanished, a key of another type, no scripting): ``read_group`` then reads, and says
-    what was wrong."""
-    names = list(streams)
+    that waited on Redis once more per iteration. EVALSHA, and EVAL where the server does not have
+    the script yet (which caches it: the ACL of docs/deploy.md allows both, not SCRIPT LOAD). None
+    when the server refused the read as a whole: a group that vanished or a key of another type
+    (``read_group`` then reads, and says what was wrong), or the script itself (an ACL without EVAL,
+    scripting turned off: then None without asking for ``SCRIPT_RETRY_S``)."""
     reader = _group_reader(r)
+    if getattr(reader, "_sentinel_no_script_until", 0.0) > time.monotonic():
+        return None
+    names = list(streams)
     keys = names + list(hashes)
-    sha = getattr(reader, "_sentinel_read_sha", None)
+    args = (len(keys), *keys, group, consumer, int(count), len(names))
     try:
-        for attempt in (0, 1):
-            if sha is None:
-                sha = reader._sentinel_read_sha = _text(reader.script_load(_READ_WITH_HASHES))  # type: ignore[attr-defined]
-            try:
-                reply = reader.execute_command("EVALSHA", sha, len(keys), *keys, group, consumer, int(count), len(names))
-                break
-            except redis.exceptions.NoScriptError:  # the server restarted, or flushed its scripts: load it again
-                if attempt:
-                    return None
-                sha = None
-        else:  # pragma: no cover
-            return None
-    except redis.ResponseError:
+        try:
+            reply = reader.execute_command("EVALSHA", _READ_WITH_HASHES_SHA, *args)
+        except redis.exceptions.NoScriptError:  # not cached there yet (a new or restarted server): EVAL caches it
+            reply = reader.execute_command("EVAL", _READ_WITH_HASHES, *args)
+    except redis.ResponseError as e:
+        if not str(e).startswith(("NOGROUP", "WRONGTYPE")):  # the read's own refusals come back as they are
+            reader._sentinel_no_script_until = time.monotonic() + SCRIPT_RETRY_S  # type: ignore[attr-defined]
         return None
     except redis.RedisError as e:
         raise translate(e, _describe(r)) from None

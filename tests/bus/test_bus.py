@@ -251,6 +251,43 @@ def test_a_busy_step_read_brings_the_hashes_of_the_streams_it_read_in_the_same_c
     assert [bus.decode(e).step for e in again] == [2]
 
 
+def _deploy_acl_rules() -> str:
+    """The rules of the ``sentinel`` ACL user as deploy/k8s/base/redis/start-redis.sh writes them."""
+    text = (Path(__file__).resolve().parents[2] / "deploy/k8s/base/redis/start-redis.sh").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("user sentinel on "))
+    return line.split(None, 3)[3].split(None, 1)[1]  # after "user sentinel on #${user_hash}"
+
+
+def test_the_busy_step_read_runs_under_the_deployed_acl_and_steps_aside_where_scripts_are_refused(redis_url, unique_run):
+    """The deployed ACL user (``+eval +evalsha``, no ``SCRIPT``) gets the one-call read; a user
+    without them gets None (``read_group`` then reads: the daemon goes on), and the script is not
+    asked for again until ``SCRIPT_RETRY_S`` passed."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from sentinel import bus_streams
+
+    admin = bus.connect(redis_url)
+    rules = _deploy_acl_rules()
+    assert "+evalsha" in rules and "+eval" in rules
+    k = Keys(unique_run)
+    bus.ensure_group(admin, k.steps, "g")
+    parts = urlsplit(redis_url)
+    for user, acl in ((f"{unique_run}-ok", rules), (f"{unique_run}-noeval", rules.replace("+evalsha", "").replace("+eval", ""))):
+        admin.execute_command("ACL", "SETUSER", user, "on", ">pw-0123456789", *acl.split())
+        url = urlunsplit((parts.scheme, f"{user}:pw-0123456789@{parts.hostname}:{parts.port}", parts.path, parts.query, ""))
+        r = bus.connect(url)
+        bus.publish(admin, k.steps, _step(unique_run, 1 if user.endswith("-ok") else 2))
+        got = bus.read_group_with_hashes(r, [k.steps], [k.checkpoints], "g", user)
+        if user.endswith("-ok"):
+            assert got is not None and [bus.decode(e).step for e in got[0]] == [1] and got[1] == {k.steps: {}}
+        else:
+            assert got is None
+            until = bus_streams._group_reader(r)._sentinel_no_script_until
+            assert until > time.monotonic() + bus_streams.SCRIPT_RETRY_S - 5
+            assert [bus.decode(e).step for e in bus.read_group(r, [k.steps], "g", user)] == [2]
+        admin.execute_command("ACL", "DELUSER", user)
+
+
 def test_autoclaim_takes_over_a_dead_consumer(redis_url, unique_run):
     r = bus.connect(redis_url)
     k = Keys(unique_run)
