@@ -36,6 +36,7 @@ import redis
 
 from sentinel import bus, rundir
 from sentinel.daemon_actions import ActionsMixin
+from sentinel.daemon_backlog import SAVE_DEFER_PERIODS, Backlog
 from sentinel.daemon_discovery import DiscoveryMixin
 from sentinel.daemon_failover import FailoverMixin
 from sentinel.daemon_lease import Lease, standby_probe_s
@@ -206,14 +207,15 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
             self.last_read = time.time()
         return done, marks
 
-    def settle(self, judged: tuple, pipe=None) -> int:
+    def settle(self, judged: tuple, pipe=None, behind: bool = False) -> int:
         """``poll``'s second half: the run dir, acks, approvals, the clock, events and pages, then the
-        state saved and the entries acknowledged (queued on ``pipe``); returns how many were judged."""
+        state saved and the entries acknowledged (queued on ``pipe``; a routine save put off while the
+        daemon is ``behind``: ``daemon_backlog``); returns how many were judged."""
         done, marks = judged
         if done and self._run_dir is None and (self.run in self.opts.run_dirs or "info" in self.prefetched):
             self._mirror_dir()  # the trainer registers its run dir with its first steps (looked up every 2 s: prefetch)
         n_events = self._react()
-        self._commit(done, bool(n_events) or marks != (self.acks_id, self.approvals_id, len(self.checkpoints_seen)), pipe)
+        self._commit(done, bool(n_events) or marks != (self.acks_id, self.approvals_id, len(self.checkpoints_seen)), pipe, behind)
         self.side_read = True  # a poll without prefetch (``poll`` alone) reads them all
         return len(done)
 
@@ -304,15 +306,16 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self.pager.tick(time.time(), self._incident_open)
         return n_events
 
-    def _commit(self, done: list[str], changed: bool, pipe=None) -> None:
+    def _commit(self, done: list[str], changed: bool, pipe=None, behind: bool = False) -> None:
         """Save the state, then acknowledge the entries it covers (in this order, on one connection:
         no entry is acknowledged that a saved state does not cover). An idle poll (nothing read,
         nothing decided) leaves the state as it was; serialising it costs O(sample history x batch
         size): saved only when something changed, and when only step records did, at most every
-        ``opts.state_save_s`` (what is judged meanwhile stays pending: a successor judges it again)."""
+        ``opts.state_save_s`` (what is judged meanwhile stays pending: a successor judges it again),
+        put off by up to ``SAVE_DEFER_PERIODS`` of those while the daemon is ``behind``."""
         self._unacked += done
         now = time.monotonic()
-        if changed or (self._unacked and now >= self._next_save):
+        if changed or (self._unacked and now >= self._next_save + (SAVE_DEFER_PERIODS * self.opts.state_save_s if behind else 0.0)):
             # jittered: runs that fell due together (after a stall) drift apart again, not saving in one iteration for good
             self._next_save = now + self.opts.state_save_s * (0.75 + 0.5 * random.random())
             out = pipe if pipe is not None else bus.raw(self.r).pipeline(transaction=False)
@@ -431,6 +434,7 @@ class Daemon(DiscoveryMixin):
         self._behind: list[RunWatcher] = []  # watchers whose last read was a full batch
         self._next_sweep = 0.0  # monotonic: when ``iterate`` next looks for idle runs due a poll
         self._busy = False  # the last step read found records: the next one does not block (``iterate``)
+        self.backlog = Backlog()  # whether the records read waited long: routine state saves are put off
 
     def _new_watcher(self, run: str) -> RunWatcher:  # DiscoveryMixin's
         return RunWatcher(self.r, run, self.opts, self.m, self.log)
@@ -486,6 +490,7 @@ class Daemon(DiscoveryMixin):
         # came (the runs' order would keep a late run's oldest record waiting behind newer ones)
         todo = sorted((by_stream[s] for s in grouped), key=lambda w: _stream_id_tuple(grouped[w.keys.steps][0].id))
         self._behind = []
+        self.backlog.update(_stream_id_tuple(grouped[todo[0].keys.steps][0].id)[0] if todo else None, now, mono)
         for w in todo:
             w._delivered += len(grouped[w.keys.steps])
             if len(grouped[w.keys.steps]) >= self.opts.batch:  # a full batch: more is waiting
@@ -522,7 +527,7 @@ class Daemon(DiscoveryMixin):
             w.check_overload(now)
         for w, j in judged:
             try:
-                done += w.settle(j, pipe)
+                done += w.settle(j, pipe, self.backlog.behind)
                 w.internal_errors = 0
             except (bus.BusError, redis.RedisError):
                 raise

@@ -34,20 +34,24 @@ def pack(rows: Iterable[Sequence[Any]] | Iterable[Any], kinds: str) -> str | lis
     letter) as one string. A value no column can hold (an int beyond int64) leaves the rows as JSON
     lists, which ``unpack`` reads too: a save never fails on a number."""
     rows = list(rows)
+    n = len(rows)
     try:
         cols = [rows] if len(kinds) == 1 else (list(zip(*rows)) if rows else [() for _ in kinds])
         if len(cols) != len(kinds):
             raise TypeError("rows do not match kinds")
         parts = []
         for kind, col in zip(kinds, cols):
-            if kind == "n":
-                parts.append(_bytes(array("d", [0.0 if v is None else v for v in col])))
-                parts.append(bytes(0 if v is None else 1 for v in col))
-            else:
+            if kind != "n":
                 parts.append(_bytes(array(_CODES[kind], col)))
+            elif None in col:  # (a C scan: a column with no None, the usual, skips both Python loops)
+                parts.append(_bytes(array("d", [0.0 if v is None else v for v in col])))
+                parts.append(bytes([v is not None for v in col]))
+            else:
+                parts.append(_bytes(array("d", col)))
+                parts.append(b"\x01" * n)
     except (OverflowError, TypeError):
         return [list(r) for r in rows] if len(kinds) > 1 else list(rows)
-    return f"{_PREFIX}:{len(rows)}:{kinds}:{base64.b64encode(b''.join(parts)).decode('ascii')}"
+    return f"{_PREFIX}:{n}:{kinds}:{binascii.b2a_base64(b''.join(parts), newline=False).decode('ascii')}"
 
 
 def unpack(obj: Any, kinds: str) -> list:

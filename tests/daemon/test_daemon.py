@@ -34,6 +34,7 @@ from tests.helpers.daemon import (
     directives,
     ids_of,
     incident_run,
+    leading,
     make_daemon,
     publish_steps,
     pump,
@@ -332,9 +333,7 @@ def test_a_healthy_runs_acks_wait_for_their_cadence_and_an_incidents_are_read_at
     checkpoints are read at every poll whatever the cadence."""
     r = bus.connect(redis_url)
     run, k = unique_run, Keys(unique_run)
-    d = make_daemon(r, run, "a", side_read_s=3600.0)
-    pump(d, until=lambda: d.watchers[run].leader)
-    w = d.watchers[run]
+    d, w = leading(r, run, side_read_s=3600.0)
     publish_steps(r, run, range(1, 6))
     pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 5)  # the first poll read them: due at 0
     acks_before = w.acks_id

@@ -71,6 +71,13 @@ def make_daemon(r, run: str, consumer: str = "a", *, metrics: SentinelMetrics | 
     return d
 
 
+def leading(r, run: str, consumer: str = "a", **opts) -> tuple[Daemon, object]:
+    """A daemon (``make_daemon``'s options) that has taken the run's lease, and its run watcher."""
+    d = make_daemon(r, run, consumer, **opts)
+    pump(d, until=lambda: d.watchers[run].leader)
+    return d, d.watchers[run]
+
+
 def pump(*daemons: Daemon, until=lambda: False, timeout: float = 10.0, min_iter: int = 1) -> None:
     """Iterate the daemons (20 ms blocking reads) until ``until()`` holds; at least ``min_iter`` rounds."""
     deadline = time.monotonic() + timeout
