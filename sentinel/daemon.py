@@ -36,7 +36,7 @@ import redis
 
 from sentinel import bus, rundir
 from sentinel.daemon_actions import ActionsMixin
-from sentinel.daemon_backlog import SAVE_DEFER_PERIODS, Backlog
+from sentinel.daemon_backlog import SAVE_DEFER_PERIODS, SIDE_READ_DEFER_PERIODS, Backlog
 from sentinel.daemon_discovery import DiscoveryMixin
 from sentinel.daemon_failover import FailoverMixin
 from sentinel.daemon_lease import Lease, standby_probe_s
@@ -219,13 +219,15 @@ class RunWatcher(StateMixin, FailoverMixin, ReadsMixin, ActionsMixin, MirrorsMix
         self.side_read = True  # a poll without prefetch (``poll`` alone) reads them all
         return len(done)
 
-    def side_reads_due(self, now: float) -> bool:
+    def side_reads_due(self, now: float, behind: bool = False) -> bool:
         """Whether this poll reads the run's acks and approvals and runs its clock rules (with the
         heartbeat): at most every ``opts.side_read_s`` (jittered, so a fleet's fall in different
-        iterations) for a healthy run; at every poll for a run in an incident or just sent an
-        action (its acks and the operator's approval are awaited). Its checkpoints are read at
-        every poll whatever this says. Set on ``side_read`` by ``prefetch``."""
-        if self.opts.side_read_s <= 0 or now >= self._next_side_read or self.policy.state != "healthy":
+        iterations) for a healthy run, put off by up to ``SIDE_READ_DEFER_PERIODS`` of those while
+        the daemon is ``behind`` (``daemon_backlog``); at every poll for a run in an incident or just
+        sent an action (its acks and the operator's approval are awaited). Its checkpoints are read
+        at every poll whatever this says. Set on ``side_read`` by ``prefetch``."""
+        late = SIDE_READ_DEFER_PERIODS * self.opts.side_read_s if behind else 0.0
+        if self.opts.side_read_s <= 0 or now >= self._next_side_read + late or self.policy.state != "healthy":
             self._next_side_read = now + self.opts.side_read_s * (0.5 + random.random())
             return True
         return False
@@ -522,7 +524,7 @@ class Daemon(DiscoveryMixin):
                 raise  # the bus's own failure: the caller backs off and every watcher reads its pending entries again
             except Exception as e:  # noqa: BLE001 - a bug or a state no check foresaw, in this run only
                 w.internal_error(e)
-        prefetch(self.r, todo, now)  # what only settling reads: acks, approvals, heartbeats, overload, run dirs
+        prefetch(self.r, todo, now, self.backlog.behind)  # what only settling reads: acks, approvals, heartbeats, overload, run dirs
         for w in todo:
             w.check_overload(now)
         for w, j in judged:

@@ -7,10 +7,15 @@ a record waited more than ``LAG_S`` beyond the floor. The floor drops at once to
 and rises by ``RISE_S_PER_S`` a second, so a clock that steps, or a skew that grows, is followed
 within seconds.
 
-While it is behind, the daemon puts off the one piece of work that no verdict, directive or page
-waits for: a run's routine state save (``RunWatcher._commit``), by at most ``SAVE_DEFER_PERIODS``
-save periods. In a minute when the machine's CPU dips, the records that queued meanwhile are then
-judged before the saves, not behind them. Pure: the clock values come in as arguments.
+While it is behind, the daemon puts off the work that no verdict, directive or page waits for,
+each by a bound:
+- a run's routine state save (``RunWatcher._commit``: one due only because ``state_save_s``
+  passed), by at most ``SAVE_DEFER_PERIODS`` save periods;
+- a healthy run's side reads (``RunWatcher.side_reads_due``: its acks, approvals and heartbeat, and
+  its clock rules), by at most ``SIDE_READ_DEFER_PERIODS`` of ``side_read_s``. A run in an incident
+  reads them at every poll whatever this says.
+In a minute when the machine's CPU dips, the records that queued meanwhile are then judged before
+the bookkeeping, not behind it. Pure: the clock values come in as arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 LAG_S = 0.020  # beyond the floor: behind (the verdict p99 target is 50 ms; a quiet read's oldest record waits ≲ 12 ms)
 RISE_S_PER_S = 0.005
 SAVE_DEFER_PERIODS = 2.0  # a routine save waits at most this many state-save periods past its due time
+SIDE_READ_DEFER_PERIODS = 4.0  # a healthy run's side reads: at most this many side-read periods (2 s in `sentinel run`)
 
 
 class Backlog:

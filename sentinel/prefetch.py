@@ -70,17 +70,18 @@ def prefetch_checkpoints(r, watchers, known: dict) -> None:
         _take_side(r, rest, [], reply)
 
 
-def prefetch(r, watchers, now: float) -> None:
+def prefetch(r, watchers, now: float, behind: bool = False) -> None:
     """After the records are judged, before the runs are settled: read every watcher's other side
     keys in one pipeline (none due: no round trip); store the replies (or the per-command error,
     such as WRONGTYPE) in ``watcher.prefetched`` by the name ``_read_trusting_type`` uses (and, for
-    a watcher whose overload check is due at ``now``, its XINFO replies)."""
+    a watcher whose overload check is due at ``now``, its XINFO replies). ``behind``: the daemon is
+    (``daemon_backlog``), and a healthy run's side reads wait a little longer (``side_reads_due``)."""
     if not watchers:
         return
     pipe = bus.raw(r).pipeline(transaction=False)
     plan: list[tuple[Any, str]] = []
     for w in watchers:
-        w.side_read = w.side_reads_due(now)
+        w.side_read = w.side_reads_due(now, behind)
     due = [w for w in watchers if w.side_read]
     if due:
         for what, pos, count in _STREAM_READS:

@@ -1,5 +1,6 @@
-"""While the records it reads have waited long, the daemon puts off its routine state saves (by a
-bounded time), never a verdict, a directive or a save a decision needs.
+"""While the records it reads have waited long, the daemon puts off its routine state saves and a
+healthy run's side reads (each by a bounded time), never a verdict, a directive or a save a
+decision needs.
 
 ``Backlog`` is pure (a table of reads: the oldest record's stream-id milliseconds, the wall clock,
 the monotonic one); the daemon's use of it runs against the real Redis servers.
@@ -13,9 +14,9 @@ import time
 import pytest
 
 from sentinel import bus
-from sentinel.daemon_backlog import LAG_S, RISE_S_PER_S, SAVE_DEFER_PERIODS, Backlog
-from sentinel.protocol import STEP_CONSUMER_GROUP, Keys
-from tests.helpers.daemon import leading, publish_steps, pump, sample
+from sentinel.daemon_backlog import LAG_S, RISE_S_PER_S, SAVE_DEFER_PERIODS, SIDE_READ_DEFER_PERIODS, Backlog
+from sentinel.protocol import STEP_CONSUMER_GROUP, Ack, Keys
+from tests.helpers.daemon import SECRET, leading, publish_steps, pump, sample
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,30 +47,35 @@ def test_the_daemon_is_behind_when_a_read_waited_beyond_its_floor(case, reads, w
     assert 0 < LAG_S < 0.05 and RISE_S_PER_S > 0  # below the 50 ms p99 target; a floor that can rise
 
 
-def test_a_routine_save_waits_while_the_daemon_is_behind_and_no_longer_than_its_bound(redis_url, unique_run):
+def test_routine_saves_and_side_reads_wait_while_the_daemon_is_behind_and_no_longer_than_their_bounds(redis_url, unique_run):
     """Records that waited 300 ms in the stream: the save that was due is put off (their entries stay
     pending, which a successor judges again), for at most ``SAVE_DEFER_PERIODS`` save periods past
-    its due time; the verdicts are not."""
+    its due time; so are a healthy run's side reads (an operator's ack is read later), for at most
+    ``SIDE_READ_DEFER_PERIODS``; the verdicts are not."""
     r = bus.connect(redis_url)
     run, k = unique_run, Keys(unique_run)
-    d, w = leading(r, run, state_save_s=1.0)
+    d, w = leading(r, run, state_save_s=1.0, side_read_s=1.0)
     publish_steps(r, run, range(1, 6))
     pump(d, until=lambda: sample(d, "sentinel_steps_processed_total", run=run) == 5)  # read at once: the floor is low
     w._next_save = 0.0  # every save since is due
     pump(d, until=lambda: r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 0)
     assert not d.backlog.behind
+    acks_before = w.acks_id
+    bus.publish(r, k.acks, Ack(run=run, directive_id="op-1", kind="pause", status="applied", step=5, timeline=0), secret=SECRET)
 
-    def read_late(steps) -> None:
+    def read_late(steps, overdue: float) -> None:
         publish_steps(r, run, steps)
+        w._next_save = time.monotonic() - overdue
+        w._next_side_read = time.time() - overdue
         time.sleep(0.3)
         d.iterate(block_ms=20)
         assert d.backlog.behind and sample(d, "sentinel_steps_processed_total", run=run) == steps[-1]  # judged all the same
 
-    w._next_save = time.monotonic() - 0.01  # due now
-    read_late(range(6, 11))
-    assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 5  # put off: not covered by a save yet
+    read_late(range(6, 11), overdue=0.01)  # both due just now: put off
+    assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 5  # not covered by a save yet
     assert json.loads(r.get(k.policy))["policy"]["last_step"] == 5
-    w._next_save = time.monotonic() - SAVE_DEFER_PERIODS * 1.0 - 0.01  # due for longer than the bound
-    read_late(range(11, 13))
+    assert w.acks_id == acks_before
+    read_late(range(11, 13), overdue=max(SAVE_DEFER_PERIODS, SIDE_READ_DEFER_PERIODS) * 1.0 + 0.01)  # past both bounds
     assert r.xpending(k.steps, STEP_CONSUMER_GROUP)["pending"] == 0
     assert json.loads(r.get(k.policy))["policy"]["last_step"] == 12
+    assert w.acks_id != acks_before
