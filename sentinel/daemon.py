@@ -436,7 +436,7 @@ class Daemon(DiscoveryMixin):
         self._behind: list[RunWatcher] = []  # watchers whose last read was a full batch
         self._next_sweep = 0.0  # monotonic: when ``iterate`` next looks for idle runs due a poll
         self._busy = False  # the last step read found records: the next one does not block (``iterate``)
-        self.backlog = Backlog()  # whether the records read waited long: routine state saves are put off
+        self.backlog = Backlog()  # whether the records read waited long: routine saves and healthy side reads wait
 
     def _new_watcher(self, run: str) -> RunWatcher:  # DiscoveryMixin's
         return RunWatcher(self.r, run, self.opts, self.m, self.log)
