@@ -56,7 +56,7 @@ from sentinel.contract.fsio import fsync_dir as _fsync  # by name: a file's data
 from sentinel.contract.rundir import CHECKPOINT_FORMAT as FORMAT_VERSION
 from sentinel.contract.rundir import CHECKPOINT_MANIFEST as MANIFEST
 from sentinel.contract.rundir import checkpoint_dir_name
-from trainer.checkpoint_io import write_file, write_json
+from trainer.checkpoint_io import HashLater, write_file, write_json
 from trainer.checkpoint_thread import HostStage, _run_jobs, built, host_copy
 from trainer.checkpoint_verify import (  # noqa: F401  (re-exported: the reading side)
     TORCH_SUFFIX,
@@ -109,8 +109,8 @@ class Checkpointer:
         # (trainer/checkpoint_writer.py: none of the pickling holds this process's GIL), or "thread", the
         # save's thread itself. A writer that cannot start or dies turns it to "thread" for good
         self.async_writer = async_writer
-        # a large write's checksum is computed on a second thread while it is written (checkpoint_io), when
-        # the rank has a core for it (HASH_THREAD_MIN_CORES): else inline, before the write
+        # the tensor files are written first and hashed after, while the disk drains (checkpoint_io.HashLater);
+        # with ``hash_thread`` (the rank has cores to spare: HASH_THREAD_MIN_CORES) a helper thread hashes too
         self.hash_thread = hash_thread
         self._proc = None  # the WriterProcess, started by the first async save that uses it
         self._host_stage = HostStage()  # a sync save's host copy of its device tensors (kept between saves)
@@ -386,13 +386,11 @@ class Checkpointer:
         files = dict(per_rank)
         if self.rank == 0:
             files.update(shared)
-        digests = {}
         try:
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") if self.hash_thread else None
-            with pool or contextlib.nullcontext() as hasher:
-                for name, obj in files.items():
-                    digests[name] = write_file(tmp / name, obj, sync=False, hasher=hasher)
-            return digests
+            with HashLater(helper=self.hash_thread) as later:
+                digests = {name: write_file(tmp / name, obj, sync=False, later=later) for name, obj in files.items()}
+                sums = later.checksums()
+            return {name: d if d is not None else sums[tmp / name] for name, d in digests.items()}
         except OSError as e:  # disk full, quota, EFBIG: the previous checkpoints are untouched
             self.last_error = e.strerror or str(e)
             self.log(f"error: checkpoint write failed on rank {self.rank}: {self.last_error}")

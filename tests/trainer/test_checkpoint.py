@@ -788,18 +788,19 @@ def test_a_crash_while_retention_deletes_a_checkpoint_leaves_no_step_without_its
 def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fence(tmp_path, monkeypatch, async_save, idle,
                                                                                   writer, hash_thread):
     """The manifest's checksums (computed from the bytes as they were written) match the files on disk,
-    for tensors large enough to be hashed on the other thread (``hash_thread``: a rank with a core for it)
-    or inline, before each write (fewer cores), and for small writes gathered together.
+    with a helper thread hashing too (``hash_thread``: a rank with cores to spare) or without, for a tensor
+    large enough to span several hashed pieces and for small writes gathered together.
     An async save is handed the live tensors: once ``fence()`` returns, changing them in place (what the
     optimizer step does) must not reach the checkpoint, whether the save's thread writes the files or the
     writer process does (over its copy in shared memory). With ``idle_writer`` (checkpoint.async_priority:
     idle) the save's thread, and the writer process, run at SCHED_IDLE and still finish."""
     from sentinel.contract.fsio import Checksum
+    from trainer import tensor_file
 
     hashed_on, update = set(), Checksum.update
     monkeypatch.setattr(Checksum, "update", lambda self, data: (hashed_on.add(threading.current_thread().name), update(self, data))[1])
     ck = _direct_checkpointer(tmp_path, idle_writer=idle, async_writer=writer, hash_thread=hash_thread)
-    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: written while another thread hashes it (hash_thread)
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: three pieces for HashLater
     small = {f"w{i}": torch.full((7,), float(i)) for i in range(50)}  # many small records
     expect = {"big": big.clone(), **{k: v.clone() for k, v in small.items()}}
     built_on = []  # a file given as a callable (a live piece's state_dict) is built by the save: off the loop if async
@@ -808,8 +809,8 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
         built_on.append(threading.get_ident())
         return {"big": big, **small}
 
-    ck.save(5, shared={"model.pt": model_state, "train_state.json": {"step": 5}},
-            per_rank={"rng-rank0.pt": {"torch": torch.get_rng_state()}}, meta={"run": "t"}, async_save=async_save)
+    ck.save(5, shared={"model.safetensors": model_state, "train_state.json": {"step": 5}},
+            per_rank={"rng-rank0.safetensors": {"torch": torch.get_rng_state()}}, meta={"run": "t"}, async_save=async_save)
     ck.fence()
     assert len(built_on) == 1 and (built_on[0] != threading.get_ident()) == async_save
     big.add_(1.0)  # the optimizer step, right after the fence
@@ -818,21 +819,114 @@ def test_saved_files_hash_as_written_and_async_snapshot_is_taken_before_the_fenc
     ck.wait()
     path = tmp_path / "checkpoints" / "step-00000005"
     man = json.loads((path / "manifest.json").read_text())
-    assert set(man["files"]) == {"model.pt", "train_state.json", "rng-rank0.pt"}
+    assert set(man["files"]) == {"model.safetensors", "train_state.json", "rng-rank0.safetensors"}
     for name, digest in man["files"].items():
         assert _sha(path / name) == digest, name
-    saved = load_torch(path / "model.pt")
+    saved = tensor_file.load(path / "model.safetensors", mapped=False)
     assert saved.keys() == expect.keys() and all(torch.equal(saved[k], expect[k]) for k in expect)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     if async_save:  # one long-lived thread runs every async save, at the priority asked for
         assert os.sched_getscheduler(ck._writer.native_id) == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the loop's thread keeps its own
     if writer == "thread":  # (the writer process hashes out of sight)
-        assert any(n.startswith("ckpt-hash") for n in hashed_on) == hash_thread, hashed_on
+        assert hash_thread or not any(n.startswith("ckpt-hash") for n in hashed_on), hashed_on
     if writer == "process":  # and one long-lived writer process, at that priority too
         assert ck.async_writer == "process" and ck._proc.alive()
         assert os.sched_getscheduler(ck._proc.proc.pid) == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
         ck._proc.close()
+
+
+@pytest.mark.parametrize("async_save,hash_thread", [(False, False), (True, False), (False, True)],
+                         ids=["sync", "async-thread", "sync-helper"])
+def test_a_save_writes_every_tensor_file_before_it_hashes_them(tmp_path, monkeypatch, async_save, hash_thread):
+    """A save writes every tensor file of a checkpoint (their writeback started) and only then hashes them, from
+    the same buffers, so the disk drains while the rank hashes (``checkpoint_io.HashLater``): without a helper
+    (a rank without cores to spare) every large write comes before the first large hash, all on the save's
+    thread. With one, each byte is still hashed exactly once, by whichever thread got to it. Either way the
+    manifest's checksums match the files on disk, and an async save's files hold the state as it was at the
+    save, not as it is after the fence."""
+    from sentinel.contract.fsio import Checksum
+    from trainer import tensor_file
+
+    events, update, write = [], Checksum.update, os.write
+
+    def spy_update(self, data):
+        events.append(("hash", threading.current_thread().name, memoryview(data).nbytes))
+        return update(self, data)
+
+    def spy_write(fd, data):
+        events.append(("write", threading.current_thread().name, memoryview(data).nbytes))
+        return write(fd, data)
+
+    monkeypatch.setattr(Checksum, "update", spy_update)
+    monkeypatch.setattr(os, "write", spy_write)
+    ck = _direct_checkpointer(tmp_path, async_writer="thread", hash_thread=hash_thread)
+    model = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.full((7,), 2.0)}  # 4 MiB and a few bytes
+    optim = {"m": torch.ones(3 << 19), "v": torch.full((3 << 19,), 3.0)}  # 6 MiB each
+    expect = {"model.safetensors": {k: v.clone() for k, v in model.items()},
+              "optim.safetensors": {k: v.clone() for k, v in optim.items()}}
+    ck.save(7, shared={"model.safetensors": model, "optim.safetensors": optim, "train_state.json": {"step": 7}},
+            per_rank={"rng-rank0.safetensors": {"torch": torch.get_rng_state()}}, meta={"run": "t"}, async_save=async_save)
+    ck.fence()
+    for v in [*model.values(), *optim.values()]:
+        v.add_(1.0)  # the optimizer step, right after the fence
+    ck.wait()
+    path = tmp_path / "checkpoints" / "step-00000007"
+    man = json.loads((path / "manifest.json").read_text())
+    assert set(man["files"]) == {"model.safetensors", "optim.safetensors", "train_state.json", "rng-rank0.safetensors"}
+    for name, digest in man["files"].items():
+        assert _sha(path / name) == digest, name
+    for name, want in expect.items():
+        got = tensor_file.load(path / name, mapped=False)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    # every byte of every file (the manifest's included) hashed exactly once, by whichever thread got to it
+    assert sum(n for k, _, n in events if k == "hash") == sum(p.stat().st_size for p in path.iterdir())
+    big = [(k, who) for k, who, n in events if n >= 1 << 20]
+    assert sum(k == "write" for k, _ in big) >= 3 and sum(k == "hash" for k, _ in big) >= 3, events
+    if not hash_thread:
+        last_write, first_hash = max(i for i, (k, _) in enumerate(big) if k == "write"), [k for k, _ in big].index("hash")
+        assert last_write < first_hash and len({who for _, who in big}) == 1, events
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["caller-only", "helper"])
+def test_hash_later_hashes_each_file_in_order_once_whoever_hashes_it(tmp_path, monkeypatch, helper):
+    """``HashLater``: every file's checksum is that of its bytes in the order written, each piece hashed
+    exactly once, whether by the caller at ``checksums()`` or by the helper thread as the writes come (the
+    helper is seen to take its share before the caller asks); ``close()`` without ``checksums()`` (a save
+    that failed midway) stops the helper and drops the buffers."""
+    import random
+
+    from sentinel.contract.fsio import Checksum
+    from trainer.checkpoint_io import _PIECE, HashLater
+
+    hashed, update = [], Checksum.update
+    monkeypatch.setattr(Checksum, "update", lambda self, data: (hashed.append(memoryview(data).nbytes), update(self, data))[1])
+    rnd = random.Random(5)
+    sizes = {"empty": [], "one-byte": [1], "small-writes": [10, 3, 4096], "spans-pieces": [_PIECE + 17, 5, 2 * _PIECE],
+             "many": [rnd.randrange(1, 300_000) for _ in range(40)]}
+    later = HashLater(helper=helper)
+    want, nbytes = {}, 0
+    for name, parts in sizes.items():
+        path, h = tmp_path / name, blake3.blake3()
+        pending = later.open(path)
+        for n in parts:
+            data = memoryview(rnd.randbytes(n))
+            later.written(pending, data)
+            h.update(data)
+            nbytes += n
+        want[path] = "blake3:" + h.hexdigest()
+        if helper and name == "spans-pieces":  # a piece's worth waits: the helper is woken and takes some
+            deadline = time.monotonic() + 30
+            while pending.done == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert pending.done > 0
+    assert later.checksums() == want
+    assert sum(hashed) == nbytes and max(hashed) <= _PIECE
+    assert later._helper is None or not later._helper.is_alive()
+    dropped = HashLater(helper=helper)
+    dropped.written(dropped.open(tmp_path / "x"), memoryview(bytes(3 * _PIECE)))
+    dropped.close()
+    assert dropped._helper is None or not dropped._helper.is_alive()
 
 
 def test_a_dead_writer_process_is_started_again_and_one_that_dies_in_a_save_fails_it_in_one_line(tmp_path):
