@@ -1,4 +1,4 @@
-"""Checkpoint save and verify+load, this tree's ``trainer/checkpoint.py`` against an older revision's,
+"""Checkpoint save and verify+load, this tree's ``trainer/checkpoint.py`` (and ``checkpoint_io.py``) against an older revision's,
 ABBA-interleaved in one process on the same state (the before/after of a change to that module).
 
     python bench/probes/checkpoint_ab.py [--before REV] [--preset small] [--pairs 8] [--dir DIR]
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -47,8 +48,17 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckpt-ab-", dir=args.dir))
     try:
-        old_src = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:trainer/checkpoint.py"],
-                                 capture_output=True, text=True, check=True).stdout
+        def show(path: str) -> str | None:
+            out = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:{path}"], capture_output=True, text=True)
+            return out.stdout if out.returncode == 0 else None
+
+        old_src = show("trainer/checkpoint.py")
+        if old_src is None:
+            raise SystemExit(f"error: {args.before} has no trainer/checkpoint.py")
+        old_io = show("trainer/checkpoint_io.py")  # the files' writer (since 2026-11-29): the revision's own, too
+        if old_io is not None:
+            load_module("checkpoint_io_before", old_io, work)
+            old_src = old_src.replace("from trainer.checkpoint_io import", "from checkpoint_io_before import")
         old = load_module("checkpoint_before", old_src, work)
         import trainer.checkpoint as new
         from trainer.piece_files import legacy_name, load_file
@@ -65,14 +75,20 @@ def main() -> int:
         names = {"after": list(pieces), "before": [n if hasattr(old, "write_file") else legacy_name(n) for n in pieces]}
         loader = {"after": load_file, "before": getattr(old, "load_torch", load_file)}
         arms = {"before": old, "after": new}
+        from trainer.checkpoint_io import HASH_THREAD_MIN_CORES
+        from trainer.dist import usable_cpus
+
+        hash_thread = usable_cpus() >= HASH_THREAD_MIN_CORES
         secs: dict[str, dict[str, list[float]]] = {"save": {a: [] for a in arms}, "load": {a: [] for a in arms}}
         for i in range(args.pairs):
             order = ("before", "after") if i % 2 == 0 else ("after", "before")
             for arm in order:
                 mod = arms[arm]
                 d = work / arm
+                # as the trainer makes it for one rank here: a hashing thread only with cores to spare
+                kw = {"hash_thread": hash_thread} if "hash_thread" in inspect.signature(mod.Checkpointer).parameters else {}
                 ck = mod.Checkpointer(d, rank=0, world_size=1, keep_last=100, keep_every=0, barrier=lambda: None,
-                                      all_ok=lambda ok: ok, log=lambda m: None)
+                                      all_ok=lambda ok: ok, log=lambda m: None, **kw)
                 step = i + 1
                 train_state["step"] = train_state["scheduler"]["step"] = step
                 t0 = time.perf_counter()
@@ -97,7 +113,8 @@ def main() -> int:
             print(f"{what}: before median {statistics.median(by['before']) * 1000:.1f} ms, after "
                   f"{statistics.median(by['after']) * 1000:.1f} ms; after/before per pair: median "
                   f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}), {args.pairs} ABBA pairs")
-        print(f"bytes: {sum(p.stat().st_size for p in src.iterdir()):,} ({args.preset}), before = {args.before}, load avg {os.getloadavg()[0]:.1f}")
+        print(f"bytes: {sum(p.stat().st_size for p in src.iterdir()):,} ({args.preset}), before = {args.before}, "
+              f"hash_thread {hash_thread}, load avg {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
