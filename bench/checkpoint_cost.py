@@ -96,6 +96,7 @@ import time
 from pathlib import Path
 
 from checkpoint_arms import abba, measure, summarise  # bench/checkpoint_arms.py: the in-process arms
+from failures import Failed, said  # bench/failures.py
 from redis_server import start_redis  # bench/redis_server.py
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,9 +210,9 @@ def wait_for(cond, timeout: float, what: str, proc=None, log: Path | None = None
         if v:
             return v
         if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"trainer exited ({proc.returncode}) while waiting for {what}: {log.read_text()[-1500:] if log else ''}")
+            raise Failed(f"the trainer exited ({proc.returncode}) while the bench waited for {what}", log)
         if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}" + (f": {log.read_text()[-1500:]}" if log else ""))
+            raise Failed(f"timed out after {timeout:.0f} s waiting for {what}", log)
         time.sleep(0.005)
 
 
@@ -280,7 +281,7 @@ def rollback_vs_resume(pristine: Path, work: Path, ranks: int, reps: int, url: s
                                         str(target + 1), "--ckpt-every", "1000000", "--eval-every", "0", "--telemetry", "off"],
                                        stdout=open(clog, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
                     if c.returncode:
-                        raise SystemExit(f"cold resume failed ({c.returncode}): {clog.read_text()[-1500:]}")
+                        raise Failed(f"a cold --resume failed ({c.returncode})", clog)
                     recs = [x for x in step_records(cold) if x.get("kind") == "step" and x["step"] == target + 1]
                     secs[arm] = recs[-1]["time"] - t0
                     shutil.rmtree(cold, ignore_errors=True)
@@ -317,7 +318,7 @@ def one_config(preset: str, ranks: int, reps: int, load_reps: int, save_reps: in
     t0 = time.monotonic()
     c = subprocess.run(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if c.returncode:
-        raise SystemExit(f"worker failed ({c.returncode}): {log.read_text()[-2000:]}")
+        raise Failed(f"the measuring worker failed ({c.returncode})", log)
     res = json.loads(out.read_text())
     shutil.rmtree(w / "run", ignore_errors=True)
     if "rollback_vs_resume" in figures:
@@ -325,6 +326,30 @@ def one_config(preset: str, ranks: int, reps: int, load_reps: int, save_reps: in
     res["wall_seconds"] = time.monotonic() - t0
     shutil.rmtree(w, ignore_errors=True)
     return res
+
+
+def preflight(ap: argparse.ArgumentParser, args, ranks: list[int]) -> None:
+    """What can be checked before anything starts: the scratch disk, the dataset, the GPUs."""
+    if args.dir:
+        try:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryDirectory(dir=args.dir).cleanup()
+        except OSError as e:
+            ap.error(f"--dir {args.dir}: cannot write there ({e.strerror or type(e).__name__})")
+    if args.data:
+        from trainer.data.dataset import DataError, read_meta
+
+        try:
+            read_meta(args.data)
+        except DataError as e:
+            ap.error(f"--data: {e}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: this machine has no CUDA device torch can use")
+        if max(ranks) > torch.cuda.device_count():
+            ap.error(f"--ranks {max(ranks)} with --device cuda needs a GPU per rank; this machine has {torch.cuda.device_count()}")
 
 
 def main() -> int:
@@ -372,8 +397,7 @@ def main() -> int:
     if bad or not presets or not ranks or min(ranks) < 1:
         ap.error(f"--presets takes tiny, small, gpt2-124m and --ranks positive integers (got {args.presets!r}, {args.ranks!r})")
 
-    if args.dir:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    preflight(ap, args, ranks)
     work = Path(tempfile.mkdtemp(prefix="checkpoint-cost-", dir=args.dir))
     secret = os.urandom(24).hex()
     env = dict(os.environ, PYTHONUNBUFFERED="1", SENTINEL_SECRET=secret, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -381,6 +405,7 @@ def main() -> int:
     redis, url = start_redis(work)
     t0 = time.monotonic()
     results = []
+    preset, n = presets[0], ranks[0]
     try:
         for preset in presets:
             for n in ranks:
@@ -389,6 +414,8 @@ def main() -> int:
                 results.append({"preset": preset, "ranks": n, **res})
                 print(f"{preset} x{n}: done in {res['wall_seconds']:.0f} s: " + ", ".join(
                     f"{k} {res[k]['median']:.3f}" for k in TARGETS if k in res), file=sys.stderr, flush=True)
+    except (Failed, KeyboardInterrupt) as e:
+        return said(ap.prog, e, work, f"{preset} x{n}")
     except BaseException:
         print(f"(scratch kept for a look: {work})", file=sys.stderr)
         raise

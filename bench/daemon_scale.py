@@ -83,6 +83,7 @@ import urllib.request
 from pathlib import Path
 
 from cpu_dips import CpuDips, DipError, DipSpec  # bench/cpu_dips.py
+from failures import Failed, said  # bench/failures.py
 from redis_server import redis_version, start_redis  # bench/redis_server.py
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,11 +305,11 @@ def one_size(n: int, args, work: Path, env: dict, floor_us: float | None = None,
             m = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", log.read_text(errors="replace"))
             port = int(m.group(1)) if m else None
             if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"sentinel did not start: {log.read_text()[-2000:]}")
+                raise Failed("sentinel did not start" if daemon.poll() is None else f"sentinel exited ({daemon.returncode})", log)
             time.sleep(0.05)
         while sum(1 for run in runs if r.get(Keys(run).leader) == b"bench") < n:  # every lease held
             if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"sentinel did not take the runs' leases: {log.read_text()[-2000:]}")
+                raise Failed("sentinel did not take the runs' leases", log)
             time.sleep(0.05)
         history_s = publish_history(r, runs, args.history, args, secret, port) if args.history else 0.0
         shift = time.time() + 0.2 - t0  # the schedule starts now; record stamps stay a few seconds early
@@ -430,7 +431,10 @@ def main() -> int:
     except ValueError as e:
         ap.error(f"--cpu-dips: {e}")
     if args.profile:
-        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--profile {args.profile}: cannot write there ({e.strerror or type(e).__name__})")
     work = Path(tempfile.mkdtemp(prefix="daemon-scale-"))
     fd = os.open(work / "secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, os.urandom(24).hex().encode())
@@ -464,6 +468,8 @@ def main() -> int:
         print(f"daemon_scale: --cpu-dips: {e}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
         return 2
+    except (Failed, KeyboardInterrupt) as e:
+        return said(ap.prog, e, work)
     except BaseException:
         print(f"(scratch kept for a look: {work})", file=sys.stderr)
         raise
