@@ -1,19 +1,26 @@
 """Recovery cost: checkpoint save, async save, load and in-process rollback, each against its yardstick.
 
-    python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--save-reps 15] [--load-reps 100] [--json]
+    python bench/checkpoint_cost.py [--presets tiny,small] [--ranks 1,2] [--reps 5] [--save-reps 20] [--load-reps 100] [--json]
                                     [--device cpu|cuda] [--data DIR] [--figures save_vs_raw,...] [--dir SCRATCH]
 
 For every preset and rank count (2 ranks: ``torchrun --standalone``, gloo on CPU) it reports four
-ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), the median over
-``--reps`` pairs (``--save-reps`` for the save and the async save, ``--load-reps`` for the load, whose
-pairs cost milliseconds), printed with the bytes and seconds it is made of:
+ratios, each from one run with its two arms ABBA-interleaved (A B B A A B ...), printed with the bytes
+and seconds it is made of. The rollback's is the median over ``--reps`` pairs. The three measured in
+process (``--save-reps`` rounds for the save and the async save, ``--load-reps`` for the load, whose
+rounds cost milliseconds) are the median over quads: each two rounds (a b c, then c b a) pooled into
+one ratio, the sum of one arm's seconds over the other's, so that an order effect cancels inside each
+(``checkpoint_arms.pooled``); the per-round ratios are listed beside (``ratios``):
 
 ``save_vs_raw`` (target >= 0.8)
     ``Trainer.save_checkpoint()`` (sync; every file written and fsynced, a manifest of checksums, directory
     fsyncs, atomic rename), against a raw sequential write of the same number of bytes into one file
     of the same directory, plus fsync of the file and the directory. Ratio = raw seconds / save
     seconds (= save throughput / raw throughput). Retention pruning is kept out of both arms (the
-    bench deletes old checkpoints between pairs). A third arm, interleaved with the two (a b c, c b a,
+    bench deletes old checkpoints between pairs). Before every arm, outside the clock, rank 0 writes
+    the checkpoint's bytes to a scratch file and unlinks it unsynced, so that each arm writes into
+    page-cache pages the guest has just freed: on a VM whose balloon hands freed pages back to the host
+    (free page reporting), a write into pages freed ~2 s before costs 4-6x, and which arm met that fell
+    by chance (``checkpoint_arms.recycle_pages``). A third arm, interleaved with the two (a b c, c b a,
     ...), is the floor: the same files' bytes, prebuilt, through the commit protocol alone (a new
     directory, every file and the directory fsynced concurrently, the rename, the parent fsynced),
     nothing serialised or hashed; ``floor_ratio_median`` = raw seconds / floor seconds is the most any
@@ -358,13 +365,14 @@ def main() -> int:
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (default: 1,2; >1 uses torchrun, gloo)")
     ap.add_argument("--reps", type=int, default=5, help="ABBA pairs per figure; the median is reported (default 5, at least 5)")
     ap.add_argument("--load-reps", type=int, default=100,
-                    help="pairs (triples, with the floor) for load_vs_raw, which cost milliseconds each (default 100, at least 5): "
-                         "tiny's median of 25 read 0.62-0.81 in four runs of one hour, of 100 0.73-0.77 in three")
-    ap.add_argument("--save-reps", type=int, default=15,
-                    help="triples for save_vs_raw (save, raw write, floor: ~0.15 s each on small) and for async_stall_vs_sync "
-                         "(sync save, async save, plain step; default 15, at least 5): save_vs_raw's median of 5 read 0.79 in a "
-                         "run whose pairs spread from 0.42 to 2.72 (the disk's fsyncs), tiny's async_stall_vs_sync 0.106 in one "
-                         "whose five spread from 0.065 to 0.130")
+                    help="rounds (a b c, c b a, ...: load, raw read, floor) for load_vs_raw, which cost milliseconds each; "
+                         "each two make a quad, whose pooled ratio counts (default 100, at least 10): tiny's median of 25 read "
+                         "0.62-0.81 in four runs of one hour, of 100 0.73-0.77 in three")
+    ap.add_argument("--save-reps", type=int, default=20,
+                    help="rounds for save_vs_raw (save, raw write, floor: ~0.15 s each on small) and for async_stall_vs_sync "
+                         "(sync save, async save, plain step), two to a quad (default 20, at least 10): save_vs_raw's median of "
+                         "5 read 0.79 in a run whose pairs spread from 0.42 to 2.72 (the disk's fsyncs), tiny's "
+                         "async_stall_vs_sync 0.106 in one whose five spread from 0.065 to 0.130")
     ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a temporary directory)")
     ap.add_argument("--async-writer", choices=("process", "thread"), default="process",
                     help="who writes an async save's files (checkpoint.async_writer; default: process, the trainer's default)")
@@ -383,8 +391,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if min(args.reps, args.load_reps, args.save_reps) < 5:
-        ap.error("--reps, --save-reps and --load-reps must be at least 5 (the median of fewer pairs is noise on a shared machine)")
+    if args.reps < 5 or min(args.load_reps, args.save_reps) < 10:
+        ap.error("--reps must be at least 5, --save-reps and --load-reps at least 10 (five quads): the median of fewer is "
+                 "noise on a shared machine")
     figures = tuple(f for f in args.figures.split(",") if f)
     if not figures or set(figures) - set(TARGETS):
         ap.error(f"--figures takes a comma-separated subset of {', '.join(TARGETS)} (got {args.figures!r})")
@@ -439,7 +448,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"checkpoint cost: median of {args.reps} ABBA pairs ({args.save_reps} for the saves, {args.load_reps} for the load), "
+    print(f"checkpoint cost: median of {args.save_reps // 2} ABBA quads for the saves, {args.load_reps // 2} for the load, "
+          f"{args.reps} pairs for the rollback, "
           f"async writer: {args.async_writer}, {out['cpus']} CPUs, "
           f"load avg {out['load_avg_1m']:.1f}, "
           f"scratch on {out['disk_dir']}, {out['wall_seconds']:.0f} s")

@@ -96,8 +96,9 @@ A_FILE = Path(__file__)  # a path under a file: no directory can be made there
 
 
 @pytest.mark.parametrize(("module", "argv", "says"), [
-    (checkpoint_cost, ["--reps", "3"], "must be at least 5"),
-    (checkpoint_cost, ["--load-reps", "0"], "must be at least 5"),
+    (checkpoint_cost, ["--reps", "3"], "--reps must be at least 5"),
+    (checkpoint_cost, ["--save-reps", "9"], "at least 10 (five quads)"),
+    (checkpoint_cost, ["--load-reps", "0"], "at least 10 (five quads)"),
     (checkpoint_cost, ["--figures", "save_vs_raw,speed"], "--figures takes"),
     (checkpoint_cost, ["--figures", ","], "--figures takes"),
     (checkpoint_cost, ["--presets", "huge"], "--presets takes"),
@@ -156,3 +157,29 @@ def test_a_bench_says_its_failure_in_one_line_and_keeps_its_scratch(tmp_path, ca
     prog = "checkpoint_cost.py" if "daemon" not in want else "daemon_scale.py"
     assert said(prog, exc, tmp_path, where) == rc
     assert capsys.readouterr().err == want.format(s=tmp_path) + "\n"
+
+
+@pytest.mark.parametrize(("num", "den", "want"), [
+    ([1.0, 1.0], [1.0, 1.0], [1.0]),
+    # an order effect: the raw arm 0.5 ms slower whenever it follows the load, the load whenever it follows the raw
+    # read: per round 1.2 and 0.5, the median of rounds falls in the gap; each quad pools them to the same 0.75
+    ([1.5, 1.0] * 4, [1.25, 2.0] * 4, [2.5 / 3.25] * 4),
+    ([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], [1.5]),  # an odd round out: the last is dropped
+    ([1.0], [2.0], []),
+])
+def test_abba_quads_pool_two_rounds_so_that_an_order_effect_cancels(num, den, want):
+    import checkpoint_arms
+
+    assert checkpoint_arms.pooled(num, den) == pytest.approx(want)
+
+
+def test_a_figure_is_the_median_of_its_quads_and_lists_its_rounds():
+    import checkpoint_arms
+
+    a, b = [1.25, 2.0] * 5, [1.5, 1.0] * 5
+    fig = checkpoint_arms.summarise(a, b, [y / x for x, y in zip(a, b)], checkpoint_arms.pooled(b, a))
+    assert fig["median"] == pytest.approx(2.5 / 3.25) and fig["min"] == fig["max"] == pytest.approx(2.5 / 3.25)
+    assert fig["ratios"] == [1.2, 0.5] * 5 and fig["round_ratio_median"] == pytest.approx(0.85)
+    assert len(fig["quad_ratios"]) == 5
+    rollback = checkpoint_arms.summarise([1.0, 2.0], [4.0, 4.0], [0.25, 0.5])  # pairs only: the median of rounds
+    assert rollback["median"] == pytest.approx(0.375) and "quad_ratios" not in rollback
