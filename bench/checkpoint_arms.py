@@ -118,7 +118,7 @@ def recycle_pages(path: Path, data: bytes) -> None:
     """Write ``data`` to a scratch file and unlink it unsynced, outside the clock: the next arm's page-cache
     pages are then ones the guest has just freed, whichever arm it is. On a VM whose balloon reports free
     pages to the host (virtio-balloon free page reporting, this project's machines), a page freed more than
-    ~2 s before is handed back, and the next write into it faults it in again: 39 MB then took 44-65 ms to
+    ~2 s before is handed back, and the next write into it faults it in again: 39 MB then took 32-81 ms to
     write, not 8-10 (docs/benchmarks/checkpoint-cost.md, 2026-12-02, afternoon). Which arm met that fell by
     chance; now no arm does. A real save, minutes after the last, pays it, and so would the raw write: the
     same cost added to both arms, which only raises the ratio. The warm ratio is the stricter one."""
