@@ -144,17 +144,17 @@ def test_a_failed_process_is_said_in_one_line_with_its_last_line_and_its_log(tmp
     assert msg == want.format(log=log) and "\n" not in msg
 
 
-@pytest.mark.parametrize(("exc", "where", "rc", "want"), [
-    (Failed("the measuring worker failed (1)"), "tiny x1", 1,
+@pytest.mark.parametrize(("prog", "exc", "where", "rc", "want"), [
+    ("checkpoint_cost.py", Failed("the measuring worker failed (1)"), "tiny x1", 1,
      "checkpoint_cost.py: error: tiny x1: the measuring worker failed (1) (scratch kept: {s})"),
-    (Failed("sentinel did not take the runs' leases"), "", 1,
+    ("daemon_scale.py", Failed("sentinel did not take the runs' leases"), "", 1,
      "daemon_scale.py: error: sentinel did not take the runs' leases (scratch kept: {s})"),
-    (KeyboardInterrupt(), "small x2", 130, "checkpoint_cost.py: interrupted at small x2 (scratch kept: {s})"),
+    ("checkpoint_cost.py", KeyboardInterrupt(), "small x2", 130, "checkpoint_cost.py: interrupted at small x2 (scratch kept: {s})"),
+    ("daemon_scale.py", KeyboardInterrupt(), "", 130, "daemon_scale.py: interrupted (scratch kept: {s})"),
 ])
-def test_a_bench_says_its_failure_in_one_line_and_keeps_its_scratch(tmp_path, capsys, exc, where, rc, want):
+def test_a_bench_says_its_failure_in_one_line_and_keeps_its_scratch(tmp_path, capsys, prog, exc, where, rc, want):
     from failures import said
 
-    prog = "checkpoint_cost.py" if "daemon" not in want else "daemon_scale.py"
     assert said(prog, exc, tmp_path, where) == rc
     assert capsys.readouterr().err == want.format(s=tmp_path) + "\n"
 
